@@ -1,0 +1,24 @@
+"""jetspec_jax: JetSpec++ speculative decoding in JAX.
+
+Public API:
+    load_target(path=None, dtype="float32") -> Target
+    generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
+    generate_batch(target, prompts, *, ...) -> list[GenerationResult]
+    SamplingParams, CheckpointError
+"""
+
+from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.generate import METHODS, GenerationResult, generate, generate_batch
+from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.target import Target, load_target
+
+__all__ = [
+    "METHODS",
+    "CheckpointError",
+    "GenerationResult",
+    "SamplingParams",
+    "Target",
+    "generate",
+    "generate_batch",
+    "load_target",
+]

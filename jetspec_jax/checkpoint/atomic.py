@@ -1,0 +1,78 @@
+"""Writing a directory so that it either appears complete or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Iterator[pathlib.Path]:
+    """Yields a temporary sibling of `out_dir` to fill; renames it to `out_dir` on success.
+
+    A crash or kill while the body runs leaves at most a hidden `.{name}.tmp-*` sibling, never a
+    half-written `out_dir`, so readers can trust that `out_dir` existing means it is complete. On an
+    exception the temporary directory is removed and the exception propagates.
+
+    Args:
+        out_dir: the directory to create.
+        overwrite: replace an existing `out_dir` (removed only after the new one is complete).
+            Without it an existing `out_dir` is an error raised before any work; and if another
+            writer creates `out_dir` while the body runs, theirs is kept and ours discarded.
+    """
+    out = pathlib.Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        yield tmp
+        _finalize_tree(tmp)
+        if overwrite and out.exists():
+            old = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, out)  # atomic; fails if `out` appeared meanwhile
+            except OSError:
+                if not out.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # another writer finished first
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _finalize_tree(root: pathlib.Path) -> None:
+    """Makes `root` world-readable and flushes it, so the rename never publishes unwritten data.
+
+    `mkdtemp` (and safetensors) create owner-only entries; a checkpoint is ordinary shared data.
+    """
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            os.chmod(path, 0o644)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.chmod(dirpath, 0o755)
+        _fsync_dir(pathlib.Path(dirpath))
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

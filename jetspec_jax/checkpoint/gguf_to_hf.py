@@ -1,0 +1,262 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face safetensors checkpoint.
+
+The result is a plain HF directory (``config.json``, ``generation_config.json``,
+``model.safetensors`` in float32, tokenizer files with the chat template) that
+the rest of the library loads like any other Llama checkpoint.
+
+Only numpy is used for the weights: this module must work without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+import safetensors.numpy
+from tqdm.auto import tqdm
+
+from jetspec_jax.checkpoint.atomic import atomic_directory
+from jetspec_jax.checkpoint.errors import CheckpointError
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "convert_gguf_to_hf"]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor names that are not per-layer -> HF Llama names.
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent when embeddings are tied
+}
+
+# ``blk.{i}.<key>.weight`` -> ``model.layers.{i}.<value>.weight``.
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def convert_gguf_to_hf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    show_progress: bool = True,
+) -> pathlib.Path:
+    """Convert ``gguf_path`` into an HF Llama checkpoint directory at ``out_dir``.
+
+    Quantized tensors are dequantized to float32 exactly as ``gguf`` does it.
+    The conversion is atomic: everything is written to a temporary sibling
+    directory that is renamed to ``out_dir`` only when complete, so a killed
+    process may leave a ``.<name>.tmp-*`` directory behind but never a
+    half-written ``out_dir``. An existing ``out_dir`` is an error; if another
+    process creates it while this one converts, theirs is kept and returned.
+
+    Raises:
+        CheckpointError (a ``ValueError``): the architecture is not ``llama``,
+            a required metadata key is missing, or a tensor is unknown or missing.
+    """
+    gguf_path = pathlib.Path(gguf_path)
+    out = pathlib.Path(out_dir)
+    reader = gguf.GGUFReader(gguf_path)  # validate before touching the filesystem
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"cannot convert {gguf_path.name}: GGUF architecture {arch!r} is not "
+            f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    with atomic_directory(out) as tmp:
+        _write_checkpoint(reader, tmp, show_progress=show_progress)
+    return out
+
+
+def _write_checkpoint(reader: gguf.GGUFReader, out: pathlib.Path, *, show_progress: bool) -> None:
+    """Write config, generation config, weights and tokenizer into ``out``."""
+    config = _llama_config(reader)
+    tensors = _convert_tensors(reader, config, show_progress=show_progress)
+    config["vocab_size"] = int(tensors["model.embed_tokens.weight"].shape[0])
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config},
+    )
+    safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_tokenizer(reader, out)
+
+
+def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Build a transformers ``LlamaConfig`` dict from the GGUF metadata.
+
+    ``vocab_size`` and ``tie_word_embeddings`` depend on the tensors and are
+    filled in by the caller.
+    """
+    rope_scaling = _field(reader, "llama.rope.scaling.type", default="none")
+    if rope_scaling != "none":
+        raise CheckpointError(f"GGUF rope scaling {rope_scaling!r} is not supported")
+
+    hidden = _field(reader, "llama.embedding_length")
+    n_heads = _field(reader, "llama.attention.head_count")
+    rope_theta = _f32(_field(reader, "llama.rope.freq_base", default=10000.0))
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", default=n_heads),
+        "head_dim": _field(reader, "llama.attention.key_length", default=hidden // n_heads),
+        "max_position_embeddings": _field(reader, "llama.context_length"),
+        "rms_norm_eps": _f32(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_theta": rope_theta,  # transformers < 5 layout
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+    for ours, theirs in [("bos", "bos"), ("eos", "eos"), ("pad", "padding")]:
+        token_id = _field(reader, f"tokenizer.ggml.{theirs}_token_id", default=None)
+        if token_id is not None:
+            config[f"{ours}_token_id"] = token_id
+    return config
+
+
+def _convert_tensors(
+    reader: gguf.GGUFReader, config: dict[str, Any], *, show_progress: bool
+) -> dict[str, np.ndarray]:
+    """Dequantize every tensor to float32 under its HF name."""
+    n_heads = config["num_attention_heads"]
+    rope_heads = {"attn_q": n_heads, "attn_k": config["num_key_value_heads"]}
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in tqdm(reader.tensors, desc="Converting GGUF tensors", disable=not show_progress):
+        hf_name = _hf_name(tensor.name)
+        # GGUF lists dimensions fastest-first; numpy/PyTorch is row-major.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+        if kind in rope_heads:
+            weight = _unpermute_rope(weight, rope_heads[kind])
+        tensors[hf_name] = np.ascontiguousarray(weight, dtype=np.float32)
+
+    missing = sorted(_expected_names(config["num_hidden_layers"]) - tensors.keys())
+    if missing:
+        raise CheckpointError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}")
+    return tensors
+
+
+def _hf_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name to its HF Llama name; unknown names are an error."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+    raise CheckpointError(f"unsupported GGUF tensor {gguf_name!r} (no HF Llama equivalent known)")
+
+
+def _expected_names(n_layers: int) -> set[str]:
+    """HF names every converted Llama checkpoint must contain (lm_head is optional)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(n_layers):
+        names.update(f"model.layers.{i}.{v}.weight" for v in _LAYER_TENSORS.values())
+    return names
+
+
+def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of the q/k projections.
+
+    llama.cpp rotates interleaved pairs, so ``convert_hf_to_gguf.py`` reorders
+    each head's rows with ``w.reshape(n_heads, 2, d // n_heads // 2, ...)
+    .swapaxes(1, 2)``; HF Llama rotates halves and needs the original order.
+    """
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
+    """Rebuild the HF tokenizer (incl. chat template) from the GGUF metadata.
+
+    ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` would do this, but
+    transformers' GGUF *reader* imports torch. Its tokenizer builders do not,
+    so we feed them the metadata as read by ``gguf`` and mirror what
+    ``get_gguf_tokenizer`` does with it (the output is byte-identical).
+    """
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:  # the module is transformers-internal
+        raise ImportError(
+            "converting a GGUF tokenizer needs transformers>=5 with "
+            "transformers.integrations.gguf.gguf_tokenizer_mapping"
+        ) from e
+
+    meta = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.")
+    }
+    groups = {
+        group: {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in meta
+        }
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+    tokens = tokenizer_dict["tokens"]
+    for name, key in [("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")]:
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        tokenizer_config[f"{name}_token"] = tokens[token_id] if token_id is not None else None
+
+    backend, extra_kwargs = convert_gguf_tokenizer(
+        _field(reader, "general.architecture"), tokenizer_dict
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, **tokenizer_config, **extra_kwargs
+    )
+    tokenizer.save_pretrained(str(out))
+
+
+def _field(reader: gguf.GGUFReader, key: str, **kw: Any) -> Any:
+    """Return a metadata value; without ``default`` a missing key is an error."""
+    field = reader.get_field(key)
+    if field is None:
+        if "default" in kw:
+            return kw["default"]
+        raise CheckpointError(f"GGUF metadata lacks required key {key!r}")
+    return field.contents()
+
+
+def _f32(value: float) -> float:
+    """Shortest decimal of a GGUF float32 (e.g. 1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")

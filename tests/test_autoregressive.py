@@ -1,0 +1,133 @@
+"""Jitted autoregressive generation: greedy parity with transformers, batching, seeds, stops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jetspec_jax
+from jetspec_jax import SamplingParams
+
+
+def _hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # token 0 is not padding here
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama3_rope_bias"])
+def test_greedy_64_tokens_identical_to_transformers_generate(checkpoints, variant):
+    path, model = checkpoints.get(variant)
+    target = jetspec_jax.load_target(path)
+    prompt = np.random.default_rng(0).integers(0, 97, 30).tolist()
+    result = jetspec_jax.generate(target, prompt, max_new_tokens=64, stop_token_ids=[])
+    assert result.tokens == _hf_greedy(model, prompt, 64)
+    assert result.acceptance_lengths == [1] * 64
+    assert result.finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 97, n).tolist() for n in (3, 17, 9)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_prompts_of_different_lengths_equal_one_by_one(target, prompts, temperature):
+    sampling = [SamplingParams(temperature=temperature, top_p=0.9, seed=s) for s in (5, 6, 7)]
+    batched = jetspec_jax.generate_batch(
+        target, prompts, max_new_tokens=20, sampling=sampling, stop_token_ids=[]
+    )
+    for prompt, params, together in zip(prompts, sampling, batched, strict=True):
+        alone = jetspec_jax.generate(
+            target,
+            prompt,
+            max_new_tokens=20,
+            temperature=temperature,
+            top_p=0.9,
+            seed=params.seed,
+            stop_token_ids=[],
+        )
+        assert together.tokens == alone.tokens
+        assert len(alone.tokens) == 20
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(target, prompts):
+    def run(seed):
+        return jetspec_jax.generate(
+            target, prompts[1], max_new_tokens=32, temperature=1.5, seed=seed, stop_token_ids=[]
+        ).tokens
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_stop_token_ends_generation_and_is_included(target, prompts):
+    free = jetspec_jax.generate(target, prompts[0], max_new_tokens=32, stop_token_ids=[]).tokens
+    stop = free[5]
+    first = free.index(stop)
+    result = jetspec_jax.generate(target, prompts[0], max_new_tokens=32, stop_token_ids=[stop])
+    assert result.tokens == free[: first + 1]
+    assert result.finish_reason == "stop"
+    assert sum(result.acceptance_lengths) == len(result.tokens)
+
+
+def test_default_stop_tokens_come_from_the_checkpoint(target):
+    assert target.stop_token_ids == ()  # the tiny checkpoint sets no eos
+
+
+def test_max_new_tokens_is_respected(target, prompts):
+    for n in (1, 2, 7):
+        result = jetspec_jax.generate(target, prompts[2], max_new_tokens=n, stop_token_ids=[])
+        assert len(result.tokens) == n
+        assert result.acceptance_lengths == [1] * n
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(method="medusa"), "unknown method"),
+        (dict(draft=object()), "takes no draft"),
+        (dict(stop_token_ids=[1000]), "outside the vocabulary"),
+    ],
+)
+def test_invalid_arguments_are_refused(target, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jetspec_jax.generate(target, [1, 2, 3], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [([], "empty"), ([1, 97], "outside the vocabulary"), ("hello", "not text"), ([1.5], "integer")],
+)
+def test_invalid_prompts_are_refused(target, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        jetspec_jax.generate(target, prompt)
+
+
+def test_prompt_longer_than_the_context_is_refused(target):
+    context = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        jetspec_jax.generate(target, [1] * (context - 4), max_new_tokens=5)

@@ -1,0 +1,193 @@
+"""HF checkpoint loading (layouts, shards) and export, and every refusal of a bad checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+import jetspec_jax
+from jetspec_jax import CheckpointError
+
+IDS = np.random.default_rng(0).integers(0, 97, (1, 21))
+
+
+def _copy(checkpoints, tmp_path, variant="qwen3"):
+    src, model = checkpoints.get(variant)
+    dst = tmp_path / variant
+    shutil.copytree(src, dst)
+    return dst, model
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_tensors(path, edit):
+    file = path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(file)
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, file)
+
+
+def _hf_logits(model):
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.numpy()
+
+
+def test_sharded_checkpoint_loads(checkpoints, tmp_path):
+    _, model = checkpoints.get("llama")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    target = jetspec_jax.load_target(tmp_path)
+    np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
+
+
+def test_transformers4_config_layout_loads(checkpoints, tmp_path):
+    """rope_theta / rope_scaling at the top level, as transformers 4 wrote them."""
+    path, model = _copy(checkpoints, tmp_path, "llama3_rope_bias")
+    rope = json.loads((path / "config.json").read_text())["rope_parameters"]
+    theta = rope.pop("rope_theta")
+    rope["type"] = rope.pop("rope_type")
+    _edit_config(path, rope_parameters=None, rope_theta=theta, rope_scaling=rope)
+    target = jetspec_jax.load_target(path)
+    assert target.config.rope.rope_type == "llama3"
+    np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama3_rope_bias"])
+def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path, variant):
+    target = jetspec_jax.load_target(checkpoints.get(variant)[0])
+    out = target.save(tmp_path / "exported")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    np.testing.assert_allclose(
+        _hf_logits(reloaded), np.asarray(target.logits(IDS)), atol=1e-4, rtol=0
+    )
+    again = jetspec_jax.load_target(out)
+    assert again.config == target.config
+
+
+def test_export_refuses_to_overwrite(checkpoints, tmp_path):
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        target.save(tmp_path / "taken")
+
+
+def test_bfloat16_export_round_trips(checkpoints, tmp_path):
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0], dtype="bfloat16")
+    again = jetspec_jax.load_target(target.save(tmp_path / "bf16"), dtype="bfloat16")
+    np.testing.assert_array_equal(np.asarray(again.logits(IDS)), np.asarray(target.logits(IDS)))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        jetspec_jax.load_target(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        jetspec_jax.load_target(tmp_path)
+
+
+def test_malformed_config(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        jetspec_jax.load_target(path)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(model_type="gpt2"), "unsupported model_type 'gpt2'"),
+        (
+            dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+            "unsupported rope scaling type 'yarn'",
+        ),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(use_sliding_window=True), "sliding-window"),
+        (dict(hidden_size=None), "'hidden_size'"),
+        (dict(num_key_value_heads=3), "not a multiple"),
+    ],
+)
+def test_unsupported_or_invalid_config(checkpoints, tmp_path, changes, message):
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_config(path, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        jetspec_jax.load_target(path)
+
+
+def test_missing_weights_file(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
+        jetspec_jax.load_target(path)
+
+
+def test_missing_tensor_is_named(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_tensors(path, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(
+        CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_norm"
+    ):
+        jetspec_jax.load_target(path)
+
+
+def test_unexpected_tensor_is_named(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_tensors(
+        path, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)})
+    )
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.layers\.0\.mlp\.extra"):
+        jetspec_jax.load_target(path)
+
+
+def test_shape_mismatch_is_named(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_config(path, intermediate_size=128)
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: checkpoint"
+    ):
+        jetspec_jax.load_target(path)
+
+
+def test_shard_listed_in_index_but_absent(checkpoints, tmp_path):
+    _, model = checkpoints.get("llama")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"lists the shard {shard.name}"):
+        jetspec_jax.load_target(tmp_path)
+
+
+def test_tied_checkpoint_with_a_different_head_is_refused(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path, "qwen3_tied")
+    _edit_tensors(path, lambda t: t.update({"lm_head.weight": np.ones((97, 64), np.float32)}))
+    with pytest.raises(CheckpointError, match="differs from model.embed_tokens"):
+        jetspec_jax.load_target(path)
+
+
+def test_tied_checkpoint_with_a_copied_head_loads(checkpoints, tmp_path):
+    path, model = _copy(checkpoints, tmp_path, "qwen3_tied")
+    _edit_tensors(
+        path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()})
+    )
+    target = jetspec_jax.load_target(path)
+    np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
+
+
+def test_bad_dtype_is_refused(checkpoints):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        jetspec_jax.load_target(checkpoints.get("qwen3")[0], dtype="float8")

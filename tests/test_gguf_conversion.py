@@ -1,0 +1,259 @@
+"""GGUF -> HF safetensors conversion of the default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from jetspec_jax import default_model
+from jetspec_jax.checkpoint import gguf_to_hf
+from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPT = (
+    "The capital of France is Paris. The capital of Germany is Berlin, and the capital of Italy is"
+)
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three primes."},
+    {"role": "assistant", "content": "2, 3, 5."},
+    {"role": "user", "content": "And one more?"},
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    try:
+        return default_model.default_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def converted_dir(gguf_path, tmp_path_factory) -> Path:
+    return convert_gguf_to_hf(
+        gguf_path, tmp_path_factory.mktemp("conv") / "smollm2", show_progress=False
+    )
+
+
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir())
+
+
+def test_output_layout(converted_dir):
+    assert {p.name for p in converted_dir.iterdir()} >= {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert _siblings(converted_dir) == [converted_dir.name]  # no .tmp- dir left behind
+    config = json.loads((converted_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        30,
+        576,
+        49152,
+    )
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    generation = json.loads((converted_dir / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def test_parity_with_transformers_gguf_loader(gguf_path, converted_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    ours = LlamaForCausalLM.from_pretrained(converted_dir).eval()
+    ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).eval()
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    assert ours_sd.keys() == ref_sd.keys()
+    # Both dequantize the same blocks in fp32, so the weights should agree exactly.
+    assert all(torch.equal(ours_sd[k], ref_sd[k]) for k in ref_sd)
+
+    tok = AutoTokenizer.from_pretrained(converted_dir)
+    ref_tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    assert 15 <= ids.shape[1] <= 30
+    assert ids.tolist() == ref_tok(PROMPT, return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        diff = (ours(ids).logits - ref(ids).logits).abs().max().item()
+    assert diff <= 1e-4
+
+    for add_generation_prompt in (False, True):
+        rendered = tok.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        expected = ref_tok.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert rendered == expected
+    assert "<|im_start|>assistant\n" in rendered
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        ref_tok.bos_token,
+        ref_tok.eos_token,
+        ref_tok.pad_token,
+    )
+
+
+def test_conversion_needs_no_torch(gguf_path, tmp_path):
+    """Convert in a subprocess in which `import torch` fails."""
+    out = tmp_path / "no_torch"
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None  # `import torch` raises; transformers sees no torch
+        from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
+        convert_gguf_to_hf({str(gguf_path)!r}, {str(out)!r}, show_progress=False)
+    """)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
+
+
+def test_failure_mid_conversion_leaves_nothing(tmp_path, monkeypatch):
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+
+    def half_written_then_crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", half_written_then_crash)
+    out = tmp_path / "model"
+    with pytest.raises(OSError, match="disk full"):
+        convert_gguf_to_hf(path, out, show_progress=False)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [path]  # no .tmp- dir leaked
+
+
+def test_lost_race_returns_existing_dir(tmp_path, monkeypatch):
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "model"
+
+    def other_process_wins(reader, tmp, *, show_progress):
+        (tmp / "config.json").write_text("{}")
+        out.mkdir()
+        (out / "config.json").write_text('{"winner": true}')
+
+    monkeypatch.setattr(gguf_to_hf, "_write_checkpoint", other_process_wins)
+    assert convert_gguf_to_hf(path, out, show_progress=False) == out
+    assert json.loads((out / "config.json").read_text()) == {"winner": True}
+    assert sorted(tmp_path.iterdir()) == [out, path]
+
+
+def test_default_target_dir_converts_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def convert_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) > 1:
+            raise AssertionError("converted twice")
+        return convert_gguf_to_hf(*args, **kwargs)
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", convert_once)
+    try:
+        first = default_model.default_target_dir(show_progress=False)
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+    assert first == tmp_path / "cache" / "smollm2-135m-instruct-q4_1-v1"
+    assert "converting" in capsys.readouterr().err
+    assert default_model.default_target_dir(show_progress=False) == first
+    assert len(calls) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_cache_root_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_model.cache_root() == tmp_path / "a"
+    monkeypatch.delenv("JETSPEC_JAX_CACHE")
+    assert default_model.cache_root() == tmp_path / "xdg" / "jetspec_jax"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_model.cache_root() == Path.home() / ".cache" / "jetspec_jax"
+
+
+def _write_gguf(
+    path: Path, arch: str, tensors: dict[str, np.ndarray], fields: dict | None = None
+) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (fields or {}).items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
+            f"{arch}.{key}", value
+        )
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tiny_llama_gguf(path: Path, extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head) without a tokenizer."""
+    fields = {
+        "block_count": 1,
+        "embedding_length": 8,
+        "feed_forward_length": 16,
+        "context_length": 32,
+        "attention.head_count": 2,
+        "attention.head_count_kv": 1,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+    }
+    shapes = {
+        "token_embd.weight": (10, 8),
+        "output_norm.weight": (8,),
+        "blk.0.attn_norm.weight": (8,),
+        "blk.0.ffn_norm.weight": (8,),
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (4, 8),
+        "blk.0.attn_v.weight": (4, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_gate.weight": (16, 8),
+        "blk.0.ffn_up.weight": (16, 8),
+        "blk.0.ffn_down.weight": (8, 16),
+    }
+    tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = _write_gguf(
+        tmp_path / "tiny.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 8), np.float32)}
+    )
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: llama\)"):
+        convert_gguf_to_hf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+def test_unknown_tensor_is_an_error(tmp_path):
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", {"blk.0.attn_q.bias": np.zeros(8, np.float32)})
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.bias"):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    rng = np.random.default_rng(0)
+    for n_heads, rows in [(9, 576), (3, 192)]:
+        w = rng.standard_normal((rows, 5)).astype(np.float32)
+        # convert_hf_to_gguf.py's `permute`
+        permuted = w.reshape(n_heads, 2, rows // n_heads // 2, 5).swapaxes(1, 2).reshape(w.shape)
+        np.testing.assert_array_equal(gguf_to_hf._unpermute_rope(permuted, n_heads), w)

@@ -1,0 +1,84 @@
+"""The sampling distribution: transformers' warpers, and draws that follow it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jetspec_jax.sampling import RowSampling, SamplingParams, filter_logits, select_tokens
+
+
+def _hf_filtered(logits, temperature, top_k, top_p):
+    scores = torch.tensor(logits)
+    processors = [transformers.TemperatureLogitsWarper(temperature)]
+    if top_k:
+        processors.append(transformers.TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        processors.append(transformers.TopPLogitsWarper(top_p))
+    for p in processors:
+        scores = p(None, scores)
+    return scores.numpy()
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 20, 0.9)]
+)
+def test_filter_matches_transformers_warpers(temperature, top_k, top_p):
+    logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32) * 3
+    ours = filter_logits(
+        jnp.asarray(logits),
+        jnp.full((4,), temperature),
+        jnp.full((4,), top_k, jnp.int32),
+        jnp.full((4,), top_p),
+    )
+    ref = _hf_filtered(logits, temperature, top_k, top_p)
+    np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref))
+    kept = np.isfinite(ref)
+    np.testing.assert_allclose(np.asarray(ours)[kept], ref[kept], rtol=1e-6)
+
+
+def test_rows_keep_their_own_parameters():
+    logits = np.random.default_rng(1).normal(size=(3, 30)).astype(np.float32)
+    ours = np.asarray(
+        filter_logits(
+            jnp.asarray(logits),
+            jnp.asarray([1.0, 0.5, 2.0]),
+            jnp.asarray([0, 3, 0], jnp.int32),
+            jnp.asarray([1.0, 1.0, 0.5]),
+        )
+    )
+    for row, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.5, 3, 1.0), (2.0, 0, 0.5)]):
+        ref = _hf_filtered(logits[row : row + 1], t, k, p)[0]
+        np.testing.assert_array_equal(np.isfinite(ours[row]), np.isfinite(ref))
+
+
+def test_draws_follow_the_filtered_distribution():
+    """Empirical frequencies of 20k draws (distinct positions) vs the exact probabilities."""
+    vocab, draws = 8, 20000
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(vocab,)).astype(np.float32))
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, seed=11)
+    sampling = RowSampling.from_params([params])
+    positions = jnp.arange(draws, dtype=jnp.int32)[None]
+    tokens = select_tokens(jnp.broadcast_to(logits, (1, draws, vocab)), sampling, positions)
+    counts = np.bincount(np.asarray(tokens[0]), minlength=vocab)
+    filtered = filter_logits(
+        logits[None], jnp.asarray([0.8]), jnp.asarray([6]), jnp.asarray([0.95])
+    )
+    probs = np.asarray(jax.nn.softmax(filtered[0]))
+    assert np.all(counts[probs == 0] == 0)
+    # Pearson chi-square over kept tokens; the 0.999 quantile for <= 7 dof is below 25.
+    kept = probs > 0
+    expected = probs[kept] * draws
+    chi2 = np.sum((counts[kept] - expected) ** 2 / expected)
+    assert chi2 < 25, (counts, expected)
+
+
+def test_temperature_zero_is_argmax():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 40)).astype(np.float32))
+    sampling = RowSampling.from_params([SamplingParams(), SamplingParams(top_k=3, seed=9)])
+    tokens = select_tokens(logits, sampling, jnp.zeros((2, 5), jnp.int32))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, -1))

@@ -1,0 +1,70 @@
+"""fp32 parity of the JAX targets with transformers on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jetspec_jax
+from jetspec_jax.models.transformer import forward
+from tests.tiny_models import VARIANTS
+
+TOL = 1e-4
+
+
+def _reference(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids), output_hidden_states=True)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers(checkpoints, variant):
+    path, model = checkpoints.get(variant)
+    target = jetspec_jax.load_target(path)
+    ids = np.random.default_rng(1).integers(0, target.config.vocab_size, (2, 37))
+    ours = np.asarray(target.logits(ids))
+    assert ours.shape == (2, 37, target.config.vocab_size)
+    np.testing.assert_allclose(ours, _reference(model, ids).logits.numpy(), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama3_rope_bias"])
+def test_long_prompt_logits_match_transformers(checkpoints, variant):
+    """>= 512 positions: wrong RoPE frequencies or scaling show up at long range."""
+    path, model = checkpoints.get(variant)
+    target = jetspec_jax.load_target(path)
+    ids = np.random.default_rng(2).integers(0, target.config.vocab_size, (1, 600))
+    ours = np.asarray(target.logits(ids))
+    np.testing.assert_allclose(ours, _reference(model, ids).logits.numpy(), atol=TOL, rtol=0)
+
+
+def test_tap_states_follow_hf_hidden_states_convention(checkpoints):
+    """tap layer i is HF's hidden_states[i + 1], in the order requested (last layer: normed)."""
+    path, model = checkpoints.get("qwen3")
+    target = jetspec_jax.load_target(path)
+    ids = np.random.default_rng(3).integers(0, target.config.vocab_size, (2, 11))
+    taps = (2, 0, 1)
+    out = forward(target.params, target.config, ids, tap_layers=taps)
+    hidden_states = _reference(model, ids).hidden_states
+    assert out.taps.shape == (3, 2, 11, target.config.hidden_size)
+    for got, layer in zip(np.asarray(out.taps), taps, strict=True):
+        np.testing.assert_allclose(got, hidden_states[layer + 1].numpy(), atol=TOL, rtol=0)
+
+
+def test_tap_layers_out_of_range_are_refused(checkpoints):
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    with pytest.raises(ValueError, match="out of range"):
+        forward(target.params, target.config, np.zeros((1, 4), np.int32), tap_layers=(3,))
+
+
+def test_bfloat16_stays_close_to_float32(checkpoints):
+    path, _ = checkpoints.get("qwen3")
+    ids = np.random.default_rng(4).integers(0, 97, (1, 24))
+    fp32 = np.asarray(jetspec_jax.load_target(path).logits(ids))
+    bf16_target = jetspec_jax.load_target(path, dtype="bfloat16")
+    assert bf16_target.params["embed_tokens"]["embedding"].dtype == np.dtype("bfloat16")
+    bf16 = np.asarray(bf16_target.logits(ids))
+    assert bf16.dtype == np.float32
+    # bf16 keeps ~3 significant digits; the argmax may flip only at near-ties.
+    assert np.max(np.abs(bf16 - fp32)) < 0.05 * np.max(np.abs(fp32))
+    assert np.mean(bf16.argmax(-1) == fp32.argmax(-1)) > 0.9

@@ -1,0 +1,87 @@
+"""Tiny random transformers checkpoints for parity tests (the PyTorch references)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+# Variants the parity tests cover; each differs from the others in one architectural switch.
+VARIANTS = {
+    # Qwen3, untied head, GQA 2:1.
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen3_tied": dict(
+        model_type="qwen3",
+        tie_word_embeddings=True,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    # head_dim (24) independent of hidden / heads (64 / 8 = 8), GQA 4:1.
+    "qwen3_gqa4_headdim": dict(
+        model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=24
+    ),
+    # Llama with Llama-3.1 rope scaling and attention/MLP biases.
+    "llama": dict(
+        model_type="llama", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True
+    ),
+    "llama3_rope_bias": dict(
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+}
+
+# A wide initialisation makes next-token distributions peaked, so greedy decoding has clear winners
+# (with transformers' default 0.02, random models produce near-ties that float noise flips).
+_COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    max_position_embeddings=2048,
+    initializer_range=0.1,
+)
+
+
+def hf_config(variant: str) -> transformers.PretrainedConfig:
+    kwargs = {**_COMMON, **VARIANTS[variant]}
+    model_type = kwargs.pop("model_type")
+    cls = {"qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}[model_type]
+    return cls(**kwargs)
+
+
+class CheckpointFactory:
+    """Makes each variant once: a saved directory and the torch model it was saved from."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self._made: dict[str, tuple[pathlib.Path, torch.nn.Module]] = {}
+
+    def get(self, variant: str) -> tuple[pathlib.Path, torch.nn.Module]:
+        if variant not in self._made:
+            torch.manual_seed(sum(map(ord, variant)))
+            model = transformers.AutoModelForCausalLM.from_config(hf_config(variant)).float().eval()
+            # transformers initialises norms to 1 and biases to 0; randomise them so that a missing
+            # or misplaced norm or bias cannot go unnoticed.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.uniform_(0.5, 1.5)
+                    elif name.endswith("bias"):
+                        p.normal_(0.0, 0.1)
+            path = self.root / variant
+            model.save_pretrained(path)
+            self._made[variant] = (path, model)
+        return self._made[variant]
