@@ -8,7 +8,7 @@ Public API:
 """
 
 from jetspec_jax.checkpoint.errors import CheckpointError
-from jetspec_jax.generate import METHODS, GenerationResult, generate, generate_batch
+from jetspec_jax.generate import METHODS, GenerationResult, Timing, generate, generate_batch
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target, load_target
 
@@ -18,6 +18,7 @@ __all__ = [
     "GenerationResult",
     "SamplingParams",
     "Target",
+    "Timing",
     "generate",
     "generate_batch",
     "load_target",

@@ -2,7 +2,7 @@
 
 This is the host side of decoding; everything per token happens on the device. Shapes are bucketed
 (batch, prompt length, output length: powers of two) so that a new request reuses compiled code;
-the first use of a bucket compiles and is logged.
+the first use of a bucket compiles ahead of time, is logged, and is reported apart from run time.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.prefill import prefill
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling, SamplingParams
@@ -27,7 +28,22 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("ar",)
 GREEDY = SamplingParams()
-_compiled_buckets: set[tuple] = set()
+_COMPILED = CompiledCache()
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of one batch (shared by its rows); compilation is counted apart.
+
+    Attributes:
+        prefill_seconds: the prompts' forward and the first token.
+        decode_seconds: the decode loop, first token excluded.
+        compile_seconds: compiling executables for new shape buckets (0 when all were cached).
+    """
+
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,15 +56,14 @@ class GenerationResult:
             prompt, the prefill's first token included; sums to `len(tokens)`. All 1 for "ar".
         finish_reason: "stop" (a stop token was generated) or "length" (max_new_tokens reached).
         prompt_length: number of prompt tokens.
-        prefill_seconds, decode_seconds: wall time of the batch's prefill and of its decode loop.
+        timing: wall-clock times of the batch this prompt ran in.
     """
 
     tokens: list[int]
     acceptance_lengths: list[int]
     finish_reason: str
     prompt_length: int
-    prefill_seconds: float
-    decode_seconds: float
+    timing: Timing
 
     @property
     def tau(self) -> float:
@@ -58,8 +73,8 @@ class GenerationResult:
     @property
     def decode_tokens_per_second(self) -> float:
         """Tokens after the first, per second of the decode loop."""
-        n = len(self.tokens) - 1
-        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+        n, seconds = len(self.tokens) - 1, self.timing.decode_seconds
+        return n / seconds if n > 0 and seconds > 0 else 0.0
 
 
 def generate(
@@ -169,38 +184,35 @@ def generate_batch(
         stop_token_ids=jnp.asarray(np.tile(np.asarray(stops or (-1,), np.int32), (batch, 1))),
         sampling=RowSampling.from_params(list(sampling) + [SamplingParams()] * pad_rows),
     )
-    _log_new_bucket(config, batch, prompt_len, max_output, len(stops or (-1,)))
-
-    start = time.perf_counter()
-    state = prefill(
-        target.params,
-        config,
-        jnp.asarray(padded),
-        jnp.asarray(lengths),
-        requests,
-        capacity=capacity,
-        max_output=max_output,
+    prefill_args = (target.params, jnp.asarray(padded), jnp.asarray(lengths), requests)
+    run_prefill, prefill_compile = _COMPILED.get(
+        prefill, *prefill_args, config=config, capacity=capacity, max_output=max_output
     )
-    jax.block_until_ready(state)
+    start = time.perf_counter()
+    state = jax.block_until_ready(run_prefill(*prefill_args))
     prefilled = time.perf_counter()
-    state = decode_autoregressive(target.params, config, state, requests, jnp.int32(max_new_tokens))
-    state = jax.device_get(state)
+
+    decode_args = (target.params, state, requests, jnp.int32(max_new_tokens))
+    run_decode, decode_compile = _COMPILED.get(decode_autoregressive, *decode_args, config=config)
+    decode_start = time.perf_counter()
+    state = jax.device_get(run_decode(*decode_args))
     finished = time.perf_counter()
-    return [
-        _result(state, row, len(p), stops, prefilled - start, finished - prefilled)
-        for row, p in enumerate(prompts)
-    ]
+    timing = Timing(
+        prefill_seconds=prefilled - start,
+        decode_seconds=finished - decode_start,
+        compile_seconds=prefill_compile + decode_compile,
+    )
+    return [_result(state, row, len(p), stops, timing) for row, p in enumerate(prompts)]
 
 
-def _result(state, row: int, prompt_length: int, stops: tuple[int, ...], prefill_s, decode_s):
+def _result(state, row: int, prompt_length: int, stops: tuple[int, ...], timing: Timing):
     tokens = state.output[row, : int(state.num_generated[row])].tolist()
     return GenerationResult(
         tokens=tokens,
         acceptance_lengths=state.round_lengths[row, : int(state.num_rounds[row])].tolist(),
         finish_reason="stop" if tokens and tokens[-1] in stops else "length",
         prompt_length=prompt_length,
-        prefill_seconds=prefill_s,
-        decode_seconds=decode_s,
+        timing=timing,
     )
 
 
@@ -219,11 +231,3 @@ def _check_prompt(
         if not 0 <= i < vocab_size:
             raise ValueError(f"{what} holds token id {i}, outside the vocabulary [0, {vocab_size})")
     return [int(i) for i in ids]
-
-
-def _log_new_bucket(*key) -> None:
-    if key not in _compiled_buckets:
-        _compiled_buckets.add(key)
-        logger.info(
-            "compiling for bucket (batch, prompt, output) = %s; later requests reuse it", key[1:4]
-        )

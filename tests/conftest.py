@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import jax
@@ -10,6 +11,27 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from tests import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_cache(tmp_path_factory) -> pathlib.Path:
+    """A private JETSPEC_JAX_CACHE for the session (the user's cache is never touched)."""
+    root = tmp_path_factory.mktemp("jetspec_cache")
+    previous = os.environ.get("JETSPEC_JAX_CACHE")
+    os.environ["JETSPEC_JAX_CACHE"] = str(root)
+    yield root
+    if previous is None:
+        del os.environ["JETSPEC_JAX_CACHE"]
+    else:
+        os.environ["JETSPEC_JAX_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_cache) -> pathlib.Path:
+    """The embedded default model, converted once per session into the private cache."""
+    from jetspec_jax.default_model import default_target_dir
+
+    return default_target_dir(show_progress=False)
 
 
 @pytest.fixture(scope="session")

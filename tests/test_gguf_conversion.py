@@ -39,10 +39,8 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def converted_dir(gguf_path, tmp_path_factory) -> Path:
-    return convert_gguf_to_hf(
-        gguf_path, tmp_path_factory.mktemp("conv") / "smollm2", show_progress=False
-    )
+def converted_dir(default_model_dir) -> Path:
+    return default_model_dir
 
 
 def _siblings(path: Path) -> list[str]:

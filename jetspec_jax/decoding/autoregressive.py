@@ -20,10 +20,11 @@ from jetspec_jax.sampling import select_tokens
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def decode_autoregressive(
     params: dict,
-    config: TransformerConfig,
     state: DecodeState,
     requests: Requests,
     max_steps: jax.Array,
+    *,
+    config: TransformerConfig,
 ) -> DecodeState:
     """Generates until every row is done or `max_steps` forwards have run.
 

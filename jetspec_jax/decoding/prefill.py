@@ -17,11 +17,11 @@ from jetspec_jax.sampling import select_tokens
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "max_output"))
 def prefill(
     params: dict,
-    config: TransformerConfig,
     prompts: jax.Array,
     prompt_lengths: jax.Array,
     requests: Requests,
     *,
+    config: TransformerConfig,
     capacity: int,
     max_output: int,
 ) -> DecodeState:

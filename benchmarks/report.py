@@ -1,0 +1,46 @@
+"""Writing benchmark results into docs/BENCHMARKS.md, one replaceable section per benchmark."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import platform
+
+BENCHMARKS_MD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+_HEADER = (
+    "# Benchmarks\n\n"
+    "Figures written by the scripts in `benchmarks/`; rerun a script to refresh its section.\n"
+)
+
+
+def machine_line() -> str:
+    """Date, platform, CPU count and library versions, for the record."""
+    import jax
+
+    versions = f"jax {jax.__version__}"
+    try:
+        import torch
+        import transformers
+
+        versions += f", torch {torch.__version__}, transformers {transformers.__version__}"
+    except ImportError:
+        pass
+    today = datetime.date.today().isoformat()
+    return (
+        f"{today}; {platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores, "
+        f"JAX backend {jax.default_backend()}; {versions}"
+    )
+
+
+def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> None:
+    """Replaces (or appends) the section between this benchmark's markers."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    text = path.read_text() if path.exists() else _HEADER
+    section = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -1,0 +1,35 @@
+"""Turning user text into prompt token ids (chat template or raw) and tokens back into text."""
+
+from __future__ import annotations
+
+
+def encode_prompt(
+    tokenizer, text: str, *, chat: bool, system: str | None = None, thinking: bool = False
+) -> list[int]:
+    """Token ids of `text`, optionally wrapped in the tokenizer's chat template.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        text: the user's message (chat) or the raw prompt.
+        chat: apply the chat template with a generation prompt for the assistant's turn.
+        system: an optional system message (chat only).
+        thinking: the template's `enable_thinking` switch (read by Qwen3 templates, ignored by
+            others); off by default, as in the benchmarks of the field.
+
+    Raises:
+        ValueError: chat was asked for but the tokenizer has no chat template, or a system message
+            was given without chat.
+    """
+    if not chat:
+        if system is not None:
+            raise ValueError("a system message needs the chat template (chat=True)")
+        return tokenizer.encode(text, add_special_tokens=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; use a raw prompt (chat=False)")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    # The template already holds every special token; encoding must not add a second BOS.
+    return tokenizer.encode(rendered, add_special_tokens=False)
