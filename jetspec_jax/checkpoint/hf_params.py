@@ -53,9 +53,8 @@ class TensorSpec:
 
 
 def tensor_specs(config: TransformerConfig) -> list[TensorSpec]:
-    """Every tensor of a checkpoint of `config`, in a stable order."""
+    """Every tensor of a target checkpoint of `config`, in a stable order."""
     c = config
-    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     specs = [
         TensorSpec(
             "model.embed_tokens.weight",
@@ -63,75 +62,66 @@ def tensor_specs(config: TransformerConfig) -> list[TensorSpec]:
             (c.vocab_size, c.hidden_size),
         )
     ]
-
-    def linear(prefix, path, out_dim, in_dim, bias):
-        yield TensorSpec(f"{prefix}.weight", (*path, "kernel"), (out_dim, in_dim))
-        if bias:
-            yield TensorSpec(f"{prefix}.bias", (*path, "bias"), (out_dim,))
-
     for i in range(c.num_layers):
-        p, path = f"model.layers.{i}", ("layers", i)
-        specs.append(
-            TensorSpec(
-                f"{p}.input_layernorm.weight", (*path, "input_layernorm", "scale"), (c.hidden_size,)
-            )
-        )
-        attn = (*path, "self_attn")
-        specs += linear(
-            f"{p}.self_attn.q_proj", (*attn, "q_proj"), q_dim, c.hidden_size, c.attention_bias
-        )
-        specs += linear(
-            f"{p}.self_attn.k_proj", (*attn, "k_proj"), kv_dim, c.hidden_size, c.attention_bias
-        )
-        specs += linear(
-            f"{p}.self_attn.v_proj", (*attn, "v_proj"), kv_dim, c.hidden_size, c.attention_bias
-        )
-        specs += linear(
-            f"{p}.self_attn.o_proj", (*attn, "o_proj"), c.hidden_size, q_dim, c.attention_bias
-        )
-        if c.qk_norm:
-            specs.append(
-                TensorSpec(
-                    f"{p}.self_attn.q_norm.weight", (*attn, "q_norm", "scale"), (c.head_dim,)
-                )
-            )
-            specs.append(
-                TensorSpec(
-                    f"{p}.self_attn.k_norm.weight", (*attn, "k_norm", "scale"), (c.head_dim,)
-                )
-            )
-        specs.append(
-            TensorSpec(
-                f"{p}.post_attention_layernorm.weight",
-                (*path, "post_attention_layernorm", "scale"),
-                (c.hidden_size,),
-            )
-        )
-        mlp = (*path, "mlp")
-        specs += linear(
-            f"{p}.mlp.gate_proj",
-            (*mlp, "gate_proj"),
-            c.intermediate_size,
-            c.hidden_size,
-            c.mlp_bias,
-        )
-        specs += linear(
-            f"{p}.mlp.up_proj", (*mlp, "up_proj"), c.intermediate_size, c.hidden_size, c.mlp_bias
-        )
-        specs += linear(
-            f"{p}.mlp.down_proj",
-            (*mlp, "down_proj"),
-            c.hidden_size,
-            c.intermediate_size,
-            c.mlp_bias,
-        )
-
-    specs.append(TensorSpec("model.norm.weight", ("norm", "scale"), (c.hidden_size,)))
+        specs += decoder_layer_specs(c, f"model.layers.{i}", ("layers", i))
+    specs.append(norm_spec("model.norm", ("norm",), c.hidden_size))
     if not c.tie_word_embeddings:
         specs.append(
             TensorSpec("lm_head.weight", ("lm_head", "kernel"), (c.vocab_size, c.hidden_size))
         )
     return specs
+
+
+def decoder_layer_specs(
+    config: TransformerConfig, hf_prefix: str, path: tuple[str | int, ...]
+) -> list[TensorSpec]:
+    """The tensors of one Llama/Qwen3 decoder layer (targets and drafts share this layout)."""
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attn, attn_path = f"{hf_prefix}.self_attn", (*path, "self_attn")
+    mlp, mlp_path = f"{hf_prefix}.mlp", (*path, "mlp")
+    specs = [norm_spec(f"{hf_prefix}.input_layernorm", (*path, "input_layernorm"), c.hidden_size)]
+    for name, out_dim, in_dim in [
+        ("q_proj", q_dim, c.hidden_size),
+        ("k_proj", kv_dim, c.hidden_size),
+        ("v_proj", kv_dim, c.hidden_size),
+        ("o_proj", c.hidden_size, q_dim),
+    ]:
+        specs += linear_specs(
+            f"{attn}.{name}", (*attn_path, name), out_dim, in_dim, c.attention_bias
+        )
+    if c.qk_norm:
+        specs.append(norm_spec(f"{attn}.q_norm", (*attn_path, "q_norm"), c.head_dim))
+        specs.append(norm_spec(f"{attn}.k_norm", (*attn_path, "k_norm"), c.head_dim))
+    specs.append(
+        norm_spec(
+            f"{hf_prefix}.post_attention_layernorm",
+            (*path, "post_attention_layernorm"),
+            c.hidden_size,
+        )
+    )
+    for name, out_dim, in_dim in [
+        ("gate_proj", c.intermediate_size, c.hidden_size),
+        ("up_proj", c.intermediate_size, c.hidden_size),
+        ("down_proj", c.hidden_size, c.intermediate_size),
+    ]:
+        specs += linear_specs(f"{mlp}.{name}", (*mlp_path, name), out_dim, in_dim, c.mlp_bias)
+    return specs
+
+
+def linear_specs(
+    hf_prefix: str, path: tuple[str | int, ...], out_dim: int, in_dim: int, bias: bool
+) -> list[TensorSpec]:
+    """A linear layer: HF `weight` `[out, in]` (our `kernel` `[in, out]`) and optional `bias`."""
+    specs = [TensorSpec(f"{hf_prefix}.weight", (*path, "kernel"), (out_dim, in_dim))]
+    if bias:
+        specs.append(TensorSpec(f"{hf_prefix}.bias", (*path, "bias"), (out_dim,)))
+    return specs
+
+
+def norm_spec(hf_prefix: str, path: tuple[str | int, ...], dim: int) -> TensorSpec:
+    """An RMSNorm: HF `weight` -> our `scale`."""
+    return TensorSpec(f"{hf_prefix}.weight", (*path, "scale"), (dim,))
 
 
 def params_from_hf(
@@ -143,19 +133,31 @@ def params_from_hf(
         CheckpointError: listing every missing, unexpected and mis-shaped tensor by name.
     """
     specs = tensor_specs(config)
-    _validate(specs, {name: tuple(a.shape) for name, a in tensors.items()}, config)
+    validate_names_and_shapes(
+        specs, {name: tuple(a.shape) for name, a in tensors.items()}, _ignorable(config)
+    )
     _check_tied_head(tensors, config)
-    params: Params = {"layers": [{} for _ in range(config.num_layers)]}
+    return tree_from_tensors(specs, tensors, dtype)
+
+
+def params_to_hf(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
+    """The HF-named arrays of `params` (numpy, in the parameters' dtype)."""
+    return tensors_from_tree(specs=tensor_specs(config), params=params)
+
+
+def tree_from_tensors(specs: list[TensorSpec], tensors: Mapping[str, np.ndarray], dtype) -> Params:
+    """The pytree of `specs` filled from HF-named arrays (names/shapes already validated)."""
+    params: Params = {}
     for spec in specs:
         array = np.asarray(tensors[spec.hf_name])
         _set(params, spec.path, jnp.asarray(array.T if spec.is_kernel else array, dtype=dtype))
     return params
 
 
-def params_to_hf(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
-    """The HF-named arrays of `params` (numpy, in the parameters' dtype)."""
+def tensors_from_tree(specs: list[TensorSpec], params: Params) -> dict[str, np.ndarray]:
+    """HF-named numpy arrays of the pytree leaves that `specs` lists."""
     out = {}
-    for spec in tensor_specs(config):
+    for spec in specs:
         array = np.asarray(_get(params, spec.path))
         out[spec.hf_name] = np.ascontiguousarray(array.T if spec.is_kernel else array)
     return out
@@ -172,8 +174,10 @@ def load_hf_params(
     Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`.
     Tensors are validated (names and shapes, from the file headers) before any is read.
     """
-    files_by_name = _locate_tensors(pathlib.Path(checkpoint_dir))
-    _validate(tensor_specs(config), {n: s for n, (_, s) in files_by_name.items()}, config)
+    files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
+    validate_names_and_shapes(
+        tensor_specs(config), {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
+    )
     tensors = {}
     progress = tqdm.tqdm(
         sorted(files_by_name.items()),
@@ -194,7 +198,7 @@ def save_hf_params(params: Params, config: TransformerConfig, out_dir: pathlib.P
     )
 
 
-def _locate_tensors(
+def locate_tensors(
     checkpoint_dir: pathlib.Path,
 ) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
     """Maps every tensor name in the checkpoint to (file, shape), reading headers only."""
@@ -230,12 +234,22 @@ def _locate_tensors(
     return located
 
 
-def _validate(specs: list[TensorSpec], shapes: Mapping[str, tuple[int, ...]], config) -> None:
+def _ignorable(config: TransformerConfig) -> set[str]:
+    """Names a target checkpoint may hold beyond its specs (checked or derived elsewhere)."""
+    # Some tied checkpoints store a copy of the embedding as the head; `_check_tied_head` checks it.
+    return {_TIED_HEAD} if config.tie_word_embeddings else set()
+
+
+def validate_names_and_shapes(
+    specs: list[TensorSpec], shapes: Mapping[str, tuple[int, ...]], ignorable=frozenset()
+) -> None:
+    """Raises `CheckpointError` listing every missing, unexpected and mis-shaped tensor by name.
+
+    Names ending in `rotary_emb.inv_freq` (derived buffers old Llama checkpoints stored) and the
+    `ignorable` names are allowed in addition to `specs`.
+    """
     expected = {s.hf_name: s.hf_shape for s in specs}
-    # Derived buffers some old Llama checkpoints stored; recomputed from the config, never read.
-    ignorable = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        ignorable.add(_TIED_HEAD)  # some tied checkpoints store a copy; `_drop_tied_head` checks it
+    ignorable = set(ignorable) | {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected) - ignorable)
     mismatched = sorted(
@@ -265,8 +279,14 @@ def _check_tied_head(tensors: Mapping[str, np.ndarray], config: TransformerConfi
 
 
 def _set(tree: dict, path: tuple, value) -> None:
-    for key in path[:-1]:
-        tree = tree[key] if isinstance(key, int) else tree.setdefault(key, {})
+    """Sets `tree[path]`, creating dicts and (for int keys) list slots on the way."""
+    for key, next_key in zip(path[:-1], path[1:], strict=True):
+        empty = [] if isinstance(next_key, int) else {}
+        if isinstance(key, int):
+            tree.extend({} for _ in range(key + 1 - len(tree)))
+            tree = tree[key]
+        else:
+            tree = tree.setdefault(key, empty)
     tree[path[-1]] = value
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.models.rope import apply_rope
+
 Params = dict
 
 
@@ -35,20 +37,50 @@ def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
     )
 
 
-def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array, k_positions: jax.Array
+def rotary_heads(
+    proj: Params,
+    norm: Params | None,
+    x: jax.Array,
+    num_heads: int,
+    head_dim: int,
+    positions: jax.Array,
+    inv_freq,
+    eps: float,
 ) -> jax.Array:
-    """Grouped-query attention; key j is visible to query i iff `k_positions[j] <= q_positions[i]`.
+    """Queries or keys: `[B, T, H]` -> projected, per-head RMS-normed (when `norm`), rotated.
 
-    Masking by absolute position covers every case the decoders need: plain causal attention over
-    the input (both position sets are `arange(T)`) and attention over a cache whose slots past a
-    row's length are stale (those slots sit at positions later than any current query).
+    Returns `[B, T, num_heads, head_dim]`.
+    """
+    batch, length, _ = x.shape
+    y = linear(proj, x).reshape(batch, length, num_heads, head_dim)
+    if norm is not None:
+        y = rms_norm(norm, y, eps)
+    return apply_rope(y, positions, inv_freq)
+
+
+def value_heads(proj: Params, x: jax.Array, num_heads: int, head_dim: int) -> jax.Array:
+    """Values: `[B, T, H]` -> `[B, T, num_heads, head_dim]`."""
+    batch, length, _ = x.shape
+    return linear(proj, x).reshape(batch, length, num_heads, head_dim)
+
+
+def causal_mask(q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
+    """`[B, T, S]`: key j is visible to query i iff `k_positions[j] <= q_positions[i]`.
+
+    Masking by absolute position covers the target's cases: plain causal attention over the input
+    (both position sets are `arange(T)`) and attention over a cache whose slots past a row's length
+    are stale (those slots sit at positions later than any current query).
+    """
+    return k_positions[:, None, :] <= q_positions[:, :, None]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query softmax attention.
 
     Args:
         q: `[B, T, N, D]` queries.
         k, v: `[B, S, N_kv, D]` keys and values, `N % N_kv == 0`.
-        q_positions: `[B, T]` absolute positions of the queries.
-        k_positions: `[B, S]` absolute positions of the keys.
+        mask: `[B, T, S]` bool, True where a query may attend to a key.
 
     Returns:
         `[B, T, N * D]` in the dtype of `q`; scores and softmax are float32.
@@ -58,8 +90,7 @@ def attention(
     q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim**-0.5)
-    visible = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, length, num_heads * head_dim)

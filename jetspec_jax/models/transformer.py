@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.kv_cache import KVCache
-from jetspec_jax.models.rope import apply_rope, inverse_frequencies
+from jetspec_jax.models.rope import inverse_frequencies
 
 Params = dict
 
@@ -121,29 +121,27 @@ def _decoder_layer(params, config, index, x, positions, inv_freq, kv_cache):
 
 
 def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
-    batch, length, _ = h.shape
-
-    def split(y, n):
-        return y.reshape(batch, length, n, config.head_dim)
-
-    q = split(layers.linear(params["q_proj"], h), config.num_heads)
-    k = split(layers.linear(params["k_proj"], h), config.num_kv_heads)
-    v = split(layers.linear(params["v_proj"], h), config.num_kv_heads)
-    if config.qk_norm:
-        q = layers.rms_norm(params["q_norm"], q, config.rms_norm_eps)
-        k = layers.rms_norm(params["k_norm"], k, config.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    batch = h.shape[0]
+    c = config
+    q_norm, k_norm = (params["q_norm"], params["k_norm"]) if c.qk_norm else (None, None)
+    q = layers.rotary_heads(
+        params["q_proj"], q_norm, h, c.num_heads, c.head_dim, positions, inv_freq, c.rms_norm_eps
+    )
+    k = layers.rotary_heads(
+        params["k_proj"], k_norm, h, c.num_kv_heads, c.head_dim, positions, inv_freq, c.rms_norm_eps
+    )
+    v = layers.value_heads(params["v_proj"], h, c.num_kv_heads, c.head_dim)
 
     if kv_cache is None:
-        out = layers.attention(q, k, v, positions, positions)
+        out = layers.attention(q, k, v, layers.causal_mask(positions, positions))
     else:
         k_cache, v_cache = (
             _write(c, index, new, positions) for c, new in zip(kv_cache, (k, v), strict=True)
         )
         capacity = k_cache.shape[2]
         slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
-        out = layers.attention(q, k_cache[index], v_cache[index], positions, slots)
+        mask = layers.causal_mask(positions, slots)
+        out = layers.attention(q, k_cache[index], v_cache[index], mask)
         kv_cache = (k_cache, v_cache)
     return layers.linear(params["o_proj"], out), kv_cache
 

@@ -1,0 +1,351 @@
+"""Regenerating training responses with the target itself (the data step of draft training).
+
+A draft is trained to predict what the target would say, so its training responses are produced by
+the target from the prompt files (`read_prompts`) and written as JSONL, one object per line:
+
+    {"id": str, "source": str | null, "prompt_ids": [int], "response_ids": [int],
+     "response": str, "finish_reason": "stop" | "length"}
+
+Lines appear in generation order (prompts sorted by length), not in the prompt files' order.
+
+Runs are resumable: ids already in the output file are skipped, and each batch's lines are appended
+and flushed to disk together, so a kill loses at most the batch in flight. A partial last line (a
+kill mid-write) is truncated before appending; complete lines are never rewritten.
+
+Sampled runs stay reproducible across resumes: record i (its position in the prompt files, read in
+the order given, before `limit`) is sampled with a seed derived from (base seed, i) alone, and a
+row's tokens do not depend on its batch-mates (see `jetspec_jax.sampling`). A resumed run therefore
+writes the same responses as an uninterrupted one, provided it gets the same prompt files in the
+same order and the same settings (the limit may differ).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import tqdm
+
+from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts
+from jetspec_jax.generate import generate_batch
+from jetspec_jax.prompting import encode_prompt
+from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.target import Target
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MATH_SUFFIX_SOURCES = ("gsm8k", "math")
+GREEDY = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class RegenerateSummary:
+    """What one `regenerate` call did.
+
+    Attributes:
+        written: responses generated and appended in this call.
+        skipped_existing: records whose id was already in the output file.
+        skipped_too_long: records whose prompt + max_new_tokens exceed the target's context.
+        total: records considered (after `limit`); the three counts above sum to it.
+        seconds: wall-clock time of the call.
+    """
+
+    written: int
+    skipped_existing: int
+    skipped_too_long: int
+    total: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One prompt to regenerate.
+
+    Attributes:
+        index: position among all records of the prompt files, in the order given (seeds use it).
+        id: the record's unique id.
+        source: the record's `source` field, or None when it has none.
+        text: the prompt text (raw `prompt`, plus `MATH_SUFFIX` for math sources).
+    """
+
+    index: int
+    id: str
+    source: str | None
+    text: str
+
+
+def read_records(
+    prompt_files: Sequence[str | os.PathLike],
+    *,
+    math_suffix_sources: Sequence[str] = DEFAULT_MATH_SUFFIX_SOURCES,
+    limit: int | None = None,
+) -> list[PromptRecord]:
+    """The records of all prompt files, in order, ids checked for uniqueness across files.
+
+    Args:
+        prompt_files: JSONL prompt files (`read_prompts` format); each record needs a string `id`.
+        math_suffix_sources: records whose `source` is one of these get `MATH_SUFFIX` appended.
+        limit: keep the first `limit` records overall (all when None). Ids are checked in all.
+
+    Raises:
+        FileNotFoundError: a prompt file does not exist.
+        ValueError: no prompt files, a malformed record, or an id seen twice (named).
+    """
+    if isinstance(prompt_files, (str, os.PathLike)):
+        raise ValueError("prompt_files must be a list of paths, not a single path")
+    if not prompt_files:
+        raise ValueError("no prompt files given")
+    _check_limit(limit)
+    suffixed = set(math_suffix_sources)
+    records: list[PromptRecord] = []
+    where: dict[str, str] = {}  # id -> file it was first seen in
+    for path in prompt_files:
+        for record in read_prompts(path):
+            rid, source = record.get("id"), record.get("source")
+            if not isinstance(rid, str) or not rid:
+                raise ValueError(f"{path}: a record has no string 'id' (got {rid!r})")
+            if rid in where:
+                raise ValueError(f"duplicate id {rid!r}: in {where[rid]} and {path}")
+            if source is not None and not isinstance(source, str):
+                raise ValueError(f"{path}: record {rid!r} has a non-string 'source' {source!r}")
+            where[rid] = str(path)
+            text = record["prompt"] + (MATH_SUFFIX if source in suffixed else "")
+            records.append(PromptRecord(len(records), rid, source, text))
+    return records if limit is None else records[:limit]
+
+
+def row_seed(base_seed: int, index: int) -> int:
+    """The sampling seed of record `index`: a well-mixed uint32 of (base_seed, index).
+
+    Mixing (rather than base_seed + index) keeps runs with neighbouring base seeds unrelated.
+    """
+    return int(np.random.SeedSequence([base_seed, index]).generate_state(1)[0])
+
+
+def regenerate(
+    target: Target,
+    prompt_files: Sequence[str | os.PathLike],
+    out_path: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = 512,
+    chat: bool = True,
+    system: str | None = None,
+    thinking: bool = False,
+    math_suffix_sources: Sequence[str] = DEFAULT_MATH_SUFFIX_SOURCES,
+    limit: int | None = None,
+    sampling: SamplingParams = GREEDY,
+    show_progress: bool | None = None,
+) -> RegenerateSummary:
+    """Generates the target's response to every prompt not yet in `out_path`, appending JSONL.
+
+    Args:
+        target: a loaded target with a tokenizer.
+        prompt_files: JSONL prompt files, read in this order (`read_records`).
+        out_path: the output JSONL file; created (with its directory) if missing, else resumed.
+        batch_size: prompts per `generate_batch` call (>= 1).
+        max_new_tokens: response budget per prompt (>= 1).
+        chat, system, thinking: prompt encoding, as in `encode_prompt`.
+        math_suffix_sources: sources whose prompts get `MATH_SUFFIX` appended.
+        limit: regenerate only the first `limit` records of the prompt files (all when None).
+        sampling: temperature / top-k / top-p for all rows; its seed is the base of the per-record
+            seeds (`row_seed`). Stop tokens are the target's defaults.
+        show_progress: progress bar over prompts (None: only on a terminal).
+
+    Returns:
+        A `RegenerateSummary`.
+
+    Raises:
+        FileNotFoundError: a prompt file does not exist.
+        ValueError: bad arguments, a target without tokenizer, malformed or duplicate prompt
+            records, or an output file with a malformed complete line.
+    """
+    start = time.perf_counter()
+    _check_positive("batch_size", batch_size)
+    _check_positive("max_new_tokens", max_new_tokens)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
+    if target.tokenizer is None:
+        raise ValueError(f"target {target.path} has no tokenizer; regeneration needs one")
+    records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
+    out_path = pathlib.Path(out_path)
+    done = _existing_ids(out_path)
+    pending = [r for r in records if r.id not in done]
+    encoded = _encode(target, pending, max_new_tokens, chat=chat, system=system, thinking=thinking)
+    logger.info(
+        "%d records: %d already in %s, %d too long, %d to generate",
+        len(records),
+        len(records) - len(pending),
+        out_path,
+        len(pending) - len(encoded),
+        len(encoded),
+    )
+    # Similar lengths per batch: less padding, and fewer prompt-length buckets to compile.
+    encoded.sort(key=lambda item: (len(item[1]), item[0].index))
+    written = 0
+    with (
+        out_path.open("ab") as out,
+        tqdm.tqdm(
+            total=len(encoded),
+            desc="regenerating",
+            unit="prompt",
+            disable=None if show_progress is None else not show_progress,
+        ) as progress,
+    ):
+        for begin in range(0, len(encoded), batch_size):
+            batch = encoded[begin : begin + batch_size]
+            _append_lines(out, _generate_lines(target, batch, max_new_tokens, sampling))
+            written += len(batch)
+            progress.update(len(batch))
+    return RegenerateSummary(
+        written=written,
+        skipped_existing=len(records) - len(pending),
+        skipped_too_long=len(pending) - len(encoded),
+        total=len(records),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _encode(
+    target: Target,
+    records: list[PromptRecord],
+    max_new_tokens: int,
+    *,
+    chat: bool,
+    system: str | None,
+    thinking: bool,
+) -> list[tuple[PromptRecord, list[int]]]:
+    """(record, prompt ids) of the records that fit the context; the others are logged."""
+    context = target.config.max_position_embeddings
+    fitting = []
+    for record in records:
+        ids = encode_prompt(
+            target.tokenizer, record.text, chat=chat, system=system, thinking=thinking
+        )
+        if not ids:
+            raise ValueError(f"record {record.id!r} encodes to no tokens")
+        if len(ids) + max_new_tokens > context:
+            logger.warning(
+                "skipping %r: %d prompt tokens + max_new_tokens=%d exceed the context of %d",
+                record.id,
+                len(ids),
+                max_new_tokens,
+                context,
+            )
+            continue
+        fitting.append((record, ids))
+    return fitting
+
+
+def _generate_lines(
+    target: Target,
+    batch: list[tuple[PromptRecord, list[int]]],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+) -> list[dict]:
+    """Generates one batch and returns its output objects, in the batch's order."""
+    results = generate_batch(
+        target,
+        [ids for _, ids in batch],
+        max_new_tokens=max_new_tokens,
+        sampling=[
+            dataclasses.replace(sampling, seed=row_seed(sampling.seed, r.index)) for r, _ in batch
+        ],
+    )
+    return [
+        {
+            "id": record.id,
+            "source": record.source,
+            "prompt_ids": ids,
+            "response_ids": result.tokens,
+            "response": target.tokenizer.decode(result.tokens, skip_special_tokens=True),
+            "finish_reason": result.finish_reason,
+        }
+        for (record, ids), result in zip(batch, results, strict=True)
+    ]
+
+
+def _append_lines(out, objects: list[dict]) -> None:
+    """Appends the objects as JSONL in one write, then flushes them to disk."""
+    data = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objects)
+    out.write(data.encode("utf-8"))
+    out.flush()
+    os.fsync(out.fileno())
+
+
+def _existing_ids(out_path: pathlib.Path) -> set[str]:
+    """Ids of the complete lines of `out_path` (empty if it does not exist).
+
+    Creates the file's directory if needed, and truncates a partial last line left by a kill.
+    """
+    if not out_path.exists():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        return set()
+    _truncate_partial_line(out_path)
+    ids = set()
+    with out_path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{out_path}:{number} is not valid JSON: {e}") from e
+            if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+                raise ValueError(f"{out_path}:{number} has no string 'id'; is it an output file?")
+            ids.add(obj["id"])
+    return ids
+
+
+def _truncate_partial_line(path: pathlib.Path) -> None:
+    """Cuts the file after its last newline, if anything follows it (a line cut by a kill)."""
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        keep = _end_of_last_line(f, size)
+        logger.warning(
+            "%s ends in a partial line of %d bytes (an interrupted write); truncating it, so its "
+            "record is generated again",
+            path,
+            size - keep,
+        )
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _end_of_last_line(f, size: int, chunk: int = 1 << 16) -> int:
+    """Offset just after the last newline of the open binary file `f` (0 if it has none)."""
+    end = size
+    while end > 0:
+        begin = max(0, end - chunk)
+        f.seek(begin)
+        newline = f.read(end - begin).rfind(b"\n")
+        if newline >= 0:
+            return begin + newline + 1
+        end = begin
+    return 0
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_limit(limit) -> None:
+    if limit is None:
+        return
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)):
+        raise ValueError(f"limit must be an integer or None, got {limit!r}")
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")

@@ -1,0 +1,263 @@
+"""The parallel draft model of DFlash / JetSpec / JetSpec++: one implementation, three variants.
+
+The draft drafts a block of `K = block_size` positions in one forward, conditioned on the target:
+
+    context rows:  tap states of the verified context, concat over taps [C, n*H]
+                   -> fc -> hidden_norm -> in EVERY draft layer, that layer's k/v projections
+                   (+ k_norm, RoPE at the rows' absolute positions): extra keys/values
+    block rows:    target embedding of the K block tokens -> draft decoder layers (queries, and
+                   keys/values of their own) -> final norm -> the target's LM head
+
+The projected context keys/values are cached per draft layer (`DraftCache`) and extended each
+round with the newly verified rows only (`extend_context`); the context is never re-projected.
+
+Variants (fields of `DraftConfig`):
+
+| variant   | attention in block | block inputs                  | block row i predicts |
+|-----------|--------------------|-------------------------------|----------------------|
+| dflash    | bidirectional      | [anchor, mask x (K-1)]        | position i (in place)|
+| jetspec   | causal             | [anchor, mask x (K-1)]        | position i (in place)|
+| jetspec++ | causal             | [anchor, t_1 .. t_(K-1)]      | position i+1 (shift) |
+
+Either way a pass yields K-1 drafts `d_1 .. d_(K-1)` for block positions 1..K-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.models import layers
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.rope import inverse_frequencies
+
+Params = dict
+VARIANTS = ("dflash", "jetspec", "jetspec++")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A draft head; hashable (a static jit argument).
+
+    Attributes:
+        layers: the draft's decoder stack (Qwen3-style layers; `vocab_size` and `hidden_size` are
+            the target's, whose embedding and LM head the draft shares).
+        target_layer_ids: 0-indexed target layers whose outputs (HF `hidden_states[i + 1]`) form
+            the context rows, in concatenation order.
+        block_size: K, positions per drafted block (the anchor and K-1 drafts).
+        mask_token_id: the input token of undrafted positions (mask-input variants).
+        causal: causal attention within the block (JetSpec, JetSpec++) or bidirectional (DFlash).
+        token_inputs: block inputs are real tokens (JetSpec++) rather than mask tokens.
+        shifted: block row i predicts position i+1 (JetSpec++) rather than position i.
+        input_embedding_scale: multiplies the block's input embeddings (reference option).
+        output_multiplier: multiplies the draft logits (reference option).
+        final_logit_softcapping: `tanh(logits / c) * c` when set (reference option).
+    """
+
+    layers: TransformerConfig
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 16
+    mask_token_id: int = 0
+    causal: bool = True
+    token_inputs: bool = True
+    shifted: bool = True
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty: the draft needs at least one tap layer")
+        if self.shifted and not (self.token_inputs and self.causal):
+            raise ValueError("shifted prediction needs token inputs and causal attention")
+        if not 0 <= self.mask_token_id < self.layers.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"[0, {self.layers.vocab_size})"
+            )
+
+    @property
+    def variant(self) -> str:
+        """ "dflash", "jetspec" or "jetspec++" (the decoding method this draft serves)."""
+        if self.token_inputs:
+            return "jetspec++"
+        return "jetspec" if self.causal else "dflash"
+
+    @staticmethod
+    def variant_switches(variant: str) -> dict:
+        """The `causal` / `token_inputs` / `shifted` switches of a named variant."""
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown draft variant {variant!r}; known: {', '.join(VARIANTS)}")
+        plus = variant == "jetspec++"
+        return dict(causal=variant != "dflash", token_inputs=plus, shifted=plus)
+
+
+@flax.struct.dataclass
+class DraftCache:
+    """Projected context keys/values of every draft layer.
+
+    Attributes:
+        k, v: `[L_draft, B, S, N_kv, D]`; slot s holds the context row at absolute position s.
+        lengths: `[B]` int32 valid context rows per row (= the anchor's position).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def zeros(cls, config: DraftConfig, batch_size: int, capacity: int, dtype) -> DraftCache:
+        c = config.layers
+        shape = (c.num_layers, batch_size, capacity, c.num_kv_heads, c.head_dim)
+        return cls(
+            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32)
+        )
+
+
+def fuse_taps(params: Params, config: DraftConfig, taps: jax.Array) -> jax.Array:
+    """Tap states `[n_taps, B, T, H]` -> context rows `[B, T, H]` (`hidden_norm(fc(concat))`)."""
+    concat = jnp.concatenate(list(taps), axis=-1)  # [B, T, n_taps * H], in tap order
+    fused = layers.linear(params["fc"], concat.astype(params["fc"]["kernel"].dtype))
+    return layers.rms_norm(params["hidden_norm"], fused, config.layers.rms_norm_eps)
+
+
+def extend_context(
+    params: Params,
+    config: DraftConfig,
+    cache: DraftCache,
+    taps: jax.Array,
+    num_new: jax.Array,
+) -> DraftCache:
+    """Appends newly verified context rows to every draft layer's cache.
+
+    Args:
+        params: draft parameters.
+        config: the draft config.
+        cache: the draft cache; row b's new rows go to positions `cache.lengths[b] + arange(T)`.
+        taps: `[n_taps, B, T, H]` target tap states of those positions.
+        num_new: `[B]` how many of the T rows are real (the rest are written past the new
+            length, where they are stale and overwritten later).
+
+    Returns:
+        The extended cache (lengths advanced by `num_new`).
+    """
+    c = config.layers
+    rows = fuse_taps(params, config, taps)
+    positions = cache.lengths[:, None] + jnp.arange(rows.shape[1], dtype=jnp.int32)[None]
+    inv_freq = inverse_frequencies(c.rope, c.head_dim)
+    batch_idx = jnp.arange(rows.shape[0])[:, None]
+    k_cache, v_cache = cache.k, cache.v
+    for i, layer in enumerate(params["layers"]):
+        attn = layer["self_attn"]
+        k = layers.rotary_heads(
+            attn["k_proj"],
+            attn["k_norm"],
+            rows,
+            c.num_kv_heads,
+            c.head_dim,
+            positions,
+            inv_freq,
+            c.rms_norm_eps,
+        )
+        v = layers.value_heads(attn["v_proj"], rows, c.num_kv_heads, c.head_dim)
+        k_cache = k_cache.at[i, batch_idx, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[i, batch_idx, positions].set(v.astype(v_cache.dtype), mode="drop")
+    return DraftCache(k=k_cache, v=v_cache, lengths=cache.lengths + num_new)
+
+
+def draft_hidden(
+    params: Params,
+    config: DraftConfig,
+    cache: DraftCache,
+    embedding: jax.Array,
+    block_tokens: jax.Array,
+) -> jax.Array:
+    """One draft pass over a block that starts at each row's anchor position (= `cache.lengths`).
+
+    Args:
+        params: draft parameters.
+        config: the draft config.
+        cache: the projected context, `cache.lengths[b]` rows long.
+        embedding: `[V, H]` the target's input embedding (shared, frozen).
+        block_tokens: `[B, K]` block inputs (anchor first).
+
+    Returns:
+        `[B, K, H]` final-normed hidden states of the block rows (input to `draft_logits`).
+    """
+    c = config.layers
+    batch, k_len = block_tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(k_len, dtype=jnp.int32)[None]
+    inv_freq = inverse_frequencies(c.rope, c.head_dim)
+    x = jnp.take(embedding, block_tokens, axis=0) * config.input_embedding_scale
+    x = x.astype(params["norm"]["scale"].dtype)
+    mask = _block_mask(config, cache, k_len)
+    for i, layer in enumerate(params["layers"]):
+        h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
+        attn = layer["self_attn"]
+        q = layers.rotary_heads(
+            attn["q_proj"],
+            attn["q_norm"],
+            h,
+            c.num_heads,
+            c.head_dim,
+            positions,
+            inv_freq,
+            c.rms_norm_eps,
+        )
+        k = layers.rotary_heads(
+            attn["k_proj"],
+            attn["k_norm"],
+            h,
+            c.num_kv_heads,
+            c.head_dim,
+            positions,
+            inv_freq,
+            c.rms_norm_eps,
+        )
+        v = layers.value_heads(attn["v_proj"], h, c.num_kv_heads, c.head_dim)
+        keys = jnp.concatenate([cache.k[i], k.astype(cache.k.dtype)], axis=1)
+        values = jnp.concatenate([cache.v[i], v.astype(cache.v.dtype)], axis=1)
+        x = x + layers.linear(attn["o_proj"], layers.attention(q, keys, values, mask))
+        h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
+        x = x + layers.swiglu_mlp(layer["mlp"], h)
+    return layers.rms_norm(params["norm"], x, c.rms_norm_eps)
+
+
+def draft_logits(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> jax.Array:
+    """Float32 draft logits `[..., V]` from draft hidden states `[..., H]` and the target's
+    `[H, V]` LM head kernel."""
+    logits = jnp.matmul(hidden, lm_head, preferred_element_type=jnp.float32)
+    logits = logits * config.output_multiplier
+    if config.final_logit_softcapping:
+        cap = config.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+def drafts_from_logits(config: DraftConfig, logits: jax.Array) -> jax.Array:
+    """The K-1 drafts `[B, K-1]` (argmax) from one pass's block logits `[B, K, V]`."""
+    rows = logits[:, :-1] if config.shifted else logits[:, 1:]
+    return jnp.argmax(rows, axis=-1).astype(jnp.int32)
+
+
+def _block_mask(config: DraftConfig, cache: DraftCache, k_len: int) -> jax.Array:
+    """`[B, K, S + K]`: every query sees the valid context slots, and the block causally or not.
+
+    Context slots at or past a row's length are stale (or padding) and are always hidden; this is
+    why the draft cannot use the target's position-only mask.
+    """
+    batch, capacity = cache.lengths.shape[0], cache.k.shape[2]
+    context = jnp.arange(capacity)[None, None, :] < cache.lengths[:, None, None]
+    context = jnp.broadcast_to(context, (batch, k_len, capacity))
+    block = (
+        jnp.tril(jnp.ones((k_len, k_len), bool))
+        if config.causal
+        else jnp.ones((k_len, k_len), bool)
+    )
+    block = jnp.broadcast_to(block, (batch, k_len, k_len))
+    return jnp.concatenate([context, block], axis=-1)

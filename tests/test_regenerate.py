@@ -1,0 +1,207 @@
+"""Regenerating training responses with the target: output format, resume, errors, the CLI.
+
+Uses the real default model with tiny budgets. All prompts fall in one prompt-length bucket and
+batches hold 1 or 2 rows, so the module compiles only two shape buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import jetspec_jax
+from jetspec_jax.data.prompts import MATH_SUFFIX
+from jetspec_jax.data.regenerate import regenerate, row_seed
+from jetspec_jax.prompting import encode_prompt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MAX_NEW = 8
+BATCH = 2
+FIELDS = {"id", "source", "prompt_ids", "response_ids", "response", "finish_reason"}
+FILE_A = [
+    {"id": "gsm-1", "prompt": "What is 2 + 3?", "source": "gsm8k"},
+    {"id": "alp-1", "prompt": "Name a color.", "source": "alpaca"},
+    {"id": "alp-2", "prompt": "Say hi.", "source": "alpaca"},
+]
+FILE_B = [
+    {"id": "gsm-2", "prompt": "What is 10 - 4?", "source": "gsm8k"},
+    {"id": "mbpp-1", "prompt": "Write a function that adds two numbers.", "source": "mbpp"},
+]
+RECORDS = FILE_A + FILE_B
+
+
+def _write_jsonl(path: pathlib.Path, records: list[dict]) -> pathlib.Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _read_by_id(path: pathlib.Path) -> dict[str, dict]:
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    by_id = {line["id"]: line for line in lines}
+    assert len(by_id) == len(lines), "duplicate ids in the output"
+    return by_id
+
+
+@pytest.fixture(scope="module")
+def target(default_model_dir, cli_run):
+    # Requests `cli_run` so that the CLI's model load and compilation overlap ours.
+    return jetspec_jax.load_target(show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory) -> list[pathlib.Path]:
+    root = tmp_path_factory.mktemp("prompts")
+    return [_write_jsonl(root / "a.jsonl", FILE_A), _write_jsonl(root / "b.jsonl", FILE_B)]
+
+
+@pytest.fixture(scope="module")
+def cli_run(default_cache, default_model_dir, prompt_files, tmp_path_factory):
+    """`train.py regenerate` on the first 3 prompts, started in the background: (process, out)."""
+    out = tmp_path_factory.mktemp("cli") / "cli.jsonl"
+    args = ["regenerate", "--prompts", *map(str, prompt_files), "--out", str(out)]
+    flags = ["--max-new-tokens", "4", "--batch-size", "4", "--limit", "3"]
+    proc = _start_cli([*args, *flags], default_cache)
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(target, prompt_files, tmp_path_factory) -> pathlib.Path:
+    """The output of one uninterrupted run over all prompts."""
+    out = tmp_path_factory.mktemp("full") / "out.jsonl"
+    summary = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert (summary.written, summary.skipped_existing, summary.total) == (5, 0, 5)
+    return out
+
+
+def test_lines_hold_the_fields_and_equal_generating_alone(target, uninterrupted):
+    lines = _read_by_id(uninterrupted)
+    assert set(lines) == {r["id"] for r in RECORDS}
+    for record in RECORDS:
+        line = lines[record["id"]]
+        assert set(line) == FIELDS and line["source"] == record["source"]
+        suffix = MATH_SUFFIX if record["source"] == "gsm8k" else ""
+        ids = encode_prompt(target.tokenizer, record["prompt"] + suffix, chat=True)
+        assert line["prompt_ids"] == ids
+        alone = jetspec_jax.generate(target, ids, max_new_tokens=MAX_NEW)
+        assert line["response_ids"] == alone.tokens
+        assert line["finish_reason"] == alone.finish_reason
+        assert line["response"] == target.tokenizer.decode(alone.tokens, skip_special_tokens=True)
+
+
+def test_math_suffix_only_for_gsm8k_sources(target, uninterrupted):
+    lines = _read_by_id(uninterrupted)
+    for record in RECORDS:
+        text = target.tokenizer.decode(lines[record["id"]]["prompt_ids"])
+        assert (MATH_SUFFIX in text) == (record["source"] == "gsm8k"), record["id"]
+
+
+def test_resume_after_limit_equals_uninterrupted_run(target, prompt_files, uninterrupted, tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW, limit=2)
+    assert (first.written, first.skipped_existing, first.total) == (2, 0, 2)
+    second = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert (second.written, second.skipped_existing, second.total) == (3, 2, 5)
+    assert _read_by_id(out) == _read_by_id(uninterrupted)
+    again = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert (again.written, again.skipped_existing) == (0, 5)
+
+
+def test_partial_trailing_line_is_truncated_and_regenerated(
+    target, prompt_files, uninterrupted, tmp_path, caplog
+):
+    out = tmp_path / "out.jsonl"
+    shutil.copyfile(uninterrupted, out)
+    text = out.read_text(encoding="utf-8")
+    last_start = text.rstrip("\n").rfind("\n") + 1
+    cut_id = json.loads(text[last_start:])["id"]
+    complete = text[:last_start]
+    out.write_text(text[: last_start + 20], encoding="utf-8")  # a kill mid-write
+    with caplog.at_level(logging.WARNING, logger="jetspec_jax.data.regenerate"):
+        summary = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert "partial line" in caplog.text
+    assert (summary.written, summary.skipped_existing) == (1, 4)
+    assert out.read_text(encoding="utf-8").startswith(complete)  # complete lines untouched
+    assert _read_by_id(out) == _read_by_id(uninterrupted)
+    assert cut_id in _read_by_id(out)
+
+
+def test_too_long_prompt_is_skipped_and_counted(target, tmp_path, caplog):
+    context = target.config.max_position_embeddings
+    prompts = _write_jsonl(tmp_path / "long.jsonl", [{"id": "long", "prompt": "word " * context}])
+    out = tmp_path / "out.jsonl"
+    with caplog.at_level(logging.WARNING, logger="jetspec_jax.data.regenerate"):
+        summary = regenerate(target, [prompts], out, max_new_tokens=MAX_NEW)
+    assert (summary.written, summary.skipped_too_long, summary.total) == (0, 1, 1)
+    assert "skipping 'long'" in caplog.text
+    assert out.read_text() == ""
+
+
+def test_row_seeds_depend_on_base_and_index_only():
+    assert row_seed(0, 3) == row_seed(0, 3)
+    assert len({row_seed(base, i) for base in range(3) for i in range(3)}) == 9
+    assert all(0 <= row_seed(7, i) < 2**32 for i in range(10))
+
+
+def test_duplicate_ids_across_files_are_rejected(target, prompt_files, tmp_path):
+    dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": "alp-2", "prompt": "x", "source": "a"}])
+    with pytest.raises(ValueError, match="duplicate id 'alp-2'"):
+        regenerate(target, [*prompt_files, dup], tmp_path / "out.jsonl")
+
+
+def test_missing_prompt_file_is_rejected(target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        regenerate(target, [tmp_path / "missing.jsonl"], tmp_path / "out.jsonl")
+
+
+def test_bad_arguments_are_rejected(target, prompt_files, tmp_path):
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        regenerate(target, prompt_files, tmp_path / "out.jsonl", batch_size=0)
+    with pytest.raises(ValueError, match="list of paths"):
+        regenerate(target, prompt_files[0], tmp_path / "out.jsonl")
+
+
+def test_target_without_tokenizer_is_rejected(checkpoints, prompt_files, tmp_path):
+    no_tokenizer = jetspec_jax.load_target(checkpoints.get("qwen3")[0], show_progress=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        regenerate(no_tokenizer, prompt_files, tmp_path / "out.jsonl")
+
+
+def _start_cli(args: list[str], cache: pathlib.Path) -> subprocess.Popen:
+    """`python train.py ARGS` using the model cache `cache` (so the model is not reconverted)."""
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env={**os.environ, "JETSPEC_JAX_CACHE": str(cache)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_cli_regenerate_writes_the_output(cli_run):
+    proc, out = cli_run
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "regenerated 3 responses" in stdout
+    lines = _read_by_id(out)
+    assert set(lines) == {r["id"] for r in FILE_A}
+    assert all(set(line) == FIELDS and len(line["response_ids"]) <= 4 for line in lines.values())
+
+
+def test_cli_bad_argument_exits_2_without_traceback(default_cache, prompt_files, tmp_path):
+    args = ["regenerate", "--prompts", str(prompt_files[0]), "--out", str(tmp_path / "o.jsonl")]
+    proc = _start_cli([*args, "--batch-size", "0"], default_cache)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 2
+    assert "error: --batch-size must be >= 1" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "o.jsonl").exists()
