@@ -102,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0, help="base of the per-prompt sampling seeds")
-    regen.add_argument("-v", "--verbose", action="store_true", help="log loading and progress")
+    regen.add_argument(
+        "-v", "--verbose", action="store_true", help="log loading, compilation and counts"
+    )
     return parser
 
 

@@ -2,12 +2,14 @@
 
 Public API:
     load_target(path=None, dtype="float32") -> Target
+    load_draft(path, target) / init_draft(target, variant="jetspec++", ...) -> Draft
     generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
     generate_batch(target, prompts, *, ...) -> list[GenerationResult]
     SamplingParams, CheckpointError
 """
 
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.generate import METHODS, GenerationResult, Timing, generate, generate_batch
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target, load_target
@@ -15,11 +17,14 @@ from jetspec_jax.target import Target, load_target
 __all__ = [
     "METHODS",
     "CheckpointError",
+    "Draft",
     "GenerationResult",
     "SamplingParams",
     "Target",
     "Timing",
     "generate",
     "generate_batch",
+    "init_draft",
+    "load_draft",
     "load_target",
 ]

@@ -20,13 +20,14 @@ from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.speculative import SpecState, decode_speculative, prefill_speculative
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from jetspec_jax.target import Target
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("ar",)
+METHODS = ("ar", "dflash", "jetspec", "jetspec++")
 GREEDY = SamplingParams()
 _COMPILED = CompiledCache()
 
@@ -57,6 +58,8 @@ class GenerationResult:
         finish_reason: "stop" (a stop token was generated) or "length" (max_new_tokens reached).
         prompt_length: number of prompt tokens.
         timing: wall-clock times of the batch this prompt ran in.
+        outcomes: speculative methods: `(k, a)` of every verification round (k drafts accepted,
+            bonus token a); empty for "ar".
     """
 
     tokens: list[int]
@@ -64,11 +67,13 @@ class GenerationResult:
     finish_reason: str
     prompt_length: int
     timing: Timing
+    outcomes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per target forward."""
-        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 0.0
+        """Mean tokens committed per verification round (the prefill's first token excluded)."""
+        rounds = self.acceptance_lengths[1:] or self.acceptance_lengths
+        return float(np.mean(rounds)) if rounds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -89,14 +94,18 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
+    refine_passes: int = 0,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
     Args:
         target: a loaded target (`load_target`).
         prompt_ids: the prompt's token ids (a non-empty list of ints).
-        draft: the draft model of speculative methods; None for "ar".
-        method: decoding method; "ar" (autoregressive).
+        draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
+        method: "ar" (autoregressive), or a speculative method matching the draft's variant:
+            "dflash", "jetspec" or "jetspec++". Every method gives the same tokens as "ar" (greedy,
+            and sampled with the same seed, up to floating-point differences between block and
+            single-token forwards); they differ in how many target forwards they need.
         max_new_tokens: at most this many new tokens (>= 1).
         temperature: 0 for greedy decoding, > 0 to sample.
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
@@ -104,6 +113,8 @@ def generate(
         seed: random seed of the request; the same seed gives the same tokens.
         stop_token_ids: stop after generating any of these; None uses the target's end-of-sequence
             ids, [] disables stopping.
+        refine_passes: "jetspec++" only: J extra Jacobi refinement passes of the draft per round
+            (J0 = one pass).
 
     Returns:
         A `GenerationResult`.
@@ -117,6 +128,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         sampling=[sampling],
         stop_token_ids=stop_token_ids,
+        refine_passes=refine_passes,
     )[0]
 
 
@@ -129,25 +141,25 @@ def generate_batch(
     max_new_tokens: int = 128,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     stop_token_ids: Sequence[int] | None = None,
+    refine_passes: int = 0,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
-    Each row's tokens equal those of generating it alone (greedy, and sampled with its seed).
+    Each row's tokens equal those of generating it alone (greedy, and sampled with its seed), and
+    for every method equal those of "ar".
 
     Args:
         target: a loaded target.
         prompts: token-id lists, one per request.
-        draft, method, max_new_tokens, stop_token_ids: as in `generate`, shared by all rows.
+        draft, method, max_new_tokens, stop_token_ids, refine_passes: as in `generate`, shared by
+            all rows.
         sampling: one `SamplingParams` for all rows, or one per row.
 
     Returns:
         One `GenerationResult` per prompt, in order.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
-    if draft is not None:
-        raise ValueError(f"method {method!r} takes no draft model")
     config = target.config
+    proposer, proposer_params = _proposer(target, draft, method, refine_passes)
     prompts = [_check_prompt(p, config.vocab_size) for p in prompts]
     if not prompts:
         raise ValueError("prompts is empty")
@@ -168,11 +180,12 @@ def generate_batch(
     stops = target.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
     _check_prompt(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
 
-    # Bucketed shapes; padding rows have a zero budget and are done after prefill.
+    # Bucketed shapes; padding rows have a zero budget and are done after prefill. A verification
+    # writes a whole block past the committed length, so the cache has a block of headroom.
     batch = bucket(len(prompts), minimum=1)
     prompt_len = bucket(max(len(p) for p in prompts))
     max_output = bucket(max_new_tokens)
-    capacity = prompt_len + max_output
+    capacity = prompt_len + max_output + (proposer.block_size if proposer else 0)
     padded = np.zeros((batch, prompt_len), np.int32)
     lengths = np.ones((batch,), np.int32)
     for row, p in enumerate(prompts):
@@ -184,16 +197,27 @@ def generate_batch(
         stop_token_ids=jnp.asarray(np.tile(np.asarray(stops or (-1,), np.int32), (batch, 1))),
         sampling=RowSampling.from_params(list(sampling) + [SamplingParams()] * pad_rows),
     )
-    prefill_args = (target.params, jnp.asarray(padded), jnp.asarray(lengths), requests)
-    run_prefill, prefill_compile = _COMPILED.get(
-        prefill, *prefill_args, config=config, capacity=capacity, max_output=max_output
-    )
+    inputs = (jnp.asarray(padded), jnp.asarray(lengths), requests)
+    sizes = dict(config=config, capacity=capacity, max_output=max_output)
+    max_steps = jnp.int32(max_new_tokens)  # every forward commits >= 1 token
+    if proposer is None:
+        prefill_fn, prefill_args = prefill, (target.params, *inputs)
+        decode_fn, decode_static = decode_autoregressive, dict(config=config)
+    else:
+        prefill_fn, prefill_args = prefill_speculative, (target.params, proposer_params, *inputs)
+        sizes["proposer"] = proposer
+        decode_fn, decode_static = decode_speculative, dict(config=config, proposer=proposer)
+
+    run_prefill, prefill_compile = _COMPILED.get(prefill_fn, *prefill_args, **sizes)
     start = time.perf_counter()
     state = jax.block_until_ready(run_prefill(*prefill_args))
+    if proposer is None:
+        state = state[0]  # AR needs no tap states
     prefilled = time.perf_counter()
 
-    decode_args = (target.params, state, requests, jnp.int32(max_new_tokens))
-    run_decode, decode_compile = _COMPILED.get(decode_autoregressive, *decode_args, config=config)
+    params = (target.params,) if proposer is None else (target.params, proposer_params)
+    decode_args = (*params, state, requests, max_steps)
+    run_decode, decode_compile = _COMPILED.get(decode_fn, *decode_args, **decode_static)
     decode_start = time.perf_counter()
     state = jax.device_get(run_decode(*decode_args))
     finished = time.perf_counter()
@@ -205,14 +229,43 @@ def generate_batch(
     return [_result(state, row, len(p), stops, timing) for row, p in enumerate(prompts)]
 
 
+def _proposer(target: Target, draft, method: str, refine_passes: int):
+    """`(proposer, params)` for a speculative method, `(None, None)` for "ar"."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    if method == "ar":
+        if draft is not None:
+            raise ValueError("method 'ar' takes no draft model")
+        if refine_passes:
+            raise ValueError("refine_passes applies to method 'jetspec++' only")
+        return None, None
+    if draft is None:
+        raise ValueError(f"method {method!r} needs a draft model (load_draft or init_draft)")
+    if not hasattr(draft, "proposer"):
+        raise ValueError(f"draft must be a Draft (load_draft or init_draft), got {type(draft)}")
+    return draft.proposer(target, method=method, refine_passes=refine_passes)
+
+
 def _result(state, row: int, prompt_length: int, stops: tuple[int, ...], timing: Timing):
-    tokens = state.output[row, : int(state.num_generated[row])].tolist()
+    decode = state.decode if isinstance(state, SpecState) else state
+    tokens = decode.output[row, : int(decode.num_generated[row])].tolist()
+    outcomes = []
+    if isinstance(state, SpecState):
+        rounds = int(state.num_verify_rounds[row])
+        outcomes = list(
+            zip(
+                state.accepted[row, :rounds].tolist(),
+                state.bonus[row, :rounds].tolist(),
+                strict=True,
+            )
+        )
     return GenerationResult(
         tokens=tokens,
-        acceptance_lengths=state.round_lengths[row, : int(state.num_rounds[row])].tolist(),
+        acceptance_lengths=decode.round_lengths[row, : int(decode.num_rounds[row])].tolist(),
         finish_reason="stop" if tokens and tokens[-1] in stops else "length",
         prompt_length=prompt_length,
         timing=timing,
+        outcomes=outcomes,
     )
 
 

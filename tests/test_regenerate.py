@@ -116,6 +116,16 @@ def test_resume_after_limit_equals_uninterrupted_run(target, prompt_files, unint
     assert (again.written, again.skipped_existing) == (0, 5)
 
 
+def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, tmp_path):
+    # Per-record seeds depend on the record's index only, not on which batch it lands in.
+    sampling = jetspec_jax.SamplingParams(temperature=1.0, seed=3)
+    kwargs = dict(batch_size=BATCH, max_new_tokens=MAX_NEW, sampling=sampling)
+    regenerate(target, prompt_files, tmp_path / "full.jsonl", **kwargs)
+    regenerate(target, prompt_files, tmp_path / "resumed.jsonl", limit=3, **kwargs)
+    regenerate(target, prompt_files, tmp_path / "resumed.jsonl", **kwargs)
+    assert _read_by_id(tmp_path / "resumed.jsonl") == _read_by_id(tmp_path / "full.jsonl")
+
+
 def test_partial_trailing_line_is_truncated_and_regenerated(
     target, prompt_files, uninterrupted, tmp_path, caplog
 ):

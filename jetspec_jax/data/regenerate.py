@@ -186,23 +186,9 @@ def regenerate(
         len(pending) - len(encoded),
         len(encoded),
     )
-    # Similar lengths per batch: less padding, and fewer prompt-length buckets to compile.
-    encoded.sort(key=lambda item: (len(item[1]), item[0].index))
-    written = 0
-    with (
-        out_path.open("ab") as out,
-        tqdm.tqdm(
-            total=len(encoded),
-            desc="regenerating",
-            unit="prompt",
-            disable=None if show_progress is None else not show_progress,
-        ) as progress,
-    ):
-        for begin in range(0, len(encoded), batch_size):
-            batch = encoded[begin : begin + batch_size]
-            _append_lines(out, _generate_lines(target, batch, max_new_tokens, sampling))
-            written += len(batch)
-            progress.update(len(batch))
+    written = _generate_into(
+        target, encoded, out_path, batch_size, max_new_tokens, sampling, show_progress
+    )
     return RegenerateSummary(
         written=written,
         skipped_existing=len(records) - len(pending),
@@ -210,6 +196,32 @@ def regenerate(
         total=len(records),
         seconds=time.perf_counter() - start,
     )
+
+
+def _generate_into(
+    target: Target,
+    encoded: list[tuple[PromptRecord, list[int]]],
+    out_path: pathlib.Path,
+    batch_size: int,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    show_progress: bool | None,
+) -> int:
+    """Generates the (record, prompt ids) pairs batch by batch, appending; returns the count."""
+    # Similar lengths per batch: less padding, and fewer prompt-length buckets to compile.
+    encoded = sorted(encoded, key=lambda item: (len(item[1]), item[0].index))
+    progress = tqdm.tqdm(
+        total=len(encoded),
+        desc="regenerating",
+        unit="prompt",
+        disable=None if show_progress is None else not show_progress,  # None: only on a terminal
+    )
+    with out_path.open("ab") as out, progress:
+        for begin in range(0, len(encoded), batch_size):
+            batch = encoded[begin : begin + batch_size]
+            _append_lines(out, _generate_lines(target, batch, max_new_tokens, sampling))
+            progress.update(len(batch))
+    return len(encoded)
 
 
 def _encode(

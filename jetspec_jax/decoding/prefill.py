@@ -14,7 +14,7 @@ from jetspec_jax.models.transformer import forward, unembed
 from jetspec_jax.sampling import select_tokens
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_output"))
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "max_output", "tap_layers"))
 def prefill(
     params: dict,
     prompts: jax.Array,
@@ -24,7 +24,8 @@ def prefill(
     config: TransformerConfig,
     capacity: int,
     max_output: int,
-) -> DecodeState:
+    tap_layers: tuple[int, ...] = (),
+) -> tuple[DecodeState, jax.Array | None]:
     """Processes right-padded prompts and commits each row's first generated token.
 
     Args:
@@ -34,16 +35,18 @@ def prefill(
         requests: per-row budgets, stop tokens and sampling.
         capacity: KV cache positions per row (static); must hold prompt + generated tokens.
         max_output: size of the output buffer (static), >= every row's max_new_tokens.
+        tap_layers: target layers whose states over the prompt to return (for drafts; static).
 
     Returns:
-        A `DecodeState` whose cache holds the prompts and whose output holds one token per row
-        (none for rows with a zero budget).
+        `(state, taps)`: a `DecodeState` whose cache holds the prompts and whose output holds one
+        token per row (none for rows with a zero budget), and the `[n_taps, B, T, H]` tap states
+        of the prompt positions (None without tap layers).
     """
     compute_dtype = params["embed_tokens"]["embedding"].dtype  # caches match the weights
     cache = KVCache.zeros(config, prompts.shape[0], capacity, compute_dtype)
-    out = forward(params, config, prompts, cache, num_new=prompt_lengths)
+    out = forward(params, config, prompts, cache, num_new=prompt_lengths, tap_layers=tap_layers)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)
     logits = unembed(params, config, last_hidden)  # [B, 1, V]
     first = select_tokens(logits, requests.sampling, prompt_lengths[:, None])
     state = DecodeState.start(out.cache, max_output)
-    return commit(state, first, jnp.ones_like(prompt_lengths), requests)
+    return commit(state, first, jnp.ones_like(prompt_lengths), requests), out.taps

@@ -73,8 +73,12 @@ class DraftConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty: the draft needs at least one tap layer")
-        if self.shifted and not (self.token_inputs and self.causal):
-            raise ValueError("shifted prediction needs token inputs and causal attention")
+        switches = (self.causal, self.token_inputs, self.shifted)
+        if switches not in [tuple(self.variant_switches(v).values()) for v in VARIANTS]:
+            raise ValueError(
+                f"(causal, token_inputs, shifted) = {switches} is none of the published variants: "
+                + "; ".join(f"{v}: {tuple(self.variant_switches(v).values())}" for v in VARIANTS)
+            )
         if not 0 <= self.mask_token_id < self.layers.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary "

@@ -1,0 +1,348 @@
+"""The DFlash / JetSpec HF draft layout <-> `DraftConfig` and the draft's parameter pytree.
+
+A draft checkpoint directory holds a `config.json` of `model_type: qwen3` (the draft's decoder
+layers) plus the draft fields, and unprefixed weights (`model.safetensors` or shards):
+
+    config.json   the Qwen3 layer fields, block_size, num_target_layers,
+                  is_causal (the causal switch the reference reads),
+                  dflash_config{mask_token_id, target_layer_ids, causal_head,  (published format)
+                                input_mode: "mask" | "tokens",       (ours; default "mask")
+                                prediction: "in_place" | "shifted"}  (ours; default "in_place")
+    fc.weight                     [H, n_taps * H]   -> fc.kernel [n_taps * H, H]
+    hidden_norm.weight            [H]               -> hidden_norm.scale
+    layers.{i}.*                  one Qwen3 decoder layer each (as the target's layers)
+    norm.weight                   [H]               -> norm.scale
+
+There is no embedding or LM head: the draft shares the target's. The reference implementation is
+`dflash.model.DFlashDraftModel`; every reading rule below follows what it does with the same file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
+from jetspec_jax.checkpoint.hf_params import (
+    SINGLE_FILE,
+    TensorSpec,
+    decoder_layer_specs,
+    linear_specs,
+    locate_tensors,
+    norm_spec,
+    tensors_from_tree,
+    tree_from_tensors,
+    validate_names_and_shapes,
+)
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.draft import DraftConfig
+
+Params = dict
+ARCHITECTURE = "DFlashDraftModel"
+INPUT_MODES = ("mask", "tokens")
+PREDICTIONS = ("in_place", "shifted")
+_DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # the reference's other draft class (extra modules)
+# Fields the reference reads from `dflash_config` first and the top level second (`_draft_value`).
+_REQUIRED_DRAFT_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
+
+
+def draft_tensor_specs(config: DraftConfig) -> list[TensorSpec]:
+    """Every tensor of a draft checkpoint of `config`, in a stable order."""
+    c = config.layers
+    n_taps = len(config.target_layer_ids)
+    specs = linear_specs("fc", ("fc",), c.hidden_size, n_taps * c.hidden_size, bias=False)
+    specs.append(norm_spec("hidden_norm", ("hidden_norm",), c.hidden_size))
+    for i in range(c.num_layers):
+        specs += decoder_layer_specs(c, f"layers.{i}", ("layers", i))
+    specs.append(norm_spec("norm", ("norm",), c.hidden_size))
+    return specs
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference's default taps (`dflash.model.build_target_layer_ids`), reimplemented.
+
+    One draft layer taps the middle target layer; otherwise the taps are spread evenly over
+    layers `1 .. num_target_layers - 3` (Python's `round`, as the reference), e.g.
+    `(1, 9, 17, 25, 33)` for 36 target layers and 5 draft layers. The rule can leave the target's
+    range for very shallow targets; `check_draft_matches_target` refuses such taps.
+    """
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(
+        round(start + (i * span) / (num_draft_layers - 1)) for i in range(num_draft_layers)
+    )
+
+
+def check_draft_matches_target(
+    config: DraftConfig, target_config: TransformerConfig, num_target_layers: int | None = None
+) -> None:
+    """Refuses a draft that cannot condition on / share the embedding and head of this target.
+
+    Args:
+        config: the draft config.
+        target_config: the target it is paired with.
+        num_target_layers: the target depth the draft was trained for (its `config.json`), when
+            known.
+
+    Raises:
+        CheckpointError: naming the draft's and the target's values.
+    """
+    _check_layers_match_target(config.layers, target_config, num_target_layers)
+    _check_taps(config.target_layer_ids, target_config)
+
+
+def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -> DraftConfig:
+    """Our draft config from a DFlash/JetSpec draft `config.json` paired with `target_config`.
+
+    Raises:
+        CheckpointError: an unsupported or malformed config, or one that does not match the target
+            (the message names the field and both values).
+    """
+    if hf.get("model_type") != "qwen3":
+        raise CheckpointError(
+            f"a draft config.json must have model_type 'qwen3', got {hf.get('model_type')!r}"
+        )
+    if _DFLASH2_ARCHITECTURE in (hf.get("architectures") or []):
+        raise CheckpointError(
+            f"{_DFLASH2_ARCHITECTURE} drafts (dynamic convolutions, candidate selector) are not "
+            f"supported; only {ARCHITECTURE}"
+        )
+    _check_full_attention(hf)
+    layers = config_from_hf(hf)  # rope, sizes, activation, `use_sliding_window`
+    dflash = hf.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise CheckpointError(f"dflash_config must be an object, got {type(dflash).__name__}")
+    if "num_target_layers" not in hf:  # the reference reads `config.num_target_layers` always
+        raise CheckpointError("draft config.json lacks the required field 'num_target_layers'")
+    values = {name: _draft_field(hf, dflash, name) for name in _REQUIRED_DRAFT_FIELDS}
+    missing = [name for name, value in values.items() if value is None]
+    if missing:
+        raise CheckpointError(_missing_fields_message(missing, hf))
+
+    # Checked before `DraftConfig` exists, so that the message names the target, not the draft.
+    num_target_layers = _as_int("num_target_layers", hf["num_target_layers"])
+    _check_layers_match_target(layers, target_config, num_target_layers)
+    mask_token_id = _as_int("mask_token_id", values["mask_token_id"])
+    if not 0 <= mask_token_id < target_config.vocab_size:
+        raise CheckpointError(
+            f"draft mask_token_id {mask_token_id} is outside the target's vocabulary "
+            f"[0, {target_config.vocab_size})"
+        )
+    try:
+        config = DraftConfig(
+            layers=layers,
+            target_layer_ids=_tap_ids(values["target_layer_ids"]),
+            block_size=_as_int("block_size", values["block_size"]),
+            mask_token_id=mask_token_id,
+            causal=_causal_from_hf(hf, dflash),
+            token_inputs=_choice(dflash, "input_mode", INPUT_MODES) == "tokens",
+            shifted=_choice(dflash, "prediction", PREDICTIONS) == "shifted",
+            **_output_options(hf, dflash),
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"invalid draft config.json: {e}") from e
+    _check_taps(config.target_layer_ids, target_config)
+    return config
+
+
+def draft_config_to_hf(
+    config: DraftConfig, target_config: TransformerConfig, dtype: str = "float32"
+) -> dict[str, Any]:
+    """A draft `config.json` that `dflash.model.DFlashDraftModel.from_pretrained` loads with the
+    same behaviour (transformers-5 rope layout).
+
+    The within-block causal switch is written twice: `is_causal` at the top level (the only one
+    the reference reads) and `dflash_config.causal_head` (the JetSpec layout's name).
+    """
+    check_draft_matches_target(config, target_config)
+    hf = config_to_hf(config.layers, dtype)
+    hf["architectures"] = [ARCHITECTURE]
+    hf["block_size"] = config.block_size
+    hf["num_target_layers"] = target_config.num_layers
+    hf["is_causal"] = config.causal
+    hf["dflash_config"] = {
+        "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids),
+        "causal_head": config.causal,
+        "input_mode": "tokens" if config.token_inputs else "mask",
+        "prediction": "shifted" if config.shifted else "in_place",
+        "input_embedding_scale": config.input_embedding_scale,
+        "output_multiplier": config.output_multiplier,
+        "final_logit_softcapping": config.final_logit_softcapping,
+    }
+    return hf
+
+
+def load_draft_params(checkpoint_dir: str | pathlib.Path, config: DraftConfig, dtype) -> Params:
+    """Reads and validates a draft's safetensors weights (single file or shards).
+
+    Names and shapes are validated from the file headers before any tensor is read.
+
+    Raises:
+        CheckpointError: listing every missing, unexpected and mis-shaped tensor by name.
+    """
+    located = locate_tensors(pathlib.Path(checkpoint_dir))
+    specs = draft_tensor_specs(config)
+    validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
+    names_by_file = defaultdict(list)
+    for name, (file, _) in located.items():
+        names_by_file[file].append(name)
+    tensors = {}
+    for file, names in sorted(names_by_file.items()):
+        with safetensors.safe_open(file, framework="numpy") as f:
+            tensors.update({name: f.get_tensor(name) for name in names})
+    return tree_from_tensors(specs, tensors, dtype)
+
+
+def save_draft_params(params: Params, config: DraftConfig, out_dir: pathlib.Path) -> None:
+    """Writes the draft's `model.safetensors` with HF names into an existing directory."""
+    tensors: dict[str, np.ndarray] = tensors_from_tree(draft_tensor_specs(config), params)
+    safetensors.numpy.save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+
+
+def _check_layers_match_target(
+    layers: TransformerConfig, target_config: TransformerConfig, num_target_layers: int | None
+) -> None:
+    c, t = layers, target_config
+    if c.model_type != "qwen3" or not c.qk_norm or c.mlp_bias:
+        raise CheckpointError(
+            f"draft layers must be Qwen3 layers (qk_norm, no MLP bias), got "
+            f"model_type={c.model_type!r}, qk_norm={c.qk_norm}, mlp_bias={c.mlp_bias}"
+        )
+    if c.hidden_size != t.hidden_size:
+        raise CheckpointError(
+            f"draft hidden_size {c.hidden_size} != target hidden_size {t.hidden_size}"
+        )
+    if c.vocab_size != t.vocab_size:
+        raise CheckpointError(
+            f"draft vocab_size {c.vocab_size} != target vocab_size {t.vocab_size}"
+        )
+    if num_target_layers is not None and num_target_layers != t.num_layers:
+        raise CheckpointError(
+            f"draft num_target_layers {num_target_layers} != the target's {t.num_layers} layers"
+        )
+
+
+def _check_taps(target_layer_ids: tuple[int, ...], target_config: TransformerConfig) -> None:
+    num_layers = target_config.num_layers
+    outside = [i for i in target_layer_ids if not 0 <= i < num_layers]
+    if outside:
+        raise CheckpointError(
+            f"draft target_layer_ids {list(target_layer_ids)}: {outside} outside the "
+            f"target's layers [0, {num_layers})"
+        )
+
+
+def _check_full_attention(hf: dict[str, Any]) -> None:
+    """The reference gives `sliding_attention` layers a window (and a causal default); we don't."""
+    sliding = [i for i, t in enumerate(hf.get("layer_types") or []) if t != "full_attention"]
+    if sliding:
+        raise CheckpointError(
+            f"draft layer_types: layers {sliding} are not 'full_attention' "
+            "(sliding-window draft layers are not supported)"
+        )
+
+
+def _draft_field(hf: dict[str, Any], dflash: dict[str, Any], name: str):
+    """`dflash_config[name]`, else the top-level `name` (the reference's lookup order).
+
+    Both present with different values is refused: the reference would silently take the first.
+    """
+    nested, top = dflash.get(name), hf.get(name)
+    if nested is not None and top is not None and nested != top:
+        raise CheckpointError(
+            f"draft config.json sets dflash_config.{name}={nested!r} and {name}={top!r}"
+        )
+    return nested if nested is not None else top
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"draft {name} must be an integer, got {value!r}")
+    return value
+
+
+def _tap_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise CheckpointError(f"draft target_layer_ids must be a list of integers, got {value!r}")
+    return tuple(_as_int("target_layer_ids entry", i) for i in value)
+
+
+def _missing_fields_message(missing: list[str], hf: dict[str, Any]) -> str:
+    message = (
+        f"draft config.json lacks the required field(s) {', '.join(missing)} "
+        "(in dflash_config or at the top level)"
+    )
+    if "target_layer_ids" in missing:
+        rule = default_target_layer_ids(
+            _as_int("num_target_layers", hf["num_target_layers"]), int(hf["num_hidden_layers"])
+        )
+        message += f"; the reference's default taps for this config would be {list(rule)}"
+    return message
+
+
+def _causal_from_hf(hf: dict[str, Any], dflash: dict[str, Any]) -> bool:
+    """Within-block causality: `dflash_config.causal_head` (JetSpec) or top-level `is_causal`
+    (what the reference reads); refused if they disagree.
+
+    Both absent means bidirectional, as in the reference: it takes `is_causal=None` on a
+    full-attention layer as non-causal (the published DFlash drafts carry neither field).
+    """
+    head, top = dflash.get("causal_head"), hf.get("is_causal")
+    for name, value in (("dflash_config.causal_head", head), ("is_causal", top)):
+        if value is not None and not isinstance(value, bool):
+            raise CheckpointError(f"draft {name} must be true, false or null, got {value!r}")
+    if head is not None and top is not None and head != top:
+        raise CheckpointError(
+            f"draft dflash_config.causal_head={head} contradicts is_causal={top} "
+            "(the reference reads is_causal)"
+        )
+    value = head if head is not None else top
+    return bool(value) if value is not None else False
+
+
+def _choice(dflash: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:
+    """`dflash_config[name]`, one of `allowed`; absent -> `allowed[0]` (the published format)."""
+    value = dflash.get(name, allowed[0])
+    if value not in allowed:
+        raise CheckpointError(
+            f"draft dflash_config.{name} must be one of {', '.join(allowed)}, got {value!r}"
+        )
+    return value
+
+
+def _output_options(hf: dict[str, Any], dflash: dict[str, Any]) -> dict[str, Any]:
+    """The reference's optional embedding / logit scalings (read like its `_draft_value`)."""
+    scale = _as_float("input_embedding_scale", _draft_field(hf, dflash, "input_embedding_scale"))
+    multiplier = _as_float("output_multiplier", _draft_field(hf, dflash, "output_multiplier"))
+    softcap = _as_float(
+        "final_logit_softcapping", _draft_field(hf, dflash, "final_logit_softcapping")
+    )
+    if softcap is not None and softcap < 0:
+        raise CheckpointError(f"draft final_logit_softcapping must be >= 0, got {softcap}")
+    return dict(
+        input_embedding_scale=1.0 if scale is None else scale,
+        output_multiplier=1.0 if multiplier is None else multiplier,
+        # The reference applies the cap only when it is > 0.
+        final_logit_softcapping=softcap if softcap else None,
+    )
+
+
+def _as_float(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"draft {name} must be a number, got {value!r}")
+    return float(value)

@@ -1,0 +1,125 @@
+"""Proposers: what drafts a block for the speculative loop.
+
+A proposer is a hashable description (a static jit argument) with three pure functions over its
+own parameter pytree and state pytree:
+
+    start(params, target_params, prompt_taps, prompt_lengths, capacity) -> state
+    propose(params, target_params, state, anchor, anchor_positions, sequence) -> drafts [B, K-1]
+    observe(params, target_params, state, block_taps, num_committed) -> state
+
+The parallel draft model is the proposer every method serves; tests plug in oracles through the same
+interface, and foresight drafting will be another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.models.draft import (
+    DraftCache,
+    DraftConfig,
+    draft_hidden,
+    draft_logits,
+    drafts_from_logits,
+    extend_context,
+)
+
+# Fixed key of the first-pass noise of token-input drafts: not the request's seed, so that greedy
+# drafts (and hence the number of target forwards) do not depend on it.
+_NOISE_KEY = 0x5EED
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftProposer:
+    """The parallel draft model, in any of its three variants.
+
+    Attributes:
+        config: the draft's config.
+        refine_passes: J, extra Jacobi passes after the first (token-input drafts only; J0 = one
+            pass). Pass j+1 feeds `[anchor, d_1 .. d_(K-1)]` of pass j back in.
+    """
+
+    config: DraftConfig
+    refine_passes: int = 0
+
+    def __post_init__(self):
+        if self.refine_passes < 0:
+            raise ValueError(f"refine_passes must be >= 0, got {self.refine_passes}")
+        if self.refine_passes and not self.config.token_inputs:
+            raise ValueError(
+                f"refinement passes need a token-input (jetspec++) draft; this draft is "
+                f"{self.config.variant!r}"
+            )
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def start(self, params, target_params, prompt_taps, prompt_lengths, capacity) -> DraftCache:
+        """The draft cache holding the projected prompt (the anchor is the first new token)."""
+        dtype = params["norm"]["scale"].dtype
+        cache = DraftCache.zeros(self.config, prompt_lengths.shape[0], capacity, dtype)
+        return extend_context(params, self.config, cache, prompt_taps, prompt_lengths)
+
+    def propose(self, params, target_params, cache, anchor, anchor_positions, sequence):
+        """`[B, K-1]` drafts for the block after `anchor` (at `anchor_positions`)."""
+        del anchor_positions  # the draft cache's lengths are the anchor positions
+        config = self.config
+        embedding = target_params["embed_tokens"]["embedding"]
+        lm_head = _lm_head(target_params)
+        if config.token_inputs:
+            inputs = _first_pass_noise(sequence, cache.lengths, config.block_size - 1)
+        else:
+            inputs = jnp.full((anchor.shape[0], config.block_size - 1), config.mask_token_id)
+        for _ in range(1 + self.refine_passes):
+            block = jnp.concatenate([anchor[:, None], inputs.astype(jnp.int32)], axis=1)
+            hidden = draft_hidden(params, config, cache, embedding, block)
+            inputs = drafts_from_logits(config, draft_logits(config, lm_head, hidden))
+        return inputs
+
+    def observe(self, params, target_params, cache, block_taps, num_committed):
+        """Extends the draft's context with the newly verified block positions."""
+        return extend_context(params, self.config, cache, block_taps, num_committed)
+
+
+def _lm_head(target_params) -> jax.Array:
+    """The target's `[H, V]` output kernel (the embedding, transposed, when tied)."""
+    if "lm_head" in target_params:
+        return target_params["lm_head"]["kernel"]
+    return target_params["embed_tokens"]["embedding"].T
+
+
+def _first_pass_noise(sequence, anchor_positions, count):
+    """`[B, count]` tokens copied from uniformly random positions `<= anchor` of each row.
+
+    This is the fully-noised block of draft training; a deterministic function of the anchor
+    position, so greedy decoding stays reproducible.
+    """
+
+    def row(tokens, anchor_pos):
+        key = jax.random.fold_in(jax.random.key(_NOISE_KEY), anchor_pos)
+        idx = jax.random.randint(key, (count,), 0, anchor_pos + 1)
+        return tokens[idx]
+
+    return jax.vmap(row)(sequence, anchor_positions)
+
+
+def draft_proposer(config: DraftConfig, method: str, refine_passes: int) -> DraftProposer:
+    """The proposer of a draft for `method`, which must be the draft's own variant.
+
+    The three variants share an implementation but not their weights: a draft trained with mask
+    inputs in place cannot serve token inputs shifted, so a mismatch is refused.
+    """
+    if method != config.variant:
+        raise ValueError(
+            f"this draft is a {config.variant!r} draft (causal={config.causal}, "
+            f"token_inputs={config.token_inputs}); it cannot serve method {method!r}"
+        )
+    return DraftProposer(config, refine_passes)

@@ -1,0 +1,172 @@
+"""Chain speculative decoding in one jitted, device-resident loop.
+
+Each round, for every row of the batch:
+
+    draft   the proposer drafts K-1 tokens after the anchor (the last committed token)
+    verify  one target forward over [anchor, d_1 .. d_(K-1)], which also yields tap states
+    accept  `verify_chain`: the target's own draws a_j, accepted while they match the drafts
+    commit  a_0 .. a_k (k accepted drafts + the bonus), cut at stop tokens and budgets
+    rollback the target cache to the committed length (lowering lengths; nothing is copied)
+    observe the proposer extends its context with the verified positions
+
+Rows accept different numbers of tokens and finish at different rounds; finished rows ride along
+with their caches frozen until every row is done.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.state import DecodeState, Requests, commit
+from jetspec_jax.decoding.verify import verify_chain
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.transformer import forward, unembed
+
+
+@flax.struct.dataclass
+class SpecState:
+    """The loop carry of speculative decoding.
+
+    Attributes:
+        decode: the target-side state (cache, outputs, per-round commit counts, done flags).
+        proposer: the proposer's own state (e.g. the draft's context cache).
+        sequence: `[B, S]` int32 every row's tokens by absolute position (prompt, then committed).
+        accepted: `[B, N]` int32 drafts accepted in each verification round.
+        bonus: `[B, N]` int32 the bonus token of each verification round.
+        num_verify_rounds: `[B]` int32 verification rounds in which the row was active.
+    """
+
+    decode: DecodeState
+    proposer: Any
+    sequence: jax.Array
+    accepted: jax.Array
+    bonus: jax.Array
+    num_verify_rounds: jax.Array
+
+
+def start_speculative(
+    decode: DecodeState,
+    proposer_state,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    capacity: int,
+) -> SpecState:
+    """The carry after prefill: the sequence buffer holds the prompts and the first token."""
+    batch, max_output = decode.output.shape
+    sequence = jnp.zeros((batch, capacity), jnp.int32).at[:, : prompts.shape[1]].set(prompts)
+    rows = jnp.arange(batch)
+    sequence = sequence.at[rows, prompt_lengths].set(decode.last_token, mode="drop")
+    zeros = jnp.zeros((batch, max_output), jnp.int32)
+    return SpecState(
+        decode=decode,
+        proposer=proposer_state,
+        sequence=sequence,
+        accepted=zeros,
+        bonus=zeros,
+        num_verify_rounds=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "proposer"), donate_argnames=("state",))
+def decode_speculative(
+    params: dict,
+    proposer_params: Any,
+    state: SpecState,
+    requests: Requests,
+    max_rounds: jax.Array,
+    *,
+    config: TransformerConfig,
+    proposer: Any,
+) -> SpecState:
+    """Runs verification rounds until every row is done or `max_rounds` have run.
+
+    Args:
+        params: target parameters.
+        proposer_params: the proposer's parameters (e.g. the draft's).
+        state: the carry (from `start_speculative` or an earlier call; donated).
+        requests: per-row budgets, stop tokens and sampling.
+        max_rounds: scalar cap on rounds in this call (dynamic).
+        config: the target config (static).
+        proposer: the proposer (static; see `decoding/proposers.py`).
+
+    Returns:
+        The advanced carry.
+    """
+
+    def not_finished(carry):
+        step, s = carry
+        return (step < max_rounds) & jnp.any(~s.decode.done)
+
+    def one_round(carry):
+        step, s = carry
+        return step + 1, _round(params, proposer_params, s, requests, config, proposer)
+
+    return jax.lax.while_loop(not_finished, one_round, (jnp.int32(0), state))[1]
+
+
+def _round(params, proposer_params, s: SpecState, requests, config, proposer) -> SpecState:
+    d = s.decode
+    active = ~d.done
+    anchor, anchor_pos = d.last_token, d.cache.lengths
+    drafts = proposer.propose(proposer_params, params, s.proposer, anchor, anchor_pos, s.sequence)
+    block = jnp.concatenate([anchor[:, None], drafts], axis=1)  # [B, K]
+    out = forward(params, config, block, d.cache, tap_layers=proposer.tap_layers)
+    logits = unembed(params, config, out.hidden)
+    accepted, tokens = verify_chain(logits, drafts, requests.sampling, anchor_pos)
+
+    num_committed = jnp.where(active, accepted + 1, 0)
+    cache = out.cache.rolled_back(anchor_pos + num_committed)
+    decode = commit(d.replace(cache=cache), tokens, accepted + 1, requests)
+
+    rows = jnp.arange(block.shape[0])[:, None]
+    k_len = block.shape[1]
+    sequence = s.sequence.at[rows, anchor_pos[:, None] + 1 + jnp.arange(k_len)].set(
+        tokens, mode="drop"
+    )
+    slot = jnp.where(active, s.num_verify_rounds, s.accepted.shape[1])  # inactive: dropped
+    bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    return SpecState(
+        decode=decode,
+        proposer=proposer.observe(proposer_params, params, s.proposer, out.taps, num_committed),
+        sequence=sequence,
+        accepted=s.accepted.at[rows[:, 0], slot].set(accepted, mode="drop"),
+        bonus=s.bonus.at[rows[:, 0], slot].set(bonus, mode="drop"),
+        num_verify_rounds=s.num_verify_rounds + active,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "proposer", "capacity", "max_output"))
+def prefill_speculative(
+    params: dict,
+    proposer_params: Any,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    requests: Requests,
+    *,
+    config: TransformerConfig,
+    proposer: Any,
+    capacity: int,
+    max_output: int,
+) -> SpecState:
+    """Prefill for speculative decoding: the target's prefill, then the proposer's start.
+
+    Args and static arguments as `prefill` and `decode_speculative`; returns the loop carry.
+    """
+    decode, taps = prefill(
+        params,
+        prompts,
+        prompt_lengths,
+        requests,
+        config=config,
+        capacity=capacity,
+        max_output=max_output,
+        tap_layers=proposer.tap_layers,
+    )
+    proposer_state = proposer.start(proposer_params, params, taps, prompt_lengths, capacity)
+    return start_speculative(decode, proposer_state, prompts, prompt_lengths, capacity)

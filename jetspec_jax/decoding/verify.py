@@ -1,0 +1,75 @@
+"""Lossless verification of a drafted chain, and the law of its outcome.
+
+Drafts are deterministic (argmax), so the proposal is a point mass: accepting `d_j` with
+probability `p_j(d_j)` and otherwise resampling from `p_j` without `d_j` is the same as drawing
+`a_j ~ p_j` at every block position and accepting while `a_j == d_j`; the first mismatching `a_j` is
+the bonus token. We draw `a_j` with the request's (seed, position) key, exactly the draw
+autoregressive decoding would make there, so every committed token is the one AR would commit:
+speculative output equals autoregressive output for the same seed, token for token, at any
+temperature (and equals it in distribution a fortiori).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.sampling import RowSampling, filter_logits, select_tokens
+
+
+def verify_chain(
+    logits: jax.Array, drafts: jax.Array, sampling: RowSampling, anchor_positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Accepts a prefix of the drafts.
+
+    Args:
+        logits: `[B, K, V]` target logits at block positions 0..K-1 (block = [anchor, drafts]);
+            position j predicts the token at absolute position `anchor_positions + j + 1`.
+        drafts: `[B, K-1]` the drafted tokens `d_1 .. d_(K-1)`.
+        sampling: per-row sampling parameters.
+        anchor_positions: `[B]` absolute position of each block's anchor.
+
+    Returns:
+        `(accepted, tokens)`: `accepted` `[B]` int32 the number k of drafts accepted, and
+        `tokens` `[B, K]` the target's choices `a_0 .. a_(K-1)`; the round commits `tokens[:, :k+1]`
+        (= the k accepted drafts, then the bonus `a_k`).
+    """
+    k_len = logits.shape[1]
+    positions = anchor_positions[:, None] + 1 + jnp.arange(k_len, dtype=jnp.int32)[None]
+    tokens = select_tokens(logits, sampling, positions)
+    matches = tokens[:, :-1] == drafts
+    accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
+    return accepted, tokens
+
+
+def target_probabilities(logits: jax.Array, sampling: RowSampling) -> jax.Array:
+    """`[B, K, V]` the target's sampling distributions `p_j` (one-hot argmax at temperature 0)."""
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    safe_t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    filtered = filter_logits(logits, safe_t, sampling.top_k, sampling.top_p)
+    sampled = jax.nn.softmax(filtered, axis=-1)
+    return jnp.where((sampling.temperature > 0)[:, None, None], sampled, greedy)
+
+
+def outcome_law(probs: jax.Array, drafts: jax.Array) -> jax.Array:
+    """`P(k, a)`: the probability that verification accepts exactly k drafts with bonus a.
+
+        P(k, a) = [prod_{j<=k} p_j(d_j)] * p_(k+1)(a) * 1[a != d_(k+1)]     for k < K-1
+        P(K-1, a) = [prod_{j<=K-1} p_j(d_j)] * p_K(a)
+
+    (1-indexed p_j over block positions; sums to 1 over all (k, a).)
+
+    Args:
+        probs: `[..., K, V]` target distributions at block positions 0..K-1.
+        drafts: `[..., K-1]` drafts.
+
+    Returns:
+        `[..., K, V]` with entry `[k, a]` = P(k, a).
+    """
+    k_len, vocab = probs.shape[-2:]
+    p_draft = jnp.take_along_axis(probs[..., :-1, :], drafts[..., None], axis=-1)[..., 0]
+    prefix = jnp.cumprod(p_draft, axis=-1)
+    reach = jnp.concatenate([jnp.ones_like(prefix[..., :1]), prefix], axis=-1)  # P(accept >= k)
+    not_draft = 1.0 - jax.nn.one_hot(drafts, vocab, dtype=probs.dtype)  # [..., K-1, V]
+    not_draft = jnp.concatenate([not_draft, jnp.ones_like(not_draft[..., :1, :])], axis=-2)
+    return reach[..., None] * probs * not_draft

@@ -1,0 +1,204 @@
+"""A draft head paired with its target: load (DFlash/JetSpec HF layout), random init, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.checkpoint.atomic import atomic_directory
+from jetspec_jax.checkpoint.draft_hf import (
+    check_draft_matches_target,
+    default_target_layer_ids,
+    draft_config_from_hf,
+    draft_config_to_hf,
+    draft_tensor_specs,
+    load_draft_params,
+    save_draft_params,
+)
+from jetspec_jax.checkpoint.hf_config import read_hf_config
+from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
+from jetspec_jax.decoding.proposers import draft_proposer
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.draft import DraftConfig
+from jetspec_jax.target import DTYPES, Target
+
+__all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draft:
+    """A draft head for one target (whose embedding and LM head it shares).
+
+    Attributes:
+        config: the draft architecture and variant (static under jit).
+        params: the parameter pytree (see `jetspec_jax.checkpoint.draft_hf`), in `dtype`.
+        dtype: "float32" or "bfloat16".
+        target_config: the config of the target it was loaded for or initialised from (its
+            depth is the `num_target_layers` an export records).
+        path: the directory it was loaded from, if any.
+    """
+
+    config: DraftConfig
+    params: dict
+    dtype: str
+    target_config: TransformerConfig
+    path: pathlib.Path | None = None
+
+    def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
+        """Exports the draft in the DFlash/JetSpec HF layout (`config.json`, `model.safetensors`),
+        loadable by `dflash.model.DFlashDraftModel.from_pretrained`.
+
+        Written atomically: `out_dir` appears complete or not at all.
+        """
+        hf = draft_config_to_hf(self.config, self.target_config, self.dtype)
+        with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+            save_draft_params(self.params, self.config, tmp)
+        return pathlib.Path(out_dir)
+
+    def proposer(self, target: Target, *, method: str, refine_passes: int = 0):
+        """`(proposer, params)` drafting for `target` with `method` (the decode loop's interface).
+
+        Raises:
+            ValueError: `method` is not this draft's variant, or refinement on a mask-input draft.
+            CheckpointError: the draft does not fit `target` (hidden size, vocabulary, taps).
+        """
+        check_draft_matches_target(self.config, target.config, self.target_config.num_layers)
+        return draft_proposer(self.config, method, refine_passes), self.params
+
+
+def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = None) -> Draft:
+    """Loads a draft head saved in the DFlash/JetSpec HF layout, for `target`.
+
+    Args:
+        path: a directory with the draft's `config.json` and `model.safetensors` (or shards with
+            `model.safetensors.index.json`).
+        target: the target the draft conditions on and shares its embedding / LM head with.
+        dtype: "float32" or "bfloat16"; None: the target's.
+
+    Raises:
+        CheckpointError: the directory is missing or malformed, or the draft does not fit the
+            target (hidden size, vocabulary, target depth, tap layers, mask token).
+    """
+    dtype = target.dtype if dtype is None else dtype
+    _check_dtype(dtype)
+    path = pathlib.Path(path)
+    config = draft_config_from_hf(read_hf_config(path), target.config)
+    params = load_draft_params(path, config, DTYPES[dtype])
+    return Draft(config=config, params=params, dtype=dtype, target_config=target.config, path=path)
+
+
+def init_draft(
+    target: Target,
+    *,
+    variant: str = "jetspec++",
+    num_layers: int = 1,
+    target_layer_ids: tuple[int, ...] | None = None,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    init_std: float = 0.02,
+    seed: int = 0,
+) -> Draft:
+    """A randomly initialised draft head for `target`, in the target's dtype.
+
+    Kernels are drawn from N(0, init_std) and norm scales are 1. Sizes default to the target's
+    (hidden size always is the target's; heads, head_dim, intermediate size, RoPE and RMSNorm eps
+    by default).
+
+    Args:
+        target: the target to draft for.
+        variant: "dflash", "jetspec" or "jetspec++" (`DraftConfig.variant_switches`).
+        num_layers: draft decoder layers.
+        target_layer_ids: tap layers; None: the reference's rule (`default_target_layer_ids`).
+        block_size: positions per drafted block.
+        mask_token_id: None: the tokenizer's mask token, else its pad token, else its unk token,
+            else `vocab_size - 1` (the first the target has). Only mask-input variants
+            (dflash, jetspec) ever feed it to the draft.
+        intermediate_size, num_heads, num_kv_heads, head_dim: None: the target's.
+        init_std: standard deviation of the kernels.
+        seed: seed of `jax.random`.
+    """
+    switches = DraftConfig.variant_switches(variant)
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(target.config.num_layers, num_layers)
+    config = DraftConfig(
+        layers=_draft_layers(
+            target.config, num_layers, intermediate_size, num_heads, num_kv_heads, head_dim
+        ),
+        target_layer_ids=tuple(target_layer_ids),
+        block_size=block_size,
+        mask_token_id=_default_mask_token_id(target) if mask_token_id is None else mask_token_id,
+        **switches,
+    )
+    check_draft_matches_target(config, target.config)
+    specs = draft_tensor_specs(config)
+    keys = jax.random.split(jax.random.key(seed), len(specs))
+    tensors = {
+        spec.hf_name: _random_tensor(spec, key, init_std)
+        for spec, key in zip(specs, keys, strict=True)
+    }
+    params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
+    return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
+
+
+def _draft_layers(
+    target_config: TransformerConfig,
+    num_layers: int,
+    intermediate_size: int | None,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    head_dim: int | None,
+) -> TransformerConfig:
+    """Qwen3 decoder layers sized by the target unless overridden (the reference is Qwen3)."""
+    t = target_config
+    return TransformerConfig(
+        model_type="qwen3",
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size if intermediate_size is None else intermediate_size,
+        num_layers=num_layers,
+        num_heads=t.num_heads if num_heads is None else num_heads,
+        num_kv_heads=t.num_kv_heads if num_kv_heads is None else num_kv_heads,
+        head_dim=t.head_dim if head_dim is None else head_dim,
+        rms_norm_eps=t.rms_norm_eps,
+        rope=t.rope,
+        max_position_embeddings=t.max_position_embeddings,
+        qk_norm=True,
+    )
+
+
+def _default_mask_token_id(target: Target) -> int:
+    """The tokenizer's mask, pad or unk token (first present), else `vocab_size - 1`."""
+    tokenizer = target.tokenizer
+    if tokenizer is not None:
+        for name in ("mask_token_id", "pad_token_id", "unk_token_id"):
+            token_id = getattr(tokenizer, name, None)
+            if token_id is not None:
+                return int(token_id)
+    return target.config.vocab_size - 1
+
+
+def _random_tensor(spec: TensorSpec, key: jax.Array, init_std: float) -> np.ndarray:
+    """One HF-layout tensor: kernels ~ N(0, init_std), norm scales 1, biases 0 (float32)."""
+    kind = spec.path[-1]
+    if kind == "kernel":
+        return np.asarray(init_std * jax.random.normal(key, spec.hf_shape, jnp.float32))
+    if kind == "scale":
+        return np.ones(spec.hf_shape, np.float32)
+    if kind == "bias":
+        return np.zeros(spec.hf_shape, np.float32)
+    raise ValueError(f"no initialiser for parameter {spec.hf_name} (leaf {kind!r})")
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

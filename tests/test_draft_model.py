@@ -1,0 +1,388 @@
+"""The draft head: fp32 parity with `dflash.model.DFlashDraftModel` over two cached rounds,
+export/import in the DFlash/JetSpec HF layout, every refusal of a mismatched draft, `init_draft`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from dflash import model as dflash_model
+
+from jetspec_jax import CheckpointError, load_target
+from jetspec_jax.draft import default_target_layer_ids, init_draft, load_draft
+from jetspec_jax.models.draft import DraftCache, DraftConfig, draft_hidden, draft_logits
+from jetspec_jax.models.draft import extend_context as extend_draft_context
+from jetspec_jax.models.transformer import forward
+
+TOL = 1e-4
+BLOCK = 8
+MASK = 96
+PROMPT = 10  # round 1: context rows 0..9, block at positions 10..17
+EXTRA = 3  # round 2: context rows 10..12, block at positions 13..20
+PAD = 2  # round 2 passes EXTRA + PAD rows, of which PAD are padding (as a batched decode loop)
+TOKENS = np.random.default_rng(0).integers(0, MASK, (1, PROMPT + EXTRA + PAD))
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def torch_target(checkpoints):
+    return checkpoints.get("qwen3")[1]
+
+
+@pytest.fixture(scope="module")
+def reference_drafts(tmp_path_factory):
+    """`get(causal)` -> (dir, model): a random reference draft saved with `save_pretrained`."""
+    made = {}
+
+    def get(causal: bool):
+        if causal not in made:
+            torch.manual_seed(int(causal))
+            config = transformers.Qwen3Config(
+                vocab_size=97,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                initializer_range=0.1,  # peaked logits: a wrong mask or position shows clearly
+                num_target_layers=3,
+                block_size=BLOCK,
+                dflash_config={
+                    "mask_token_id": MASK,
+                    "target_layer_ids": [0, 2],
+                    "causal_head": causal,
+                },
+                is_causal=causal,
+            )
+            model = dflash_model.DFlashDraftModel(config).float().eval()
+            with torch.no_grad():  # norms start at 1; randomise them so that each one matters
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.uniform_(0.5, 1.5)
+            path = tmp_path_factory.mktemp("drafts") / f"causal_{causal}"
+            model.save_pretrained(path)
+            made[causal] = (path, model)
+        return made[causal]
+
+    return get
+
+
+def _blocks(config: DraftConfig) -> list[np.ndarray]:
+    """The two rounds' `[1, K]` blocks: the anchor, then mask tokens or (token inputs) tokens."""
+    anchors = [TOKENS[0, PROMPT], TOKENS[0, PROMPT + EXTRA]]
+    if config.token_inputs:
+        rest = np.random.default_rng(1).integers(0, MASK, (2, BLOCK - 1))
+    else:
+        rest = np.full((2, BLOCK - 1), config.mask_token_id)
+    return [np.concatenate([[a], r])[None] for a, r in zip(anchors, rest, strict=True)]
+
+
+def _taps(target, config: DraftConfig) -> jax.Array:
+    """`[n_taps, 1, T, H]` target tap states of TOKENS."""
+    return forward(target.params, target.config, TOKENS, tap_layers=config.target_layer_ids).taps
+
+
+def _our_logits(draft, target, taps, blocks) -> list[np.ndarray]:
+    config = draft.config
+    cache = DraftCache.zeros(config, 1, 32, jnp.float32)
+    embedding = target.params["embed_tokens"]["embedding"]
+    lm_head = target.params["lm_head"]["kernel"]
+    extensions = [(taps[:, :, :PROMPT], PROMPT), (taps[:, :, PROMPT:], EXTRA)]
+    out = []
+    for (rows, num_new), block in zip(extensions, blocks, strict=True):
+        cache = extend_draft_context(draft.params, config, cache, rows, jnp.array([num_new]))
+        hidden = draft_hidden(draft.params, config, cache, embedding, jnp.asarray(block))
+        out.append(np.asarray(draft_logits(config, lm_head, hidden)))
+    return out
+
+
+def _reference_logits(model, torch_target, taps, blocks) -> list[np.ndarray]:
+    """The reference's two rounds, with its cache handled exactly as `dflash_generate` does."""
+    context = torch.tensor(np.asarray(jnp.concatenate(list(taps), axis=-1)))
+    positions = torch.arange(PROMPT + EXTRA + BLOCK)[None]
+    cache = dflash_model._make_cache(model.config)
+    head = dflash_model._output_head(torch_target)
+    out = []
+    with torch.no_grad():
+        for (begin, end), block in zip(
+            [(0, PROMPT), (PROMPT, PROMPT + EXTRA)], blocks, strict=True
+        ):
+            # Positions cover the new context rows and the block; the call appends both to the
+            # cache, and the crop drops the block again.
+            hidden = model(
+                target_hidden=context[:, begin:end],
+                noise_embedding=dflash_model._raw_input_embeddings(
+                    torch_target, torch.from_numpy(block)
+                ),
+                position_ids=positions[:, begin : end + BLOCK],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            dflash_model._crop_to(cache, end)
+            out.append(model.compute_logits(hidden, head).numpy())
+    return out
+
+
+def _assert_rounds_close(ours, reference):
+    for round_, (got, want) in enumerate(zip(ours, reference, strict=True), start=1):
+        assert got.shape == want.shape == (1, BLOCK, 97), round_
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=f"round {round_}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_draft_matches_dflash_reference_over_two_cached_rounds(
+    reference_drafts, target, torch_target, causal
+):
+    path, model = reference_drafts(causal)
+    draft = load_draft(path, target)
+    assert draft.config.causal is causal
+    assert draft.config.variant == ("jetspec" if causal else "dflash")
+    assert (draft.config.target_layer_ids, draft.config.block_size) == ((0, 2), BLOCK)
+    taps, blocks = _taps(target, draft.config), _blocks(draft.config)
+    reference = _reference_logits(model, torch_target, taps, blocks)
+    _assert_rounds_close(_our_logits(draft, target, taps, blocks), reference)
+
+    # The within-block mask matters here: the other setting is far off (except on the last row,
+    # which sees the whole block either way).
+    flipped = dataclasses.replace(
+        draft, config=dataclasses.replace(draft.config, causal=not causal)
+    )
+    wrong = _our_logits(flipped, target, taps, blocks)[1]
+    assert np.abs(wrong[:, :-1] - reference[1][:, :-1]).max() > 100 * TOL
+
+
+@pytest.mark.parametrize("variant", ["jetspec", "jetspec++"])
+def test_export_loads_in_dflash_with_the_same_logits(target, torch_target, tmp_path, variant):
+    draft = init_draft(target, variant=variant, num_layers=2, init_std=0.1, seed=3)
+    out = draft.save(tmp_path / "draft")
+    model, info = dflash_model.DFlashDraftModel.from_pretrained(out, output_loading_info=True)
+    model = model.float().eval()
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    assert model.layers[0].self_attn.is_causal is True
+    assert list(model.target_layer_ids) == list(draft.config.target_layer_ids)
+    assert (model.block_size, model.mask_token_id) == (16, draft.config.mask_token_id)
+
+    taps, blocks = _taps(target, draft.config), _blocks(draft.config)
+    _assert_rounds_close(
+        _our_logits(draft, target, taps, blocks),
+        _reference_logits(model, torch_target, taps, blocks),
+    )
+
+    again = load_draft(out, target)
+    assert again.config == draft.config
+    assert jax.tree.structure(again.params) == jax.tree.structure(draft.params)
+    for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(draft.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_bfloat16_export_round_trips(checkpoints, tmp_path):
+    target = load_target(checkpoints.get("qwen3")[0], dtype="bfloat16")
+    draft = init_draft(target, variant="dflash")
+    assert draft.params["fc"]["kernel"].dtype == jnp.bfloat16
+    again = load_draft(draft.save(tmp_path / "bf16"), target)
+    assert again.dtype == "bfloat16" and again.config == draft.config
+    for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(draft.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_export_refuses_to_overwrite(target, tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        init_draft(target).save(tmp_path / "taken")
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def _copy(reference_drafts, tmp_path):
+    path = tmp_path / "draft"
+    shutil.copytree(reference_drafts(True)[0], path)
+    return path
+
+
+def _edit_config(path, edit):
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _set_dflash(**changes):
+    return lambda config: config["dflash_config"].update(changes)
+
+
+def _drop(key):
+    return lambda config: config.pop(key)
+
+
+def _set(**changes):
+    return lambda config: config.update(changes)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_set(hidden_size=32), "draft hidden_size 32 != target hidden_size 64"),
+        (_set(vocab_size=98), "draft vocab_size 98 != target vocab_size 97"),
+        (_set(num_target_layers=4), "draft num_target_layers 4 != the target's 3 layers"),
+        (
+            _set_dflash(target_layer_ids=[0, 3]),
+            r"target_layer_ids \[0, 3\]: \[3\] outside the target's layers \[0, 3\)",
+        ),
+        (_set_dflash(mask_token_id=97), r"mask_token_id 97 is outside .* \[0, 97\)"),
+        (_set_dflash(mask_token_id=None), r"lacks the required field\(s\) mask_token_id"),
+        (_drop("block_size"), r"lacks the required field\(s\) block_size"),
+        (
+            _set_dflash(target_layer_ids=None),
+            r"target_layer_ids .* the reference's default taps for this config would be \[1, 0\]",
+        ),
+        (_drop("num_target_layers"), "lacks the required field 'num_target_layers'"),
+        (_drop("hidden_size"), "lacks the required field 'hidden_size'"),
+        (_set(model_type="llama"), "must have model_type 'qwen3', got 'llama'"),
+        (_set(layer_types=["full_attention", "sliding_attention"]), r"layers \[1\] are not"),
+        (_set(use_sliding_window=True), "sliding-window"),
+        (
+            _set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+            "unsupported rope scaling type 'yarn'",
+        ),
+        (_set(is_causal=False), "causal_head=True contradicts is_causal=False"),
+        (_set_dflash(block_size=16), r"dflash_config\.block_size=16 and block_size=8"),
+        (_set_dflash(block_size=8), None),  # the same value in both places is fine
+        (_set_dflash(input_mode="noise"), "input_mode must be one of mask, tokens, got 'noise'"),
+        (_set_dflash(prediction="shifted"), "none of the published variants"),
+        (_set_dflash(output_multiplier="2"), "output_multiplier must be a number, got '2'"),
+        (_set(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel drafts .* not supported"),
+    ],
+)
+def test_mismatched_or_unsupported_draft_config_is_refused(
+    reference_drafts, target, tmp_path, edit, message
+):
+    path = _copy(reference_drafts, tmp_path)
+    _edit_config(path, edit)
+    if message is None:
+        load_draft(path, target)
+        return
+    with pytest.raises(CheckpointError, match=message):
+        load_draft(path, target)
+
+
+def test_missing_tensor_is_named(reference_drafts, target, tmp_path):
+    path = _copy(reference_drafts, tmp_path)
+    _edit_tensors(path, lambda t: t.pop("layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: layers\.1\.self_attn\.k_norm"):
+        load_draft(path, target)
+
+
+def test_shape_mismatch_is_named(reference_drafts, target, tmp_path):
+    path = _copy(reference_drafts, tmp_path)
+    _edit_tensors(path, lambda t: t.update({"fc.weight": np.zeros((64, 64), np.float32)}))
+    with pytest.raises(
+        CheckpointError, match=r"fc\.weight: checkpoint \[64, 64\], config expects \[64, 128\]"
+    ):
+        load_draft(path, target)
+
+
+def test_unexpected_tensor_is_named(reference_drafts, target, tmp_path):
+    path = _copy(reference_drafts, tmp_path)
+    _edit_tensors(path, lambda t: t.update({"embed_tokens.weight": np.zeros((97, 64), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: embed_tokens\.weight"):
+        load_draft(path, target)
+
+
+def test_missing_config_is_refused(reference_drafts, target, tmp_path):
+    path = _copy(reference_drafts, tmp_path)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_draft(path, target)
+
+
+def test_bad_dtype_is_refused(reference_drafts, target):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_draft(reference_drafts(True)[0], target, dtype="float16")
+
+
+def _edit_tensors(path, edit):
+    file = path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(file)
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, file)
+
+
+# --- init_draft -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant, switches",
+    [
+        ("dflash", dict(causal=False, token_inputs=False, shifted=False)),
+        ("jetspec", dict(causal=True, token_inputs=False, shifted=False)),
+        ("jetspec++", dict(causal=True, token_inputs=True, shifted=True)),
+    ],
+)
+def test_init_variants_map_to_their_switches(target, variant, switches):
+    config = init_draft(target, variant=variant).config
+    assert {name: getattr(config, name) for name in switches} == switches
+    assert config.variant == variant
+
+
+def test_unknown_variant_is_refused(target):
+    with pytest.raises(ValueError, match="unknown draft variant 'medusa'"):
+        init_draft(target, variant="medusa")
+
+
+def test_default_taps_follow_the_reference_rule():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    for num_target in range(4, 65):
+        for num_draft in range(1, 9):
+            expected = dflash_model.build_target_layer_ids(num_target, num_draft)
+            assert default_target_layer_ids(num_target, num_draft) == tuple(expected)
+
+
+def test_init_defaults_follow_the_target(target):
+    draft = init_draft(target, num_layers=2)
+    c, t = draft.config, target.config
+    assert c.target_layer_ids == default_target_layer_ids(3, 2)
+    assert c.mask_token_id == t.vocab_size - 1  # the tiny target has no tokenizer
+    assert (c.layers.hidden_size, c.layers.num_heads, c.layers.num_kv_heads) == (
+        t.hidden_size,
+        t.num_heads,
+        t.num_kv_heads,
+    )
+    assert (c.layers.head_dim, c.layers.intermediate_size, c.layers.rope) == (
+        t.head_dim,
+        t.intermediate_size,
+        t.rope,
+    )
+    assert (c.layers.num_layers, c.block_size, draft.dtype) == (2, 16, "float32")
+    np.testing.assert_array_equal(np.asarray(draft.params["norm"]["scale"]), np.ones(64))
+    assert abs(float(jnp.std(draft.params["fc"]["kernel"])) - 0.02) < 0.002
+
+
+def test_init_is_seeded(target):
+    kernel = lambda seed: np.asarray(init_draft(target, seed=seed).params["fc"]["kernel"])  # noqa: E731
+    np.testing.assert_array_equal(kernel(0), kernel(0))
+    assert not np.array_equal(kernel(0), kernel(1))
+
+
+def test_init_mask_token_prefers_the_tokenizers(target):
+    tokenizer = types.SimpleNamespace(mask_token_id=None, pad_token_id=5, unk_token_id=3)
+    with_tokenizer = dataclasses.replace(target, tokenizer=tokenizer)
+    assert init_draft(with_tokenizer).config.mask_token_id == 5
+
+
+def test_init_refuses_taps_outside_the_target(target):
+    with pytest.raises(CheckpointError, match=r"\[3\] outside the target's layers \[0, 3\)"):
+        init_draft(target, target_layer_ids=(0, 3))

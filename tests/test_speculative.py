@@ -1,0 +1,180 @@
+"""Chain speculative decoding: token-identical to autoregressive decoding, for every method."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax import SamplingParams
+from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.speculative import decode_speculative, prefill_speculative
+from jetspec_jax.decoding.state import Requests
+from jetspec_jax.sampling import RowSampling
+from tests.oracles import OracleDraft, OracleProposer
+
+N_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 97, n).tolist() for n in (13, 5, 21)]
+
+
+def _ar(target, prompt, **kwargs):
+    return jetspec_jax.generate(target, prompt, max_new_tokens=N_NEW, stop_token_ids=[], **kwargs)
+
+
+def _oracle(target, prompt, block_size, wrong_at=None):
+    """An oracle that drafts the target's own greedy continuation (corrupted at `wrong_at`)."""
+    sequence = prompt + _ar(target, prompt).tokens
+    continuation = np.zeros((1, 256), np.int32)
+    continuation[0, : len(sequence)] = sequence
+    return OracleDraft(continuation, block_size, target.config.vocab_size, wrong_at)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_oracle_drafts_are_all_accepted(target, prompts, block_size):
+    prompt = prompts[0]
+    draft = _oracle(target, prompt, block_size)
+    result = jetspec_jax.generate(
+        target, prompt, draft=draft, method="jetspec", max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    assert result.tokens == _ar(target, prompt).tokens
+    assert all(k == block_size - 1 for k, _ in result.outcomes[:-1])
+    assert result.acceptance_lengths[0] == 1  # the prefill's token
+    assert sum(result.acceptance_lengths) == N_NEW
+    assert result.tau == pytest.approx((N_NEW - 1) / len(result.outcomes))
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 5])
+def test_forced_rejections_accept_exactly_the_prefix(target, prompts, wrong_at):
+    prompt = prompts[1]
+    draft = _oracle(target, prompt, block_size=8, wrong_at=wrong_at)
+    result = jetspec_jax.generate(
+        target, prompt, draft=draft, method="dflash", max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    assert result.tokens == _ar(target, prompt).tokens
+    assert all(k == wrong_at for k, _ in result.outcomes[:-1])
+
+
+@pytest.mark.parametrize("variant", ["dflash", "jetspec", "jetspec++"])
+@pytest.mark.parametrize("block_size", [3, 16])
+def test_random_drafts_give_autoregressive_tokens(target, prompts, variant, block_size):
+    """Random draft weights: mostly rejections, yet the tokens are AR's, row by row in a batch."""
+    draft = jetspec_jax.init_draft(target, variant=variant, block_size=block_size, seed=1)
+    results = jetspec_jax.generate_batch(
+        target, prompts, draft=draft, method=variant, max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == _ar(target, prompt).tokens
+        assert sum(result.acceptance_lengths) == N_NEW
+
+
+def test_refinement_passes_keep_tokens(target, prompts):
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=6, seed=2)
+    for passes in (1, 3):
+        result = jetspec_jax.generate(
+            target,
+            prompts[2],
+            draft=draft,
+            method="jetspec++",
+            refine_passes=passes,
+            max_new_tokens=N_NEW,
+            stop_token_ids=[],
+        )
+        assert result.tokens == _ar(target, prompts[2]).tokens
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 1.0), (1.0, 0.8)])
+def test_sampled_speculative_tokens_equal_autoregressive_with_the_same_seed(
+    target, prompts, temperature, top_p
+):
+    draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4, seed=3)
+    for seed in (0, 1):
+        kwargs = dict(temperature=temperature, top_p=top_p, seed=seed)
+        spec = jetspec_jax.generate(
+            target,
+            prompts[0],
+            draft=draft,
+            method="jetspec",
+            max_new_tokens=N_NEW,
+            stop_token_ids=[],
+            **kwargs,
+        )
+        assert spec.tokens == _ar(target, prompts[0], **kwargs).tokens
+
+
+def test_stop_token_inside_an_accepted_block_ends_the_output_there(target, prompts):
+    prompt = prompts[0]
+    free = _ar(target, prompt).tokens
+    stop = free[6]
+    draft = _oracle(target, prompt, block_size=8)
+    result = jetspec_jax.generate(
+        target, prompt, draft=draft, method="jetspec", max_new_tokens=N_NEW, stop_token_ids=[stop]
+    )
+    assert result.tokens == free[: free.index(stop) + 1]
+    assert result.finish_reason == "stop"
+
+
+def test_method_must_match_the_draft_variant(target):
+    draft = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
+    with pytest.raises(ValueError, match="cannot serve method 'jetspec'"):
+        jetspec_jax.generate(target, [1, 2], draft=draft, method="jetspec")
+    with pytest.raises(ValueError, match="needs a draft"):
+        jetspec_jax.generate(target, [1, 2], method="jetspec++")
+    with pytest.raises(ValueError, match="refinement passes need a token-input"):
+        jetspec_jax.generate(target, [1, 2], draft=draft, method="dflash", refine_passes=1)
+
+
+def test_rollback_leaves_the_cache_of_a_fresh_prefill(target, prompts):
+    """After every round, the target cache holds exactly what a prefill of the committed tokens
+    (all but the last, which is the next anchor) would hold."""
+    prompt = prompts[1]
+    draft = _oracle(target, prompt, block_size=6, wrong_at=3)
+    proposer, oracle_tokens = draft.proposer(target, method="jetspec")
+    requests = Requests(
+        max_new_tokens=jnp.asarray([N_NEW]),
+        stop_token_ids=jnp.asarray([[-1]]),
+        sampling=RowSampling.from_params([SamplingParams()]),
+    )
+    padded = jnp.asarray([prompt + [0] * (32 - len(prompt))])
+    lengths = jnp.asarray([len(prompt)])
+    static = dict(config=target.config, capacity=128, max_output=64)
+    state = prefill_speculative(
+        target.params, oracle_tokens, padded, lengths, requests, proposer=proposer, **static
+    )
+    for _ in range(5):
+        state = decode_speculative(
+            target.params,
+            oracle_tokens,
+            state,
+            requests,
+            jnp.int32(1),
+            config=target.config,
+            proposer=proposer,
+        )
+        n = int(state.decode.num_generated[0])
+        committed = prompt + np.asarray(state.decode.output[0, :n]).tolist()
+        length = len(committed) - 1
+        assert int(state.decode.cache.lengths[0]) == length
+        fresh, _ = prefill(
+            target.params,
+            jnp.asarray([committed[:-1] + [0] * (128 - length)]),
+            jnp.asarray([length]),
+            requests,
+            **static,
+        )
+        for ours, theirs in (
+            (state.decode.cache.k, fresh.cache.k),
+            (state.decode.cache.v, fresh.cache.v),
+        ):
+            np.testing.assert_allclose(ours[:, :, :length], theirs[:, :, :length], atol=1e-5)
+    assert isinstance(proposer, OracleProposer)
