@@ -11,6 +11,10 @@ import transformers
 VARIANTS = {
     # Qwen3, untied head, GQA 2:1.
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # A vocabulary of 8: exact token distributions are small enough for statistical tests.
+    "qwen3_vocab8": dict(
+        model_type="qwen3", vocab_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    ),
     "qwen3_tied": dict(
         model_type="qwen3",
         tie_word_embeddings=True,

@@ -1,0 +1,87 @@
+"""Statistical losslessness: speculative sampling draws from the target's distribution.
+
+On a target with 8 tokens, the first two generated tokens of 16384 requests (distinct seeds) are
+compared with their exact distributions computed from the target: token 1 ~ p(. | prompt), token 2
+~ sum_t p(t | prompt) p(. | prompt, t). The statistic is the sum of both tokens' Pearson chi-square
+(14 degrees of freedom) against its 0.999 quantile; `test_the_statistic_detects_a_two_percent_error`
+shows by simulation that a 2% total-variation error in one token fails it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.sampling import RowSampling, SamplingParams, filter_logits
+
+N = 16384
+CHI2_BOUND_14_DOF = 36.12  # 0.999 quantile of chi-square with 14 degrees of freedom
+
+
+def _exact(target, prompt, params: SamplingParams):
+    """Exact distributions of the first and second generated token."""
+
+    def probs(ids):
+        logits = target.logits([ids])[:, -1]
+        row = RowSampling.from_params([params])
+        filtered = filter_logits(logits, row.temperature, row.top_k, row.top_p)
+        return np.asarray(jax.nn.softmax(filtered, axis=-1))[0].astype(np.float64)
+
+    first = probs(prompt)
+    second = sum(first[t] * probs(prompt + [t]) for t in range(len(first)) if first[t] > 0)
+    return first, second
+
+
+def _chi2(samples, probs):
+    counts = np.bincount(samples, minlength=len(probs))
+    assert np.all(counts[probs == 0] == 0), "a token outside the support was drawn"
+    kept = probs > 0
+    expected = probs[kept] * len(samples)
+    return float(np.sum((counts[kept] - expected) ** 2 / expected))
+
+
+@pytest.mark.parametrize(
+    "method, temperature, top_p",
+    [("jetspec", 0.7, 1.0), ("jetspec", 1.0, 1.0), ("jetspec++", 1.0, 0.9), ("dflash", 0.7, 0.8)],
+)
+def test_speculative_samples_follow_the_target_distribution(
+    checkpoints, method, temperature, top_p
+):
+    target = jetspec_jax.load_target(checkpoints.get("qwen3_vocab8")[0])
+    draft = jetspec_jax.init_draft(target, variant=method, block_size=4, init_std=0.5, seed=7)
+    prompt = [3, 1, 4, 1, 5]
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s) for s in range(N)]
+    results = jetspec_jax.generate_batch(
+        target,
+        [prompt] * N,
+        draft=draft,
+        method=method,
+        max_new_tokens=2,
+        sampling=params,
+        stop_token_ids=[],
+    )
+    tokens = np.asarray([r.tokens for r in results])
+    accepted = np.asarray([r.outcomes[0][0] for r in results])
+    assert 0.05 < np.mean(accepted > 0) < 0.95, "the test needs both acceptances and rejections"
+    first, second = _exact(target, prompt, params[0])
+    chi2 = _chi2(tokens[:, 0], first) + _chi2(tokens[:, 1], second)
+    assert chi2 < CHI2_BOUND_14_DOF, chi2
+
+
+def test_the_statistic_detects_a_two_percent_error():
+    """Power check: samples of one token off by TV 0.02 (spread to move the statistic least)."""
+    rng = np.random.default_rng(0)
+    first, second = rng.random(8) ** 2, rng.random(8) ** 2
+    first, second = first / first.sum(), second / second.sum()
+    low, high = np.argsort(first)[:4], np.argsort(first)[4:]
+    off = first.copy()
+    off[high] += 0.02 * first[high] / first[high].sum()
+    off[low] -= 0.02 * first[low] / first[low].sum()
+    failures = sum(
+        _chi2(rng.choice(8, N, p=off), first) + _chi2(rng.choice(8, N, p=second), second)
+        > CHI2_BOUND_14_DOF
+        for _ in range(50)
+    )
+    assert failures >= 45
