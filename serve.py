@@ -2,6 +2,7 @@
 
     python serve.py generate "PROMPT"      # the embedded default model, chat template, greedy
     python serve.py generate "PROMPT" --target DIR --temperature 0.8 --top-p 0.95 --seed 1
+    python serve.py generate "PROMPT" --target DIR --draft DRAFT_DIR --method jetspec++
 
 Prints the completion to stdout, then tokens/s and acceptance statistics to stderr.
 """
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+        draft = jetspec_jax.load_draft(args.draft, target) if args.draft else None
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
         chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
@@ -38,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         result = jetspec_jax.generate(
             target,
             prompt_ids,
+            draft=draft,
             method=args.method,
+            refine_passes=args.refine_passes,
             max_new_tokens=args.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -74,7 +78,16 @@ def _parser() -> argparse.ArgumentParser:
         help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
     )
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    gen.add_argument("--method", default="ar", help="decoding method (default: ar)")
+    gen.add_argument(
+        "--method",
+        default="ar",
+        choices=["ar", "dflash", "jetspec", "jetspec++"],
+        help="decoding method; speculative methods need --draft of that variant (default: ar)",
+    )
+    gen.add_argument("--draft", default=None, help="draft head directory (DFlash/JetSpec layout)")
+    gen.add_argument(
+        "--refine-passes", type=int, default=0, help="jetspec++: Jacobi refinement passes J"
+    )
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
