@@ -1,12 +1,17 @@
-"""Train a draft for a target with jetspec_jax; for now, the data step.
+"""Train a draft head for a target with jetspec_jax.
 
-    # The target's own responses to training prompts (resumable: rerun the same command).
-    python train.py regenerate --prompts /work/shared/data/train/gsm8k_train.jsonl \\
-        --out data/regen/smollm2.jsonl
-    python train.py regenerate --prompts A.jsonl B.jsonl --out OUT.jsonl --target DIR \\
-        --dtype bfloat16 --batch-size 16 --max-new-tokens 1024 --temperature 0.7 --seed 1
+    # 1. The target's own responses to training prompts (resumable: rerun the same command).
+    python train.py regenerate --prompts ../shared/data/train/gsm8k_train.jsonl \\
+        --out runs/data/gsm8k.jsonl [--target DIR] [--batch-size 16] [--max-new-tokens 1024]
 
-Prints a summary of what was written. The draft-training subcommands come with the draft model.
+    # 2. Train the draft (resumes from the run's latest checkpoint; exports <run.dir>/draft).
+    python train.py --config configs/smollm2_135m.yaml       # = train.py draft --config ...
+    python train.py draft --config CFG --coordinator HOST:PORT --num-processes 2 --process-id 0
+
+    # 3. Tau of a draft through the inference path.
+    python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl
+
+Errors (bad arguments, configs, files, checkpoints) print `error: ...` and exit with status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("--config"):
+        argv = ["draft", *argv]  # `train.py --config X` is the main job
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
@@ -25,19 +33,69 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
 
     try:
-        summary = _regenerate(args)
+        return {"regenerate": _regenerate, "draft": _train, "evaluate": _evaluate}[args.command](
+            args
+        )
     except (ValueError, FileNotFoundError, ModuleNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    """Trains (or resumes) the run a config describes."""
+    from jetspec_jax.training.config import load_train_config
+
+    config = load_train_config(args.config)  # validated before JAX starts
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    if args.coordinator:
+        import jax
+
+        if jax.config.jax_platforms in (None, "", "cpu"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    from jetspec_jax.training.trainer import train
+
+    result = train(config, stop_after=args.stop_after)
+    if result is None:
+        print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
+        return 0
+    tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
     print(
-        f"regenerated {summary.written} responses into {args.out} in {summary.seconds:.1f} s "
-        f"({summary.total} prompts: {summary.skipped_existing} already there, "
-        f"{summary.skipped_too_long} too long for the context)"
+        f"trained {result.steps} steps; loss {result.metrics.get('loss', float('nan')):.4f}; "
+        f"eval tau {tau}; draft exported to {result.export_dir}"
     )
     return 0
 
 
-def _regenerate(args: argparse.Namespace):
+def _evaluate(args: argparse.Namespace) -> int:
+    """Prints the tau a draft reaches on prompts through the inference path."""
+    import jetspec_jax
+    from jetspec_jax.training.evaluate import evaluate_tau
+
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    draft = jetspec_jax.load_draft(args.draft, target)
+    tau = evaluate_tau(
+        target,
+        draft,
+        args.prompts,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        refine_passes=args.refine_passes,
+    )
+    print(
+        f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {args.num_prompts} prompts)"
+    )
+    return 0
+
+
+def _regenerate(args: argparse.Namespace) -> int:
     """Validates the request, loads the target, and runs `regenerate`."""
     import jetspec_jax
     from jetspec_jax.data.regenerate import read_records, regenerate
@@ -56,7 +114,7 @@ def _regenerate(args: argparse.Namespace):
         raise ValueError(f"--out {args.out} is a directory; give a file path")
     read_records(args.prompts)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-    return regenerate(
+    summary = regenerate(
         target,
         args.prompts,
         args.out,
@@ -68,6 +126,12 @@ def _regenerate(args: argparse.Namespace):
         limit=args.limit,
         sampling=sampling,
     )
+    print(
+        f"regenerated {summary.written} responses into {args.out} in {summary.seconds:.1f} s "
+        f"({summary.total} prompts: {summary.skipped_existing} already there, "
+        f"{summary.skipped_too_long} too long for the context)"
+    )
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,6 +169,24 @@ def _parser() -> argparse.ArgumentParser:
     regen.add_argument(
         "-v", "--verbose", action="store_true", help="log loading, compilation and counts"
     )
+
+    draft = commands.add_parser("draft", help="train a draft from a YAML config (resumable)")
+    draft.add_argument("--config", required=True, help="training config (see configs/)")
+    draft.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
+    draft.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
+    draft.add_argument("--num-processes", type=int, default=None)
+    draft.add_argument("--process-id", type=int, default=None)
+    draft.add_argument("-v", "--verbose", action="store_true")
+
+    evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
+    evaluate.add_argument("--draft", required=True, help="draft directory (DFlash/JetSpec layout)")
+    evaluate.add_argument("--prompts", required=True, help="JSONL prompt file")
+    evaluate.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    evaluate.add_argument("--num-prompts", type=int, default=50)
+    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+    evaluate.add_argument("--refine-passes", type=int, default=0)
+    evaluate.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 

@@ -9,6 +9,9 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Two CPU devices for the multi-device tests (sharded training, pipelined rounds); everything else
+# runs on the first.
+jax.config.update("jax_num_cpu_devices", 2)
 
 from tests import tiny_models  # noqa: E402
 

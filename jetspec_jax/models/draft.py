@@ -30,6 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.kernels import check_impl, refinement_attention
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.rope import inverse_frequencies
@@ -55,6 +56,9 @@ class DraftConfig:
         input_embedding_scale: multiplies the block's input embeddings (reference option).
         output_multiplier: multiplies the draft logits (reference option).
         final_logit_softcapping: `tanh(logits / c) * c` when set (reference option).
+        attention_impl: how the draft's attention runs (`jetspec_jax.kernels.IMPLS`: "auto",
+            "reference", "pallas", "pallas_interpret"); a runtime choice, never read from or
+            written to a checkpoint.
     """
 
     layers: TransformerConfig
@@ -67,8 +71,10 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    attention_impl: str = "auto"
 
     def __post_init__(self):
+        check_impl(self.attention_impl)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
@@ -199,7 +205,6 @@ def draft_hidden(
     inv_freq = inverse_frequencies(c.rope, c.head_dim)
     x = jnp.take(embedding, block_tokens, axis=0) * config.input_embedding_scale
     x = x.astype(params["norm"]["scale"].dtype)
-    mask = _block_mask(config, cache, k_len)
     for i, layer in enumerate(params["layers"]):
         h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
         attn = layer["self_attn"]
@@ -224,9 +229,19 @@ def draft_hidden(
             c.rms_norm_eps,
         )
         v = layers.value_heads(attn["v_proj"], h, c.num_kv_heads, c.head_dim)
-        keys = jnp.concatenate([cache.k[i], k.astype(cache.k.dtype)], axis=1)
-        values = jnp.concatenate([cache.v[i], v.astype(cache.v.dtype)], axis=1)
-        x = x + layers.linear(attn["o_proj"], layers.attention(q, keys, values, mask))
+        # One candidate block per row (C = 1) over the cache, valid below `cache.lengths`: the
+        # attention `_block_mask` spells out explicitly.
+        out = refinement_attention(
+            q[:, None],
+            cache.k[i],
+            cache.v[i],
+            cache.lengths[:, None],
+            k[:, None].astype(cache.k.dtype),
+            v[:, None].astype(cache.v.dtype),
+            causal=config.causal,
+            impl=config.attention_impl,
+        )
+        x = x + layers.linear(attn["o_proj"], out.reshape(batch, k_len, -1))
         h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
         x = x + layers.swiglu_mlp(layer["mlp"], h)
     return layers.rms_norm(params["norm"], x, c.rms_norm_eps)
@@ -254,6 +269,9 @@ def _block_mask(config: DraftConfig, cache: DraftCache, k_len: int) -> jax.Array
 
     Context slots at or past a row's length are stale (or padding) and are always hidden; this is
     why the draft cannot use the target's position-only mask.
+
+    `draft_hidden`'s refinement attention is `layers.attention` over `[cache; block]` under this
+    mask; the kernel tests check that equivalence against it.
     """
     batch, capacity = cache.lengths.shape[0], cache.k.shape[2]
     context = jnp.arange(capacity)[None, None, :] < cache.lengths[:, None, None]
@@ -265,3 +283,89 @@ def _block_mask(config: DraftConfig, cache: DraftCache, k_len: int) -> jax.Array
     )
     block = jnp.broadcast_to(block, (batch, k_len, k_len))
     return jnp.concatenate([context, block], axis=-1)
+
+
+def draft_hidden_for_training(
+    params: Params,
+    config: DraftConfig,
+    embedding: jax.Array,
+    taps: jax.Array,
+    block_tokens: jax.Array,
+    anchors: jax.Array,
+) -> jax.Array:
+    """All blocks of a batch of sequences in one forward (training).
+
+    Each block sees the context rows strictly before its anchor and its own rows (causally or
+    not), never another block: the block-sparse pattern of draft training. The context is
+    projected once per layer for all blocks; attention runs over [context; own block] per block,
+    so memory grows with A*K*(T+K), not with (A*K)^2.
+
+    Args:
+        params: draft parameters.
+        config: the draft config.
+        embedding: `[V, H]` the target's input embedding.
+        taps: `[n_taps, B, T, H]` target tap states of the whole (clean) sequences.
+        block_tokens: `[B, A, K]` block inputs.
+        anchors: `[B, A]` anchor positions.
+
+    Returns:
+        `[B, A, K, H]` final-normed hidden states of every block row.
+    """
+    c = config.layers
+    batch, num_blocks, k_len = block_tokens.shape
+    length = taps.shape[2]
+    inv_freq = inverse_frequencies(c.rope, c.head_dim)
+    context = fuse_taps(params, config, taps)  # [B, T, H]
+    context_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    block_pos = (anchors[:, :, None] + jnp.arange(k_len, dtype=jnp.int32)).reshape(batch, -1)
+
+    x = jnp.take(embedding, block_tokens.reshape(batch, -1), axis=0) * config.input_embedding_scale
+    x = x.astype(params["norm"]["scale"].dtype)  # [B, A*K, H]
+    for layer in params["layers"]:
+        attn = layer["self_attn"]
+        h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
+        q = layers.rotary_heads(
+            attn["q_proj"],
+            attn["q_norm"],
+            h,
+            c.num_heads,
+            c.head_dim,
+            block_pos,
+            inv_freq,
+            c.rms_norm_eps,
+        )
+        context_k, context_v = _keys_values(attn, c, context, context_pos, inv_freq)
+        block_k, block_v = _keys_values(attn, c, h, block_pos, inv_freq)
+        split = lambda y: y.reshape(batch, num_blocks, k_len, *y.shape[2:])  # noqa: E731
+        # The blocks are the candidates of the refinement attention; context row = position, so
+        # a block's context length is its anchor.
+        out = refinement_attention(
+            split(q),
+            context_k,
+            context_v,
+            anchors,
+            split(block_k),
+            split(block_v),
+            causal=config.causal,
+            impl=config.attention_impl,
+        )
+        x = x + layers.linear(attn["o_proj"], out.reshape(batch, num_blocks * k_len, -1))
+        h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
+        x = x + layers.swiglu_mlp(layer["mlp"], h)
+    hidden = layers.rms_norm(params["norm"], x, c.rms_norm_eps)
+    return hidden.reshape(batch, num_blocks, k_len, -1)
+
+
+def _keys_values(attn: Params, c: TransformerConfig, rows, positions, inv_freq):
+    """A draft layer's keys (k_norm, RoPE) and values of `rows` `[B, T, H]` at `positions`."""
+    k = layers.rotary_heads(
+        attn["k_proj"],
+        attn["k_norm"],
+        rows,
+        c.num_kv_heads,
+        c.head_dim,
+        positions,
+        inv_freq,
+        c.rms_norm_eps,
+    )
+    return k, layers.value_heads(attn["v_proj"], rows, c.num_kv_heads, c.head_dim)

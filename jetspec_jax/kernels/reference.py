@@ -1,0 +1,57 @@
+"""The refinement attention in plain jnp: the specification the Pallas kernel is tested against,
+the CPU production path, and the recompute of the kernel's backward pass.
+
+Refinement attention: `C` candidate blocks of `K` query rows each attend to one shared context
+(the draft cache, valid below each candidate's length) and to their own block's `K` rows, causally
+or bidirectionally, under one softmax. Grouped-query heads: query head `n` reads key/value head
+`n // (N // N_kv)`, as `jetspec_jax.models.layers.attention`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def refinement_attention_reference(
+    q: jax.Array,
+    context_k: jax.Array,
+    context_v: jax.Array,
+    context_lengths: jax.Array,
+    block_k: jax.Array,
+    block_v: jax.Array,
+    *,
+    causal: bool,
+    scale: float | None = None,
+) -> jax.Array:
+    """Dense refinement attention; scores and softmax in float32.
+
+    Args:
+        q: `[B, C, K, N, D]` queries of C candidate blocks.
+        context_k, context_v: `[B, S, N_kv, D]` the shared context (slot s = context row s).
+        context_lengths: `[B, C]` int; candidate c sees context slots `< context_lengths[b, c]`.
+        block_k, block_v: `[B, C, K, N_kv, D]` each candidate's own block keys/values.
+        causal: block row i sees block rows `<= i` (True) or all K rows (False).
+        scale: score scale; None: `D ** -0.5`.
+
+    Returns:
+        `[B, C, K, N, D]` in the dtype of `q`.
+    """
+    batch, cands, k_len, num_heads, head_dim = q.shape
+    s_len, num_kv = context_k.shape[1], context_k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    qg = q.reshape(batch, cands, k_len, num_kv, num_heads // num_kv, head_dim)
+    f32 = dict(preferred_element_type=jnp.float32)
+    # The context part is contracted once for all candidates (never broadcast over C).
+    ctx = jnp.einsum("bckhgd,bshd->bchgks", qg, context_k, **f32) * scale
+    blk = jnp.einsum("bckhgd,bcjhd->bchgkj", qg, block_k, **f32) * scale
+    neg = jnp.finfo(jnp.float32).min
+    visible = jnp.arange(s_len)[None, None, :] < context_lengths[:, :, None]  # [B, C, S]
+    ctx = jnp.where(visible[:, :, None, None, None, :], ctx, neg)
+    if causal:
+        blk = jnp.where(jnp.tril(jnp.ones((k_len, k_len), bool)), blk, neg)
+    probs = jax.nn.softmax(jnp.concatenate([ctx, blk], axis=-1), axis=-1)
+    p_ctx, p_blk = probs[..., :s_len], probs[..., s_len:]
+    out = jnp.einsum("bchgks,bshd->bckhgd", p_ctx.astype(context_v.dtype), context_v, **f32)
+    out = out + jnp.einsum("bchgkj,bcjhd->bckhgd", p_blk.astype(block_v.dtype), block_v, **f32)
+    return out.reshape(batch, cands, k_len, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,197 @@
+"""`refinement_attention`: the draft's attention, dispatched to the jnp reference or the Pallas
+kernel, differentiable either way.
+
+Implementations (`impl`):
+
+| impl               | runs                                                                  |
+|--------------------|-----------------------------------------------------------------------|
+| "auto"             | the kernel where verified on hardware (`HARDWARE_VERIFIED`), else ref  |
+| "reference"        | `reference.refinement_attention_reference` (jnp, XLA)                 |
+| "pallas"           | the kernel on this platform's Pallas backend (GPU or TPU only)        |
+| "pallas_interpret" | the kernel in the Pallas interpreter (any platform; slow: for tests)  |
+
+"auto" falls back to the reference for operands the kernel does not take (`kernel_supports`).
+The kernel's backward pass recomputes through the reference (`jax.custom_vjp`), so gradients are
+the reference's.
+
+Status of the accelerator paths: the Triton (GPU) and Mosaic (TPU) launches are written against
+jax 0.10's public Pallas API and checked on CPU only: the kernel body and both launches run in the
+Pallas interpreters (the TPU one also rejects out-of-bounds reads), and both lower through Pallas
+for "cuda" and "tpu" (`tests/test_kernels.py`). Neither has been compiled by the accelerator's XLA
+(Triton -> PTX, Mosaic layout passes) nor run on hardware yet; on a GPU run
+`benchmarks/bench_draft_attention.py --check` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.kernels import layout, pallas_refinement
+from jetspec_jax.kernels.layout import Tiling
+from jetspec_jax.kernels.reference import refinement_attention_reference
+
+IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+# Pallas backends whose compiled kernel has been checked against the reference on real hardware;
+# "auto" selects the kernel only there (a kernel that was merely interpreted and lowered on CPU is
+# opt-in with impl="pallas" until `benchmarks/bench_draft_attention.py --check` passes on a device).
+HARDWARE_VERIFIED: frozenset[str] = frozenset()
+
+# Default tilings per Pallas backend. GPU: small query tiles plus context splits, since decode has
+# few query rows per KV head; TPU: lane-dense context tiles, no splits (the whole context of a head
+# is one VMEM block there, so splitting would only re-read it).
+GPU_TILING = Tiling(block_q=64, block_kv=64, num_warps=4, num_stages=2)
+TPU_TILING = Tiling(block_q=128, block_kv=128, kv_splits=1)
+
+
+def check_impl(impl: str) -> None:
+    """Raises ValueError unless `impl` is one of `IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+
+
+def pallas_backend(platform: str | None = None) -> str | None:
+    """The Pallas backend of `platform` (default: JAX's): "triton" on GPU, "tpu" on TPU, None
+    where Pallas only interprets (CPU)."""
+    platform = jax.default_backend() if platform is None else platform
+    return {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "tpu"}.get(platform)
+
+
+def kernel_supports(q, context_k, context_v, block_k, block_v, backend: str) -> str | None:
+    """None if the kernel takes these operands (arrays or `jax.ShapeDtypeStruct`s) on `backend`
+    ("triton", "tpu" or "interpret"), else why not."""
+    head_dim, num_heads, num_kv = q.shape[-1], q.shape[3], context_k.shape[2]
+    dtypes = {jnp.dtype(x.dtype) for x in (q, context_k, context_v, block_k, block_v)}
+    if len(dtypes) > 1:
+        return f"operands of several dtypes ({', '.join(sorted(d.name for d in dtypes))})"
+    if num_heads % num_kv:
+        return f"{num_heads} query heads are not a multiple of {num_kv} KV heads"
+    if backend == "triton" and (head_dim < 16 or head_dim != layout.next_pow2(head_dim)):
+        return f"Triton needs a power-of-two head_dim >= 16, got {head_dim}"
+    if backend == "tpu" and head_dim % 128:
+        return f"Mosaic TPU needs head_dim % 128 == 0 (lane-dense blocks), got {head_dim}"
+    return None
+
+
+def refinement_attention(
+    q: jax.Array,
+    context_k: jax.Array,
+    context_v: jax.Array,
+    context_lengths: jax.Array,
+    block_k: jax.Array,
+    block_v: jax.Array,
+    *,
+    causal: bool,
+    impl: str = "auto",
+    scale: float | None = None,
+    tiling: Tiling | None = None,
+) -> jax.Array:
+    """C candidate blocks attend to a shared context and to their own block, one softmax.
+
+    Args:
+        q: `[B, C, K, N, D]` queries (C = 1: one block per row, as the decode loop drafts).
+        context_k, context_v: `[B, S, N_kv, D]` the shared context, e.g. one layer of the draft
+            cache; `N % N_kv == 0` (grouped-query attention).
+        context_lengths: `[B, C]` int; candidate c sees context slots `< context_lengths[b, c]`
+            (0 is allowed: the block only). Slots past it may hold anything.
+        block_k, block_v: `[B, C, K, N_kv, D]` each candidate's own keys/values.
+        causal: within the block, row i sees rows `<= i` (True) or all K rows (False).
+        impl: see the module docstring.
+        scale: score scale; None: `D ** -0.5`.
+        tiling: kernel tiling; None: `GPU_TILING` (Triton and the interpreter) or `TPU_TILING`.
+
+    Returns:
+        `[B, C, K, N, D]` in the dtype of `q`; scores and softmax statistics are float32.
+    """
+    check_impl(impl)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    args = (q, context_k, context_v, context_lengths, block_k, block_v)
+    backend = pallas_backend()
+    if impl == "auto":
+        usable = (
+            backend in HARDWARE_VERIFIED and kernel_supports(*args[:3], *args[4:], backend) is None
+        )
+        impl = "pallas" if usable else "reference"
+    if impl == "reference":
+        return refinement_attention_reference(*args, causal=causal, scale=scale)
+    interpret = impl == "pallas_interpret"
+    if interpret:
+        backend = "triton"  # the launch the interpreter runs; its shape limits do not apply
+    elif backend is None:
+        raise ValueError(
+            f"impl 'pallas' needs a GPU or TPU; the {jax.default_backend()!r} backend can only "
+            "interpret Pallas kernels (impl 'pallas_interpret')"
+        )
+    if why := kernel_supports(*args[:3], *args[4:], "interpret" if interpret else backend):
+        raise ValueError(f"the refinement-attention kernel does not take these operands: {why}")
+    if tiling is None:
+        tiling = TPU_TILING if backend == "tpu" else GPU_TILING
+    options = KernelOptions(causal, scale, tiling, backend, interpret)
+    return _kernel_attention(*args, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Static options of one kernel call (hashable: the custom_vjp's non-differentiable input).
+    `backend` is "triton" or "tpu" (the launch); `interpret` runs it in the Pallas interpreter."""
+
+    causal: bool
+    scale: float
+    tiling: Tiling
+    backend: str
+    interpret: bool
+
+
+def kernel_forward(q, context_k, context_v, context_lengths, block_k, block_v, options):
+    """The kernel path without its custom gradient: pack, launch, merge splits, unpack."""
+    lay = layout.make_layout(q.shape, context_k.shape, options.tiling)
+    packed = layout.pack(
+        lay, q, context_k, context_v, context_lengths, block_k, block_v, options.causal
+    )
+    state = pallas_refinement.kernel_call(
+        lay,
+        packed,
+        scale=options.scale,
+        tiling=options.tiling,
+        backend=options.backend,
+        interpret=options.interpret,
+    )
+    return layout.unpack(lay, pallas_refinement.merge(*state, q.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _kernel_attention(q, context_k, context_v, context_lengths, block_k, block_v, options):
+    return kernel_forward(q, context_k, context_v, context_lengths, block_k, block_v, options)
+
+
+def _kernel_attention_fwd(q, context_k, context_v, context_lengths, block_k, block_v, options):
+    out = kernel_forward(q, context_k, context_v, context_lengths, block_k, block_v, options)
+    return out, (q, context_k, context_v, context_lengths, block_k, block_v)
+
+
+def _kernel_attention_bwd(options, residuals, grad):
+    q, context_k, context_v, context_lengths, block_k, block_v = residuals
+
+    def reference(q, context_k, context_v, block_k, block_v):
+        return refinement_attention_reference(
+            q,
+            context_k,
+            context_v,
+            context_lengths,
+            block_k,
+            block_v,
+            causal=options.causal,
+            scale=options.scale,
+        )
+
+    _, vjp = jax.vjp(reference, q, context_k, context_v, block_k, block_v)
+    dq, dck, dcv, dbk, dbv = vjp(grad)
+    dlengths = np.zeros(context_lengths.shape, jax.dtypes.float0)  # integer input
+    return dq, dck, dcv, dlengths, dbk, dbv
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)

@@ -1,0 +1,204 @@
+"""Typed, validated training configs, read from YAML.
+
+Every section is a frozen dataclass; `load_train_config` refuses unknown keys and wrong types by
+their dotted path (`train.learning_rate must be a number, got 'fast'`), so a typo never silently
+falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import types
+import typing
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Training data: JSONL files written by `train.py regenerate` (prompt_ids + response_ids)."""
+
+    files: tuple[str, ...]
+    max_length: int = 1024
+    eval_prompts: str | None = None  # JSONL prompt file for the periodic tau evaluation
+    eval_num_prompts: int = 8
+    eval_max_new_tokens: int = 64
+    eval_math_suffix: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftArchConfig:
+    """The draft to train (see `jetspec_jax.init_draft`)."""
+
+    variant: str = "jetspec++"
+    num_layers: int = 1
+    target_layer_ids: tuple[int, ...] | None = None
+    block_size: int = 16
+    intermediate_size: int | None = None
+    init_std: float = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Optimisation: AdamW with linear warmup then cosine decay, global-norm clipping."""
+
+    batch_size: int = 8
+    anchors_per_sequence: int = 512
+    p_full_noise: float = 0.25
+    steps: int = 1000
+    epochs: float | None = None  # when set: steps = ceil(epochs * examples / batch_size)
+    learning_rate: float = 3e-4
+    end_learning_rate_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: `data` x `fsdp` devices (-1 on one axis = all remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where and how often to checkpoint, log and evaluate."""
+
+    dir: str = "runs/draft"
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate only at the end
+    tensorboard: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole training run."""
+
+    data: DataConfig
+    target: str | None = None  # HF directory; None: the embedded default model
+    target_dtype: str = "bfloat16"
+    draft: DraftArchConfig = DraftArchConfig()
+    optim: OptimConfig = OptimConfig()
+    mesh: MeshConfig = MeshConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self):
+        _check(self.target_dtype in ("float32", "bfloat16"), "target_dtype", self.target_dtype)
+        _check(
+            self.optim.compute_dtype in ("float32", "bfloat16"),
+            "optim.compute_dtype",
+            self.optim.compute_dtype,
+        )
+        _check(
+            self.draft.variant in ("dflash", "jetspec", "jetspec++"),
+            "draft.variant",
+            self.draft.variant,
+        )
+        for name in ("batch_size", "anchors_per_sequence", "steps"):
+            _check(getattr(self.optim, name) >= 1, f"optim.{name}", getattr(self.optim, name))
+        _check(
+            0 <= self.optim.warmup_steps <= self.optim.steps,
+            "optim.warmup_steps",
+            self.optim.warmup_steps,
+        )
+        _check(self.optim.learning_rate > 0, "optim.learning_rate", self.optim.learning_rate)
+        _check(0.0 <= self.optim.p_full_noise <= 1.0, "optim.p_full_noise", self.optim.p_full_noise)
+        _check(
+            self.data.max_length >= self.draft.block_size + 1,
+            "data.max_length",
+            self.data.max_length,
+        )
+        _check(bool(self.data.files), "data.files", self.data.files)
+
+
+def resolve_steps(config: TrainConfig, num_examples: int) -> TrainConfig:
+    """`config` with `optim.steps` derived from `optim.epochs` (unchanged without epochs)."""
+    if config.optim.epochs is None:
+        return config
+    steps = max(1, math.ceil(config.optim.epochs * num_examples / config.optim.batch_size))
+    warmup = min(config.optim.warmup_steps, steps)
+    optim = dataclasses.replace(config.optim, steps=steps, warmup_steps=warmup)
+    return dataclasses.replace(config, optim=optim)
+
+
+def load_train_config(path: str | pathlib.Path) -> TrainConfig:
+    """Reads and validates a YAML training config.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: malformed YAML, an unknown key, a missing required key, a wrong type or an
+            invalid value, named by its dotted path.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training config {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from e
+    return from_dict(TrainConfig, data or {}, "")
+
+
+def from_dict(cls, data: Any, where: str):
+    """Builds dataclass `cls` from plain data, checking keys and types recursively."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {', '.join(_join(where, k) for k in unknown)}; "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, field in fields.items():
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], _join(where, name))
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ValueError(f"missing required key {_join(where, name)}")
+    return cls(**kwargs)
+
+
+def _convert(hint, value, where: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, where)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{where} must be a list, got {value!r}")
+        return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML reads 3e-4 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[hint]
+    raise ValueError(f"{where} must be {kind}, got {value!r}")
+
+
+def _check(ok: bool, where: str, value) -> None:
+    if not ok:
+        raise ValueError(f"invalid value for {where}: {value!r}")
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key

@@ -1,0 +1,90 @@
+"""Training data: regenerated conversations -> padded token batches, through a grain pipeline.
+
+Each JSONL line written by `train.py regenerate` holds `prompt_ids` and `response_ids`. An example
+is their concatenation truncated to `max_length` and right-padded; `loss_mask` marks the response
+tokens (the draft is trained to predict what the target generates, never the prompt).
+
+The pipeline is a `grain.MapDataset`: this process's shard, shuffled with the run's seed, repeated
+indefinitely, batched. Its iterator state is saved with every checkpoint, so a resumed run reads
+exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import grain
+import numpy as np
+
+
+def read_regenerated(files) -> list[dict]:
+    """`{"prompt_ids": [...], "response_ids": [...]}` records of regenerated JSONL files.
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        ValueError: a line is not JSON or lacks integer `prompt_ids` / `response_ids` (named by
+            file and line), or the files hold no usable record.
+    """
+    records = []
+    for file in files:
+        path = pathlib.Path(file)
+        if not path.is_file():
+            raise FileNotFoundError(f"training data file {path} not found")
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number} is not valid JSON: {e}") from e
+                ids = [row.get("prompt_ids"), row.get("response_ids")]
+                if not all(isinstance(x, list) and all(isinstance(i, int) for i in x) for x in ids):
+                    raise ValueError(f"{path}:{number} lacks integer prompt_ids / response_ids")
+                if row["prompt_ids"] and row["response_ids"]:
+                    records.append({"prompt_ids": ids[0], "response_ids": ids[1]})
+    if not records:
+        raise ValueError(f"no usable records (non-empty prompt and response) in {list(files)}")
+    return records
+
+
+def to_example(record: dict, max_length: int) -> dict[str, np.ndarray]:
+    """`tokens` `[max_length]` int32 (right-padded with 0) and `loss_mask` `[max_length]` bool."""
+    prompt, response = record["prompt_ids"], record["response_ids"]
+    sequence = (prompt + response)[:max_length]
+    tokens = np.zeros((max_length,), np.int32)
+    tokens[: len(sequence)] = sequence
+    loss_mask = np.zeros((max_length,), bool)
+    loss_mask[len(prompt) : len(sequence)] = True
+    return {"tokens": tokens, "loss_mask": loss_mask}
+
+
+def training_dataset(
+    records: list[dict],
+    *,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.IterDataset:
+    """An endless, shuffled, batched dataset of this process's share of `records`.
+
+    Each process reads a disjoint shard (`records[process_index::process_count]`) and makes
+    batches of `batch_size` (its local batch).
+    """
+    shard = grain.MapDataset.source(records)[process_index::process_count]
+    if len(shard) < batch_size:
+        raise ValueError(
+            f"process {process_index} has {len(shard)} examples, "
+            f"fewer than one batch of {batch_size}"
+        )
+    dataset = (
+        shard.shuffle(seed=seed)
+        .repeat(None)
+        .map(functools.partial(to_example, max_length=max_length))
+        .batch(batch_size, drop_remainder=True)
+    )
+    return dataset.to_iter_dataset()

@@ -1,0 +1,66 @@
+"""The training mesh (`data` x `fsdp`) and how parameters and batches are laid out on it.
+
+Batches are split over both axes (every device gets different examples). Parameters are fully
+sharded over `fsdp`: each leaf is split along its largest dimension that the axis size divides,
+and replicated when none does (norm scales, small vectors). XLA inserts the all-gathers and
+reduce-scatters; with `fsdp=1` this is plain data parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jetspec_jax.training.config import MeshConfig
+
+AXES = ("data", "fsdp")
+logger = logging.getLogger(__name__)
+
+
+def make_mesh(config: MeshConfig, devices=None) -> Mesh:
+    """A `data` x `fsdp` mesh over `devices` (all devices by default).
+
+    With both sizes explicit, the mesh takes the first `data * fsdp` devices (a warning names any
+    left idle); with one of them -1, it spans all devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    data, fsdp = config.data, config.fsdp
+    if data > 0 and fsdp > 0 and data * fsdp < len(devices):
+        logger.warning(
+            "mesh %d x %d leaves %d devices idle", data, fsdp, len(devices) - data * fsdp
+        )
+        devices = devices[: data * fsdp]
+    if data == -1 and fsdp == -1:
+        raise ValueError("mesh: at most one of data, fsdp may be -1")
+    if data == -1:
+        data = len(devices) // fsdp if fsdp > 0 and len(devices) % fsdp == 0 else 0
+    if fsdp == -1:
+        fsdp = len(devices) // data if data > 0 and len(devices) % data == 0 else 0
+    if data < 1 or fsdp < 1 or data * fsdp != len(devices):
+        raise ValueError(
+            f"mesh data={config.data} x fsdp={config.fsdp} does not fit {len(devices)} devices"
+        )
+    return Mesh(np.asarray(devices).reshape(data, fsdp), AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over every device."""
+    return NamedSharding(mesh, PartitionSpec(AXES))
+
+
+def param_shardings(params, mesh: Mesh):
+    """A pytree of `NamedSharding`s matching `params` (fsdp over the largest divisible axis)."""
+    size = mesh.shape["fsdp"]
+
+    def leaf(x):
+        spec = [None] * x.ndim
+        for axis in sorted(range(x.ndim), key=lambda a: -x.shape[a]):
+            if size > 1 and x.shape[axis] % size == 0:
+                spec[axis] = "fsdp"
+                break
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(leaf, params)

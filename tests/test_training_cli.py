@@ -1,0 +1,97 @@
+"""`train.py` end to end: a 2-process `jax.distributed` run of configs/tiny_cpu.yaml, localhost."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jetspec_jax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def workdir(checkpoints, tmp_path_factory):
+    """A working directory laid out as configs/tiny_cpu.yaml expects (runs/tiny/...)."""
+    work = tmp_path_factory.mktemp("tiny_run")
+    target_dir, _ = checkpoints.get("qwen3")
+    shutil.copytree(target_dir, work / "runs" / "tiny" / "target")
+    target = jetspec_jax.load_target(target_dir)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, 8).tolist() for _ in range(8)]
+    results = jetspec_jax.generate_batch(target, prompts, max_new_tokens=16, stop_token_ids=[])
+    with (work / "runs" / "tiny" / "data.jsonl").open("w") as f:
+        for p, r in zip(prompts, results, strict=True):
+            f.write(json.dumps({"prompt_ids": p, "response_ids": r.tokens}) + "\n")
+    shutil.copy(ROOT / "configs" / "tiny_cpu.yaml", work / "tiny_cpu.yaml")
+    return work
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_distributed_training_completes_and_exports(workdir):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "train.py"),
+                "draft",
+                "--config",
+                "tiny_cpu.yaml",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ],
+            cwd=workdir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=600))
+        finally:
+            proc.kill()
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    assert "trained 6 steps" in outputs[0][0]
+    target = jetspec_jax.load_target(workdir / "runs" / "tiny" / "target")
+    draft = jetspec_jax.load_draft(workdir / "runs" / "tiny" / "run" / "draft", target)
+    assert draft.config.variant == "jetspec++"
+    steps = [json.loads(x)["step"] for x in (workdir / "runs/tiny/run/metrics.jsonl").open()]
+    assert steps[:6] == [1, 2, 3, 4, 5, 6]
+
+
+def test_bad_config_exits_with_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {files: [x.jsonl]}\noptim: {stepz: 3}\n")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2
+    assert "error: unknown key(s) optim.stepz" in proc.stderr and "Traceback" not in proc.stderr
