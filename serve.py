@@ -1,28 +1,65 @@
-"""Serve a target with jetspec_jax: generation from the command line.
+"""Serve a target with jetspec_jax: an OpenAI-compatible HTTP server, or one generation.
 
+    python serve.py --host 127.0.0.1 --port 8000 [--target DIR] [--draft DIR --method jetspec++]
     python serve.py generate "PROMPT"      # the embedded default model, chat template, greedy
     python serve.py generate "PROMPT" --target DIR --temperature 0.8 --top-p 0.95 --seed 1
     python serve.py generate "PROMPT" --target DIR --draft DRAFT_DIR --method jetspec++
 
-Prints the completion to stdout, then tokens/s and acceptance statistics to stderr.
+The server answers /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health
+and /metrics; SIGINT/SIGTERM shut it down gracefully. `generate` streams the completion to stdout
+as it is produced, then prints tokens/s, tau and a speedup estimate to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+METHODS = ["ar", "dflash", "jetspec", "jetspec++"]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
-    )
+    level = logging.INFO if args.verbose or args.command is None else logging.WARNING
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate(args)
+    return _serve(args)
+
+
+def _serve(args) -> int:
     import jetspec_jax  # deferred so that --help answers at once
+    from jetspec_jax.serving import ServerConfig, serve
+
+    try:
+        config = ServerConfig(
+            model_name=args.model_name,
+            method=args.method,
+            refine_passes=args.refine_passes,
+            api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
+            max_batch_size=args.max_batch_size,
+            queue_size=args.queue_size,
+            chunk_steps=args.chunk_steps,
+            default_max_tokens=args.default_max_tokens,
+            pad_batch=args.pad_batch,
+            shutdown_timeout=args.shutdown_timeout,
+        )
+        target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+        draft = jetspec_jax.load_draft(args.draft, target) if args.draft else None
+        serve(target, draft, config, host=args.host, port=args.port)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate(args) -> int:
+    import jetspec_jax
     from jetspec_jax.prompting import encode_prompt
+    from jetspec_jax.serving.detokenize import IncrementalDetokenizer
 
     try:
         # Validate the request before the (slow) model load.
@@ -37,23 +74,33 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
         chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
         prompt_ids = encode_prompt(target.tokenizer, args.prompt, chat=chat, system=args.system)
-        result = jetspec_jax.generate(
-            target,
-            prompt_ids,
-            draft=draft,
-            method=args.method,
-            refine_passes=args.refine_passes,
+        request = dict(
             max_new_tokens=args.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
         )
+        stream = jetspec_jax.stream(
+            target,
+            prompt_ids,
+            chunk_steps=args.chunk_steps,
+            draft=draft,
+            method=args.method,
+            refine_passes=args.refine_passes,
+            **request,
+        )
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    print(target.tokenizer.decode(result.tokens, skip_special_tokens=True))
+    detokenizer = IncrementalDetokenizer(target.tokenizer)
+    for tokens in stream:
+        sys.stdout.write(detokenizer.push(tokens))
+        sys.stdout.flush()
+    sys.stdout.write(detokenizer.flush() + "\n")
+    sys.stdout.flush()
+    result = stream.result
     t = result.timing
     print(
         f"[{args.method}] {len(result.tokens)} tokens ({result.finish_reason}) | "
@@ -62,32 +109,95 @@ def main(argv: list[str] | None = None) -> int:
         f"compile {t.compile_seconds:.1f} s",
         file=sys.stderr,
     )
+    print(_speedup_line(args, jetspec_jax, target, prompt_ids, request, result), file=sys.stderr)
     return 0
+
+
+def _speedup_line(args, jetspec_jax, target, prompt_ids, request, result) -> str:
+    """The speedup over autoregressive decoding: measured with --compare-ar, else estimated."""
+    if args.method == "ar":
+        return "speedup 1.00x (autoregressive decoding is the baseline)"
+    if not args.compare_ar:
+        return (
+            f"speedup estimate <= {result.tau:.2f}x: tau, the tokens per target forward; the "
+            f"real speedup is tau x (AR step time / round time), lower by the draft's and the "
+            f"block verification's cost. Measure it with --compare-ar."
+        )
+    ar = jetspec_jax.generate(target, prompt_ids, **request)
+    same = "identical" if ar.tokens == result.tokens else "DIFFERENT"
+    ar_rate, rate = ar.decode_tokens_per_second, result.decode_tokens_per_second
+    speedup = rate / ar_rate if ar_rate > 0 else float("nan")
+    return (
+        f"speedup {speedup:.2f}x measured: {rate:.1f} vs {ar_rate:.1f} AR tokens/s decode "
+        f"(same prompt, this run; AR output {same})"
+    )
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--method",
+        default="ar",
+        choices=METHODS,
+        help="decoding method; speculative methods need --draft of that variant (default: ar)",
+    )
+    parser.add_argument(
+        "--draft", default=None, help="draft head directory (DFlash/JetSpec layout)"
+    )
+    parser.add_argument(
+        "--refine-passes", type=int, default=0, help="jetspec++: Jacobi refinement passes J"
+    )
+    parser.add_argument(
+        "--chunk-steps",
+        type=int,
+        default=8,
+        help="target forwards per streamed chunk (one host round trip each; default 8)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log compilation and loading")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate a completion of one prompt")
-    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt text")
-    gen.add_argument(
-        "--target",
+    _add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--model-name", default=None, help="the model id clients send (default: target dir name)"
+    )
+    parser.add_argument(
+        "--api-key",
         default=None,
-        help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $JETSPEC_API_KEY, else none)",
     )
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    gen.add_argument(
-        "--method",
-        default="ar",
-        choices=["ar", "dflash", "jetspec", "jetspec++"],
-        help="decoding method; speculative methods need --draft of that variant (default: ar)",
+    parser.add_argument("--max-batch-size", type=int, default=8, help="requests per batch")
+    parser.add_argument(
+        "--queue-size", type=int, default=64, help="waiting requests at most; more get 503"
     )
-    gen.add_argument("--draft", default=None, help="draft head directory (DFlash/JetSpec layout)")
-    gen.add_argument(
-        "--refine-passes", type=int, default=0, help="jetspec++: Jacobi refinement passes J"
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=256, help="chat budget when a request has none"
     )
+    parser.add_argument(
+        "--pad-batch",
+        action="store_true",
+        help="always decode --max-batch-size rows: one compiled batch shape",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM",
+    )
+    commands = parser.add_subparsers(dest="command")
+    gen = commands.add_parser("generate", help="stream a completion of one prompt")
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt text")
+    _add_model_args(gen)
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -100,7 +210,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("-v", "--verbose", action="store_true", help="log compilation and loading")
+    gen.add_argument(
+        "--compare-ar",
+        action="store_true",
+        help="also run autoregressive decoding and print the measured speedup",
+    )
     return parser
 
 

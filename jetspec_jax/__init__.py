@@ -5,12 +5,21 @@ Public API:
     load_draft(path, target) / init_draft(target, variant="jetspec++", ...) -> Draft
     generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
     generate_batch(target, prompts, *, ...) -> list[GenerationResult]
+    stream(target, prompt_ids, *, chunk_steps=8, ...) -> TokenStream (chunks of new token ids)
     SamplingParams, CheckpointError
 """
 
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.draft import Draft, init_draft, load_draft
-from jetspec_jax.generate import METHODS, GenerationResult, Timing, generate, generate_batch
+from jetspec_jax.generate import (
+    METHODS,
+    GenerationResult,
+    Timing,
+    TokenStream,
+    generate,
+    generate_batch,
+    stream,
+)
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target, load_target
 
@@ -22,9 +31,11 @@ __all__ = [
     "SamplingParams",
     "Target",
     "Timing",
+    "TokenStream",
     "generate",
     "generate_batch",
     "init_draft",
     "load_draft",
     "load_target",
+    "stream",
 ]

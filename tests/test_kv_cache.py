@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +21,15 @@ def target(checkpoints):
     return jetspec_jax.load_target(checkpoints.get("qwen3_gqa4_headdim")[0])
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _jitted(params, config, tokens, cache, num_new):
+    out = forward(params, config, tokens, cache, num_new=num_new)
+    return unembed(params, config, out.hidden), out.cache
+
+
 def _cached_logits(target, cache, tokens, num_new=None):
-    out = forward(target.params, target.config, jnp.asarray(tokens), cache, num_new=num_new)
-    return np.asarray(unembed(target.params, target.config, out.hidden)), out.cache
+    logits, cache = _jitted(target.params, target.config, jnp.asarray(tokens), cache, num_new)
+    return np.asarray(logits), cache
 
 
 def test_prefill_then_chunks_then_single_tokens_equal_full_forward(target):

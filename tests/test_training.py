@@ -212,6 +212,7 @@ def test_bad_configs_are_refused_by_key(tmp_path):
 
 @pytest.mark.parametrize("variant", ["dflash", "jetspec++"])
 def test_training_forward_equals_the_inference_forward_block_by_block(target, variant):
+    # (jitted pieces: op-by-op execution of a forward is slow on CPU)
     """All anchors in one block-sparse forward == each block drafted alone from a cache holding
     exactly the context before its anchor (what decoding does)."""
     from jetspec_jax.models.draft import (
@@ -231,13 +232,17 @@ def test_training_forward_equals_the_inference_forward_block_by_block(target, va
     taps = forward(target.params, target.config, tokens, tap_layers=cfg.target_layer_ids).taps
     anchors = jnp.asarray([[5, 11, 17], [3, 9, 20]], jnp.int32)
     blocks = jnp.asarray(rng.integers(0, 97, (2, 3, 5)), jnp.int32)
-    together = draft_hidden_for_training(draft.params, cfg, emb, taps, blocks, anchors)
+    together = jax.jit(draft_hidden_for_training, static_argnums=1)(
+        draft.params, cfg, emb, taps, blocks, anchors
+    )
+    extend = jax.jit(extend_context, static_argnums=1)
+    alone_fn = jax.jit(draft_hidden, static_argnums=1)
     for b in range(2):
         for a in range(3):
+            # The context before the anchor; later rows zeroed (and past the cache's length).
             n = int(anchors[b, a])
+            visible = jnp.where(jnp.arange(24)[None, None, :, None] < n, taps[:, b : b + 1], 0)
             cache = DraftCache.zeros(cfg, 1, 32, jnp.float32)
-            cache = extend_context(
-                draft.params, cfg, cache, taps[:, b : b + 1, :n], jnp.asarray([n])
-            )
-            alone = draft_hidden(draft.params, cfg, cache, emb, blocks[b : b + 1, a])
+            cache = extend(draft.params, cfg, cache, visible, jnp.asarray([n]))
+            alone = alone_fn(draft.params, cfg, cache, emb, blocks[b : b + 1, a])
             np.testing.assert_allclose(together[b, a], alone[0], atol=2e-5)

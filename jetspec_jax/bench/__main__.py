@@ -1,0 +1,108 @@
+"""`python -m jetspec_jax.bench`: methods side by side on prompt files (see the package doc)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    import jetspec_jax  # deferred so that --help answers at once
+    from jetspec_jax.bench.datasets import load_dataset
+    from jetspec_jax.bench.methods import parse_methods
+    from jetspec_jax.bench.report import markdown_table, write_report
+    from jetspec_jax.bench.runner import run_benchmark
+
+    try:
+        methods = parse_methods(args.methods)
+        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+        if not temperatures or any(t < 0 for t in temperatures):
+            raise ValueError(f"--temperatures must be numbers >= 0, got {args.temperatures!r}")
+        target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+        if target.tokenizer is None:
+            raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
+        drafts = {}
+        for path in args.draft:
+            draft = jetspec_jax.load_draft(path, target)
+            drafts[draft.config.variant] = draft
+        if args.random_draft:
+            drafts[args.random_draft] = jetspec_jax.init_draft(
+                target, variant=args.random_draft, block_size=args.random_draft_block
+            )
+        chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
+        datasets = [
+            load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
+        ]
+        samples, summaries = run_benchmark(
+            target,
+            datasets,
+            methods,
+            drafts,
+            temperatures=temperatures,
+            max_new_tokens=args.max_new_tokens,
+            warmup=args.warmup,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = write_report(pathlib.Path(args.out), samples, summaries)
+    print(markdown_table(summaries), end="")
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    mismatches = [s for s in summaries if s.greedy_matches_ar not in (None, s.prompts)]
+    for s in mismatches:
+        print(
+            f"warning: {s.method} on {s.dataset}: greedy output differs from AR on "
+            f"{s.prompts - s.greedy_matches_ar} of {s.prompts} prompts",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jetspec_jax.bench", description="Benchmark decoding methods side by side."
+    )
+    parser.add_argument(
+        "--prompts", action="append", required=True, help="JSONL prompt file (repeatable)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="first N prompts per file")
+    parser.add_argument(
+        "--methods",
+        default="ar",
+        help="comma-separated: ar, dflash, jetspec, jetspec++, jetspec++-J<passes> (ar is "
+        "always run: it is the baseline)",
+    )
+    parser.add_argument("--target", default=None, help="HF directory (default: the default model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--draft", action="append", default=[], help="draft directory; serves its own variant"
+    )
+    parser.add_argument(
+        "--random-draft",
+        default=None,
+        choices=["dflash", "jetspec", "jetspec++"],
+        help="a randomly initialised draft of this variant (measures overheads, tau ~ 1)",
+    )
+    parser.add_argument("--random-draft-block", type=int, default=16)
+    parser.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,1")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per method")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="chat template, thinking off (default: when the tokenizer has one)",
+    )
+    parser.add_argument("--out", default="runs/bench", help="output directory")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

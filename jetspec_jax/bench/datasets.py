@@ -1,0 +1,52 @@
+"""Prompt files → benchmark prompts, the field's way: math prompts get the standard suffix, and
+every prompt goes through the chat template with thinking off."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts
+from jetspec_jax.prompting import encode_prompt
+
+# Sources (the `source` field of ../shared/data/eval files) that are math problems.
+MATH_SOURCES = ("gsm8k", "math", "math500")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Encoded prompts of one file.
+
+    Attributes:
+        name: the records' `source` (else the file's stem).
+        ids: the records' `id`s.
+        prompts: token ids, one list per record.
+    """
+
+    name: str
+    ids: list[str]
+    prompts: list[list[int]]
+
+
+def load_dataset(
+    path: str | pathlib.Path, tokenizer, *, limit: int | None = None, chat: bool = True
+) -> Dataset:
+    """The first `limit` prompts of a JSONL file, encoded for the target.
+
+    Raises:
+        FileNotFoundError, ValueError: the file is missing or malformed (`read_prompts`).
+    """
+    path = pathlib.Path(path)
+    records = read_prompts(path, limit=limit)
+    if not records:
+        raise ValueError(f"{path} holds no prompts")
+    name = str(records[0].get("source") or path.stem)
+    prompts = [encode_prompt(tokenizer, prompt_text(record, name), chat=chat) for record in records]
+    ids = [str(record.get("id", i)) for i, record in enumerate(records)]
+    return Dataset(name=name, ids=ids, prompts=prompts)
+
+
+def prompt_text(record: dict, dataset: str) -> str:
+    """The raw prompt, with the math suffix for math datasets."""
+    suffix = MATH_SUFFIX if dataset in MATH_SOURCES else ""
+    return record["prompt"] + suffix

@@ -1,0 +1,188 @@
+"""Load test of a running server: requests/s and latency percentiles at several concurrencies.
+
+    python -m jetspec_jax.bench.load --url http://127.0.0.1:8000 --model NAME \\
+        --concurrency 1,4,16 --requests 32 --max-tokens 64 [--prompts FILE] [--api-key KEY]
+
+Each level sends a fixed number of streamed chat (or `--completions`) requests from that many
+client threads, greedy, and measures per request the latency (send → last byte) and the time to
+first token; totals give requests/s and generated tokens/s. The loop is bounded: exactly
+`--requests` requests per level, each with a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """One concurrency level. Latencies in seconds; `errors` counts non-200 answers."""
+
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    requests_per_second: float
+    tokens_per_second: float
+    latency_p50: float
+    latency_p99: float
+    ttft_p50: float
+    ttft_p99: float
+
+
+def run_load(
+    url: str,
+    model: str,
+    prompts: Sequence[str],
+    *,
+    concurrency: int,
+    requests: int,
+    max_tokens: int = 64,
+    api_key: str | None = None,
+    chat: bool = True,
+    timeout: float = 600.0,
+    warmup: int = 0,
+) -> LoadResult:
+    """Sends `requests` streamed requests (prompts in turn) from `concurrency` threads, after
+    `warmup` untimed ones at the same concurrency (they compile the server's shape buckets)."""
+    import httpx
+
+    if concurrency < 1 or requests < 1:
+        raise ValueError("concurrency and requests must be >= 1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    bodies = []
+    for prompt in itertools.islice(itertools.cycle(prompts), requests):
+        body = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True)
+        body["stream_options"] = {"include_usage": True}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        bodies.append(body)
+    limits = httpx.Limits(max_connections=concurrency)
+    with httpx.Client(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
+        if warmup:
+            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                list(pool.map(lambda b: _one(client, path, b), bodies[:warmup]))
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            outcomes = list(pool.map(lambda b: _one(client, path, b), bodies))
+        seconds = time.perf_counter() - start
+    ok = [o for o in outcomes if o is not None]
+    latency = [o[0] for o in ok] or [float("nan")]
+    ttft = [o[1] for o in ok] or [float("nan")]
+    tokens = sum(o[2] for o in ok)
+    return LoadResult(
+        concurrency=concurrency,
+        requests=requests,
+        errors=requests - len(ok),
+        seconds=seconds,
+        requests_per_second=len(ok) / seconds,
+        tokens_per_second=tokens / seconds,
+        latency_p50=float(np.percentile(latency, 50)),
+        latency_p99=float(np.percentile(latency, 99)),
+        ttft_p50=float(np.percentile(ttft, 50)),
+        ttft_p99=float(np.percentile(ttft, 99)),
+    )
+
+
+def _one(client, path: str, body: dict) -> tuple[float, float, int] | None:
+    """`(latency, time to first token, completion tokens)`, or None for an error answer."""
+    sent = time.perf_counter()
+    first = None
+    tokens = 0
+    with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            return None
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return None
+            if first is None and event.get("choices"):
+                first = time.perf_counter()
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    done = time.perf_counter()
+    return done - sent, (first or done) - sent, tokens
+
+
+def markdown(results: Sequence[LoadResult]) -> str:
+    lines = [
+        "| clients | requests | errors | req/s | tokens/s | p50 latency s | p99 latency s "
+        "| p50 TTFT s | p99 TTFT s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.concurrency} | {r.requests} | {r.errors} | {r.requests_per_second:.2f} "
+            f"| {r.tokens_per_second:.1f} | {r.latency_p50:.3f} | {r.latency_p99:.3f} "
+            f"| {r.ttft_p50:.3f} | {r.ttft_p99:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jetspec_jax.bench.load", description=__doc__)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="the served model id (GET /v1/models)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default=None, help="JSONL prompt file (default: built in)")
+    parser.add_argument("--limit", type=int, default=64, help="prompts read from --prompts")
+    parser.add_argument("--completions", action="store_true", help="raw /v1/completions")
+    parser.add_argument(
+        "--warmup", type=int, default=0, help="untimed requests per level first (compilation)"
+    )
+    parser.add_argument("--out", default=None, help="also append the results to this JSONL file")
+    args = parser.parse_args(argv)
+    from jetspec_jax.data.prompts import read_prompts
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        prompts = (
+            [r["prompt"] for r in read_prompts(args.prompts, limit=args.limit)]
+            if args.prompts
+            else ["Explain speculative decoding.", "What is 2 + 2?", "Write a haiku about JAX."]
+        )
+        results = [
+            run_load(
+                args.url,
+                args.model,
+                prompts,
+                concurrency=level,
+                requests=args.requests,
+                max_tokens=args.max_tokens,
+                api_key=args.api_key,
+                chat=not args.completions,
+                warmup=args.warmup,
+            )
+            for level in levels
+        ]
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(results), end="")
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+    return 0 if not any(r.errors for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

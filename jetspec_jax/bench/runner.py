@@ -1,0 +1,212 @@
+"""Timed runs of every method on every prompt, and their per-dataset summaries.
+
+Prompts run one at a time (batch 1: the latency setting the field reports), every method on the
+same prompts in the same process, so speedups compare like with like. Compilation is excluded
+(ahead-of-time per shape bucket, timed apart); `warmup` untimed runs per method first settle
+allocations. With temperature > 0 the seed of prompt i is i for every method: a lossless method
+then draws exactly the AR tokens too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from jetspec_jax.bench.datasets import Dataset
+from jetspec_jax.bench.methods import MethodSpec
+from jetspec_jax.generate import generate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One prompt under one method and temperature."""
+
+    dataset: str
+    prompt_id: str
+    method: str
+    temperature: float
+    prompt_tokens: int
+    new_tokens: int
+    rounds: int  # target forwards after the prefill
+    tau: float
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float
+    finish_reason: str
+    matches_ar: bool | None  # greedy speculative methods: tokens equal AR's
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """One (dataset, temperature, method) row.
+
+    Attributes:
+        tau: pooled: all committed tokens after the first / all verification rounds.
+        decode_tokens_per_second: pooled over the dataset's decode time.
+        speedup: decode tokens/s over AR's on the same prompts (this run).
+        prefill_ms: mean prefill time per prompt.
+        round_ms: mean time of one target forward (AR) / verification round (speculative).
+        greedy_matches_ar: prompts whose greedy output equals AR's, of `prompts` (None when not
+            checked: AR itself, or temperature > 0).
+    """
+
+    dataset: str
+    temperature: float
+    method: str
+    prompts: int
+    new_tokens: int
+    tau: float
+    decode_tokens_per_second: float
+    speedup: float
+    prefill_ms: float
+    round_ms: float
+    compile_seconds: float
+    greedy_matches_ar: int | None
+
+
+def run_benchmark(
+    target,
+    datasets: Sequence[Dataset],
+    methods: Sequence[MethodSpec],
+    drafts: dict,
+    *,
+    temperatures: Sequence[float] = (0.0,),
+    max_new_tokens: int = 256,
+    warmup: int = 1,
+) -> tuple[list[Sample], list[Summary]]:
+    """Runs every method on every prompt at every temperature.
+
+    Args:
+        target: the loaded target.
+        datasets: encoded prompt sets.
+        methods: what to compare; must include "ar" (the baseline).
+        drafts: draft per speculative method name (`MethodSpec.method`).
+        temperatures: 0 = greedy.
+        max_new_tokens: budget per prompt.
+        warmup: untimed runs of the first prompt per method and temperature.
+
+    Returns:
+        `(samples, summaries)`.
+    """
+    if not any(m.method == "ar" for m in methods):
+        raise ValueError("the methods must include 'ar', the baseline of the speedups")
+    for m in methods:
+        if m.speculative and m.method not in drafts:
+            raise ValueError(f"method {m.name!r} needs a {m.method!r} draft")
+    samples: list[Sample] = []
+    for temperature in temperatures:
+        for data in datasets:
+            ar_tokens: dict[str, list[int]] = {}
+            for m in methods:
+                if m.method == "ar":  # first: the others are checked against it
+                    _run(
+                        target,
+                        data,
+                        m,
+                        None,
+                        temperature,
+                        max_new_tokens,
+                        warmup,
+                        samples,
+                        ar_tokens,
+                    )
+            for m in methods:
+                if m.method != "ar":
+                    draft = drafts[m.method]
+                    _run(
+                        target,
+                        data,
+                        m,
+                        draft,
+                        temperature,
+                        max_new_tokens,
+                        warmup,
+                        samples,
+                        ar_tokens,
+                    )
+    return samples, summarize(samples)
+
+
+def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, ar_tokens):
+    def one(i):
+        return generate(
+            target,
+            data.prompts[i],
+            draft=draft,
+            method=m.method,
+            refine_passes=m.refine_passes,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=i,
+        )
+
+    for _ in range(warmup):
+        one(0)
+    logger.info("%s, T=%g: %s on %d prompts", data.name, temperature, m.name, len(data.prompts))
+    for i, prompt_id in enumerate(data.ids):
+        result = one(i)
+        if m.method == "ar":
+            ar_tokens[prompt_id] = result.tokens
+            matches = None
+        else:
+            matches = result.tokens == ar_tokens[prompt_id] if temperature == 0 else None
+        t = result.timing
+        samples.append(
+            Sample(
+                dataset=data.name,
+                prompt_id=prompt_id,
+                method=m.name,
+                temperature=temperature,
+                prompt_tokens=result.prompt_length,
+                new_tokens=len(result.tokens),
+                rounds=max(len(result.acceptance_lengths) - 1, 0),
+                tau=result.tau,
+                prefill_seconds=t.prefill_seconds,
+                decode_seconds=t.decode_seconds,
+                compile_seconds=t.compile_seconds,
+                finish_reason=result.finish_reason,
+                matches_ar=matches,
+            )
+        )
+
+
+def summarize(samples: Sequence[Sample]) -> list[Summary]:
+    """Pooled per-(dataset, temperature, method) rows, in first-seen order."""
+    groups: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.dataset, s.temperature, s.method), []).append(s)
+    rates = {key: _rate(group) for key, group in groups.items()}
+    ar_method = {s.method for s in samples if s.method == "ar"}
+    summaries = []
+    for (dataset, temperature, method), group in groups.items():
+        decoded = sum(max(s.new_tokens - 1, 0) for s in group)
+        rounds = sum(s.rounds for s in group)
+        decode_seconds = sum(s.decode_seconds for s in group)
+        ar_rate = rates.get((dataset, temperature, "ar")) if ar_method else None
+        checked = [s.matches_ar for s in group if s.matches_ar is not None]
+        summaries.append(
+            Summary(
+                dataset=dataset,
+                temperature=temperature,
+                method=method,
+                prompts=len(group),
+                new_tokens=sum(s.new_tokens for s in group),
+                tau=decoded / rounds if rounds else 0.0,
+                decode_tokens_per_second=rates[(dataset, temperature, method)],
+                speedup=rates[(dataset, temperature, method)] / ar_rate if ar_rate else 0.0,
+                prefill_ms=1e3 * sum(s.prefill_seconds for s in group) / len(group),
+                round_ms=1e3 * decode_seconds / rounds if rounds else 0.0,
+                compile_seconds=sum(s.compile_seconds for s in group),
+                greedy_matches_ar=sum(checked) if checked else None,
+            )
+        )
+    return summaries
+
+
+def _rate(group: Sequence[Sample]) -> float:
+    decoded = sum(max(s.new_tokens - 1, 0) for s in group)
+    seconds = sum(s.decode_seconds for s in group)
+    return decoded / seconds if seconds > 0 else 0.0

@@ -1,0 +1,389 @@
+"""`DecodeSession`: one batch of requests, prefilled once and decoded in resumable chunks.
+
+The host side of decoding, shared by `generate`, streaming and the server:
+
+    DecodeSession(target, prompts, ...)   validate the requests, bucket the shapes, build `Requests`
+    .start()                              compiled prefill (each row commits its first token)
+    .advance(max_steps)                   the compiled decode loop for at most `max_steps` target
+                                          forwards (a dynamic argument: no recompile per chunk)
+    .poll()                               the tokens each row committed since the last poll
+    .cancel(row)                          stop a row at the next chunk boundary
+    .results()                            one `GenerationResult` per request
+
+Everything per token stays on the device: a caller that never polls (`generate_batch`) makes no
+host round trip until `results()`. Shapes are bucketed (batch, prompt length, output length:
+powers of two) so that new requests reuse compiled code; the first use of a bucket compiles ahead
+of time, is logged, and is timed apart from prefill and decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.decoding.autoregressive import decode_autoregressive
+from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.speculative import SpecState, decode_speculative, prefill_speculative
+from jetspec_jax.decoding.state import Requests
+from jetspec_jax.sampling import RowSampling, SamplingParams
+
+METHODS = ("ar", "dflash", "jetspec", "jetspec++")
+GREEDY = SamplingParams()
+# One process-wide cache: every session (and every server batch) of a bucket reuses its executables.
+COMPILED = CompiledCache()
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of one batch (shared by its rows); compilation is counted apart.
+
+    Attributes:
+        prefill_seconds: the prompts' forward and the first token.
+        decode_seconds: the decode loop, first token excluded (all chunks together).
+        compile_seconds: compiling executables for new shape buckets (0 when all were cached).
+    """
+
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """The outcome of one prompt.
+
+    Attributes:
+        tokens: the generated token ids (a final stop token included).
+        acceptance_lengths: tokens committed by each target forward that produced tokens for this
+            prompt, the prefill's first token included; sums to `len(tokens)`. All 1 for "ar".
+        finish_reason: "stop" (a stop token was generated), "length" (max_new_tokens reached) or
+            "cancelled" (`DecodeSession.cancel` stopped it early).
+        prompt_length: number of prompt tokens.
+        timing: wall-clock times of the batch this prompt ran in.
+        outcomes: speculative methods: `(k, a)` of every verification round (k drafts accepted,
+            bonus token a); empty for "ar".
+    """
+
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    finish_reason: str
+    prompt_length: int
+    timing: Timing
+    outcomes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification round (the prefill's first token excluded)."""
+        rounds = self.acceptance_lengths[1:] or self.acceptance_lengths
+        return float(np.mean(rounds)) if rounds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, per second of the decode loop."""
+        n, seconds = len(self.tokens) - 1, self.timing.decode_seconds
+        return n / seconds if n > 0 and seconds > 0 else 0.0
+
+
+class DecodeSession:
+    """A batch of prompts of any lengths decoded together, in chunks.
+
+    Each row's tokens equal those of decoding it alone (greedy, and sampled with its seed), for
+    every method, however the decode is split into chunks: the loop state is resumable and
+    randomness is keyed by (seed, position).
+
+    Not thread-safe: one thread drives a session.
+    """
+
+    def __init__(
+        self,
+        target,
+        prompts: Sequence[Sequence[int]],
+        *,
+        draft=None,
+        method: str = "ar",
+        max_new_tokens: int | Sequence[int] = 128,
+        sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+        stop_token_ids: Sequence[int] | None = None,
+        refine_passes: int = 0,
+        pad_batch_to: int = 1,
+    ):
+        """Validates the requests and builds the bucketed inputs (no compilation yet).
+
+        Args:
+            target: a loaded `Target`.
+            prompts: token-id lists, one per request (row).
+            draft, method, refine_passes: as in `jetspec_jax.generate`, shared by all rows.
+            max_new_tokens: one budget for all rows, or one per row (each >= 1).
+            sampling: one `SamplingParams` for all rows, or one per row.
+            stop_token_ids: shared by all rows; None: the target's end-of-sequence ids; [] never
+                stops early.
+            pad_batch_to: pad the batch to at least this many rows (then to a power of two), so
+                that a server compiles one batch shape instead of one per batch size.
+
+        Raises:
+            ValueError: naming what is wrong with the request.
+        """
+        config = target.config
+        self._target = target
+        self._proposer, self._proposer_params = resolve_proposer(
+            target, draft, method, refine_passes
+        )
+        prompts = [check_token_ids(p, config.vocab_size) for p in prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        budgets = _per_row(max_new_tokens, len(prompts), "max_new_tokens")
+        for p, n in zip(prompts, budgets, strict=True):
+            check_budget(config, len(p), n)
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        sampling = list(sampling)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        stops = target.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+        self.stop_token_ids = tuple(
+            check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
+        )
+        if isinstance(pad_batch_to, bool) or not isinstance(pad_batch_to, (int, np.integer)):
+            raise ValueError(f"pad_batch_to must be an integer, got {pad_batch_to!r}")
+
+        # Bucketed shapes; padding rows have a zero budget and are done after prefill. A
+        # verification writes a whole block past the committed length: a block of headroom.
+        self.prompt_lengths = [len(p) for p in prompts]
+        batch = bucket(max(len(prompts), pad_batch_to), minimum=1)
+        prompt_len = bucket(max(self.prompt_lengths))
+        self._max_output = bucket(max(budgets))
+        block = self._proposer.block_size if self._proposer else 0
+        self._capacity = prompt_len + self._max_output + block
+        padded = np.zeros((batch, prompt_len), np.int32)
+        lengths = np.ones((batch,), np.int32)
+        for row, p in enumerate(prompts):
+            padded[row, : len(p)] = p
+            lengths[row] = len(p)
+        pad_rows = batch - len(prompts)
+        self._requests = Requests(
+            max_new_tokens=jnp.asarray(budgets + [0] * pad_rows, jnp.int32),
+            stop_token_ids=jnp.asarray(
+                np.tile(np.asarray(self.stop_token_ids or (-1,), np.int32), (batch, 1))
+            ),
+            sampling=RowSampling.from_params(sampling + [GREEDY] * pad_rows),
+        )
+        self._inputs = (jnp.asarray(padded), jnp.asarray(lengths))
+        self._max_budget = max(budgets)
+        self._state = None
+        self._polled = [0] * len(prompts)
+        self._row_done = [False] * len(prompts)
+        self._cancelled: set[int] = set()
+        self._prefill_seconds = self._decode_seconds = self._compile_seconds = 0.0
+
+    @property
+    def num_rows(self) -> int:
+        """The number of requests (batch padding excluded)."""
+        return len(self.prompt_lengths)
+
+    @property
+    def started(self) -> bool:
+        return self._state is not None
+
+    @property
+    def timing(self) -> Timing:
+        """Times so far."""
+        return Timing(self._prefill_seconds, self._decode_seconds, self._compile_seconds)
+
+    def start(self) -> None:
+        """Compiles (once per bucket) and runs the prefill: every row commits its first token."""
+        if self._state is not None:
+            raise RuntimeError("this session has already started")
+        target, proposer = self._target, self._proposer
+        sizes = dict(config=target.config, capacity=self._capacity, max_output=self._max_output)
+        if proposer is None:
+            fn, args = prefill, (target.params, *self._inputs, self._requests)
+        else:
+            fn, args = (
+                prefill_speculative,
+                (
+                    target.params,
+                    self._proposer_params,
+                    *self._inputs,
+                    self._requests,
+                ),
+            )
+            sizes["proposer"] = proposer
+        run, compile_seconds = COMPILED.get(fn, *args, **sizes)
+        self._compile_seconds += compile_seconds
+        start = time.perf_counter()
+        state = jax.block_until_ready(run(*args))
+        self._state = state[0] if proposer is None else state  # AR needs no tap states
+        self._prefill_seconds = time.perf_counter() - start
+
+    def advance(self, max_steps: int | None = None) -> None:
+        """Runs the decode loop for at most `max_steps` target forwards (None: until every row is
+        done; each forward commits >= 1 token per unfinished row)."""
+        if self._state is None:
+            raise RuntimeError("start() the session before advancing it")
+        steps = self._max_budget if max_steps is None else int(max_steps)
+        if steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {steps}")
+        target, proposer = self._target, self._proposer
+        if proposer is None:
+            fn, params, static = decode_autoregressive, (target.params,), {}
+        else:
+            fn, params = decode_speculative, (target.params, self._proposer_params)
+            static = dict(proposer=proposer)
+        args = (*params, self._state, self._requests, jnp.int32(steps))
+        run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
+        self._compile_seconds += compile_seconds
+        start = time.perf_counter()
+        self._state = jax.block_until_ready(run(*args))  # the old state is donated
+        self._decode_seconds += time.perf_counter() - start
+
+    def poll(self) -> list[list[int]]:
+        """The tokens each row committed since the previous poll (one small device transfer)."""
+        decode = self._decode_state()
+        output, counts, done = jax.device_get((decode.output, decode.num_generated, decode.done))
+        new = []
+        for row in range(self.num_rows):
+            n = int(counts[row])
+            new.append(output[row, self._polled[row] : n].tolist())
+            self._polled[row] = n
+            self._row_done[row] = bool(done[row])
+        return new
+
+    @property
+    def row_done(self) -> list[bool]:
+        """Which rows had finished at the last `poll`."""
+        return list(self._row_done)
+
+    @property
+    def done(self) -> bool:
+        """Every row had finished at the last `poll`."""
+        return all(self._row_done)
+
+    def cancel(self, row: int) -> None:
+        """Stops `row` from decoding further; its tokens so far stay (finish_reason
+        "cancelled" unless it had finished already)."""
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
+        decode = self._decode_state()
+        if not self._row_done[row]:
+            self._cancelled.add(row)
+        decode = decode.replace(done=decode.done.at[row].set(True))
+        if isinstance(self._state, SpecState):
+            self._state = self._state.replace(decode=decode)
+        else:
+            self._state = decode
+        self._row_done[row] = True
+
+    def chunks(self, chunk_steps: int) -> Iterator[list[list[int]]]:
+        """Starts (if needed) and decodes to the end, yielding every row's new tokens after the
+        prefill and after every `chunk_steps` target forwards."""
+        if self._state is None:
+            self.start()
+        yield self.poll()
+        while not self.done:
+            self.advance(chunk_steps)
+            yield self.poll()
+
+    def results(self) -> list[GenerationResult]:
+        """One `GenerationResult` per request, in order (fetches the whole state once)."""
+        if self._state is None:
+            raise RuntimeError("start() the session before reading its results")
+        state = jax.device_get(self._state)
+        return [
+            _result(state, row, length, self.stop_token_ids, self.timing, row in self._cancelled)
+            for row, length in enumerate(self.prompt_lengths)
+        ]
+
+    def _decode_state(self):
+        if self._state is None:
+            raise RuntimeError("start() the session first")
+        return self._state.decode if isinstance(self._state, SpecState) else self._state
+
+
+def resolve_proposer(target, draft, method: str, refine_passes: int):
+    """`(proposer, params)` for a speculative method, `(None, None)` for "ar"."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    if method == "ar":
+        if draft is not None:
+            raise ValueError("method 'ar' takes no draft model")
+        if refine_passes:
+            raise ValueError("refine_passes applies to method 'jetspec++' only")
+        return None, None
+    if draft is None:
+        raise ValueError(f"method {method!r} needs a draft model (load_draft or init_draft)")
+    if not hasattr(draft, "proposer"):
+        raise ValueError(f"draft must be a Draft (load_draft or init_draft), got {type(draft)}")
+    return draft.proposer(target, method=method, refine_passes=refine_passes)
+
+
+def check_budget(config, prompt_length: int, max_new_tokens) -> None:
+    """Raises ValueError unless `max_new_tokens` is an int >= 1 and the prompt plus that many
+    tokens fits the model's context."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if prompt_length + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"model's context of {config.max_position_embeddings} tokens"
+        )
+
+
+def check_token_ids(
+    ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False
+) -> list[int]:
+    """A list of ints in [0, vocab_size), or a ValueError saying what is wrong."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
+    ids = list(ids)
+    if not ids and not allow_empty:
+        raise ValueError(f"{what} is empty: at least one token id is needed")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"{what} must hold integer token ids, got {i!r}")
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"{what} holds token id {i}, outside the vocabulary [0, {vocab_size})")
+    return [int(i) for i in ids]
+
+
+def _per_row(value, rows: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != rows:
+            raise ValueError(f"got {len(value)} values of {name} for {rows} prompts")
+        return list(value)
+    return [value] * rows
+
+
+def _result(state, row, prompt_length, stops, timing, cancelled) -> GenerationResult:
+    decode = state.decode if isinstance(state, SpecState) else state
+    tokens = decode.output[row, : int(decode.num_generated[row])].tolist()
+    outcomes = []
+    if isinstance(state, SpecState):
+        rounds = int(state.num_verify_rounds[row])
+        outcomes = list(
+            zip(
+                state.accepted[row, :rounds].tolist(),
+                state.bonus[row, :rounds].tolist(),
+                strict=True,
+            )
+        )
+    if tokens and tokens[-1] in stops:
+        reason = "stop"
+    else:
+        reason = "cancelled" if cancelled else "length"
+    return GenerationResult(
+        tokens=tokens,
+        acceptance_lengths=decode.round_lengths[row, : int(decode.num_rounds[row])].tolist(),
+        finish_reason=reason,
+        prompt_length=prompt_length,
+        timing=timing,
+        outcomes=outcomes,
+    )

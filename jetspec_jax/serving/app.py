@@ -1,0 +1,345 @@
+"""The OpenAI-compatible HTTP application (aiohttp).
+
+Why aiohttp: one dependency gives a production HTTP/1.1 server, streaming responses for
+server-sent events, graceful shutdown on SIGINT/SIGTERM (stop listening → `on_shutdown` → wait for
+in-flight handlers up to a timeout → cancel them → `on_cleanup`) and a client, with no ASGI layer
+and no second server package (starlette + uvicorn would be two, plus their own dependencies).
+Decoding runs on the scheduler's worker thread; handlers only parse, wait for events and write.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both streaming or not), GET /v1/models,
+GET /health, GET /metrics. With an API key set, /v1/* needs `Authorization: Bearer KEY` (401
+otherwise); /health and /metrics stay open for probes and scrapers. Every error is an OpenAI error
+object (`{"error": {"message", "type", "param", "code"}}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from jetspec_jax.serving import openai_responses as responses
+from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
+from jetspec_jax.serving.metrics import CONTENT_TYPE_LATEST
+from jetspec_jax.serving.openai_requests import (
+    GenerationRequest,
+    ModelInfo,
+    RequestError,
+    parse_chat,
+    parse_completion,
+)
+from jetspec_jax.serving.scheduler import (
+    Failed,
+    Finished,
+    Job,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+    Tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+MODEL = web.AppKey("model", ModelInfo)
+API_KEY = web.AppKey("api_key", str)
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = None):
+    """The application; starting it starts the scheduler, shutting it down drains and stops it.
+
+    Args:
+        scheduler: serves the generation jobs (not started yet).
+        model: the served model's name, tokenizer and limits.
+        api_key: when set, required as a bearer token on /v1/*.
+    """
+    app = web.Application(middlewares=[_count, _errors, _auth])
+    app[SCHEDULER] = scheduler
+    app[MODEL] = model
+    app[API_KEY] = api_key or ""
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+
+    async def start(app):
+        app[SCHEDULER].start()
+
+    async def drain(app):
+        logger.info("shutting down: refusing new requests, finishing the running batch")
+        app[SCHEDULER].begin_shutdown()
+
+    async def stop(app):
+        await asyncio.get_running_loop().run_in_executor(None, app[SCHEDULER].stop)
+
+    app.on_startup.append(start)
+    app.on_shutdown.append(drain)
+    app.on_cleanup.append(stop)
+    return app
+
+
+# -- middlewares ----------------------------------------------------------------------------
+
+
+@web.middleware
+async def _count(request: web.Request, handler):
+    """Counts every answer by route and status (`jetspec_requests_total`)."""
+    endpoint = request.path if request.path in _ROUTES else "other"
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    finally:
+        request.app[SCHEDULER].metrics.requests.labels(endpoint, str(status)).inc()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Turns every error into an OpenAI error object with its status."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:  # unknown route, wrong method, body too large
+        if e.status < 400:
+            raise
+        error = RequestError(e.status, e.reason or "error", code=str(e.status))
+        return web.json_response(error.body(), status=e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s", request.path)
+        error = RequestError(500, "internal server error", type="server_error")
+        return web.json_response(error.body(), status=500)
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):
+    key = request.app[API_KEY]
+    if key and request.path.startswith("/v1/"):
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise RequestError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
+    return await handler(request)
+
+
+# -- simple routes --------------------------------------------------------------------------
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[MODEL].name
+    model = {"id": name, "object": "model", "created": 0, "owned_by": "jetspec_jax"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    scheduler = request.app[SCHEDULER]
+    body = {
+        "status": "ok" if scheduler.accepting else "shutting_down",
+        "model": request.app[MODEL].name,
+        "method": scheduler.method,
+        "queue_depth": scheduler.queue_depth,
+        "running": scheduler.running,
+    }
+    return web.json_response(body, status=200 if scheduler.accepting else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[SCHEDULER].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- generation -----------------------------------------------------------------------------
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion(await _json(request), request.app[MODEL]))
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat(await _json(request), request.app[MODEL]))
+
+
+async def _json(request: web.Request) -> Any:
+    text = await request.text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(400, f"malformed JSON body: {e}") from None
+
+
+class _Output:
+    """One request's text so far: incremental detokenization, stop strings, finish reason."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStrings(stop)
+        self.tokens = 0
+
+    def add(self, tokens: list[int]) -> str:
+        self.tokens += len(tokens)
+        return self.stops.feed(self.detokenizer.push(tokens))
+
+    def finish(self) -> str:
+        return self.stops.feed(self.detokenizer.flush()) + self.stops.flush()
+
+    def finish_reason(self, result) -> str:
+        return "stop" if self.stops.hit or result.finish_reason == "stop" else "length"
+
+
+async def _generate(request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    scheduler, model = request.app[SCHEDULER], request.app[MODEL]
+    try:
+        prompt_ids = scheduler.check(req.prompt_ids, req.max_tokens)
+    except ValueError as e:
+        code = "context_length_exceeded" if "context" in str(e) else None
+        raise RequestError(400, str(e), param="prompt", code=code) from None
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def deliver(event) -> None:  # on the scheduler's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop has closed: nobody is listening
+            pass
+
+    job = Job(prompt_ids, req.max_tokens, req.sampling, deliver)
+    try:
+        scheduler.submit(job)
+    except (QueueFull, ShuttingDown) as e:
+        raise RequestError(503, str(e), code="overloaded", type="server_error") from None
+    metrics = scheduler.metrics
+    try:
+        if req.stream:
+            response = await _stream(request, req, job, events, len(prompt_ids), arrived)
+        else:
+            response = await _collect(req, job, events, model, metrics, len(prompt_ids), arrived)
+        metrics.phase_seconds.labels("request").observe(time.perf_counter() - arrived)
+        return response
+    finally:
+        job.cancel()  # a no-op once finished; stops the row when the client went away
+
+
+async def _collect(req, job, events, model: ModelInfo, metrics, prompt_tokens: int, arrived):
+    output = _Output(model.tokenizer, req.stop)
+    parts: list[str] = []
+    first = True
+    while True:
+        event = await events.get()
+        if isinstance(event, Tokens):
+            if first:
+                metrics.time_to_first_token.observe(time.perf_counter() - arrived)
+                first = False
+            if not output.stops.hit:
+                parts.append(output.add(event.tokens))
+                if output.stops.hit:
+                    job.cancel()
+        elif isinstance(event, Failed):
+            raise RequestError(event.status, event.message, type="server_error")
+        elif isinstance(event, Finished):
+            result = event.result
+            if result.finish_reason == "cancelled" and not output.stops.hit:
+                raise RequestError(
+                    503, "the server shut down before the request finished", type="server_error"
+                )
+            parts.append(output.finish())
+            body = responses.full_response(
+                chat=req.chat,
+                request_id=responses.new_id(req.chat),
+                model=model.name,
+                text="".join(parts),
+                finish_reason=output.finish_reason(result),
+                prompt_tokens=prompt_tokens,
+                completion_tokens=len(result.tokens),
+                result=result,
+            )
+            return web.json_response(body)
+
+
+async def _stream(request, req, job, events, prompt_tokens: int, arrived: float):
+    model: ModelInfo = request.app[MODEL]
+    metrics = request.app[SCHEDULER].metrics
+    output = _Output(model.tokenizer, req.stop)
+    ids = dict(chat=req.chat, request_id=responses.new_id(req.chat), model=model.name)
+    response: web.StreamResponse | None = None
+
+    async def send(payload: dict | str) -> None:
+        nonlocal response
+        if response is None:
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            if req.chat:  # the first chat chunk announces the role
+                await _sse(response, responses.chunk(**ids, text="", role=True))
+        await _sse(response, payload)
+
+    first = True
+    while True:
+        event = await events.get()
+        if isinstance(event, Tokens):
+            if first:
+                metrics.time_to_first_token.observe(time.perf_counter() - arrived)
+                first = False
+            if output.stops.hit:
+                continue
+            text = output.add(event.tokens)
+            if output.stops.hit:
+                job.cancel()
+            if text:
+                await send(responses.chunk(**ids, text=text))
+        elif isinstance(event, Failed):
+            error = RequestError(event.status, event.message, type="server_error")
+            if response is None:
+                raise error
+            await send(error.body())
+            break
+        elif isinstance(event, Finished):
+            result = event.result
+            if result.finish_reason == "cancelled" and not output.stops.hit:
+                error = RequestError(
+                    503, "the server shut down before the request finished", type="server_error"
+                )
+                if response is None:
+                    raise error
+                await send(error.body())
+                break
+            tail = output.finish()
+            if tail:
+                await send(responses.chunk(**ids, text=tail))
+            await send(responses.chunk(**ids, finish_reason=output.finish_reason(result)))
+            if req.include_usage:
+                await send(
+                    responses.usage_chunk(
+                        **ids,
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=len(result.tokens),
+                        result=result,
+                    )
+                )
+            break
+    await send("[DONE]")
+    await response.write_eof()
+    return response
+
+
+async def _sse(response: web.StreamResponse, payload: dict | str) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    await response.write(f"data: {data}\n\n".encode())

@@ -1,0 +1,96 @@
+"""Token ids → text, incrementally: correct across chunk boundaries, for streaming.
+
+A token may hold part of a multi-byte character (byte-level BPE), and some tokenizers decode a
+token differently at the start of a text (SentencePiece drops a leading space). So text is never
+decoded token by token: each step decodes a short window that starts a few tokens back and emits
+what it adds to the text of the window's already-emitted part, holding back a trailing U+FFFD (an
+incomplete character) until the next token completes it. The concatenation of all deltas is the
+text of all tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Feeds token ids in, gets text deltas out.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        skip_special_tokens: drop special tokens (e.g. the end-of-turn token) from the text.
+    """
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # the window starts here: context for the tokens after `_read`
+        self._read = 0  # tokens before this have had their text emitted
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text that `token_ids` (appended to the earlier ones) add; may be "" while a
+        character is incomplete."""
+        self._ids.extend(int(i) for i in token_ids)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        decode = self._decode
+        emitted = decode(self._ids[self._prefix : self._read])
+        text = decode(self._ids[self._prefix :])
+        if len(text) <= len(emitted) or (text.endswith(_INCOMPLETE) and not final):
+            if final:  # nothing printable: still consume the tokens
+                self._prefix = self._read = len(self._ids)
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(emitted) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+
+class StopStrings:
+    """Cuts streamed text at the first occurrence of any stop string (OpenAI's `stop`).
+
+    Text that might be the start of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""
+        self.hit = False
+
+    def feed(self, delta: str) -> str:
+        """The part of `delta` (after anything held back) that is safe to emit; sets `hit` when a
+        stop string appears (the text up to it is returned, the rest dropped)."""
+        if self.hit:
+            return ""
+        text = self._pending + delta
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if found:
+            self.hit, self._pending = True, ""
+            return text[: min(found)]
+        hold = max((_overlap(text, s) for s in self._stops), default=0)
+        self._pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
+
+    def flush(self) -> str:
+        """The held-back text, at the end of the stream."""
+        text, self._pending = self._pending, ""
+        return "" if self.hit else text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that `text` ends with."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0

@@ -1,0 +1,319 @@
+"""OpenAI request bodies → validated generation requests, with OpenAI-style error answers.
+
+Supported: `/v1/completions` (`prompt`: a string, a list of token ids, or a one-element list of
+either) and `/v1/chat/completions` (`messages` of system / user / assistant turns; string or
+text-part content), with `model`, `max_tokens` (chat: also `max_completion_tokens`),
+`temperature` (0..2), `top_p`, `top_k` (an extension, as in vLLM), `seed`, `stop` (up to 4
+strings), `stream` and `stream_options.include_usage`. Fields that would change the output in ways
+this server does not implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`,
+`tools`, `suffix`, `best_of` > 1) are refused with 400 rather than silently ignored; other unknown
+fields are ignored, as clients send many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from typing import Any
+
+from jetspec_jax.sampling import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class RequestError(Exception):
+    """An invalid request: answered with `status` and an OpenAI error object.
+
+    Attributes:
+        status: the HTTP status (400, 401, 404, 503, ...).
+        message: what is wrong, for a person.
+        param: the offending request field, if any.
+        code: a machine-readable code (e.g. "model_not_found", "context_length_exceeded").
+        type: the OpenAI error type.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, ready for the scheduler.
+
+    Attributes:
+        chat: from `/v1/chat/completions`.
+        prompt_ids: the prompt's token ids (chat template applied for chat).
+        max_tokens: the token budget.
+        sampling: temperature / top-k / top-p / seed.
+        stop: stop strings (the output is cut before the first one).
+        stream: answer with server-sent events.
+        include_usage: streaming: send a final chunk with token usage.
+    """
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What request parsing needs to know about the served model.
+
+    Attributes:
+        name: the model id clients must send.
+        tokenizer: a transformers tokenizer.
+        context_length: prompt plus output tokens at most.
+        default_max_tokens: the chat budget when a request gives none (capped by the context).
+    """
+
+    name: str
+    tokenizer: Any
+    context_length: int
+    default_max_tokens: int = 256
+
+
+def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
+    """Validates a `/v1/completions` body."""
+    body = _common_checks(body, model)
+    if "prompt" not in body:
+        raise RequestError(400, "missing required parameter: 'prompt'", param="prompt")
+    if body.get("echo"):
+        raise RequestError(400, "echo is not supported", param="echo")
+    if body.get("suffix"):
+        raise RequestError(400, "suffix is not supported", param="suffix")
+    if body.get("best_of") not in (None, 1):
+        raise RequestError(400, "best_of must be 1", param="best_of")
+    prompt_ids = _prompt_ids(body["prompt"], model)
+    max_tokens = _max_tokens(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, prompt_ids, model)
+    return _request(body, False, prompt_ids, max_tokens)
+
+
+def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
+    """Validates a `/v1/chat/completions` body and applies the chat template."""
+    body = _common_checks(body, model)
+    if "messages" not in body:
+        raise RequestError(400, "missing required parameter: 'messages'", param="messages")
+    if body.get("tools") or body.get("functions"):
+        raise RequestError(400, "tools / function calling are not supported", param="tools")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise RequestError(
+            400, "only the text response_format is supported", param="response_format"
+        )
+    messages = _messages(body["messages"])
+    tokenizer = model.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    # The template holds every special token already: no second BOS.
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    room = model.context_length - len(prompt_ids)
+    default = max(1, min(model.default_max_tokens, room))
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    max_tokens = _max_tokens(body, name, default, prompt_ids, model)
+    return _request(body, True, prompt_ids, max_tokens)
+
+
+def _common_checks(body: Any, model: ModelInfo) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if "model" not in body:
+        raise RequestError(400, "missing required parameter: 'model'", param="model")
+    if body["model"] != model.name:
+        raise RequestError(
+            404,
+            f"the model {body['model']!r} does not exist; this server serves {model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if body.get("n") not in (None, 1):
+        raise RequestError(400, "n must be 1 (send concurrent requests instead)", param="n")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise RequestError(400, "logprobs are not supported", param="logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise RequestError(400, f"{name} is not supported (must be 0)", param=name)
+    if body.get("logit_bias"):
+        raise RequestError(400, "logit_bias is not supported", param="logit_bias")
+    return body
+
+
+def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(400, "stream must be a boolean", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError(400, "stream_options must be an object", param="stream_options")
+    return GenerationRequest(
+        chat=chat,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+def _sampling(body: dict) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise RequestError(
+            400, f"temperature must be in [0, 2], got {temperature}", param="temperature"
+        )
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise RequestError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    top_k = body.get("top_k")
+    top_k = 0 if top_k in (None, -1) else top_k  # vLLM's -1 = disabled
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise RequestError(400, f"top_k must be an integer >= 0, got {top_k!r}", param="top_k")
+    seed = body.get("seed")
+    if seed is None:
+        seed = secrets.randbelow(2**32)  # OpenAI: unseeded requests are not reproducible
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise RequestError(
+            400, f"seed must be an integer in [0, 2**32), got {seed!r}", param="seed"
+        )
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(400, f"{name} must be a number, got {value!r}", param=name)
+    return float(value)
+
+
+def _max_tokens(body: dict, name: str, default: int, prompt_ids: list[int], model: ModelInfo):
+    value = body.get(name)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(400, f"{name} must be an integer >= 1, got {value!r}", param=name)
+    if len(prompt_ids) + value > model.context_length:
+        raise RequestError(
+            400,
+            f"this model's context is {model.context_length} tokens; the prompt has "
+            f"{len(prompt_ids)} and {name} asks for {value}. Shorten the prompt or lower {name}.",
+            param="messages" if "messages" in body else "prompt",
+            code="context_length_exceeded",
+        )
+    return value
+
+
+def _prompt_ids(prompt: Any, model: ModelInfo) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(400, "prompt is empty", param="prompt")
+        return model.tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and prompt and all(isinstance(i, list) for i in prompt):
+        raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
+    if isinstance(prompt, list) and all(isinstance(i, str) for i in prompt):
+        raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError(
+            400, "prompt must be a non-empty string or list of token ids", param="prompt"
+        )
+    for i in prompt:  # the range is checked against the model's vocabulary by the scheduler
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise RequestError(400, f"prompt holds an invalid token id {i!r}", param="prompt")
+    return list(prompt)
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(400, f"{where} must be an object", param=where)
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise RequestError(
+                400,
+                f"{where}.role must be system, developer, user or assistant, got {role!r}",
+                param=f"{where}.role",
+            )
+        if "content" not in message:
+            raise RequestError(400, f"missing required parameter: '{where}.content'", param=where)
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _content(message["content"], where),
+            }
+        )
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise RequestError(
+                    400, f"{where}.content: only text parts are supported", param=where
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(
+        400, f"{where}.content must be a string or a list of text parts", param=where
+    )
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
+        raise RequestError(
+            400, "stop must be a string or a list of at most 4 strings", param="stop"
+        )
+    return tuple(s for s in stops if s)

@@ -1,0 +1,115 @@
+"""OpenAI response objects: completions, chat completions, their streamed chunks, and usage."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from jetspec_jax.decoding.session import GenerationResult
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def stats(result: GenerationResult) -> dict[str, Any]:
+    """Our extension (`jetspec` field): decoding statistics of the request."""
+    return {
+        "tau": round(result.tau, 4),
+        "target_forwards": len(result.acceptance_lengths),
+        "prefill_seconds": round(result.timing.prefill_seconds, 6),
+        "decode_seconds": round(result.timing.decode_seconds, 6),
+        "compile_seconds": round(result.timing.compile_seconds, 6),
+    }
+
+
+def full_response(
+    *,
+    chat: bool,
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    result: GenerationResult,
+) -> dict[str, Any]:
+    """The non-streamed answer."""
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "jetspec": stats(result),
+    }
+
+
+def chunk(
+    *,
+    chat: bool,
+    request_id: str,
+    model: str,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk: a text delta (chat: the first also carries the role) or the finish."""
+    if chat:
+        delta: dict[str, str] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(
+    *,
+    chat: bool,
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    result: GenerationResult | None,
+) -> dict[str, Any]:
+    """The last streamed chunk when `stream_options.include_usage` is set: no choices."""
+    body = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+    if result is not None:
+        body["jetspec"] = stats(result)
+    return body

@@ -1,0 +1,312 @@
+"""The batching scheduler: a bounded queue of generation jobs, decoded in batches on one thread.
+
+One worker thread owns the device. It takes up to `max_batch_size` waiting jobs, decodes them as
+one `DecodeSession` (rows with different prompts, budgets and sampling parameters batch together:
+those are per-row arrays), and after the prefill and after every `chunk_steps` target forwards
+hands each job its new tokens through the job's `deliver` callback. Jobs that arrive meanwhile wait
+for the next batch (static batching: a running batch is not joined mid-flight).
+
+The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
+can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
+new and waiting jobs and lets the running batch finish; `stop` also cancels the running batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from jetspec_jax.decoding.session import (
+    DecodeSession,
+    GenerationResult,
+    check_budget,
+    check_token_ids,
+    resolve_proposer,
+)
+from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.serving.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds `queue_size` waiting jobs already."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler no longer accepts jobs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Event: new tokens of the job (in order)."""
+
+    tokens: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """Event: the job is done; `result.finish_reason` says why. Last event of a job."""
+
+    result: GenerationResult
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """Event: the job was not (fully) served. Last event of a job.
+
+    Attributes:
+        status: the HTTP status that describes it (503: shutting down; 500: a decoding error).
+        message: what went wrong.
+    """
+
+    status: int
+    message: str
+
+
+Event = Tokens | Finished | Failed
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One request for the scheduler.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (validated by `Scheduler.check`).
+        max_new_tokens: the token budget.
+        sampling: the request's sampling parameters.
+        deliver: called on the worker thread with each `Event`; must not block.
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    deliver: Callable[[Event], None]
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stops the job: dropped if waiting, stopped at the next chunk boundary if running."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Scheduler:
+    """Serves `Job`s of one target (and draft) in batches on a worker thread.
+
+    Args:
+        target: the loaded target.
+        draft, method, refine_passes: as in `jetspec_jax.generate` (checked here, at start-up).
+        max_batch_size: at most this many jobs per batch.
+        queue_size: at most this many jobs waiting (not counting the running batch).
+        chunk_steps: target forwards between two deliveries of new tokens.
+        pad_batch: pad every batch to `max_batch_size` rows: one compiled batch shape instead of
+            one per power of two, at the cost of computing padding rows.
+        metrics: where to record batch sizes, phase times, tau and tokens.
+    """
+
+    def __init__(
+        self,
+        target,
+        *,
+        draft=None,
+        method: str = "ar",
+        refine_passes: int = 0,
+        max_batch_size: int = 8,
+        queue_size: int = 64,
+        chunk_steps: int = 8,
+        pad_batch: bool = False,
+        metrics: ServerMetrics | None = None,
+    ):
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("queue_size", queue_size),
+            ("chunk_steps", chunk_steps),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        resolve_proposer(target, draft, method, refine_passes)  # refuse a bad pairing now
+        self.target, self.draft, self.method, self.refine_passes = (
+            target,
+            draft,
+            method,
+            refine_passes,
+        )
+        self.max_batch_size, self.queue_size, self.chunk_steps = (
+            max_batch_size,
+            queue_size,
+            chunk_steps,
+        )
+        self._pad_to = max_batch_size if pad_batch else 1
+        self.metrics = metrics or ServerMetrics()
+        self._waiting: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._held = 0
+        self._running: list[Job] = []
+        self._thread: threading.Thread | None = None
+
+    # -- client side ------------------------------------------------------------------------
+
+    def check(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        """The validated prompt, or ValueError (bad ids, prompt plus budget beyond the context)."""
+        ids = check_token_ids(prompt_ids, self.target.config.vocab_size)
+        check_budget(self.target.config, len(ids), max_new_tokens)
+        return ids
+
+    def submit(self, job: Job) -> None:
+        """Queues a job (validate it with `check` first).
+
+        Raises:
+            QueueFull: `queue_size` jobs are waiting already.
+            ShuttingDown: the scheduler is stopping.
+        """
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.queue_size:
+                raise QueueFull(
+                    f"the request queue is full ({self.queue_size} waiting); retry later"
+                )
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @contextlib.contextmanager
+    def hold(self):
+        """While inside, no new batch starts (jobs keep queueing): for maintenance and tests."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the worker thread."""
+        if self._thread is not None:
+            raise RuntimeError("the scheduler has already started")
+        self._thread = threading.Thread(target=self._work, name="jetspec-scheduler", daemon=True)
+        self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuses new jobs, fails the waiting ones (503); the running batch finishes."""
+        with self._cond:
+            self._accepting = False
+            waiting, self._waiting = list(self._waiting), deque()
+            self.metrics.queue_depth.set(0)
+            self._cond.notify_all()
+        for job in waiting:
+            job.deliver(Failed(503, "the server is shutting down"))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """`begin_shutdown`, cancels the running batch's rows, and joins the worker."""
+        self.begin_shutdown()
+        with self._cond:
+            self._stopping = True
+            for job in self._running:
+                job.cancel()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the scheduler thread did not stop within %.0f s", timeout)
+
+    # -- worker -----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and (self._held or not self._waiting):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = []
+                while self._waiting and len(batch) < self.max_batch_size:
+                    job = self._waiting.popleft()
+                    if not job.cancelled:
+                        batch.append(job)
+                self.metrics.queue_depth.set(len(self._waiting))
+                self._running = batch
+            if batch:
+                self._serve(batch)
+            with self._cond:
+                self._running = []
+
+    def _serve(self, batch: list[Job]) -> None:
+        m = self.metrics
+        m.running.set(len(batch))
+        m.batch_size.observe(len(batch))
+        started = time.perf_counter()
+        for job in batch:
+            m.phase_seconds.labels("queue").observe(started - job.submitted_at)
+        try:
+            session = DecodeSession(
+                self.target,
+                [job.prompt_ids for job in batch],
+                draft=self.draft,
+                method=self.method,
+                refine_passes=self.refine_passes,
+                max_new_tokens=[job.max_new_tokens for job in batch],
+                sampling=[job.sampling for job in batch],
+                pad_batch_to=self._pad_to,
+            )
+            session.start()
+            self._deliver(batch, session.poll())
+            while not session.done:
+                for row, job in enumerate(batch):
+                    if job.cancelled and not session.row_done[row]:
+                        session.cancel(row)
+                if session.done:
+                    break
+                session.advance(self.chunk_steps)
+                self._deliver(batch, session.poll())
+            results = session.results()
+        except Exception as e:  # a decoding failure fails its batch, not the server
+            logger.exception("decoding a batch of %d requests failed", len(batch))
+            for job in batch:
+                job.deliver(Failed(500, f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        finally:
+            m.running.set(0)
+        timing = results[0].timing
+        m.phase_seconds.labels("compile").observe(timing.compile_seconds)
+        m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
+        m.phase_seconds.labels("decode").observe(timing.decode_seconds)
+        for job, result in zip(batch, results, strict=True):
+            m.prompt_tokens.inc(result.prompt_length)
+            m.generated_tokens.inc(len(result.tokens))
+            if len(result.acceptance_lengths) > 1:
+                m.tau.observe(result.tau)
+            job.deliver(Finished(result))
+
+    @staticmethod
+    def _deliver(batch: list[Job], new_tokens: list[list[int]]) -> None:
+        for job, tokens in zip(batch, new_tokens, strict=True):
+            if tokens:
+                job.deliver(Tokens(tokens))

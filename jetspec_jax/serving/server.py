@@ -1,0 +1,148 @@
+"""Running the OpenAI-compatible server: in the foreground (signals) or on a background thread.
+
+serve(target, draft, config, host="127.0.0.1", port=8000)   # blocks; SIGINT/SIGTERM stop it
+with BackgroundServer(target, draft, config) as server:     # tests, benchmarks
+    server.url  # http://127.0.0.1:PORT (an ephemeral port by default)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+
+from aiohttp import web
+
+from jetspec_jax.serving.app import create_app
+from jetspec_jax.serving.metrics import ServerMetrics
+from jetspec_jax.serving.openai_requests import ModelInfo
+from jetspec_jax.serving.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """How to serve.
+
+    Attributes:
+        model_name: the id clients send as `model` (None: the target directory's name).
+        method, refine_passes: the decoding method ("ar" or the draft's variant).
+        api_key: required as a bearer token on /v1/* when set.
+        max_batch_size: requests decoded together at most.
+        queue_size: requests waiting at most; one more is answered 503.
+        chunk_steps: target forwards between token deliveries (streaming granularity).
+        default_max_tokens: chat budget when a request sets none.
+        pad_batch: always decode `max_batch_size` rows (one compiled batch shape).
+        shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
+    """
+
+    model_name: str | None = None
+    method: str = "ar"
+    refine_passes: int = 0
+    api_key: str | None = None
+    max_batch_size: int = 8
+    queue_size: int = 64
+    chunk_steps: int = 8
+    default_max_tokens: int = 256
+    pad_batch: bool = False
+    shutdown_timeout: float = 30.0
+
+
+def build_app(target, draft, config: ServerConfig) -> web.Application:
+    """The aiohttp application serving `target` (with `draft` for speculative methods)."""
+    if target.tokenizer is None:
+        raise ValueError(
+            f"{target.path} has no tokenizer; the server needs one to read and write text"
+        )
+    name = config.model_name or (target.path.name if target.path else "jetspec")
+    scheduler = Scheduler(
+        target,
+        draft=draft,
+        method=config.method,
+        refine_passes=config.refine_passes,
+        max_batch_size=config.max_batch_size,
+        queue_size=config.queue_size,
+        chunk_steps=config.chunk_steps,
+        pad_batch=config.pad_batch,
+        metrics=ServerMetrics(),
+    )
+    model = ModelInfo(
+        name=name,
+        tokenizer=target.tokenizer,
+        context_length=target.config.max_position_embeddings,
+        default_max_tokens=config.default_max_tokens,
+    )
+    return create_app(scheduler, model, api_key=config.api_key)
+
+
+def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000):
+    """Serves until SIGINT/SIGTERM, then shuts down gracefully: stops listening, fails waiting
+    requests with 503, lets running ones finish for `config.shutdown_timeout` seconds, cancels the
+    rest."""
+    app = build_app(target, draft, config)
+    logger.info("serving %s on http://%s:%d", config.method, host, port)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        shutdown_timeout=config.shutdown_timeout,
+        print=lambda msg: logger.warning("%s", msg),
+        access_log=None,
+    )
+
+
+class BackgroundServer:
+    """The server on its own thread and event loop, bound to `host` (port 0: any free port).
+
+    A context manager: entering starts it (and its scheduler), leaving shuts it down as a signal
+    would. `app` is the aiohttp application (its scheduler: `app[SCHEDULER]`).
+    """
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        config: ServerConfig = ServerConfig(),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.app = build_app(target, draft, config)
+        self._host, self._port, self._config = host, port, config
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.url = ""
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=60)
+        return self
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(
+            self.app, shutdown_timeout=self._config.shutdown_timeout, access_log=None
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        """Graceful shutdown (as on SIGTERM), then the loop and thread end."""
+        if self._runner is not None:
+            future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            future.result(timeout=self._config.shutdown_timeout + 60)
+            self._runner = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

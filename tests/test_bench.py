@@ -1,0 +1,84 @@
+"""The benchmark harness end to end on a tiny model and a 3-prompt file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jetspec_jax.bench.__main__ import main
+from jetspec_jax.bench.datasets import prompt_text
+from jetspec_jax.bench.methods import MethodSpec, parse_methods
+from jetspec_jax.data.prompts import MATH_SUFFIX
+from tests.text_fixtures import with_tokenizer
+
+
+def test_method_specs():
+    assert parse_methods("jetspec++-J2") == [
+        MethodSpec("ar", "ar"),
+        MethodSpec("jetspec++-J2", "jetspec++", 2),
+    ]
+    for bad, message in (
+        ("medusa", "unknown method"),
+        ("dflash-J1", "jetspec\\+\\+ only"),
+        ("jetspec++-J1-R1", "adapter"),
+        ("ar,ar", "repeated"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_methods(bad)
+
+
+def test_math_prompts_get_the_standard_suffix():
+    record = {"prompt": "What is 2 + 2?"}
+    assert prompt_text(record, "gsm8k") == "What is 2 + 2?" + MATH_SUFFIX
+    assert prompt_text(record, "math500").endswith("\\boxed{}.")
+    assert prompt_text(record, "humaneval") == "What is 2 + 2?"
+
+
+def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
+    target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
+    prompts = tmp_path / "tiny.jsonl"
+    lines = [
+        {"id": f"t-{i}", "prompt": p, "source": "tiny"} for i, p in enumerate(["Hi", "Sky", "2+2"])
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "bench"
+    argv = [
+        "--prompts", str(prompts),
+        "--target", str(target_dir),
+        "--methods", "jetspec++-J1",
+        "--random-draft", "jetspec++",
+        "--random-draft-block", "4",
+        "--temperatures", "0,1",
+        "--max-new-tokens", "16",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["temperature"], r["method"]) for r in rows] == [
+        (0.0, "ar"),
+        (0.0, "jetspec++-J1"),
+        (1.0, "ar"),
+        (1.0, "jetspec++-J1"),
+    ]
+    for r in rows:
+        assert r["dataset"] == "tiny" and r["prompts"] == 3
+        assert r["tau"] >= 1.0 and r["decode_tokens_per_second"] > 0
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[0]["tau"] == pytest.approx(1.0)
+    assert rows[1]["greedy_matches_ar"] == 3  # the field's correctness check
+    assert rows[3]["greedy_matches_ar"] is None  # not checked when sampling
+    samples = (out / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 3 * 4
+
+    table = (out / "results.md").read_text()
+    assert table.count("\n") == 2 + 4 and "| tiny | 0 | jetspec++-J1 | 3 |" in table
+    assert "3/3" in table and table in capsys.readouterr().out
+    for name in ("tau.png", "speedup.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys):
+    assert main(["--prompts", str(tmp_path / "missing.jsonl"), "--methods", "bogus"]) == 2
+    assert "unknown method" in capsys.readouterr().err

@@ -1,0 +1,416 @@
+"""The OpenAI-compatible server in-process on a tiny random model with a character tokenizer.
+
+Every server here decodes padded batches of 4 rows with prompts of <= 16 tokens and <= 16 new
+tokens, so all requests share one compiled bucket per method.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import jetspec_jax
+from jetspec_jax.bench.load import markdown, run_load
+from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.serving import BackgroundServer, ServerConfig
+from jetspec_jax.serving.app import SCHEDULER
+from tests.text_fixtures import with_tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+KEY = "test-key"
+BATCH = 4
+CONFIG = ServerConfig(
+    model_name=MODEL,
+    api_key=KEY,
+    max_batch_size=BATCH,
+    queue_size=8,
+    chunk_steps=3,
+    pad_batch=True,
+    shutdown_timeout=10,
+)
+
+
+@pytest.fixture(scope="module")
+def target_dir(checkpoints, tmp_path_factory):
+    return with_tokenizer(checkpoints.get("qwen3")[0], tmp_path_factory.mktemp("text") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return jetspec_jax.load_target(target_dir)
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    with BackgroundServer(target, None, CONFIG) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _library(target, prompt_ids, max_tokens):
+    """The text and result of greedy decoding alone with the library, in the server's bucket."""
+    session = DecodeSession(target, [prompt_ids], max_new_tokens=max_tokens, pad_batch_to=BATCH)
+    session.start()
+    session.advance()
+    result = session.results()[0]
+    return target.tokenizer.decode(result.tokens, skip_special_tokens=True), result
+
+
+def _chat_ids(target, messages):
+    rendered = target.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    return target.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _complete(http, prompt="Hi", max_tokens=2, **kwargs):
+    body = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **kwargs)
+    return http.post("/v1/completions", json=body)
+
+
+def _wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_models_health_and_api_key(server, http, client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    health = httpx.get(server.url + "/health")  # open without a key
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        answer = httpx.get(server.url + "/v1/models", headers=headers)
+        assert answer.status_code == 401
+        assert answer.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_completion_equals_the_library_and_its_stream(target, client):
+    ids = target.tokenizer.encode("Hello")
+    expected, result = _library(target, ids, 12)
+    answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
+    choice = answer.choices[0]
+    assert choice.text == expected
+    assert choice.finish_reason == ("stop" if result.finish_reason == "stop" else "length")
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.usage.completion_tokens == len(result.tokens)
+    assert answer.model_extra["jetspec"]["tau"] == pytest.approx(1.0)  # AR: one per forward
+
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == expected
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Hello",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len([t for t in texts if t]) > 1  # really streamed in pieces
+    assert "".join(texts) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(result.tokens)
+
+
+def test_chat_streaming_and_not(target, client):
+    messages = [{"role": "system", "content": "Hm"}, {"role": "user", "content": "Hi"}]
+    ids = _chat_ids(target, messages)
+    assert len(ids) <= 16
+    expected, _ = _library(target, ids, 10)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0
+    )
+    assert answer.object == "chat.completion"
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == len(ids)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+
+
+REQUESTS = [
+    dict(prompt="The sky", max_tokens=16, temperature=0),
+    dict(prompt="Hello there", max_tokens=5, temperature=0),
+    dict(prompt="Why", max_tokens=9, temperature=1.0, seed=11),
+    dict(prompt="1, 2, 3,", max_tokens=12, temperature=0.7, top_p=0.9, seed=12),
+    dict(prompt="abc", max_tokens=7, temperature=0),
+    dict(prompt="Once upon", max_tokens=16, temperature=1.0, top_k=5, seed=13),
+    dict(prompt="x", max_tokens=3, temperature=0),
+    dict(prompt="Tell me", max_tokens=14, temperature=0),
+]
+
+
+def _post_all(http, requests, path="/v1/completions"):
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(http.post, path, json=dict(model=MODEL, **r)) for r in requests]
+        return [f.result() for f in futures]
+
+
+def test_concurrent_requests_are_batched_and_equal_serving_each_alone(server, http):
+    alone = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in REQUESTS]
+    scheduler = server.app[SCHEDULER]
+    batches = _sample(http, "jetspec_batch_size_count"), _sample(http, "jetspec_batch_size_sum")
+    with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        with scheduler.hold():  # all 8 wait, then run as two full batches
+            futures = [
+                pool.submit(http.post, "/v1/completions", json=dict(model=MODEL, **r))
+                for r in REQUESTS
+            ]
+            _wait_for(lambda: scheduler.queue_depth == len(REQUESTS))
+        together = [f.result() for f in futures]
+    for a, t, r in zip(alone, together, REQUESTS, strict=True):
+        assert a.status_code == t.status_code == 200, t.text
+        assert t.json()["choices"][0]["text"] == a.json()["choices"][0]["text"]
+        assert t.json()["usage"]["completion_tokens"] <= r["max_tokens"]
+    # Each request above was a batch of its own; the 8 together came as 2 batches of 4.
+    assert _sample(http, "jetspec_batch_size_count") - batches[0] == 2
+    assert _sample(http, "jetspec_batch_size_sum") - batches[1] == len(REQUESTS)
+
+
+def test_full_queue_answers_503_and_then_serves_again(server, http):
+    scheduler = server.app[SCHEDULER]
+    with concurrent.futures.ThreadPoolExecutor(CONFIG.queue_size) as pool:
+        with scheduler.hold():
+            waiting = [pool.submit(_complete, http) for _ in range(CONFIG.queue_size)]
+            _wait_for(lambda: scheduler.queue_depth == CONFIG.queue_size)
+            refused = _complete(http)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "overloaded"
+            assert "queue is full" in refused.json()["error"]["message"]
+        assert all(w.result().status_code == 200 for w in waiting)
+    assert _complete(http).status_code == 200
+
+
+BAD = [
+    # (path, body (dict) or raw bytes, status, what the message or param names)
+    ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", dict(prompt="Hi"), 400, "model"),
+    ("/v1/completions", dict(model="gpt-9", prompt="Hi"), 404, "gpt-9"),
+    ("/v1/completions", dict(model=MODEL), 400, "prompt"),
+    ("/v1/chat/completions", dict(model=MODEL), 400, "messages"),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=[{"role": "bot", "content": "x"}]),
+        400,
+        "role",
+    ),
+    ("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user"}]), 400, "content"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=-1), 400, "temperature"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=3), 400, "temperature"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=0), 400, "top_p"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k="5"), 400, "top_k"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", seed=-1), 400, "seed"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=0), 400, "max_tokens"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", n=2), 400, "n"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", stream="yes"), 400, "stream"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=2), 400, "logprobs"),
+    ("/v1/completions", dict(model=MODEL, prompt="x" * 2100), 400, "context"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=4000), 400, "context"),
+    ("/v1/completions", dict(model=MODEL, prompt=[5, 500]), 400, "500"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", stop=[1]), 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, names", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_invalid_requests_get_4xx_and_the_next_request_works(http, path, body, status, names):
+    if isinstance(body, bytes):
+        answer = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        answer = http.post(path, json=body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert names in error["message"] or names == error["param"], error
+    assert error["type"] == "invalid_request_error"
+    assert _complete(http).status_code == 200
+
+
+def test_unknown_routes_and_methods_answer_json_errors(http):
+    assert http.get("/v1/nothing").status_code == 404
+    wrong = http.get("/v1/completions")
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_stop_strings_cut_the_output(target, http):
+    full = _complete(http, prompt="The sky", max_tokens=16).json()["choices"][0]["text"]
+    assert len(full) >= 8
+    stop = full[4:6]
+    expected = full[: full.index(stop)]
+    answer = _complete(http, prompt="The sky", max_tokens=16, stop=[stop, "@@@@"]).json()
+    assert answer["choices"][0] == {
+        "index": 0,
+        "text": expected,
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    streamed = _complete(http, prompt="The sky", max_tokens=16, stop=stop, stream=True)
+    assert _sse_text(streamed.text) == expected
+
+
+def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_server(target, http):
+    """A random JetSpec draft behind the server: batched rows with ragged acceptance and budgets
+    (finishing at different rounds) answer exactly as the autoregressive server does."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4, seed=7)
+    config = ServerConfig(
+        model_name=MODEL, method="jetspec", max_batch_size=BATCH, chunk_steps=2, pad_batch=True
+    )
+    greedy = [r for r in REQUESTS if r["temperature"] == 0][:BATCH]
+    expected = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in greedy]
+    with (
+        BackgroundServer(target, draft, config) as spec,
+        httpx.Client(base_url=spec.url, timeout=120) as spec_http,
+    ):
+        with concurrent.futures.ThreadPoolExecutor(len(greedy)) as pool:
+            with spec.app[SCHEDULER].hold():  # one batch
+                futures = [
+                    pool.submit(spec_http.post, "/v1/completions", json=dict(model=MODEL, **r))
+                    for r in greedy
+                ]
+                _wait_for(lambda: spec.app[SCHEDULER].queue_depth == len(greedy))
+            answers = [f.result().json() for f in futures]
+        streamed = spec_http.post(
+            "/v1/completions", json=dict(model=MODEL, stream=True, **greedy[0])
+        )
+    for a, e in zip(answers, expected, strict=True):
+        assert a["choices"][0]["text"] == e.json()["choices"][0]["text"]
+        assert a["jetspec"]["tau"] >= 1.0
+    assert _sse_text(streamed.text) == expected[0].json()["choices"][0]["text"]
+    assert len({a["usage"]["completion_tokens"] for a in answers}) > 1  # different lengths
+
+
+def test_load_tool_measures_the_server(server):
+    for clients in (1, 4):
+        result = run_load(
+            server.url, MODEL, ["Hi", "Sky"], concurrency=clients, requests=6, max_tokens=4,
+            api_key=KEY,
+        )  # fmt: skip
+        assert (result.requests, result.errors) == (6, 0)
+        assert 0 < result.ttft_p50 <= result.latency_p50 <= result.latency_p99
+        assert result.requests_per_second > 0 and result.tokens_per_second > 0
+    assert "| 4 | 6 | 0 |" in markdown([result])
+
+
+def test_metrics_parse(server, http):
+    _complete(http)
+    http.post("/v1/completions", json=dict(model="nope", prompt="x"))
+    text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = {
+        (s.labels["endpoint"], s.labels["status"]): s.value
+        for s in families["jetspec_requests"].samples
+        if s.name == "jetspec_requests_total"
+    }
+    assert requests[("/v1/completions", "200")] >= 1
+    assert requests[("/v1/completions", "404")] >= 1
+    assert requests[("/v1/models", "401")] >= 1
+    assert families["jetspec_generated_tokens"].samples[0].value > 0
+    assert families["jetspec_tau"].type == "histogram"
+    phases = {s.labels["phase"] for s in families["jetspec_phase_seconds"].samples}
+    assert phases == {"queue", "compile", "prefill", "decode", "request"}
+    assert families["jetspec_queue_depth"].samples[0].value == 0
+
+
+def test_shutdown_fails_waiting_requests_with_503_and_stops_listening(target):
+    running = BackgroundServer(target, None, CONFIG).start()
+    scheduler = running.app[SCHEDULER]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=running.url, headers=headers, timeout=60) as http:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, scheduler.hold():
+            waiting = [pool.submit(_complete, http) for _ in range(2)]
+            _wait_for(lambda: scheduler.queue_depth == 2)
+            running.stop()  # as on SIGTERM
+            answers = [w.result() for w in waiting]
+    for answer in answers:
+        assert answer.status_code == 503
+        assert "shutting down" in answer.json()["error"]["message"]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(running.url + "/health")
+
+
+def test_serve_py_server_answers_and_stops_on_sigterm(target_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "serve.py", "--port", str(port), "--target", str(target_dir)],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        models = httpx.get(url + "/v1/models").json()
+        assert models["data"][0]["id"] == target_dir.name
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _sample(http, name: str) -> float:
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    return 0.0
+
+
+def _sse_text(body: str) -> str:
+    """The text of a streamed completion: its `data:` events up to `[DONE]`."""
+    import json
+
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(
+        json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]
+    )

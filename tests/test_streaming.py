@@ -1,0 +1,192 @@
+"""Decoding sessions in chunks: streamed tokens equal `generate`, ragged speculative batches, and
+incremental detokenization across chunk boundaries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import jetspec_jax
+from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
+from tests.oracles import OracleDraft
+
+# All sessions here share the smallest buckets (prompt 16, output 16) to compile few executables.
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 97, n).tolist() for n in (11, 4, 15)]
+
+
+def _ar(target, prompt, n=N_NEW, **kwargs):
+    return jetspec_jax.generate(target, prompt, max_new_tokens=n, stop_token_ids=[], **kwargs)
+
+
+@pytest.mark.parametrize("chunk_steps", [1, 5])
+def test_stream_chunks_concatenate_to_generate(target, prompts, chunk_steps):
+    for prompt, kwargs in ((prompts[0], {}), (prompts[1], dict(temperature=1.0, seed=4))):
+        expected = _ar(target, prompt, **kwargs)
+        stream = jetspec_jax.stream(
+            target,
+            prompt,
+            chunk_steps=chunk_steps,
+            max_new_tokens=N_NEW,
+            stop_token_ids=[],
+            **kwargs,
+        )
+        chunks = list(stream)
+        assert all(chunks)  # no empty chunk is yielded
+        assert chunks[0] == expected.tokens[:1]  # the prefill's token comes alone
+        assert all(len(c) <= chunk_steps for c in chunks[1:])  # AR: one token per forward
+        assert sum(chunks, []) == expected.tokens
+        assert stream.result.tokens == expected.tokens
+        assert stream.result.finish_reason == "length"
+
+
+def test_speculative_stream_equals_autoregressive(target, prompts):
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=5)
+    stream = jetspec_jax.stream(
+        target,
+        prompts[2],
+        chunk_steps=2,
+        draft=draft,
+        method="jetspec++",
+        refine_passes=1,
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+    )
+    chunks = list(stream)
+    assert all(len(c) <= 2 * 4 for c in chunks[1:])  # <= K tokens per round
+    assert sum(chunks, []) == _ar(target, prompts[2]).tokens
+    assert stream.result.tau >= 1.0
+
+
+def test_closing_a_stream_cancels_it(target, prompts):
+    stream = jetspec_jax.stream(
+        target, prompts[0], chunk_steps=2, max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    got = next(stream) + next(stream)
+    stream.close()
+    assert stream.result.finish_reason == "cancelled"
+    assert stream.result.tokens == got == _ar(target, prompts[0]).tokens[: len(got)]
+    assert list(stream) == []
+
+
+def test_stream_validates_before_the_first_token(target):
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        jetspec_jax.stream(target, [1] * 2040, max_new_tokens=16)
+    with pytest.raises(ValueError, match="chunk_steps"):
+        jetspec_jax.stream(target, [1], chunk_steps=0)
+
+
+def test_ragged_speculative_batch_in_chunks_equals_each_row_alone(target, prompts):
+    """Rows accept different numbers of drafts per round (an oracle right for row 0, right for a
+    while for row 1, wrong for row 2) and have different budgets, so they finish at different
+    rounds; decoded in chunks of one round, each row still equals AR decoding alone."""
+    budgets = [16, 12, 7]
+    alone = [_ar(target, p, n).tokens for p, n in zip(prompts, budgets, strict=True)]
+    continuation = np.zeros((4, 64), np.int32)  # one row per batch row (bucket 4)
+    for row, (prompt, tokens) in enumerate(zip(prompts, alone, strict=True)):
+        sequence = prompt + tokens
+        if row == 1:
+            sequence = sequence[: len(prompt) + 6]  # right for 6 tokens, then zeros
+        if row < 2:
+            continuation[row, : len(sequence)] = sequence
+    draft = OracleDraft(continuation, block_size=4, vocab_size=97)
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=draft,
+        method="jetspec",
+        max_new_tokens=budgets,
+        stop_token_ids=[],
+    )
+    streamed = [[] for _ in prompts]
+    finished_after = [None] * 3
+    for step, chunk in enumerate(session.chunks(chunk_steps=1)):
+        for row, tokens in enumerate(chunk):
+            streamed[row] += tokens
+            if session.row_done[row] and finished_after[row] is None:
+                finished_after[row] = step
+    results = session.results()
+    for row in range(3):
+        assert streamed[row] == results[row].tokens == alone[row]
+        assert sum(results[row].acceptance_lengths) == budgets[row]
+    accepted = [[k for k, _ in r.outcomes] for r in results]
+    assert all(k == 3 for k in accepted[0][:-1])  # the oracle row accepts every draft
+    assert max(accepted[2]) < 3 and accepted[1][0] == 3  # ragged: rows accept differently
+    assert len(set(finished_after)) == 3  # and finish in different rounds
+
+
+def test_cancelled_row_stops_while_the_others_go_on(target, prompts):
+    session = DecodeSession(target, prompts, max_new_tokens=N_NEW, stop_token_ids=[])
+    session.start()
+    session.poll()
+    session.advance(2)
+    session.poll()
+    session.cancel(1)
+    session.advance()
+    session.poll()
+    results = session.results()
+    assert [r.finish_reason for r in results] == ["length", "cancelled", "length"]
+    assert len(results[1].tokens) == 3
+    assert results[1].tokens == _ar(target, prompts[1]).tokens[:3]
+    assert results[0].tokens == _ar(target, prompts[0]).tokens
+
+
+def _byte_level_tokenizer():
+    """Byte-level BPE over the 256 byte symbols, no merges: a non-ASCII character spans tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[])
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def _metaspace_tokenizer():
+    """SentencePiece-style: words carry a leading '▁' that decodes to a space, except at the
+    start of a text (so decoding a window that starts mid-text drops a space)."""
+    pieces = ["<unk>", "▁"] + [chr(c) for c in range(33, 127)]
+    tokenizer = Tokenizer(
+        models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _metaspace_tokenizer])
+def test_incremental_detokenizer_is_correct_across_chunk_boundaries(make):
+    tokenizer = make()
+    text = "héllo wörld, naïve café ☕ über" if make is _byte_level_tokenizer else "hello big world"
+    ids = tokenizer.encode(text)
+    expected = tokenizer.decode(ids)
+    assert len(ids) > len(expected.split())  # characters and words span several tokens
+    for size in (1, 2, 3):
+        detok = IncrementalDetokenizer(tokenizer)
+        deltas = [detok.push(ids[i : i + size]) for i in range(0, len(ids), size)]
+        deltas.append(detok.flush())
+        assert "".join(deltas) == expected
+        assert not any("\ufffd" in d for d in deltas)  # no half character is ever emitted
+
+
+def test_stop_strings_cut_the_text_and_hold_back_possible_starts():
+    stops = StopStrings(["END", "##"])
+    out = [stops.feed(d) for d in ("ab", "cE", "N", "xy#", "z", "E", "ND tail")]
+    assert "".join(out) == "abcENxy#z" and stops.hit
+    assert out[1] == "c" and out[2] == ""  # "E", then "EN": maybe the start of "END"
+    assert stops.feed("more") == "" and stops.flush() == ""
+    plain = StopStrings(["END"])
+    assert plain.feed("xE") == "x" and plain.flush() == "E" and not plain.hit

@@ -1,0 +1,51 @@
+"""Tiny tokenizers for the tiny random checkpoints (which ship none), so text endpoints work.
+
+`char_tokenizer()`: one token per printable ASCII character (32..125) plus three special tokens,
+97 ids in all: the vocabulary of the tiny models. `with_tokenizer(src, dst)` copies a checkpoint
+and adds it (with a short chat template and `<|im_end|>` as end of sequence).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import transformers
+from tokenizers import Tokenizer, decoders, models
+
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+EOS_ID = 2
+# Short on purpose: chat prompts stay within the smallest prompt-length bucket (16).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'][0] }}:{{ m['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>a:{% endif %}"
+)
+
+
+def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A character-level tokenizer of 97 ids (unknown characters map to `<unk>`)."""
+    chars = [chr(c) for c in range(32, 126)]
+    vocab = {token: i for i, token in enumerate(SPECIALS + chars)}
+    assert len(vocab) == 97
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()  # characters concatenate, no spaces between tokens
+    tokenizer.add_special_tokens(SPECIALS)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def with_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """A copy of the checkpoint `src` at `dst` with the character tokenizer and EOS `<|im_end|>`."""
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        char_tokenizer().save_pretrained(dst)
+        generation = dst / "generation_config.json"
+        config = json.loads(generation.read_text()) if generation.exists() else {}
+        config["eos_token_id"] = EOS_ID
+        generation.write_text(json.dumps(config))
+    return dst
