@@ -163,18 +163,7 @@ def extend_context(
     batch_idx = jnp.arange(rows.shape[0])[:, None]
     k_cache, v_cache = cache.k, cache.v
     for i, layer in enumerate(params["layers"]):
-        attn = layer["self_attn"]
-        k = layers.rotary_heads(
-            attn["k_proj"],
-            attn["k_norm"],
-            rows,
-            c.num_kv_heads,
-            c.head_dim,
-            positions,
-            inv_freq,
-            c.rms_norm_eps,
-        )
-        v = layers.value_heads(attn["v_proj"], rows, c.num_kv_heads, c.head_dim)
+        k, v = _keys_values(layer["self_attn"], c, rows, positions, inv_freq)
         k_cache = k_cache.at[i, batch_idx, positions].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, batch_idx, positions].set(v.astype(v_cache.dtype), mode="drop")
     return DraftCache(k=k_cache, v=v_cache, lengths=cache.lengths + num_new)
@@ -199,52 +188,24 @@ def draft_hidden(
     Returns:
         `[B, K, H]` final-normed hidden states of the block rows (input to `draft_logits`).
     """
-    c = config.layers
-    batch, k_len = block_tokens.shape
+    k_len = block_tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(k_len, dtype=jnp.int32)[None]
-    inv_freq = inverse_frequencies(c.rope, c.head_dim)
-    x = jnp.take(embedding, block_tokens, axis=0) * config.input_embedding_scale
-    x = x.astype(params["norm"]["scale"].dtype)
-    for i, layer in enumerate(params["layers"]):
-        h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
-        attn = layer["self_attn"]
-        q = layers.rotary_heads(
-            attn["q_proj"],
-            attn["q_norm"],
-            h,
-            c.num_heads,
-            c.head_dim,
-            positions,
-            inv_freq,
-            c.rms_norm_eps,
-        )
-        k = layers.rotary_heads(
-            attn["k_proj"],
-            attn["k_norm"],
-            h,
-            c.num_kv_heads,
-            c.head_dim,
-            positions,
-            inv_freq,
-            c.rms_norm_eps,
-        )
-        v = layers.value_heads(attn["v_proj"], h, c.num_kv_heads, c.head_dim)
-        # One candidate block per row (C = 1) over the cache, valid below `cache.lengths`: the
-        # attention `_block_mask` spells out explicitly.
-        out = refinement_attention(
-            q[:, None],
-            cache.k[i],
-            cache.v[i],
-            cache.lengths[:, None],
-            k[:, None].astype(cache.k.dtype),
-            v[:, None].astype(cache.v.dtype),
-            causal=config.causal,
-            impl=config.attention_impl,
-        )
-        x = x + layers.linear(attn["o_proj"], out.reshape(batch, k_len, -1))
-        h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
-        x = x + layers.swiglu_mlp(layer["mlp"], h)
-    return layers.rms_norm(params["norm"], x, c.rms_norm_eps)
+
+    def cached_context(i, layer):
+        return cache.k[i], cache.v[i]
+
+    # One candidate block per row (C = 1) over the cache, valid below `cache.lengths`: the
+    # attention `_block_mask` spells out explicitly.
+    hidden = _block_stack(
+        params,
+        config,
+        embedding,
+        block_tokens[:, None],
+        positions[:, None],
+        cache.lengths[:, None],
+        cached_context,
+    )
+    return hidden[:, 0]
 
 
 def draft_logits(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> jax.Array:
@@ -312,16 +273,46 @@ def draft_hidden_for_training(
         `[B, A, K, H]` final-normed hidden states of every block row.
     """
     c = config.layers
-    batch, num_blocks, k_len = block_tokens.shape
-    length = taps.shape[2]
+    batch, length = taps.shape[1], taps.shape[2]
     inv_freq = inverse_frequencies(c.rope, c.head_dim)
     context = fuse_taps(params, config, taps)  # [B, T, H]
     context_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    block_pos = (anchors[:, :, None] + jnp.arange(k_len, dtype=jnp.int32)).reshape(batch, -1)
+    positions = anchors[:, :, None] + jnp.arange(block_tokens.shape[2], dtype=jnp.int32)
 
+    def projected_context(i, layer):
+        return _keys_values(layer["self_attn"], c, context, context_pos, inv_freq)
+
+    # The blocks are the candidates of the refinement attention; context row = position, so a
+    # block's context length is its anchor.
+    return _block_stack(
+        params, config, embedding, block_tokens, positions, anchors, projected_context
+    )
+
+
+def _block_stack(params, config, embedding, block_tokens, positions, context_lengths, context_kv):
+    """The draft's layers over C candidate blocks per row that share one context.
+
+    Args:
+        params, config, embedding: the draft and the target's input embedding.
+        block_tokens: `[B, C, K]` block inputs; `positions` `[B, C, K]` their absolute positions.
+        context_lengths: `[B, C]` context rows (slot = position) each block sees.
+        context_kv: `(layer index, layer params) -> (k, v)` `[B, S, N_kv, D]` of that layer's
+            context: read from the draft cache at decode time, projected afresh in training.
+
+    Returns:
+        `[B, C, K, H]` final-normed hidden states.
+    """
+    c = config.layers
+    batch, cands, k_len = block_tokens.shape
+    flat_pos = positions.reshape(batch, cands * k_len)
+    inv_freq = inverse_frequencies(c.rope, c.head_dim)
     x = jnp.take(embedding, block_tokens.reshape(batch, -1), axis=0) * config.input_embedding_scale
-    x = x.astype(params["norm"]["scale"].dtype)  # [B, A*K, H]
-    for layer in params["layers"]:
+    x = x.astype(params["norm"]["scale"].dtype)  # [B, C*K, H]
+
+    def split(y):
+        return y.reshape(batch, cands, k_len, *y.shape[2:])
+
+    for i, layer in enumerate(params["layers"]):
         attn = layer["self_attn"]
         h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
         q = layers.rotary_heads(
@@ -330,30 +321,26 @@ def draft_hidden_for_training(
             h,
             c.num_heads,
             c.head_dim,
-            block_pos,
+            flat_pos,
             inv_freq,
             c.rms_norm_eps,
         )
-        context_k, context_v = _keys_values(attn, c, context, context_pos, inv_freq)
-        block_k, block_v = _keys_values(attn, c, h, block_pos, inv_freq)
-        split = lambda y: y.reshape(batch, num_blocks, k_len, *y.shape[2:])  # noqa: E731
-        # The blocks are the candidates of the refinement attention; context row = position, so
-        # a block's context length is its anchor.
+        block_k, block_v = _keys_values(attn, c, h, flat_pos, inv_freq)
+        context_k, context_v = context_kv(i, layer)
         out = refinement_attention(
             split(q),
             context_k,
             context_v,
-            anchors,
-            split(block_k),
-            split(block_v),
+            context_lengths,
+            split(block_k).astype(context_k.dtype),
+            split(block_v).astype(context_v.dtype),
             causal=config.causal,
             impl=config.attention_impl,
         )
-        x = x + layers.linear(attn["o_proj"], out.reshape(batch, num_blocks * k_len, -1))
+        x = x + layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1))
         h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
         x = x + layers.swiglu_mlp(layer["mlp"], h)
-    hidden = layers.rms_norm(params["norm"], x, c.rms_norm_eps)
-    return hidden.reshape(batch, num_blocks, k_len, -1)
+    return split(layers.rms_norm(params["norm"], x, c.rms_norm_eps))
 
 
 def _keys_values(attn: Params, c: TransformerConfig, rows, positions, inv_freq):
