@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import tqdm
 
+from jetspec_jax.data.jsonl import read_jsonl
 from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts
 from jetspec_jax.generate import generate_batch
 from jetspec_jax.prompting import encode_prompt
@@ -301,15 +302,10 @@ def _existing_ids(out_path: pathlib.Path) -> set[str]:
         return set()
     _truncate_partial_line(out_path)
     ids = set()
-    with out_path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{out_path}:{number} is not valid JSON: {e}") from e
-            if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
-                raise ValueError(f"{out_path}:{number} has no string 'id'; is it an output file?")
-            ids.add(obj["id"])
+    for where, obj in read_jsonl(out_path, what="output file"):
+        if not isinstance(obj.get("id"), str):
+            raise ValueError(f"{where} has no string 'id'; is it an output file?")
+        ids.add(obj["id"])
     return ids
 
 

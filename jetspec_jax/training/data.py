@@ -12,11 +12,11 @@ exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 
 import grain
 import numpy as np
+
+from jetspec_jax.data.jsonl import read_jsonl
 
 
 def read_regenerated(files) -> list[dict]:
@@ -29,22 +29,12 @@ def read_regenerated(files) -> list[dict]:
     """
     records = []
     for file in files:
-        path = pathlib.Path(file)
-        if not path.is_file():
-            raise FileNotFoundError(f"training data file {path} not found")
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{number} is not valid JSON: {e}") from e
-                ids = [row.get("prompt_ids"), row.get("response_ids")]
-                if not all(isinstance(x, list) and all(isinstance(i, int) for i in x) for x in ids):
-                    raise ValueError(f"{path}:{number} lacks integer prompt_ids / response_ids")
-                if row["prompt_ids"] and row["response_ids"]:
-                    records.append({"prompt_ids": ids[0], "response_ids": ids[1]})
+        for where, row in read_jsonl(file, what="training data file"):
+            ids = [row.get("prompt_ids"), row.get("response_ids")]
+            if not all(isinstance(x, list) and all(isinstance(i, int) for i in x) for x in ids):
+                raise ValueError(f"{where} lacks integer prompt_ids / response_ids")
+            if ids[0] and ids[1]:
+                records.append({"prompt_ids": ids[0], "response_ids": ids[1]})
     if not records:
         raise ValueError(f"no usable records (non-empty prompt and response) in {list(files)}")
     return records

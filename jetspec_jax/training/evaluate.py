@@ -7,11 +7,11 @@ mean tokens per verification round, exactly as serving would see it.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 
+from jetspec_jax.data.jsonl import read_jsonl
 from jetspec_jax.data.prompts import MATH_SUFFIX
 from jetspec_jax.draft import Draft
 from jetspec_jax.generate import generate_batch
@@ -56,14 +56,11 @@ def evaluate_tau(
 
 
 def _records(path, limit: int) -> list[dict]:
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"evaluation prompt file {path} not found")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip() and len(records) < limit:
-                records.append(json.loads(line))
+    for _, record in read_jsonl(path, what="evaluation prompt file"):
+        if len(records) == limit:
+            break
+        records.append(record)
     return records
 
 

@@ -1,0 +1,31 @@
+"""Reading JSONL files with errors that name the file and line."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+
+
+def read_jsonl(path: str | pathlib.Path, what: str = "file") -> Iterator[tuple[str, dict]]:
+    """Yields `(location, object)` for every non-blank line, `location` being `path:line`.
+
+    Raises:
+        FileNotFoundError: `path` does not exist (the message calls it `what`).
+        ValueError: a line is not valid JSON or not a JSON object (named by `path:line`).
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} not found")
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not valid JSON: {e}") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where} is not a JSON object")
+            yield where, obj
