@@ -69,7 +69,8 @@ class Draft:
             CheckpointError: the draft does not fit `target` (hidden size, vocabulary, taps).
         """
         check_draft_matches_target(self.config, target.config, self.target_config.num_layers)
-        return draft_proposer(self.config, method, refine_passes), self.params
+        proposer = draft_proposer(self.config, target.config, method, refine_passes)
+        return proposer, self.params
 
 
 def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = None) -> Draft:

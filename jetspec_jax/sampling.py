@@ -111,6 +111,13 @@ def filter_logits(
     return jax.lax.cond(needs_filter, filtered, lambda s: s, scaled)
 
 
+def sampling_logits(logits: jax.Array, sampling: RowSampling) -> jax.Array:
+    """`[B, ..., V]` the rows' filtered, temperature-scaled logits (rows at temperature 0 are
+    scaled by 1; their tokens are argmax and never read these)."""
+    safe_t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
+    return filter_logits(logits, safe_t, sampling.top_k, sampling.top_p)
+
+
 def select_tokens(logits: jax.Array, sampling: RowSampling, positions: jax.Array) -> jax.Array:
     """The token at each position: argmax at temperature 0, else a draw from the filtered softmax.
 
@@ -125,8 +132,7 @@ def select_tokens(logits: jax.Array, sampling: RowSampling, positions: jax.Array
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(logits):
-        safe_t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-        filtered = filter_logits(logits, safe_t, sampling.top_k, sampling.top_p)
+        filtered = sampling_logits(logits, sampling)
         keys = jax.vmap(lambda key, pos: jax.vmap(lambda p: jax.random.fold_in(key, p))(pos))(
             sampling.keys, positions
         )

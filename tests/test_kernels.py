@@ -23,7 +23,29 @@ from jetspec_jax.kernels import Tiling, refinement, refinement_attention
 from jetspec_jax.kernels.layout import make_layout
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.draft import DraftCache, DraftConfig, _block_mask
+from jetspec_jax.models.draft import DraftCache, DraftConfig
+
+
+def _block_mask(config: DraftConfig, cache: DraftCache, k_len: int) -> jax.Array:
+    """`[B, K, S + K]`: every query sees the valid context slots, and the block causally or not.
+
+    Context slots at or past a row's length are stale (or padding) and are always hidden; this is
+    why the draft cannot use the target's position-only mask.
+
+    The explicit-mask spelling of `draft_hidden`'s refinement attention: `layers.attention` over
+    `[cache; block]` under this mask.
+    """
+    batch, capacity = cache.lengths.shape[0], cache.k.shape[2]
+    context = jnp.arange(capacity)[None, None, :] < cache.lengths[:, None, None]
+    context = jnp.broadcast_to(context, (batch, k_len, capacity))
+    block = (
+        jnp.tril(jnp.ones((k_len, k_len), bool))
+        if config.causal
+        else jnp.ones((k_len, k_len), bool)
+    )
+    block = jnp.broadcast_to(block, (batch, k_len, k_len))
+    return jnp.concatenate([context, block], axis=-1)
+
 
 # (B, C, K, N, N_kv, D, S, tiling): what each case exercises is in its id.
 CASES = {

@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import (
     DraftCache,
     DraftConfig,
@@ -26,6 +27,7 @@ from jetspec_jax.models.draft import (
     drafts_from_logits,
     extend_context,
 )
+from jetspec_jax.models.transformer import output_kernel
 
 # Fixed key of the first-pass noise of token-input drafts: not the request's seed, so that greedy
 # drafts (and hence the number of target forwards) do not depend on it.
@@ -38,11 +40,13 @@ class DraftProposer:
 
     Attributes:
         config: the draft's config.
+        target_config: the target's config (the draft shares its embedding and LM head).
         refine_passes: J, extra Jacobi passes after the first (token-input drafts only; J0 = one
             pass). Pass j+1 feeds `[anchor, d_1 .. d_(K-1)]` of pass j back in.
     """
 
     config: DraftConfig
+    target_config: TransformerConfig
     refine_passes: int = 0
 
     def __post_init__(self):
@@ -73,7 +77,7 @@ class DraftProposer:
         del anchor_positions  # the draft cache's lengths are the anchor positions
         config = self.config
         embedding = target_params["embed_tokens"]["embedding"]
-        lm_head = _lm_head(target_params)
+        lm_head = output_kernel(target_params, self.target_config)
         if config.token_inputs:
             inputs = _first_pass_noise(sequence, cache.lengths, config.block_size - 1)
         else:
@@ -87,13 +91,6 @@ class DraftProposer:
     def observe(self, params, target_params, cache, block_taps, num_committed):
         """Extends the draft's context with the newly verified block positions."""
         return extend_context(params, self.config, cache, block_taps, num_committed)
-
-
-def _lm_head(target_params) -> jax.Array:
-    """The target's `[H, V]` output kernel (the embedding, transposed, when tied)."""
-    if "lm_head" in target_params:
-        return target_params["lm_head"]["kernel"]
-    return target_params["embed_tokens"]["embedding"].T
 
 
 def _first_pass_noise(sequence, anchor_positions, count):
@@ -111,7 +108,9 @@ def _first_pass_noise(sequence, anchor_positions, count):
     return jax.vmap(row)(sequence, anchor_positions)
 
 
-def draft_proposer(config: DraftConfig, method: str, refine_passes: int) -> DraftProposer:
+def draft_proposer(
+    config: DraftConfig, target_config: TransformerConfig, method: str, refine_passes: int
+) -> DraftProposer:
     """The proposer of a draft for `method`, which must be the draft's own variant.
 
     The three variants share an implementation but not their weights: a draft trained with mask
@@ -122,4 +121,4 @@ def draft_proposer(config: DraftConfig, method: str, refine_passes: int) -> Draf
             f"this draft is a {config.variant!r} draft (causal={config.causal}, "
             f"token_inputs={config.token_inputs}); it cannot serve method {method!r}"
         )
-    return DraftProposer(config, refine_passes)
+    return DraftProposer(config, target_config, refine_passes)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.sampling import RowSampling, filter_logits, select_tokens
+from jetspec_jax.sampling import RowSampling, sampling_logits, select_tokens
 
 
 def verify_chain(
@@ -45,9 +45,7 @@ def verify_chain(
 def target_probabilities(logits: jax.Array, sampling: RowSampling) -> jax.Array:
     """`[B, K, V]` the target's sampling distributions `p_j` (one-hot argmax at temperature 0)."""
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    safe_t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-    filtered = filter_logits(logits, safe_t, sampling.top_k, sampling.top_p)
-    sampled = jax.nn.softmax(filtered, axis=-1)
+    sampled = jax.nn.softmax(sampling_logits(logits, sampling), axis=-1)
     return jnp.where((sampling.temperature > 0)[:, None, None], sampled, greedy)
 
 

@@ -194,8 +194,8 @@ def draft_hidden(
     def cached_context(i, layer):
         return cache.k[i], cache.v[i]
 
-    # One candidate block per row (C = 1) over the cache, valid below `cache.lengths`: the
-    # attention `_block_mask` spells out explicitly.
+    # One candidate block per row (C = 1) over the cache, valid below `cache.lengths` (slots at
+    # or past a row's length are stale, so the target's position-only mask would not do).
     hidden = _block_stack(
         params,
         config,
@@ -223,27 +223,6 @@ def drafts_from_logits(config: DraftConfig, logits: jax.Array) -> jax.Array:
     """The K-1 drafts `[B, K-1]` (argmax) from one pass's block logits `[B, K, V]`."""
     rows = logits[:, :-1] if config.shifted else logits[:, 1:]
     return jnp.argmax(rows, axis=-1).astype(jnp.int32)
-
-
-def _block_mask(config: DraftConfig, cache: DraftCache, k_len: int) -> jax.Array:
-    """`[B, K, S + K]`: every query sees the valid context slots, and the block causally or not.
-
-    Context slots at or past a row's length are stale (or padding) and are always hidden; this is
-    why the draft cannot use the target's position-only mask.
-
-    `draft_hidden`'s refinement attention is `layers.attention` over `[cache; block]` under this
-    mask; the kernel tests check that equivalence against it.
-    """
-    batch, capacity = cache.lengths.shape[0], cache.k.shape[2]
-    context = jnp.arange(capacity)[None, None, :] < cache.lengths[:, None, None]
-    context = jnp.broadcast_to(context, (batch, k_len, capacity))
-    block = (
-        jnp.tril(jnp.ones((k_len, k_len), bool))
-        if config.causal
-        else jnp.ones((k_len, k_len), bool)
-    )
-    block = jnp.broadcast_to(block, (batch, k_len, k_len))
-    return jnp.concatenate([context, block], axis=-1)
 
 
 def draft_hidden_for_training(

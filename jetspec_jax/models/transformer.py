@@ -95,12 +95,16 @@ def forward(
     )
 
 
+def output_kernel(params: Params, config: TransformerConfig) -> jax.Array:
+    """The `[H, V]` LM head kernel (the embedding, transposed, when tied); drafts share it."""
+    if config.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
 def unembed(params: Params, config: TransformerConfig, hidden: jax.Array) -> jax.Array:
     """Logits `[..., V]` in float32 from final-normed hidden states `[..., H]`."""
-    if config.tie_word_embeddings:
-        kernel = params["embed_tokens"]["embedding"].T
-    else:
-        kernel = params["lm_head"]["kernel"]
+    kernel = output_kernel(params, config)
     return jnp.matmul(hidden, kernel, preferred_element_type=jnp.float32)
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig, draft_hidden_for_training, draft_logits
-from jetspec_jax.models.transformer import forward, unembed
+from jetspec_jax.models.transformer import forward, output_kernel, unembed
 from jetspec_jax.training.blocks import Blocks
 
 
@@ -55,10 +55,7 @@ def draft_loss(
         supervised rows), `accuracy_by_row` `[K]` and `supervised` (row count).
     """
     embedding = target_params["embed_tokens"]["embedding"]
-    if target_config.tie_word_embeddings:
-        lm_head = embedding.T
-    else:
-        lm_head = target_params["lm_head"]["kernel"]
+    lm_head = output_kernel(target_params, target_config)
     hidden = draft_hidden_for_training(
         draft_params, draft_config, embedding, teacher.taps, blocks.tokens, blocks.anchors
     )
