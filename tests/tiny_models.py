@@ -89,3 +89,65 @@ class CheckpointFactory:
             model.save_pretrained(path)
             self._made[variant] = (path, model)
         return self._made[variant]
+
+
+# The Qwen3.5 hybrid (transformers `Qwen3_5ForCausalLM`): Gated DeltaNet and gated-attention layers.
+# Grouped value heads (2 key heads serve 4 value heads), Dk != Dv, conv window 4, RoPE on a quarter
+# of each 16-channel head; layer 3 (the last) is linear so the final-normed tap is a DeltaNet one.
+HYBRID_VARIANTS = {
+    "qwen3_5": dict(
+        layer_types=[
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+        ],
+    ),
+    "qwen3_5_tied": dict(
+        tie_word_embeddings=True,
+        attention_bias=True,
+        layer_types=["full_attention", "linear_attention", "full_attention"],
+    ),
+}
+_HYBRID_COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    # Dk = 16 rather than 8: random 8-channel keys are so correlated that the chunk's triangular
+    # solve amplifies float noise (in transformers' fp32 reference as much as in ours).
+    linear_key_head_dim=16,
+    linear_value_head_dim=12,
+    max_position_embeddings=2048,
+    initializer_range=0.1,
+)
+
+
+def hybrid_hf_config(variant: str) -> transformers.PretrainedConfig:
+    kwargs = {**_HYBRID_COMMON, **HYBRID_VARIANTS[variant]}
+    kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
+    return transformers.Qwen3_5TextConfig(**kwargs)
+
+
+def make_hybrid_checkpoint(
+    root: pathlib.Path, variant: str
+) -> tuple[pathlib.Path, torch.nn.Module]:
+    """A saved tiny random Qwen3.5 text model and the torch model it was saved from."""
+    torch.manual_seed(sum(map(ord, variant)))
+    model = transformers.Qwen3_5ForCausalLM(hybrid_hf_config(variant)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # scales by w (initialised to 1)
+                p.uniform_(0.5, 1.5)
+            elif "norm" in name:  # zero-centred: the model scales by 1 + w
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith("bias") and "dt_bias" not in name:
+                p.normal_(0.0, 0.1)
+    path = root / variant
+    model.save_pretrained(path)
+    return path, model

@@ -3,6 +3,11 @@
 transformers 4 writes `rope_theta` and `rope_scaling` at the top level; transformers 5 writes a
 `rope_parameters` dict holding both. Everything we do not implement is refused here, by field name,
 before any weight is read.
+
+Qwen3.5 hybrids come in two layouts: a text-only `Qwen3_5ForCausalLM` (`model_type: qwen3_5_text`,
+flat) and the released multimodal `Qwen3_5ForConditionalGeneration` (`model_type: qwen3_5`, the
+text model's fields under `text_config`); we load the text model of either (our
+`model_type="qwen3_5"`) and export the text-only layout.
 """
 
 from __future__ import annotations
@@ -19,10 +24,31 @@ from jetspec_jax.models.config import (
     TransformerConfig,
 )
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+}
+# HF model types we read, by the model type they load as.
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5": "qwen3_5",
+}
 # transformers' defaults for fields a config.json may omit.
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "llama": None}  # None: hidden_size // num_heads
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "llama": None, "qwen3_5": 256}  # None: hidden_size // heads
 _DEFAULT_ROPE_THETA = 10000.0
+# Qwen3_5TextConfig defaults.
+_QWEN3_5_DEFAULTS = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+_QWEN3_5_PARTIAL_ROTARY = 0.25
+_QWEN3_5_FULL_ATTENTION_INTERVAL = 4
 
 
 def read_hf_config(checkpoint_dir: str | pathlib.Path) -> dict[str, Any]:
@@ -40,11 +66,15 @@ def read_hf_config(checkpoint_dir: str | pathlib.Path) -> dict[str, Any]:
 
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     """Our config from an HF config dict; `CheckpointError` on anything unsupported."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    hf_type = hf.get("model_type")
+    if hf_type not in _HF_MODEL_TYPES:
         raise CheckpointError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model_type {hf_type!r}; supported: {', '.join(_HF_MODEL_TYPES)}"
         )
+    model_type = _HF_MODEL_TYPES[hf_type]
+    assert model_type in SUPPORTED_MODEL_TYPES
+    if hf_type == "qwen3_5":
+        hf = _text_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(
             f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported"
@@ -65,12 +95,13 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(hf),
+            rope=_rope_from_hf(hf, hybrid=model_type == "qwen3_5"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5"),
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            **(_hybrid_fields(hf) if model_type == "qwen3_5" else {}),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from e
@@ -80,20 +111,62 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         raise CheckpointError(f"invalid config.json: {e}") from e
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields of a multimodal `qwen3_5` config (its `text_config`)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("a model_type 'qwen3_5' config.json needs a text_config mapping")
+    text = dict(text)
+    if "tie_word_embeddings" in hf:  # the top-level flag governs the LM head of the full model
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
+def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen3.5-only `TransformerConfig` fields; refuses options we do not implement."""
+    if hf.get("attn_output_gate", True) is not True:
+        raise CheckpointError("attn_output_gate=false is not supported (Qwen3.5 gates attention)")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # transformers derives them from full_attention_interval
+        interval = int(hf.get("full_attention_interval", _QWEN3_5_FULL_ATTENTION_INTERVAL))
+        layer_types = [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(int(hf["num_hidden_layers"]))
+        ]
+    fields = {k: int(hf.get(k, default)) for k, default in _QWEN3_5_DEFAULTS.items()}
+    return dict(
+        layer_types=tuple(layer_types),
+        partial_rotary_factor=float(
+            _rope_params(hf)[0].get(
+                "partial_rotary_factor", hf.get("partial_rotary_factor", _QWEN3_5_PARTIAL_ROTARY)
+            )
+        ),
+        **fields,
+    )
+
+
+def _rope_params(hf: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`(rope parameters, theta)` from either layout."""
     if "rope_parameters" in hf and hf["rope_parameters"] is not None:
         params = dict(hf["rope_parameters"])  # transformers 5
-        theta = params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
-    else:
-        params = dict(hf.get("rope_scaling") or {})  # transformers 4
-        theta = hf.get("rope_theta", _DEFAULT_ROPE_THETA)
+        return params, params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
+    params = dict(hf.get("rope_scaling") or {})  # transformers 4
+    return params, hf.get("rope_theta", _DEFAULT_ROPE_THETA)
+
+
+def _rope_from_hf(hf: dict[str, Any], hybrid: bool = False) -> RopeConfig:
+    params, theta = _rope_params(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if hybrid and rope_type == "mrope":
+        # Qwen3.5's M-RoPE: with text-only inputs its three position grids are equal, which is
+        # plain RoPE (`mrope_section` / `mrope_interleaved` only matter for images and video).
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"unsupported rope scaling type {rope_type!r}; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if not hybrid and params.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(
             "partial rotary embeddings (partial_rotary_factor != 1) are not supported"
         )
@@ -125,7 +198,7 @@ def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str,
         )
     hf = {
         "architectures": [_ARCHITECTURES[config.model_type]],
-        "model_type": config.model_type,
+        "model_type": "qwen3_5_text" if config.is_hybrid else config.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -143,4 +216,14 @@ def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str,
     }
     if config.model_type == "llama":
         hf["mlp_bias"] = config.mlp_bias
+    if config.is_hybrid:
+        rope["partial_rotary_factor"] = config.partial_rotary_factor
+        hf.update(
+            layer_types=list(config.layer_types),
+            linear_conv_kernel_dim=config.linear_conv_kernel_dim,
+            linear_key_head_dim=config.linear_key_head_dim,
+            linear_value_head_dim=config.linear_value_head_dim,
+            linear_num_key_heads=config.linear_num_key_heads,
+            linear_num_value_heads=config.linear_num_value_heads,
+        )
     return hf

@@ -14,6 +14,20 @@ Parameter pytree (N = num_heads, K = num_kv_heads, D = head_dim, F = intermediat
     layers[i].mlp.{gate,up,down}_proj.kernel    [H, F] / [H, F] / [F, H]  (+ .bias)
     norm.scale                      [H]
     lm_head.kernel                  [H, V]         (untied only)
+
+Qwen3.5 hybrids (`config.is_hybrid`; Hk/Hv linear key/value heads, Dk/Dv their sizes,
+C = 2 Hk Dk + Hv Dv, K = conv window): attention layers hold `self_attn` as above but with
+`q_proj` `[H, 2 N D]` (query and output gate per head); Gated DeltaNet layers hold instead
+
+    layers[i].linear_attn.in_proj_{qkv,z,b,a}.kernel  [H, C] / [H, Hv*Dv] / [H, Hv] / [H, Hv]
+    layers[i].linear_attn.conv1d.kernel         [K, 1, C]   (HF `conv1d.weight` [C, 1, K])
+    layers[i].linear_attn.{dt_bias,A_log}       [Hv]
+    layers[i].linear_attn.norm.scale            [Dv]
+    layers[i].linear_attn.out_proj.kernel       [Hv*Dv, H]
+
+Their RMSNorm scales are stored as in the checkpoint (zero-centred: the model scales by 1 + w).
+A multimodal checkpoint's text model (`model.language_model.*`) loads under the same names;
+its vision tower (`model.visual.*`) and multi-token-prediction head (`mtp.*`) are skipped.
 """
 
 from __future__ import annotations
@@ -36,6 +50,9 @@ Params = dict
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _TIED_HEAD = "lm_head.weight"
+# Multimodal Qwen3.5 checkpoints: the text model's prefix, and the parts we do not load.
+_MULTIMODAL_TEXT_PREFIX = "model.language_model."
+_MULTIMODAL_SKIPPED = ("model.visual.", "mtp.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +80,10 @@ def tensor_specs(config: TransformerConfig) -> list[TensorSpec]:
         )
     ]
     for i in range(c.num_layers):
-        specs += decoder_layer_specs(c, f"model.layers.{i}", ("layers", i))
+        if c.is_hybrid:
+            specs += hybrid_layer_specs(c, i)
+        else:
+            specs += decoder_layer_specs(c, f"model.layers.{i}", ("layers", i))
     specs.append(norm_spec("model.norm", ("norm",), c.hidden_size))
     if not c.tie_word_embeddings:
         specs.append(
@@ -106,6 +126,54 @@ def decoder_layer_specs(
         ("down_proj", c.hidden_size, c.intermediate_size),
     ]:
         specs += linear_specs(f"{mlp}.{name}", (*mlp_path, name), out_dim, in_dim, c.mlp_bias)
+    return specs
+
+
+def hybrid_layer_specs(config: TransformerConfig, index: int) -> list[TensorSpec]:
+    """The tensors of Qwen3.5 layer `index`: Gated DeltaNet or gated attention, norms, MLP."""
+    c, prefix, path = config, f"model.layers.{index}", ("layers", index)
+    if index in c.attention_layers:
+        # The Qwen3 layout with a doubled q_proj (query and output gate per head).
+        specs = decoder_layer_specs(c, prefix, path)
+        q = next(s for s in specs if s.hf_name == f"{prefix}.self_attn.q_proj.weight")
+        doubled = TensorSpec(q.hf_name, q.path, (2 * q.hf_shape[0], q.hf_shape[1]))
+        specs = [doubled if s is q else s for s in specs]
+        if c.attention_bias:
+            qb = next(s for s in specs if s.hf_name == f"{prefix}.self_attn.q_proj.bias")
+            specs[specs.index(qb)] = TensorSpec(qb.hf_name, qb.path, (2 * qb.hf_shape[0],))
+        return specs
+    hv, conv_dim = c.linear_num_value_heads, c.linear_conv_dim
+    value_dim = hv * c.linear_value_head_dim
+    lin, lin_path = f"{prefix}.linear_attn", (*path, "linear_attn")
+    specs = [norm_spec(f"{prefix}.input_layernorm", (*path, "input_layernorm"), c.hidden_size)]
+    for name, out_dim, in_dim in [
+        ("in_proj_qkv", conv_dim, c.hidden_size),
+        ("in_proj_z", value_dim, c.hidden_size),
+        ("in_proj_b", hv, c.hidden_size),
+        ("in_proj_a", hv, c.hidden_size),
+        ("out_proj", c.hidden_size, value_dim),
+    ]:
+        specs += linear_specs(f"{lin}.{name}", (*lin_path, name), out_dim, in_dim, False)
+    specs += [
+        # [C, 1, K] transposed is flax's depthwise conv kernel layout [K, 1, C].
+        TensorSpec(
+            f"{lin}.conv1d.weight",
+            (*lin_path, "conv1d", "kernel"),
+            (conv_dim, 1, c.linear_conv_kernel_dim),
+        ),
+        TensorSpec(f"{lin}.dt_bias", (*lin_path, "dt_bias"), (hv,)),
+        TensorSpec(f"{lin}.A_log", (*lin_path, "A_log"), (hv,)),
+        norm_spec(f"{lin}.norm", (*lin_path, "norm"), c.linear_value_head_dim),
+        norm_spec(
+            f"{prefix}.post_attention_layernorm", (*path, "post_attention_layernorm"), c.hidden_size
+        ),
+    ]
+    for name, out_dim, in_dim in [
+        ("gate_proj", c.intermediate_size, c.hidden_size),
+        ("up_proj", c.intermediate_size, c.hidden_size),
+        ("down_proj", c.hidden_size, c.intermediate_size),
+    ]:
+        specs += linear_specs(f"{prefix}.mlp.{name}", (*path, "mlp", name), out_dim, in_dim, False)
     return specs
 
 
@@ -175,6 +243,8 @@ def load_hf_params(
     Tensors are validated (names and shapes, from the file headers) before any is read.
     """
     files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
+    if config.is_hybrid:
+        files_by_name = _text_model_tensors(files_by_name)
     validate_names_and_shapes(
         tensor_specs(config), {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
     )
@@ -187,7 +257,7 @@ def load_hf_params(
     )
     for name, (file, _) in progress:
         with safetensors.safe_open(file, framework="numpy") as f:
-            tensors[name] = f.get_tensor(name)
+            tensors[name] = f.get_tensor(_stored_name(name, f.keys()))
     return params_from_hf(tensors, config, dtype)
 
 
@@ -232,6 +302,29 @@ def locate_tensors(
                 f"{index} lists tensors absent from their shards: {', '.join(missing)}"
             )
     return located
+
+
+def _text_model_tensors(located: dict) -> dict:
+    """A multimodal Qwen3.5 checkpoint's tensors renamed to the text-only layout.
+
+    `model.language_model.X` -> `model.X`; the vision tower and the MTP head are dropped.
+    Text-only checkpoints pass unchanged.
+    """
+    out = {}
+    for name, where in located.items():
+        if name.startswith(_MULTIMODAL_SKIPPED):
+            continue
+        if name.startswith(_MULTIMODAL_TEXT_PREFIX):
+            name = "model." + name[len(_MULTIMODAL_TEXT_PREFIX) :]
+        out[name] = where
+    return out
+
+
+def _stored_name(name: str, stored) -> str:
+    """The name under which a file holds `name` (its multimodal spelling, if it uses that)."""
+    if name in stored or not name.startswith("model."):
+        return name
+    return _MULTIMODAL_TEXT_PREFIX + name[len("model.") :]
 
 
 def _ignorable(config: TransformerConfig) -> set[str]:

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.kv_cache import KVCache
-from jetspec_jax.models.transformer import forward, unembed
+from jetspec_jax.models.transformer import forward, init_cache, unembed
 from jetspec_jax.sampling import select_tokens
 
 
@@ -43,7 +42,7 @@ def prefill(
         of the prompt positions (None without tap layers).
     """
     compute_dtype = params["embed_tokens"]["embedding"].dtype  # caches match the weights
-    cache = KVCache.zeros(config, prompts.shape[0], capacity, compute_dtype)
+    cache = init_cache(config, prompts.shape[0], capacity, compute_dtype)
     out = forward(params, config, prompts, cache, num_new=prompt_lengths, tap_layers=tap_layers)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)
     logits = unembed(params, config, last_hidden)  # [B, 1, V]

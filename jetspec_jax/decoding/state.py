@@ -12,6 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.models.hybrid_cache import HybridCache
 from jetspec_jax.models.kv_cache import KVCache
 from jetspec_jax.sampling import RowSampling
 
@@ -47,7 +48,7 @@ class DecodeState:
         done: `[B]` bool rows that hit a stop token or their budget.
     """
 
-    cache: KVCache
+    cache: KVCache | HybridCache
     last_token: jax.Array
     output: jax.Array
     num_generated: jax.Array
@@ -56,7 +57,7 @@ class DecodeState:
     done: jax.Array
 
     @classmethod
-    def start(cls, cache: KVCache, max_output: int) -> DecodeState:
+    def start(cls, cache: KVCache | HybridCache, max_output: int) -> DecodeState:
         batch = cache.lengths.shape[0]
         zeros = jnp.zeros((batch,), jnp.int32)
         return cls(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_5")
+LAYER_TYPES = ("full_attention", "linear_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,11 +42,16 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """A decoder-only transformer of the Llama / Qwen3 family.
+    """A decoder-only transformer of the Llama / Qwen3 family, or the Qwen3.5 hybrid.
 
     The architectures differ only by switches: Qwen3 RMS-normalises every query and key head
     (`qk_norm`) before RoPE and decouples `head_dim` from `hidden_size / num_heads`; Llama may carry
     biases on the attention (`attention_bias`) and MLP (`mlp_bias`) projections.
+
+    `model_type="qwen3_5"` is the hybrid text model (`models/hybrid.py`): `layer_types[i]` is
+    "linear_attention" (Gated DeltaNet, sized by the `linear_*` fields) or "full_attention" (gated
+    attention with q/k norms and RoPE on the first `rotary_dim` channels of each head); all its
+    RMSNorms but the one inside Gated DeltaNet scale by `1 + weight`.
     """
 
     model_type: str
@@ -63,6 +69,14 @@ class TransformerConfig:
     qk_norm: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # Qwen3.5 hybrid only (empty / unused for the other model types).
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0
+    linear_conv_kernel_dim: int = 4
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -76,6 +90,70 @@ class TransformerConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.is_hybrid:
+            self._check_hybrid()
+        elif self.layer_types:
+            raise ValueError(f"layer_types are only supported for qwen3_5, not {self.model_type}")
+
+    def _check_hybrid(self):
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"unsupported layer types {unknown}; supported: {', '.join(LAYER_TYPES)}"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim="
+                f"{self.rotary_dim}; it must be even and in (0, head_dim={self.head_dim}]"
+            )
+        if self.linear_layers and (
+            min(
+                self.linear_num_key_heads,
+                self.linear_num_value_heads,
+                self.linear_key_head_dim,
+                self.linear_value_head_dim,
+                self.linear_conv_kernel_dim,
+            )
+            < 1
+            or self.linear_num_value_heads % self.linear_num_key_heads
+        ):
+            raise ValueError(
+                "linear attention needs positive linear_* sizes and linear_num_value_heads a "
+                f"multiple of linear_num_key_heads (got {self.linear_num_value_heads} / "
+                f"{self.linear_num_key_heads})"
+            )
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Qwen3.5: Gated DeltaNet and gated-attention layers (`models/hybrid.py`)."""
+        return self.model_type == "qwen3_5"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the first ones; HF's `int(D * factor)`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with softmax attention (and a KV cache): all but linear ones."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (a conv window and a recurrent state each)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv: the concatenated q, k (key dim each) and v (value dim)."""
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     @property
     def q_per_kv(self) -> int:

@@ -16,8 +16,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.models import layers
+from jetspec_jax.models import hybrid, layers
 from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.hybrid_cache import HybridCache
 from jetspec_jax.models.kv_cache import KVCache
 from jetspec_jax.models.rope import inverse_frequencies
 
@@ -33,19 +34,20 @@ class ForwardOutput:
         taps: `[n_taps, B, T, H]` outputs of the requested tap layers, in the order requested,
             exactly HF's `hidden_states[i + 1]` (for the last layer that is the final-normed
             output); None when no taps were requested.
-        cache: the cache with the new keys/values written and lengths advanced, or None.
+        cache: the cache with the new keys/values written and lengths advanced, or None
+            (a `HybridCache` for the Qwen3.5 hybrid).
     """
 
     hidden: jax.Array
     taps: jax.Array | None
-    cache: KVCache | None
+    cache: KVCache | HybridCache | None
 
 
 def forward(
     params: Params,
     config: TransformerConfig,
     tokens: jax.Array,
-    cache: KVCache | None = None,
+    cache: KVCache | HybridCache | None = None,
     *,
     num_new: jax.Array | None = None,
     tap_layers: tuple[int, ...] = (),
@@ -66,13 +68,18 @@ def forward(
     Returns:
         A `ForwardOutput`.
     """
+    if any(not 0 <= i < config.num_layers for i in tap_layers):
+        raise ValueError(f"tap_layers {tap_layers} out of range for {config.num_layers} layers")
+    if config.is_hybrid:
+        hidden, taps, cache = hybrid.forward(
+            params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers
+        )
+        return ForwardOutput(hidden=hidden, taps=taps, cache=cache)
+
     batch, length = tokens.shape
     offsets = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
     positions = offsets[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
-
-    if any(not 0 <= i < config.num_layers for i in tap_layers):
-        raise ValueError(f"tap_layers {tap_layers} out of range for {config.num_layers} layers")
 
     x = jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
     kv_cache = None if cache is None else (cache.k, cache.v)
@@ -93,6 +100,14 @@ def forward(
         taps=jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None,
         cache=cache,
     )
+
+
+def init_cache(
+    config: TransformerConfig, batch_size: int, capacity: int, dtype: jnp.dtype
+) -> KVCache | HybridCache:
+    """An empty cache of the kind `forward` takes for `config` (`[B]` rows of `capacity`)."""
+    cls = HybridCache if config.is_hybrid else KVCache
+    return cls.zeros(config, batch_size, capacity, dtype)
 
 
 def output_kernel(params: Params, config: TransformerConfig) -> jax.Array:

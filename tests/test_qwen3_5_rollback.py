@@ -1,0 +1,146 @@
+"""Speculative decoding on the Qwen3.5 hybrid: recurrent/conv state rollback after rejections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jetspec_jax  # noqa: E402
+from jetspec_jax.models.transformer import init_cache  # noqa: E402
+from tests.oracles import OracleDraft, OracleProposer  # noqa: E402
+from tests.test_qwen3_5_parity import append  # noqa: E402
+from tests.tiny_models import make_hybrid_checkpoint  # noqa: E402
+
+N_NEW = 32
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+    return jetspec_jax.load_target(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclingWrongProposer(OracleProposer):
+    """The oracle's drafts, corrupted at block index `(round + row) % (K - 1)`: over the rounds
+    every block position gets rejected, and rows of one batch reject at different positions."""
+
+    def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
+        drafts = super().propose(params, target_params, state, anchor, anchor_positions, sequence)
+        wrong = ((state + jnp.arange(drafts.shape[0])) % (self.block_size - 1))[:, None]
+        hit = jnp.arange(self.block_size - 1)[None, :] == wrong
+        return jnp.where(hit, (drafts + 1) % self.vocab_size, drafts)
+
+    def observe(self, params, target_params, state, *_):
+        return state + 1  # the state is the round counter (`start` gives 0)
+
+
+@dataclasses.dataclass(eq=False)
+class CyclingWrongDraft(OracleDraft):
+    def proposer(self, target, *, method: str, **_):
+        proposer = CyclingWrongProposer(self.block_size, self.vocab_size)
+        return proposer, jnp.asarray(self.continuation, jnp.int32)
+
+
+def _greedy(target, prompts):
+    """Autoregressive greedy tokens, one target forward per token (reusing the parity tests'
+    compiled prefill and step shapes rather than compiling the AR loop again)."""
+    cache = init_cache(target.config, 3, 128, jnp.float32)
+    lengths = jnp.asarray([len(p) for p in prompts])
+    tokens = np.array([p + [0] * (80 - len(p)) for p in prompts])
+    logits, cache = append(target.params, tokens, cache, lengths, config=target.config)
+    last = np.asarray(logits)[np.arange(3), np.asarray(lengths) - 1].argmax(-1)
+    out = [last]
+    for _ in range(N_NEW - 1):
+        logits, cache = append(
+            target.params, last[:, None], cache, jnp.ones((3,), jnp.int32), config=target.config
+        )
+        last = np.asarray(logits)[:, 0].argmax(-1)
+        out.append(last)
+    return np.stack(out, axis=1).tolist()
+
+
+def test_greedy_speculative_equals_autoregressive_with_rejections_everywhere(target):
+    """Rows of 13, 5 and 21 prompt tokens, each rejecting at
+    every block position over its rounds: the tokens are exactly greedy AR's."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (13, 5, 21)]
+    reference = _greedy(target, prompts)
+    continuation = np.zeros((4, 128), np.int32)  # the session buckets 3 rows to 4
+    for b, (prompt, tokens) in enumerate(zip(prompts, reference, strict=True)):
+        sequence = prompt + tokens
+        continuation[b, : len(sequence)] = sequence
+    draft = CyclingWrongDraft(continuation, BLOCK, target.config.vocab_size)
+    results = jetspec_jax.generate_batch(
+        target, prompts, draft=draft, method="dflash", max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    for ref, result in zip(reference, results, strict=True):
+        assert result.tokens == ref
+        accepted = {k for k, _ in result.outcomes[:-1]}
+        assert accepted == set(range(BLOCK - 1))  # a rejection at every position
+
+
+_rolled_back = jax.jit(lambda cache, lengths: cache.rolled_back(lengths))
+
+
+def _prefill(target, rows, capacity=128):
+    """A fresh cache holding `rows` (lists of token ids), right-padded to the parity tests' 80."""
+    width = 80
+    tokens = np.array([r + [0] * (width - len(r)) for r in rows])
+    cache = init_cache(target.config, len(rows), capacity, jnp.float32)
+    lengths = jnp.asarray([len(r) for r in rows])
+    return append(target.params, tokens, cache, lengths, config=target.config)[1]
+
+
+def _assert_same_state(ours, fresh, lengths):
+    np.testing.assert_array_equal(np.asarray(ours.lengths), lengths)
+    np.testing.assert_allclose(ours.state, fresh.state, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours.conv, fresh.conv, atol=1e-5, rtol=0)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(ours.k[:, b, :n], fresh.k[:, b, :n], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(ours.v[:, b, :n], fresh.v[:, b, :n], atol=1e-5, rtol=0)
+
+
+def test_rollback_after_a_partially_accepted_block_equals_a_fresh_prefill(target):
+    """Verify a block of 8 on rows at different lengths, keep 0, 3 and all 8 of it: the conv,
+    recurrent and KV states are those of a prefill of the kept tokens, decoding continues as from
+    that prefill, and a second, deeper rollback within the same block works too."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (9, 70, 2)]  # + 8 fits the width 80
+    block = rng.integers(0, 97, (3, BLOCK))
+    cache = _prefill(target, prompts)
+    starts = np.array([len(p) for p in prompts])
+    _, verified = append(target.params, block, cache, jnp.full((3,), BLOCK), config=target.config)
+    for keep in ([0, 3, 8], [0, 1, 2]):
+        kept = starts + np.array(keep)
+        rolled = _rolled_back(verified, jnp.asarray(kept))
+        fresh = _prefill(
+            target,
+            [p + block[b, :k].tolist() for b, (p, k) in enumerate(zip(prompts, keep, strict=True))],
+        )
+        _assert_same_state(rolled, fresh, kept)
+        verified = rolled  # the second rollback goes deeper into the same block
+
+    nxt = rng.integers(0, 97, (3, BLOCK))
+    ours, _ = append(target.params, nxt, rolled, jnp.full((3,), BLOCK), config=target.config)
+    theirs, _ = append(target.params, nxt, fresh, jnp.full((3,), BLOCK), config=target.config)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_rollback_before_the_window_poisons_the_row(target):
+    """Past the last forward's block there is no state to restore: NaN, never a wrong state."""
+    cache = _prefill(target, [[1, 2, 3], [4, 5, 6, 7], [8]])
+    _, verified = append(
+        target.params, np.ones((3, 8), np.int32), cache, jnp.full((3,), 8), config=target.config
+    )
+    rolled = _rolled_back(verified, jnp.asarray([2, 5, 9]))  # row 0 before its block start (3)
+    assert np.isnan(np.asarray(rolled.state[:, 0])).all()
+    assert np.isfinite(np.asarray(rolled.state[:, 1:])).all()
