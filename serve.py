@@ -39,6 +39,9 @@ def _serve(args) -> int:
             model_name=args.model_name,
             method=args.method,
             refine_passes=args.refine_passes,
+            refreshes=args.refreshes,
+            foresight=args.foresight,
+            pipeline=args.pipeline,
             api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
             max_batch_size=args.max_batch_size,
             queue_size=args.queue_size,
@@ -88,6 +91,9 @@ def _generate(args) -> int:
             draft=draft,
             method=args.method,
             refine_passes=args.refine_passes,
+            refreshes=args.refreshes,
+            foresight=args.foresight,
+            pipeline=args.pipeline,
             **request,
         )
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
@@ -151,6 +157,25 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--refine-passes", type=int, default=0, help="jetspec++: Jacobi refinement passes J"
+    )
+    parser.add_argument(
+        "--refreshes",
+        type=int,
+        default=0,
+        help="jetspec++: context refreshes with anchor replacement R <= J (draft with adapter)",
+    )
+    parser.add_argument(
+        "--foresight",
+        type=int,
+        default=0,
+        help="jetspec++: draft the next block ahead for B likely outcomes (draft with adapter; "
+        "default 0: off)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="jetspec++ with --foresight >= 1: verify on device 0 while device 1 drafts ahead "
+        "(needs >= 2 devices)",
     )
     parser.add_argument(
         "--chunk-steps",

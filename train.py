@@ -8,8 +8,16 @@
     python train.py --config configs/smollm2_135m.yaml       # = train.py draft --config ...
     python train.py draft --config CFG --coordinator HOST:PORT --num-processes 2 --process-id 0
 
-    # 3. Tau of a draft through the inference path.
+    # 3. Train the adapter for that draft (resumable; exports <run.dir>/adapter).
+    python train.py adapter --config configs/smollm2_135m.yaml [--draft DIR] [--stop-after N]
+
+    # 4. Tau of a draft through the inference path.
     python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl
+
+    # 5. Fit the outcome-score calibration of a JetSpec++ checkpoint (draft + adapter) on held-out
+    #    regenerated sequences; writes its calibration.json (the bundle is rewritten atomically).
+    python train.py calibrate --target DIR --draft runs/x/jetspec_pp --data held_out.jsonl \
+        [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--out DIR] [--report FILE.json]
 
 Errors (bad arguments, configs, files, checkpoints) print `error: ...` and exit with status 2.
 """
@@ -33,9 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
 
     try:
-        return {"regenerate": _regenerate, "draft": _train, "evaluate": _evaluate}[args.command](
-            args
-        )
+        commands = {
+            "regenerate": _regenerate,
+            "draft": _train,
+            "adapter": _train_adapter,
+            "evaluate": _evaluate,
+            "calibrate": _calibrate,
+        }
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -69,6 +82,127 @@ def _train(args: argparse.Namespace) -> int:
         f"trained {result.steps} steps; loss {result.metrics.get('loss', float('nan')):.4f}; "
         f"eval tau {tau}; draft exported to {result.export_dir}"
     )
+    return 0
+
+
+def _train_adapter(args: argparse.Namespace) -> int:
+    """Trains (or resumes) the adapter of the run a config describes, for its trained draft."""
+    from jetspec_jax.training.config import load_train_config
+
+    config = load_train_config(args.config)  # validated before JAX starts
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    from jetspec_jax.training.adapter_trainer import train_adapter
+
+    result = train_adapter(config, draft=args.draft, stop_after=args.stop_after)
+    if result is None:
+        print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
+        return 0
+    e = result.evaluation
+    gaps = ", ".join(f"{g:.3f}" for g in e["eval_gap_closed"])
+    nmse = ", ".join(f"{x:.4f}" for x in e["eval_nmse"])
+    tau = ""
+    if "tau_predicted" in e:
+        tau = (
+            f"; J1-R1 tau {e['tau_predicted']:.2f} predicted vs {e['tau_true']:.2f} true "
+            f"({100 * e['tau_ratio']:.1f}%)"
+        )
+    print(
+        f"trained the adapter {result.steps} steps; normalised MSE per tap [{nmse}]; "
+        f"stale-to-true gap closed per tap [{gaps}]{tau}; draft + adapter exported to "
+        f"{result.export_dir}"
+    )
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Fits the outcome calibration of a JetSpec++ checkpoint and stores it in the checkpoint."""
+    import json
+
+    for name in ("num_rounds", "anchors_per_sequence", "max_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.holdout_fraction < 1:
+        raise ValueError(f"--holdout-fraction must be in (0, 1), got {args.holdout_fraction}")
+    if args.refreshes > args.refine_passes:
+        raise ValueError(
+            f"--refreshes {args.refreshes} > --refine-passes {args.refine_passes} (each refresh "
+            "precedes a refinement pass)"
+        )
+    import jetspec_jax
+    from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
+    from jetspec_jax.training.calibration import fit_calibration
+    from jetspec_jax.training.calibration_rounds import (
+        collect_rounds,
+        evaluate_rounds,
+        split_rounds,
+    )
+    from jetspec_jax.training.data import read_regenerated
+
+    if not is_bundle(args.draft):
+        raise ValueError(
+            f"--draft {args.draft} is not a JetSpec++ checkpoint (no jetspec_pp.json): "
+            "calibration needs the draft's adapter"
+        )
+    stored_dtype = read_manifest(args.draft)["dtype"]
+    out = pathlib.Path(args.out or args.draft)
+    if out.exists() and not is_bundle(out):
+        raise ValueError(f"--out {out} exists and is not a JetSpec++ checkpoint; not replacing it")
+    records = read_regenerated(args.data)
+    target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
+    rounds = collect_rounds(
+        target,
+        draft,
+        records,
+        num_rounds=args.num_rounds,
+        refine_passes=args.refine_passes,
+        refreshes=args.refreshes,
+        anchors_per_sequence=args.anchors_per_sequence,
+        max_length=args.max_length,
+        seed=args.seed,
+    )
+    fit, held_out = split_rounds(rounds, args.holdout_fraction, seed=args.seed)
+    calibration = fit_calibration(*fit.fit_arrays)
+    report = evaluate_rounds(held_out, calibration)
+    # Saved in the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).
+    stored = (
+        draft
+        if draft.dtype == stored_dtype
+        else (jetspec_jax.load_draft(args.draft, target, dtype=stored_dtype))
+    )
+    stored.with_adapter(stored.adapter, calibration).save(out, overwrite=out.exists())
+
+    ll = report["log_likelihood"]
+    print(
+        f"calibration rounds: {len(rounds)} (J{args.refine_passes}-R{args.refreshes}; fit "
+        f"{len(fit)}, held out {len(held_out)}; {rounds.dropped} dropped: not the target's "
+        "greedy continuation)"
+    )
+    print(
+        f"fitted acceptance_temperature {calibration.acceptance_temperature:.4f}, "
+        f"bonus_temperature {calibration.bonus_temperature:.4f}"
+    )
+    print(
+        f"held-out log-likelihood per round: uncalibrated {ll['uncalibrated']:.4f} -> "
+        f"calibrated {ll['calibrated']:.4f} nats"
+    )
+    budgets = list(next(iter(report["hit_rate"].values())))
+    print("held-out hit rate  " + "".join(f"{'B=' + str(b):>8}" for b in budgets))
+    for rule, rates in report["hit_rate"].items():
+        print(f"  {rule:<16}" + "".join(f"{rates[b]:>8.3f}" for b in budgets))
+    print(f"calibration saved in {out / 'calibration.json'}")
+    if args.report:
+        full = {
+            "calibration": calibration.to_dict(),
+            "refine_passes": args.refine_passes,
+            "refreshes": args.refreshes,
+            "rounds": len(rounds),
+            "fit_rounds": len(fit),
+            "dropped": rounds.dropped,
+            **{"held_out_" + k: v for k, v in report.items()},
+        }
+        pathlib.Path(args.report).write_text(json.dumps(full, indent=2) + "\n")
     return 0
 
 
@@ -177,6 +311,54 @@ def _parser() -> argparse.ArgumentParser:
     draft.add_argument("--num-processes", type=int, default=None)
     draft.add_argument("--process-id", type=int, default=None)
     draft.add_argument("-v", "--verbose", action="store_true")
+
+    adapter = commands.add_parser(
+        "adapter", help="train the adapter for a trained draft from a YAML config (resumable)"
+    )
+    adapter.add_argument("--config", required=True, help="training config (its adapter section)")
+    adapter.add_argument(
+        "--draft", default=None, help="the trained draft's directory (default: <run.dir>/draft)"
+    )
+    adapter.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
+    adapter.add_argument("-v", "--verbose", action="store_true")
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit a JetSpec++ checkpoint's outcome calibration on held-out regenerated sequences",
+    )
+    calibrate.add_argument("--draft", required=True, help="JetSpec++ checkpoint (draft + adapter)")
+    calibrate.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="held-out JSONL of `train.py regenerate` (greedy), not the draft's training data",
+    )
+    calibrate.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
+    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    calibrate.add_argument("--num-rounds", type=int, default=512, help="rounds to collect")
+    calibrate.add_argument(
+        "--anchors-per-sequence", type=int, default=16, help="anchors per sequence (one batch)"
+    )
+    calibrate.add_argument("--refine-passes", type=int, default=1, help="J of the served Jj-Rr")
+    calibrate.add_argument("--refreshes", type=int, default=1, help="R of the served Jj-Rr")
+    calibrate.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=0.2,
+        help="fraction of the sequences whose rounds score the fit (hit rates, log-likelihood)",
+    )
+    calibrate.add_argument(
+        "--max-length", type=int, default=None, help="truncate sequences (default: the target's)"
+    )
+    calibrate.add_argument("--seed", type=int, default=0, help="sequence order, anchors, split")
+    calibrate.add_argument(
+        "--out", default=None, help="checkpoint to write (default: rewrite --draft in place)"
+    )
+    calibrate.add_argument(
+        "--report", default=None, metavar="FILE", help="also write a JSON report"
+    )
+    calibrate.add_argument("-v", "--verbose", action="store_true")
 
     evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
     evaluate.add_argument("--draft", required=True, help="draft directory (DFlash/JetSpec layout)")

@@ -83,8 +83,8 @@ def main() -> None:
         return accepted, tokens, out.taps, out.cache
 
     @jax.jit
-    def observe_part(pstate, taps, n):
-        return proposer.observe(dparams, tparams, pstate, taps, n)
+    def observe_part(pstate, block, taps, n):
+        return proposer.observe(dparams, tparams, pstate, block, taps, n)
 
     def timed(fn, *args):
         times = []
@@ -98,7 +98,8 @@ def main() -> None:
         draft_part, state.proposer, d.last_token, d.cache.lengths, state.sequence
     )
     t_verify, (accepted, _, taps, _) = timed(verify_part, d.cache, d.last_token, drafts)
-    t_observe, _ = timed(observe_part, state.proposer, taps, accepted + 1)
+    block = jnp.concatenate([d.last_token[:, None], drafts], axis=1)
+    t_observe, _ = timed(observe_part, state.proposer, block, taps, accepted + 1)
     loop = statistics.median(loop_times)
     parts = t_draft + t_verify + t_observe
     body = "\n".join(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,9 @@ from jetspec_jax.checkpoint.draft_hf import (
 )
 from jetspec_jax.checkpoint.hf_config import read_hf_config
 from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
+from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
+from jetspec_jax.decoding.refinement import LearnedProxy, RefiningProposer
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.target import DTYPES, Target
@@ -41,6 +44,8 @@ class Draft:
         target_config: the config of the target it was loaded for or initialised from (its
             depth is the `num_target_layers` an export records).
         path: the directory it was loaded from, if any.
+        adapter: the `Adapter` predicting its taps (context refreshes need one), if any.
+        calibration: the `Calibration` of its outcome scores (foresight), if fitted.
     """
 
     config: DraftConfig
@@ -48,47 +53,92 @@ class Draft:
     dtype: str
     target_config: TransformerConfig
     path: pathlib.Path | None = None
+    adapter: Any = None
+    calibration: Calibration | None = None
+
+    def with_adapter(self, adapter, calibration: Calibration | None = None) -> Draft:
+        """This draft with `adapter` (an `Adapter` for its taps) and optionally a calibration.
+
+        Raises:
+            ValueError: the adapter predicts other tap layers than the draft reads, or states of
+                another width.
+        """
+        if adapter.config.target_layer_ids != self.config.target_layer_ids:
+            raise ValueError(
+                f"the adapter predicts tap layers {adapter.config.target_layer_ids}, the draft "
+                f"reads {self.config.target_layer_ids}"
+            )
+        if adapter.config.layers.hidden_size != self.config.layers.hidden_size:
+            raise ValueError(
+                f"the adapter predicts states of width {adapter.config.layers.hidden_size}, the "
+                f"target's hidden size is {self.config.layers.hidden_size}"
+            )
+        return dataclasses.replace(self, adapter=adapter, calibration=calibration)
 
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
         """Exports the draft in the DFlash/JetSpec HF layout (`config.json`, `model.safetensors`),
-        loadable by `dflash.model.DFlashDraftModel.from_pretrained`.
+        loadable by `dflash.model.DFlashDraftModel.from_pretrained`; a draft with an adapter is
+        written as a JetSpec++ checkpoint instead (`checkpoint/bundle.py`: draft in that layout
+        under `draft/`, plus `adapter/` and the calibration).
 
         Written atomically: `out_dir` appears complete or not at all.
         """
+        if self.adapter is not None:
+            from jetspec_jax.checkpoint.bundle import save_bundle  # imports this module
+
+            return save_bundle(self, out_dir, overwrite=overwrite)
         hf = draft_config_to_hf(self.config, self.target_config, self.dtype)
         with atomic_directory(out_dir, overwrite=overwrite) as tmp:
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
             save_draft_params(self.params, self.config, tmp)
         return pathlib.Path(out_dir)
 
-    def proposer(self, target: Target, *, method: str, refine_passes: int = 0):
-        """`(proposer, params)` drafting for `target` with `method` (the decode loop's interface).
+    def proposer(self, target: Target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+        """`(proposer, params)` drafting for `target` with `method` (the decode loop's interface):
+        `Jj` Jacobi passes, the first `refreshes` of them after a context refresh (`Jj-Rr`).
 
         Raises:
-            ValueError: `method` is not this draft's variant, or refinement on a mask-input draft.
+            ValueError: `method` is not this draft's variant, refinement on a mask-input draft,
+                refreshes without an adapter, or more refreshes than passes.
             CheckpointError: the draft does not fit `target` (hidden size, vocabulary, taps).
         """
         check_draft_matches_target(self.config, target.config, self.target_config.num_layers)
         proposer = draft_proposer(self.config, target.config, method, refine_passes)
-        return proposer, self.params
+        if not refreshes:
+            return proposer, self.params
+        if self.adapter is None:
+            raise ValueError(
+                f"refreshes={refreshes} needs a draft with an adapter (Draft.with_adapter, or a "
+                "JetSpec++ checkpoint that holds one)"
+            )
+        proxy = LearnedProxy(self.adapter.config, target.config)
+        params = {"draft": self.params, "proxy": self.adapter.params}
+        return RefiningProposer(proposer, proxy, refreshes), params
 
 
 def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = None) -> Draft:
-    """Loads a draft head saved in the DFlash/JetSpec HF layout, for `target`.
+    """Loads a draft head for `target`: a plain DFlash/JetSpec HF directory, or a JetSpec++
+    checkpoint (recognised by its `jetspec_pp.json`; the draft comes with its adapter and
+    calibration).
 
     Args:
         path: a directory with the draft's `config.json` and `model.safetensors` (or shards with
-            `model.safetensors.index.json`).
+            `model.safetensors.index.json`), or a JetSpec++ checkpoint directory.
         target: the target the draft conditions on and shares its embedding / LM head with.
         dtype: "float32" or "bfloat16"; None: the target's.
 
     Raises:
         CheckpointError: the directory is missing or malformed, or the draft does not fit the
-            target (hidden size, vocabulary, target depth, tap layers, mask token).
+            target (hidden size, vocabulary, target depth, tap layers, mask token), or a
+            JetSpec++ checkpoint is malformed (`checkpoint.bundle.load_bundle`).
     """
+    from jetspec_jax.checkpoint.bundle import is_bundle, load_bundle  # imports this module
+
     dtype = target.dtype if dtype is None else dtype
     _check_dtype(dtype)
     path = pathlib.Path(path)
+    if is_bundle(path):
+        return load_bundle(path, target, dtype=dtype)
     config = draft_config_from_hf(read_hf_config(path), target.config)
     params = load_draft_params(path, config, DTYPES[dtype])
     return Draft(config=config, params=params, dtype=dtype, target_config=target.config, path=path)

@@ -36,6 +36,10 @@ def generate(
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     refine_passes: int = 0,
+    refreshes: int = 0,
+    foresight: int = 0,
+    foresight_rule: str = "calibrated",
+    pipeline: bool = False,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
@@ -56,6 +60,17 @@ def generate(
             ids, [] disables stopping.
         refine_passes: "jetspec++" only: J extra Jacobi refinement passes of the draft per round
             (J0 = one pass).
+        refreshes: "jetspec++" only: R <= J context refreshes with anchor replacement, one before
+            each of the first R passes (`Jj-Rr`; needs a draft with an adapter).
+        foresight: "jetspec++" only: B >= 1 turns foresight drafting on: while a block is
+            verified, the next block is drafted for its B likely outcomes (k, a) from the
+            adapter's predicted states (needs a draft with an adapter); a hit skips drafting on
+            the critical path. 0 (default) = off. Tokens are unchanged either way.
+        foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration),
+            "uncalibrated" or "geometric" (SSD's fixed fan-out).
+        pipeline: run the foresight round pipelined over two devices (device 0 verifies,
+            device 1 drafts ahead; needs foresight >= 1 and >= 2 visible devices, else a
+            ValueError). False: the same round sequentially on one device.
 
     Returns:
         A `GenerationResult`.
@@ -70,6 +85,10 @@ def generate(
         sampling=[sampling],
         stop_token_ids=stop_token_ids,
         refine_passes=refine_passes,
+        refreshes=refreshes,
+        foresight=foresight,
+        foresight_rule=foresight_rule,
+        pipeline=pipeline,
     )[0]
 
 
@@ -83,6 +102,10 @@ def generate_batch(
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     stop_token_ids: Sequence[int] | None = None,
     refine_passes: int = 0,
+    refreshes: int = 0,
+    foresight: int = 0,
+    foresight_rule: str = "calibrated",
+    pipeline: bool = False,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
@@ -92,8 +115,8 @@ def generate_batch(
     Args:
         target: a loaded target.
         prompts: token-id lists, one per request.
-        draft, method, max_new_tokens, stop_token_ids, refine_passes: as in `generate`, shared by
-            all rows.
+        draft, method, max_new_tokens, stop_token_ids, refine_passes, refreshes, foresight,
+            foresight_rule, pipeline: as in `generate`, shared by all rows.
         sampling: one `SamplingParams` for all rows, or one per row.
 
     Returns:
@@ -108,6 +131,10 @@ def generate_batch(
         sampling=sampling,
         stop_token_ids=stop_token_ids,
         refine_passes=refine_passes,
+        refreshes=refreshes,
+        foresight=foresight,
+        foresight_rule=foresight_rule,
+        pipeline=pipeline,
     )
     session.start()
     session.advance()  # to the end: every forward commits >= 1 token per unfinished row
@@ -159,6 +186,10 @@ def stream(
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
     refine_passes: int = 0,
+    refreshes: int = 0,
+    foresight: int = 0,
+    foresight_rule: str = "calibrated",
+    pipeline: bool = False,
 ) -> TokenStream:
     """Generates like `generate`, yielding the new tokens as they are produced.
 
@@ -187,5 +218,9 @@ def stream(
         sampling=sampling,
         stop_token_ids=stop_token_ids,
         refine_passes=refine_passes,
+        refreshes=refreshes,
+        foresight=foresight,
+        foresight_rule=foresight_rule,
+        pipeline=pipeline,
     )
     return TokenStream(session, chunk_steps)

@@ -6,6 +6,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from jetspec_jax.decoding.target_proxy import TargetProxy
+
+__all__ = ["OracleDraft", "OracleProposer", "TargetProxy"]  # TargetProxy: the target as proxy
+
 
 @dataclasses.dataclass(frozen=True)
 class OracleProposer:
@@ -20,7 +24,7 @@ class OracleProposer:
     wrong_at: int | None = None
     tap_layers: tuple[int, ...] = ()
 
-    def start(self, params, target_params, prompt_taps, prompt_lengths, capacity):
+    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
         return jnp.zeros((), jnp.int32)  # stateless
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
@@ -32,7 +36,7 @@ class OracleProposer:
             )
         return drafts.astype(jnp.int32)
 
-    def observe(self, params, target_params, state, block_taps, num_committed):
+    def observe(self, params, target_params, state, block, block_taps, num_committed):
         return state
 
 
@@ -45,6 +49,6 @@ class OracleDraft:
     vocab_size: int
     wrong_at: int | None = None
 
-    def proposer(self, target, *, method: str, refine_passes: int = 0):
+    def proposer(self, target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
         proposer = OracleProposer(self.block_size, self.vocab_size, self.wrong_at)
         return proposer, jnp.asarray(self.continuation, jnp.int32)

@@ -14,14 +14,15 @@ from tests.text_fixtures import with_tokenizer
 
 
 def test_method_specs():
-    assert parse_methods("jetspec++-J2") == [
+    assert parse_methods("jetspec++-J2,jetspec++-J3-R3") == [
         MethodSpec("ar", "ar"),
         MethodSpec("jetspec++-J2", "jetspec++", 2),
+        MethodSpec("jetspec++-J3-R3", "jetspec++", 3, 3),
     ]
     for bad, message in (
         ("medusa", "unknown method"),
         ("dflash-J1", "jetspec\\+\\+ only"),
-        ("jetspec++-J1-R1", "adapter"),
+        ("jetspec++-J1-R2", "R must be <= J"),
         ("ar,ar", "repeated"),
     ):
         with pytest.raises(ValueError, match=message):

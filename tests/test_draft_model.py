@@ -19,7 +19,7 @@ from dflash import model as dflash_model
 
 from jetspec_jax import CheckpointError, load_target
 from jetspec_jax.draft import default_target_layer_ids, init_draft, load_draft
-from jetspec_jax.models.draft import DraftCache, DraftConfig, draft_hidden, draft_logits
+from jetspec_jax.models.draft import DraftConfig, draft_hidden, draft_logits, empty_cache
 from jetspec_jax.models.draft import extend_context as extend_draft_context
 from jetspec_jax.models.transformer import forward
 
@@ -98,7 +98,7 @@ def _taps(target, config: DraftConfig) -> jax.Array:
 
 def _our_logits(draft, target, taps, blocks) -> list[np.ndarray]:
     config = draft.config
-    cache = DraftCache.zeros(config, 1, 32, jnp.float32)
+    cache = empty_cache(config, 1, 32, jnp.float32)
     embedding = target.params["embed_tokens"]["embedding"]
     lm_head = target.params["lm_head"]["kernel"]
     extensions = [(taps[:, :, :PROMPT], PROMPT), (taps[:, :, PROMPT:], EXTRA)]

@@ -22,11 +22,12 @@ import jetspec_jax
 from jetspec_jax.kernels import Tiling, refinement, refinement_attention
 from jetspec_jax.kernels.layout import make_layout
 from jetspec_jax.models import layers
+from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.draft import DraftCache, DraftConfig
+from jetspec_jax.models.draft import DraftConfig
 
 
-def _block_mask(config: DraftConfig, cache: DraftCache, k_len: int) -> jax.Array:
+def _block_mask(config: DraftConfig, cache: ContextCache, k_len: int) -> jax.Array:
     """`[B, K, S + K]`: every query sees the valid context slots, and the block causally or not.
 
     Context slots at or past a row's length are stale (or padding) and are always hidden; this is
@@ -283,7 +284,7 @@ def test_draft_attention_equals_the_explicit_mask_form():
         dataclasses.replace(config, attention_impl="flash")
     c = config.layers
     rng = np.random.default_rng(5)
-    cache = DraftCache(
+    cache = ContextCache(
         k=jnp.asarray(rng.standard_normal((1, 2, 24, c.num_kv_heads, c.head_dim)), jnp.float32),
         v=jnp.asarray(rng.standard_normal((1, 2, 24, c.num_kv_heads, c.head_dim)), jnp.float32),
         lengths=jnp.asarray([0, 17], jnp.int32),

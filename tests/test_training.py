@@ -216,9 +216,9 @@ def test_training_forward_equals_the_inference_forward_block_by_block(target, va
     """All anchors in one block-sparse forward == each block drafted alone from a cache holding
     exactly the context before its anchor (what decoding does)."""
     from jetspec_jax.models.draft import (
-        DraftCache,
         draft_hidden,
         draft_hidden_for_training,
+        empty_cache,
         extend_context,
     )
     from jetspec_jax.models.transformer import forward
@@ -242,7 +242,7 @@ def test_training_forward_equals_the_inference_forward_block_by_block(target, va
             # The context before the anchor; later rows zeroed (and past the cache's length).
             n = int(anchors[b, a])
             visible = jnp.where(jnp.arange(24)[None, None, :, None] < n, taps[:, b : b + 1], 0)
-            cache = DraftCache.zeros(cfg, 1, 32, jnp.float32)
+            cache = empty_cache(cfg, 1, 32, jnp.float32)
             cache = extend(draft.params, cfg, cache, visible, jnp.asarray([n]))
             alone = alone_fn(draft.params, cfg, cache, emb, blocks[b : b + 1, a])
             np.testing.assert_allclose(together[b, a], alone[0], atol=2e-5)

@@ -138,6 +138,7 @@ def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, a
             draft=draft,
             method=m.method,
             refine_passes=m.refine_passes,
+            refreshes=m.refreshes,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             seed=i,

@@ -3,9 +3,12 @@
 A proposer is a hashable description (a static jit argument) with three pure functions over its
 own parameter pytree and state pytree:
 
-    start(params, target_params, prompt_taps, prompt_lengths, capacity) -> state
+    start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
     propose(params, target_params, state, anchor, anchor_positions, sequence) -> drafts [B, K-1]
-    observe(params, target_params, state, block_taps, num_committed) -> state
+    observe(params, target_params, state, block, block_taps, num_committed) -> state
+
+`prompts` `[B, T]` and `block` `[B, K]` are the tokens whose tap states are `prompt_taps` and
+`block_taps` `[n_taps, B, T|K, H]`; the first `prompt_lengths` / `num_committed` of them are real.
 
 The parallel draft model is the proposer every method serves; tests plug in oracles through the same
 interface, and foresight drafting will be another.
@@ -18,13 +21,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import (
-    DraftCache,
     DraftConfig,
     draft_hidden,
     draft_logits,
     drafts_from_logits,
+    empty_cache,
     extend_context,
 )
 from jetspec_jax.models.transformer import output_kernel
@@ -66,29 +70,39 @@ class DraftProposer:
     def tap_layers(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
-    def start(self, params, target_params, prompt_taps, prompt_lengths, capacity) -> DraftCache:
+    def start(
+        self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity
+    ) -> ContextCache:
         """The draft cache holding the projected prompt (the anchor is the first new token)."""
         dtype = params["norm"]["scale"].dtype
-        cache = DraftCache.zeros(self.config, prompt_lengths.shape[0], capacity, dtype)
+        cache = empty_cache(self.config, prompt_lengths.shape[0], capacity, dtype)
         return extend_context(params, self.config, cache, prompt_taps, prompt_lengths)
 
     def propose(self, params, target_params, cache, anchor, anchor_positions, sequence):
         """`[B, K-1]` drafts for the block after `anchor` (at `anchor_positions`)."""
         del anchor_positions  # the draft cache's lengths are the anchor positions
+        drafts = self.first_pass(params, target_params, cache, anchor, sequence)
+        for _ in range(self.refine_passes):
+            drafts = self._pass(params, target_params, cache, anchor, drafts)
+        return drafts
+
+    def first_pass(self, params, target_params, cache, anchor, sequence):
+        """`[B, K-1]` drafts of one pass over noise (token inputs) or mask tokens."""
         config = self.config
-        embedding = target_params["embed_tokens"]["embedding"]
-        lm_head = output_kernel(target_params, self.target_config)
         if config.token_inputs:
             inputs = _first_pass_noise(sequence, cache.lengths, config.block_size - 1)
         else:
             inputs = jnp.full((anchor.shape[0], config.block_size - 1), config.mask_token_id)
-        for _ in range(1 + self.refine_passes):
-            block = jnp.concatenate([anchor[:, None], inputs.astype(jnp.int32)], axis=1)
-            hidden = draft_hidden(params, config, cache, embedding, block)
-            inputs = drafts_from_logits(config, draft_logits(config, lm_head, hidden))
-        return inputs
+        return self._pass(params, target_params, cache, anchor, inputs.astype(jnp.int32))
 
-    def observe(self, params, target_params, cache, block_taps, num_committed):
+    def _pass(self, params, target_params, cache, anchor, inputs):
+        embedding = target_params["embed_tokens"]["embedding"]
+        lm_head = output_kernel(target_params, self.target_config)
+        block = jnp.concatenate([anchor[:, None], inputs], axis=1)
+        hidden = draft_hidden(params, self.config, cache, embedding, block)
+        return drafts_from_logits(self.config, draft_logits(self.config, lm_head, hidden))
+
+    def observe(self, params, target_params, cache, block, block_taps, num_committed):
         """Extends the draft's context with the newly verified block positions."""
         return extend_context(params, self.config, cache, block_taps, num_committed)
 

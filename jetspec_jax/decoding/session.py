@@ -29,8 +29,10 @@ import numpy as np
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding.foresight import foresight_proposer
+from jetspec_jax.decoding.pipeline import check_pipeline_devices, decode_loop, replicate
 from jetspec_jax.decoding.prefill import prefill
-from jetspec_jax.decoding.speculative import SpecState, decode_speculative, prefill_speculative
+from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling, SamplingParams
 
@@ -112,6 +114,10 @@ class DecodeSession:
         sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         stop_token_ids: Sequence[int] | None = None,
         refine_passes: int = 0,
+        refreshes: int = 0,
+        foresight: int = 0,
+        foresight_rule: str = "calibrated",
+        pipeline: bool = False,
         pad_batch_to: int = 1,
     ):
         """Validates the requests and builds the bucketed inputs (no compilation yet).
@@ -119,7 +125,8 @@ class DecodeSession:
         Args:
             target: a loaded `Target`.
             prompts: token-id lists, one per request (row).
-            draft, method, refine_passes: as in `jetspec_jax.generate`, shared by all rows.
+            draft, method, refine_passes, refreshes, foresight, foresight_rule, pipeline: as in
+                `jetspec_jax.generate`, shared by all rows.
             max_new_tokens: one budget for all rows, or one per row (each >= 1).
             sampling: one `SamplingParams` for all rows, or one per row.
             stop_token_ids: shared by all rows; None: the target's end-of-sequence ids; [] never
@@ -133,8 +140,19 @@ class DecodeSession:
         config = target.config
         self._target = target
         self._proposer, self._proposer_params = resolve_proposer(
-            target, draft, method, refine_passes
+            target, draft, method, refine_passes, refreshes
         )
+        self._proposer, self._proposer_params = _with_foresight(
+            draft,
+            method,
+            self._proposer,
+            self._proposer_params,
+            foresight,
+            foresight_rule,
+            pipeline,
+        )
+        self._pipeline = bool(pipeline)
+        self._pipeline_params = None  # the weights replicated on the stage mesh, once
         prompts = [check_token_ids(p, config.vocab_size) for p in prompts]
         if not prompts:
             raise ValueError("prompts is empty")
@@ -234,9 +252,15 @@ class DecodeSession:
         if proposer is None:
             fn, params, static = decode_autoregressive, (target.params,), {}
         else:
-            fn, params = decode_speculative, (target.params, self._proposer_params)
+            fn, params = decode_loop(proposer), (target.params, self._proposer_params)
+            if self._pipeline:
+                if self._pipeline_params is None:
+                    self._pipeline_params = replicate(params)
+                params = self._pipeline_params
             static = dict(proposer=proposer)
         args = (*params, self._state, self._requests, jnp.int32(steps))
+        if self._pipeline:  # the pipelined loop's arguments live on the stage mesh
+            args = (*params, *replicate(args[len(params) :]))
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
@@ -306,21 +330,42 @@ class DecodeSession:
         return self._state.decode if isinstance(self._state, SpecState) else self._state
 
 
-def resolve_proposer(target, draft, method: str, refine_passes: int):
+def resolve_proposer(target, draft, method: str, refine_passes: int, refreshes: int = 0):
     """`(proposer, params)` for a speculative method, `(None, None)` for "ar"."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
     if method == "ar":
         if draft is not None:
             raise ValueError("method 'ar' takes no draft model")
-        if refine_passes:
-            raise ValueError("refine_passes applies to method 'jetspec++' only")
+        if refine_passes or refreshes:
+            raise ValueError("refine_passes and refreshes apply to method 'jetspec++' only")
         return None, None
     if draft is None:
         raise ValueError(f"method {method!r} needs a draft model (load_draft or init_draft)")
     if not hasattr(draft, "proposer"):
         raise ValueError(f"draft must be a Draft (load_draft or init_draft), got {type(draft)}")
-    return draft.proposer(target, method=method, refine_passes=refine_passes)
+    return draft.proposer(target, method=method, refine_passes=refine_passes, refreshes=refreshes)
+
+
+def _with_foresight(draft, method, proposer, params, foresight, rule, pipeline):
+    """The proposer wrapped for foresight drafting (`foresight` >= 1 candidate blocks per round),
+    pipelined over two devices if `pipeline`; unchanged when `foresight` is 0 and no pipeline."""
+    if isinstance(foresight, bool) or not isinstance(foresight, (int, np.integer)):
+        raise ValueError(f"foresight must be an integer >= 0, got {foresight!r}")
+    if not isinstance(pipeline, bool):
+        raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
+    if not foresight and not pipeline:
+        return proposer, params
+    if method != "jetspec++":
+        raise ValueError(f"foresight and pipeline apply to method 'jetspec++' only, not {method!r}")
+    if pipeline:
+        if not foresight:
+            raise ValueError(
+                "pipeline=True drafts ahead on the second device: set foresight >= 1 (candidate "
+                "blocks per round)"
+            )
+        check_pipeline_devices()
+    return foresight_proposer(draft, proposer, params, int(foresight), rule=rule, pipeline=pipeline)
 
 
 def check_budget(config, prompt_length: int, max_new_tokens) -> None:

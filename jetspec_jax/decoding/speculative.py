@@ -112,28 +112,50 @@ def decode_speculative(
 
 def _round(params, proposer_params, s: SpecState, requests, config, proposer) -> SpecState:
     d = s.decode
-    active = ~d.done
     anchor, anchor_pos = d.last_token, d.cache.lengths
     drafts = proposer.propose(proposer_params, params, s.proposer, anchor, anchor_pos, s.sequence)
-    block = jnp.concatenate([anchor[:, None], drafts], axis=1)  # [B, K]
-    out = forward(params, config, block, d.cache, tap_layers=proposer.tap_layers)
+    cache, taps, accepted, tokens = verify_block(
+        params, config, proposer.tap_layers, d, drafts, requests
+    )
+    num_committed = jnp.where(~d.done, accepted + 1, 0)
+    block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    s = commit_round(s, requests, cache, accepted, tokens)
+    return s.replace(
+        proposer=proposer.observe(proposer_params, params, s.proposer, block, taps, num_committed)
+    )
+
+
+def verify_block(params, config, tap_layers, decode, drafts, requests):
+    """The target side of a round: one forward over `[anchor, drafts]` (`drafts` `[B, K-1]`),
+    acceptance, and the cache rolled back to the committed length.
+
+    Returns `(cache, taps [n, B, K, H], accepted [B], tokens [B, K])`.
+    """
+    anchor, anchor_pos = decode.last_token, decode.cache.lengths
+    block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    out = forward(params, config, block, decode.cache, tap_layers=tap_layers)
     logits = unembed(params, config, out.hidden)
     accepted, tokens = verify_chain(logits, drafts, requests.sampling, anchor_pos)
+    num_committed = jnp.where(~decode.done, accepted + 1, 0)
+    return out.cache.rolled_back(anchor_pos + num_committed), out.taps, accepted, tokens
 
-    num_committed = jnp.where(active, accepted + 1, 0)
-    cache = out.cache.rolled_back(anchor_pos + num_committed)
+
+def commit_round(s: SpecState, requests, cache, accepted, tokens) -> SpecState:
+    """The bookkeeping of a verified round: commit, the token sequence, the (k, a) logs. `cache`
+    is the target cache after the round (its lengths the committed ones)."""
+    d = s.decode
+    active = ~d.done
+    anchor_pos = d.cache.lengths
     decode = commit(d.replace(cache=cache), tokens, accepted + 1, requests)
-
-    rows = jnp.arange(block.shape[0])[:, None]
-    k_len = block.shape[1]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    k_len = tokens.shape[1]
     sequence = s.sequence.at[rows, anchor_pos[:, None] + 1 + jnp.arange(k_len)].set(
         tokens, mode="drop"
     )
     slot = jnp.where(active, s.num_verify_rounds, s.accepted.shape[1])  # inactive: dropped
     bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    return SpecState(
+    return s.replace(
         decode=decode,
-        proposer=proposer.observe(proposer_params, params, s.proposer, out.taps, num_committed),
         sequence=sequence,
         accepted=s.accepted.at[rows[:, 0], slot].set(accepted, mode="drop"),
         bonus=s.bonus.at[rows[:, 0], slot].set(bonus, mode="drop"),
@@ -168,5 +190,7 @@ def prefill_speculative(
         max_output=max_output,
         tap_layers=proposer.tap_layers,
     )
-    proposer_state = proposer.start(proposer_params, params, taps, prompt_lengths, capacity)
+    proposer_state = proposer.start(
+        proposer_params, params, prompts, taps, prompt_lengths, capacity
+    )
     return start_speculative(decode, proposer_state, prompts, prompt_lengths, capacity)

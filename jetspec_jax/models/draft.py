@@ -8,7 +8,7 @@ The draft drafts a block of `K = block_size` positions in one forward, condition
     block rows:    target embedding of the K block tokens -> draft decoder layers (queries, and
                    keys/values of their own) -> final norm -> the target's LM head
 
-The projected context keys/values are cached per draft layer (`DraftCache`) and extended each
+The projected context keys/values are cached per draft layer (`ContextCache`) and extended each
 round with the newly verified rows only (`extend_context`); the context is never re-projected.
 
 Variants (fields of `DraftConfig`):
@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.kernels import check_impl, refinement_attention
+from jetspec_jax.kernels import check_impl
 from jetspec_jax.models import layers
+from jetspec_jax.models.block_stack import ContextCache, block_layers, cached_context, keys_values
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.rope import inverse_frequencies
 
 Params = dict
 VARIANTS = ("dflash", "jetspec", "jetspec++")
@@ -107,26 +106,10 @@ class DraftConfig:
         return dict(causal=variant != "dflash", token_inputs=plus, shifted=plus)
 
 
-@flax.struct.dataclass
-class DraftCache:
-    """Projected context keys/values of every draft layer.
-
-    Attributes:
-        k, v: `[L_draft, B, S, N_kv, D]`; slot s holds the context row at absolute position s.
-        lengths: `[B]` int32 valid context rows per row (= the anchor's position).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
-
-    @classmethod
-    def zeros(cls, config: DraftConfig, batch_size: int, capacity: int, dtype) -> DraftCache:
-        c = config.layers
-        shape = (c.num_layers, batch_size, capacity, c.num_kv_heads, c.head_dim)
-        return cls(
-            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32)
-        )
+def empty_cache(config: DraftConfig, batch_size: int, capacity: int, dtype) -> ContextCache:
+    """An empty context cache for every draft layer (`[L_draft, B, capacity, N_kv, D]`)."""
+    c = config.layers
+    return ContextCache.zeros(c, c.num_layers, batch_size, capacity, dtype)
 
 
 def fuse_taps(params: Params, config: DraftConfig, taps: jax.Array) -> jax.Array:
@@ -139,10 +122,10 @@ def fuse_taps(params: Params, config: DraftConfig, taps: jax.Array) -> jax.Array
 def extend_context(
     params: Params,
     config: DraftConfig,
-    cache: DraftCache,
+    cache: ContextCache,
     taps: jax.Array,
     num_new: jax.Array,
-) -> DraftCache:
+) -> ContextCache:
     """Appends newly verified context rows to every draft layer's cache.
 
     Args:
@@ -156,23 +139,18 @@ def extend_context(
     Returns:
         The extended cache (lengths advanced by `num_new`).
     """
-    c = config.layers
     rows = fuse_taps(params, config, taps)
     positions = cache.lengths[:, None] + jnp.arange(rows.shape[1], dtype=jnp.int32)[None]
-    inv_freq = inverse_frequencies(c.rope, c.head_dim)
-    batch_idx = jnp.arange(rows.shape[0])[:, None]
-    k_cache, v_cache = cache.k, cache.v
     for i, layer in enumerate(params["layers"]):
-        k, v = _keys_values(layer["self_attn"], c, rows, positions, inv_freq)
-        k_cache = k_cache.at[i, batch_idx, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[i, batch_idx, positions].set(v.astype(v_cache.dtype), mode="drop")
-    return DraftCache(k=k_cache, v=v_cache, lengths=cache.lengths + num_new)
+        k, v = keys_values(layer["self_attn"], config.layers, rows, positions)
+        cache = cache.write(i, k, v, positions)
+    return cache.replace(lengths=cache.lengths + num_new)
 
 
 def draft_hidden(
     params: Params,
     config: DraftConfig,
-    cache: DraftCache,
+    cache: ContextCache,
     embedding: jax.Array,
     block_tokens: jax.Array,
 ) -> jax.Array:
@@ -190,10 +168,6 @@ def draft_hidden(
     """
     k_len = block_tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(k_len, dtype=jnp.int32)[None]
-
-    def cached_context(i, layer):
-        return cache.k[i], cache.v[i]
-
     # One candidate block per row (C = 1) over the cache, valid below `cache.lengths` (slots at
     # or past a row's length are stale, so the target's position-only mask would not do).
     hidden = _block_stack(
@@ -203,7 +177,7 @@ def draft_hidden(
         block_tokens[:, None],
         positions[:, None],
         cache.lengths[:, None],
-        cached_context,
+        cached_context(cache),
     )
     return hidden[:, 0]
 
@@ -251,15 +225,13 @@ def draft_hidden_for_training(
     Returns:
         `[B, A, K, H]` final-normed hidden states of every block row.
     """
-    c = config.layers
     batch, length = taps.shape[1], taps.shape[2]
-    inv_freq = inverse_frequencies(c.rope, c.head_dim)
     context = fuse_taps(params, config, taps)  # [B, T, H]
     context_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     positions = anchors[:, :, None] + jnp.arange(block_tokens.shape[2], dtype=jnp.int32)
 
     def projected_context(i, layer):
-        return _keys_values(layer["self_attn"], c, context, context_pos, inv_freq)
+        return keys_values(layer["self_attn"], config.layers, context, context_pos)
 
     # The blocks are the candidates of the refinement attention; context row = position, so a
     # block's context length is its anchor.
@@ -269,69 +241,62 @@ def draft_hidden_for_training(
 
 
 def _block_stack(params, config, embedding, block_tokens, positions, context_lengths, context_kv):
-    """The draft's layers over C candidate blocks per row that share one context.
+    """Embeds `[B, C, K]` block tokens, runs the draft layers (`block_layers`), final-norms.
+
+    Returns `[B, C, K, H]` final-normed hidden states.
+    """
+    x = jnp.take(embedding, block_tokens, axis=0) * config.input_embedding_scale
+    x, _ = block_layers(
+        params["layers"],
+        config.layers,
+        x.astype(params["norm"]["scale"].dtype),
+        positions,
+        context_lengths,
+        context_kv,
+        causal=config.causal,
+        impl=config.attention_impl,
+    )
+    return layers.rms_norm(params["norm"], x, config.layers.rms_norm_eps)
+
+
+# --- Foresight drafting (decoding/foresight.py) -------------------------------------------------
+
+
+def draft_hidden_candidates(
+    params: Params,
+    config: DraftConfig,
+    cache: ContextCache,
+    embedding: jax.Array,
+    block_tokens: jax.Array,
+    context_lengths: jax.Array,
+) -> jax.Array:
+    """One draft pass over C candidate blocks per row, each over its own prefix of one cache.
+
+    The cache is slot = position, so candidates whose contexts differ only in how many of the
+    rows past the verified context they see (foresight: the predicted states of the first k+1
+    positions of the block being verified) share one cache holding all those rows, and differ
+    only by their context length.
 
     Args:
-        params, config, embedding: the draft and the target's input embedding.
-        block_tokens: `[B, C, K]` block inputs; `positions` `[B, C, K]` their absolute positions.
-        context_lengths: `[B, C]` context rows (slot = position) each block sees.
-        context_kv: `(layer index, layer params) -> (k, v)` `[B, S, N_kv, D]` of that layer's
-            context: read from the draft cache at decode time, projected afresh in training.
+        params: draft parameters.
+        config: the draft config.
+        cache: the projected context; rows below each candidate's length are read (its own
+            `lengths` are ignored).
+        embedding: `[V, H]` the target's input embedding.
+        block_tokens: `[B, C, K]` candidate block inputs (each candidate's anchor first).
+        context_lengths: `[B, C]` context rows each candidate sees = its anchor's position.
 
     Returns:
-        `[B, C, K, H]` final-normed hidden states.
+        `[B, C, K, H]` final-normed hidden states of the candidate rows.
     """
-    c = config.layers
-    batch, cands, k_len = block_tokens.shape
-    flat_pos = positions.reshape(batch, cands * k_len)
-    inv_freq = inverse_frequencies(c.rope, c.head_dim)
-    x = jnp.take(embedding, block_tokens.reshape(batch, -1), axis=0) * config.input_embedding_scale
-    x = x.astype(params["norm"]["scale"].dtype)  # [B, C*K, H]
-
-    def split(y):
-        return y.reshape(batch, cands, k_len, *y.shape[2:])
-
-    for i, layer in enumerate(params["layers"]):
-        attn = layer["self_attn"]
-        h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
-        q = layers.rotary_heads(
-            attn["q_proj"],
-            attn["q_norm"],
-            h,
-            c.num_heads,
-            c.head_dim,
-            flat_pos,
-            inv_freq,
-            c.rms_norm_eps,
-        )
-        block_k, block_v = _keys_values(attn, c, h, flat_pos, inv_freq)
-        context_k, context_v = context_kv(i, layer)
-        out = refinement_attention(
-            split(q),
-            context_k,
-            context_v,
-            context_lengths,
-            split(block_k).astype(context_k.dtype),
-            split(block_v).astype(context_v.dtype),
-            causal=config.causal,
-            impl=config.attention_impl,
-        )
-        x = x + layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1))
-        h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
-        x = x + layers.swiglu_mlp(layer["mlp"], h)
-    return split(layers.rms_norm(params["norm"], x, c.rms_norm_eps))
-
-
-def _keys_values(attn: Params, c: TransformerConfig, rows, positions, inv_freq):
-    """A draft layer's keys (k_norm, RoPE) and values of `rows` `[B, T, H]` at `positions`."""
-    k = layers.rotary_heads(
-        attn["k_proj"],
-        attn["k_norm"],
-        rows,
-        c.num_kv_heads,
-        c.head_dim,
+    k_len = block_tokens.shape[2]
+    positions = context_lengths[:, :, None] + jnp.arange(k_len, dtype=jnp.int32)
+    return _block_stack(
+        params,
+        config,
+        embedding,
+        block_tokens,
         positions,
-        inv_freq,
-        c.rms_norm_eps,
+        context_lengths,
+        cached_context(cache),
     )
-    return k, layers.value_heads(attn["v_proj"], rows, c.num_kv_heads, c.head_dim)

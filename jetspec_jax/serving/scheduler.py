@@ -26,7 +26,6 @@ from jetspec_jax.decoding.session import (
     GenerationResult,
     check_budget,
     check_token_ids,
-    resolve_proposer,
 )
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving.metrics import ServerMetrics
@@ -104,7 +103,8 @@ class Scheduler:
 
     Args:
         target: the loaded target.
-        draft, method, refine_passes: as in `jetspec_jax.generate` (checked here, at start-up).
+        draft, method, refine_passes, refreshes, foresight, foresight_rule, pipeline: as in
+            `jetspec_jax.generate` (checked here, at start-up).
         max_batch_size: at most this many jobs per batch.
         queue_size: at most this many jobs waiting (not counting the running batch).
         chunk_steps: target forwards between two deliveries of new tokens.
@@ -120,6 +120,10 @@ class Scheduler:
         draft=None,
         method: str = "ar",
         refine_passes: int = 0,
+        refreshes: int = 0,
+        foresight: int = 0,
+        foresight_rule: str = "calibrated",
+        pipeline: bool = False,
         max_batch_size: int = 8,
         queue_size: int = 64,
         chunk_steps: int = 8,
@@ -133,13 +137,18 @@ class Scheduler:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        resolve_proposer(target, draft, method, refine_passes)  # refuse a bad pairing now
-        self.target, self.draft, self.method, self.refine_passes = (
-            target,
-            draft,
-            method,
-            refine_passes,
+        self.target = target
+        self.decoding = dict(
+            draft=draft,
+            method=method,
+            refine_passes=refine_passes,
+            refreshes=refreshes,
+            foresight=foresight,
+            foresight_rule=foresight_rule,
+            pipeline=pipeline,
         )
+        # Refuse a bad pairing now, not at the first request: a one-row session validates it.
+        DecodeSession(target, [[0]], max_new_tokens=1, **self.decoding)
         self.max_batch_size, self.queue_size, self.chunk_steps = (
             max_batch_size,
             queue_size,
@@ -269,9 +278,7 @@ class Scheduler:
             session = DecodeSession(
                 self.target,
                 [job.prompt_ids for job in batch],
-                draft=self.draft,
-                method=self.method,
-                refine_passes=self.refine_passes,
+                **self.decoding,
                 max_new_tokens=[job.max_new_tokens for job in batch],
                 sampling=[job.sampling for job in batch],
                 pad_batch_to=self._pad_to,

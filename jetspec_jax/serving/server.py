@@ -28,7 +28,9 @@ class ServerConfig:
 
     Attributes:
         model_name: the id clients send as `model` (None: the target directory's name).
-        method, refine_passes: the decoding method ("ar" or the draft's variant).
+        method, refine_passes, refreshes, foresight, foresight_rule, pipeline: the decoding
+            method ("ar" or the draft's variant), its `Jj-Rr` refinement and foresight drafting
+            (as in `jetspec_jax.generate`).
         api_key: required as a bearer token on /v1/* when set.
         max_batch_size: requests decoded together at most.
         queue_size: requests waiting at most; one more is answered 503.
@@ -41,6 +43,10 @@ class ServerConfig:
     model_name: str | None = None
     method: str = "ar"
     refine_passes: int = 0
+    refreshes: int = 0
+    foresight: int = 0
+    foresight_rule: str = "calibrated"
+    pipeline: bool = False
     api_key: str | None = None
     max_batch_size: int = 8
     queue_size: int = 64
@@ -62,6 +68,10 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         draft=draft,
         method=config.method,
         refine_passes=config.refine_passes,
+        refreshes=config.refreshes,
+        foresight=config.foresight,
+        foresight_rule=config.foresight_rule,
+        pipeline=config.pipeline,
         max_batch_size=config.max_batch_size,
         queue_size=config.queue_size,
         chunk_steps=config.chunk_steps,

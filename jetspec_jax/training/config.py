@@ -60,6 +60,24 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterTrainConfig:
+    """The adapter to train for the draft (`train.py adapter`; see `jetspec_jax.init_adapter`).
+
+    Blocks are the draft's `block_size` positions from random anchors; position j of a block
+    weighs `kappa**j` (its chance of being reached), normalised per block.
+    """
+
+    layers_per_module: tuple[int, ...] | None = None  # one entry per tap; None: 1 each
+    intermediate_size: int | None = None  # None: the target's
+    init_std: float = 0.02
+    kappa: float = 0.5
+    optim: OptimConfig | None = None  # None: the top-level `optim`
+    eval_files: tuple[str, ...] = ()  # held-out regenerated JSONL; empty: the training files
+    eval_batches: int = 2  # batches of the state metrics (normalised MSE, gap closed) per eval
+    eval_tau: bool = True  # tau with J1-R1, predicted vs true states, on data.eval_prompts
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: `data` x `fsdp` devices (-1 on one axis = all remaining devices)."""
 
@@ -88,36 +106,65 @@ class TrainConfig:
     target_dtype: str = "bfloat16"
     draft: DraftArchConfig = DraftArchConfig()
     optim: OptimConfig = OptimConfig()
+    adapter: AdapterTrainConfig = AdapterTrainConfig()
     mesh: MeshConfig = MeshConfig()
     run: RunConfig = RunConfig()
 
     def __post_init__(self):
         _check(self.target_dtype in ("float32", "bfloat16"), "target_dtype", self.target_dtype)
         _check(
-            self.optim.compute_dtype in ("float32", "bfloat16"),
-            "optim.compute_dtype",
-            self.optim.compute_dtype,
-        )
-        _check(
             self.draft.variant in ("dflash", "jetspec", "jetspec++"),
             "draft.variant",
             self.draft.variant,
         )
-        for name in ("batch_size", "anchors_per_sequence", "steps"):
-            _check(getattr(self.optim, name) >= 1, f"optim.{name}", getattr(self.optim, name))
-        _check(
-            0 <= self.optim.warmup_steps <= self.optim.steps,
-            "optim.warmup_steps",
-            self.optim.warmup_steps,
-        )
-        _check(self.optim.learning_rate > 0, "optim.learning_rate", self.optim.learning_rate)
-        _check(0.0 <= self.optim.p_full_noise <= 1.0, "optim.p_full_noise", self.optim.p_full_noise)
+        _check_optim(self.optim, "optim")
+        _check_adapter(self.adapter, self.draft)
         _check(
             self.data.max_length >= self.draft.block_size + 1,
             "data.max_length",
             self.data.max_length,
         )
         _check(bool(self.data.files), "data.files", self.data.files)
+
+
+def _check_optim(optim: OptimConfig, where: str) -> None:
+    for name in ("batch_size", "anchors_per_sequence", "steps"):
+        _check(getattr(optim, name) >= 1, f"{where}.{name}", getattr(optim, name))
+    _check(0 <= optim.warmup_steps <= optim.steps, f"{where}.warmup_steps", optim.warmup_steps)
+    _check(optim.learning_rate > 0, f"{where}.learning_rate", optim.learning_rate)
+    _check(0.0 <= optim.p_full_noise <= 1.0, f"{where}.p_full_noise", optim.p_full_noise)
+    _check(
+        optim.compute_dtype in ("float32", "bfloat16"),
+        f"{where}.compute_dtype",
+        optim.compute_dtype,
+    )
+
+
+def _check_adapter(adapter: AdapterTrainConfig, draft: DraftArchConfig) -> None:
+    """The adapter section's own checks; the tap count is checked here when the config names the
+    taps (`draft.target_layer_ids`), else against the loaded draft (`train_adapter`)."""
+    per_module = adapter.layers_per_module
+    if per_module is not None:
+        if not per_module or any(n < 1 for n in per_module):
+            raise ValueError(
+                f"invalid value for adapter.layers_per_module: {list(per_module)!r} (one "
+                "entry >= 1 per tap layer)"
+            )
+        taps = draft.target_layer_ids
+        if taps is not None and len(per_module) != len(taps):
+            raise ValueError(
+                f"adapter.layers_per_module {list(per_module)} needs one entry per tap layer "
+                f"(draft.target_layer_ids {list(taps)}: {len(taps)})"
+            )
+    if adapter.intermediate_size is not None:
+        _check(
+            adapter.intermediate_size >= 1, "adapter.intermediate_size", adapter.intermediate_size
+        )
+    _check(0.0 < adapter.kappa <= 1.0, "adapter.kappa (in (0, 1])", adapter.kappa)
+    _check(adapter.init_std >= 0.0, "adapter.init_std", adapter.init_std)
+    _check(adapter.eval_batches >= 1, "adapter.eval_batches", adapter.eval_batches)
+    if adapter.optim is not None:
+        _check_optim(adapter.optim, "adapter.optim")
 
 
 def resolve_steps(config: TrainConfig, num_examples: int) -> TrainConfig:

@@ -30,6 +30,7 @@ def evaluate_tau(
     max_new_tokens: int = 64,
     math_suffix: bool = True,
     refine_passes: int = 0,
+    refreshes: int = 0,
 ) -> float:
     """Mean tau (greedy) of `draft` on the first `num_prompts` prompts of `prompt_file`.
 
@@ -50,6 +51,7 @@ def evaluate_tau(
         method=draft.config.variant,
         max_new_tokens=max_new_tokens,
         refine_passes=refine_passes,
+        refreshes=refreshes,
     )
     rounds = [n for r in results for n in r.acceptance_lengths[1:]]
     return float(np.mean(rounds)) if rounds else 1.0

@@ -86,7 +86,7 @@ def train(
     draft = _initial_draft(config, target)
     optimizer = make_optimizer(config.optim)
 
-    local_batch, global_batch = _batch_sizes(config, mesh)
+    local_batch, global_batch = batch_sizes(config.optim.batch_size, mesh)
     dataset = training_dataset(
         records,
         batch_size=local_batch,
@@ -101,19 +101,15 @@ def train(
     state = jax.device_put(state, state_shardings)
     target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
 
-    manager = ocp.CheckpointManager(
-        (run_dir / "checkpoints").absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.run.keep_checkpoints),
-        item_names=("state", "data"),
-    )
+    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
     if manager.latest_step() is not None:
-        state = _restore(manager, state, iterator)
+        state = restore_latest(manager, state, iterator)
         logger.info("resumed from step %d", int(state.step))
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
     step_fn = functools.partial(train_step, config=step_config, mesh=mesh)
     sharding = batch_sharding(mesh)
-    metrics_log = _MetricsLog(run_dir, config.run.tensorboard)
+    metrics_log = MetricsLog(run_dir, config.run.tensorboard)
     start_step, metrics, eval_tau = int(state.step), {}, None
     end_step = config.optim.steps
     if stop_after is not None:
@@ -132,7 +128,7 @@ def train(
         state, step_metrics = step_fn(state, target_params, batch)
         done = step + 1
         if done % config.run.log_every == 0 or done == config.optim.steps:
-            metrics = _floats(jax.device_get(step_metrics))
+            metrics = host_floats(jax.device_get(step_metrics))
             elapsed, clock = time.perf_counter() - clock, time.perf_counter()
             steps_run = done - max(start_step, done - config.run.log_every)
             metrics["tokens_per_second"] = (
@@ -141,13 +137,7 @@ def train(
             metrics_log.write(done, metrics)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
         if done % config.run.checkpoint_every == 0 or done in (end_step, config.optim.steps):
-            manager.save(
-                done,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    data=grain.checkpoint.CheckpointSave(iterator),
-                ),
-            )
+            save_checkpoint(manager, done, state, iterator)
         if (
             config.run.eval_every
             and done % config.run.eval_every == 0
@@ -183,9 +173,9 @@ def _initial_draft(config: TrainConfig, target: Target) -> Draft:
     )
 
 
-def _batch_sizes(config: TrainConfig, mesh) -> tuple[int, int]:
+def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
     """(per-process batch, global batch); the global batch must split evenly over processes."""
-    global_batch, processes = config.optim.batch_size, jax.process_count()
+    processes = jax.process_count()
     if global_batch % processes or global_batch % mesh.size:
         raise ValueError(
             f"optim.batch_size={global_batch} must be a multiple of the mesh size "
@@ -194,7 +184,28 @@ def _batch_sizes(config: TrainConfig, mesh) -> tuple[int, int]:
     return global_batch // processes, global_batch
 
 
-def _restore(manager: ocp.CheckpointManager, state, iterator):
+def checkpoint_manager(directory: pathlib.Path, keep: int) -> ocp.CheckpointManager:
+    """Orbax checkpoints of a train state and its data iterator under `directory`."""
+    return ocp.CheckpointManager(
+        directory.absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep),
+        item_names=("state", "data"),
+    )
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, state, iterator) -> None:
+    """Saves `state` and the grain `iterator`'s position as checkpoint `step` (asynchronously)."""
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)
+        ),
+    )
+
+
+def restore_latest(manager: ocp.CheckpointManager, state, iterator):
+    """The latest checkpoint's state (shaped and sharded like `state`); restores `iterator` in
+    place."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     restored = manager.restore(
         manager.latest_step(),
@@ -229,7 +240,7 @@ def _evaluate(config, target, draft, state, metrics_log, step) -> float | None:
     return tau
 
 
-def _floats(tree) -> dict:
+def host_floats(tree) -> dict:
     out = {}
     for name, value in tree.items():
         value = np.asarray(value)
@@ -237,7 +248,7 @@ def _floats(tree) -> dict:
     return out
 
 
-class _MetricsLog:
+class MetricsLog:
     """Metrics to `<run>/metrics.jsonl` and, optionally, TensorBoard (`<run>/tensorboard`)."""
 
     def __init__(self, run_dir: pathlib.Path, tensorboard: bool):

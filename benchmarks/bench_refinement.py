@@ -1,0 +1,136 @@
+"""The refinement ablation and foresight hit rates of a trained JetSpec++ checkpoint.
+
+For each eval prompt set and each setting, greedy decoding of the first N prompts (chat template,
+math suffix for math sets) with the same checkpoint:
+
+    J0, J1-R0, J1-R1, J3-R3       tau with the adapter + decoder proxy (the served path)
+    J1-R1*, J3-R3*                tau with the target itself as the proxy (true states)
+    foresight B                   hit rate of drafting ahead for B outcomes (J1-R1 fallback), per
+                                  selection rule
+
+and writes the table into docs/BENCHMARKS.md. Every setting is checked token-identical to AR.
+
+    python benchmarks/bench_refinement.py --draft runs/smollm2_135m_cpu_budget/jetspec_pp \
+        --sets gsm8k_test,math500 --num-prompts 8 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+import jetspec_jax  # noqa: E402
+from benchmarks.report import machine_line, write_section  # noqa: E402
+from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
+from jetspec_jax.decoding.foresight import foresight_stats  # noqa: E402
+from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
+from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
+
+SETTINGS = [("J0", 0, 0), ("J1-R0", 1, 0), ("J1-R1", 1, 1), ("J3-R3", 3, 3)]
+TRUE_STATE_SETTINGS = [("J1-R1*", 1, 1), ("J3-R3*", 3, 3)]
+
+
+def _run(target, prompts, max_new_tokens, **decoding):
+    session = DecodeSession(
+        target, prompts, max_new_tokens=max_new_tokens, stop_token_ids=None, **decoding
+    )
+    session.start()
+    session.advance()
+    return session.results(), session
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", required=True, help="JetSpec++ checkpoint (draft + adapter)")
+    parser.add_argument("--target", default=None, help="HF target (default: the embedded one)")
+    parser.add_argument(
+        "--sets", default="gsm8k_test", help="comma-separated names in ../shared/data/eval/"
+    )
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--foresight", default="4,16", help="comma-separated B values")
+    args = parser.parse_args()
+
+    target = jetspec_jax.load_target(args.target)
+    draft = jetspec_jax.load_draft(args.draft, target)
+    budgets = [int(b) for b in args.foresight.split(",") if b]
+    rows, hit_rows = [], []
+    for name in args.sets.split(","):
+        path = ROOT.parent / "shared" / "data" / "eval" / f"{name}.jsonl"
+        prompts = load_dataset(path, target.tokenizer, limit=args.num_prompts).prompts
+        start = time.perf_counter()
+        ar, _ = _run(target, prompts, args.max_new_tokens)
+        want = [r.tokens for r in ar]
+        taus = {}
+        for label, passes, refreshes in SETTINGS + TRUE_STATE_SETTINGS:
+            used = TargetProxyDraft(draft) if label.endswith("*") else draft
+            results, _ = _run(
+                target,
+                prompts,
+                args.max_new_tokens,
+                draft=used,
+                method="jetspec++",
+                refine_passes=passes,
+                refreshes=refreshes,
+            )
+            assert [r.tokens for r in results] == want, f"{name} {label}: not AR's tokens"
+            taus[label] = float(np.mean([r.tau for r in results]))
+        rows.append((name, taus))
+        for b in budgets:
+            hits = {}
+            for rule in ("calibrated", "uncalibrated", "geometric"):
+                results, session = _run(
+                    target,
+                    prompts,
+                    args.max_new_tokens,
+                    draft=draft,
+                    method="jetspec++",
+                    refine_passes=1,
+                    refreshes=1,
+                    foresight=b,
+                    foresight_rule=rule,
+                )
+                assert [r.tokens for r in results] == want, f"{name} B={b} {rule}: not AR's"
+                stats = foresight_stats(session._state)[: len(prompts)]
+                rounds = sum(len(s["hits"]) - 1 for s in stats)  # the first round cannot hit
+                hits[rule] = sum(sum(s["hits"][1:]) for s in stats) / max(rounds, 1)
+            hit_rows.append((name, b, hits))
+        print(f"{name}: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
+
+    labels = [s[0] for s in SETTINGS + TRUE_STATE_SETTINGS]
+    lines = [
+        "## Refinement ablation and foresight hit rates (`benchmarks/bench_refinement.py`)",
+        "",
+        f"Machine: {machine_line()}. Checkpoint `{args.draft}`; greedy, first "
+        f"{args.num_prompts} prompts per set, {args.max_new_tokens} new tokens; every setting "
+        "token-identical to AR. `*`: the target itself as the proxy (true tap states).",
+        "",
+        "| set | " + " | ".join(labels) + " | J1-R1 / J1-R1* |",
+        "|---|" + "---:|" * (len(labels) + 1),
+    ]
+    for name, taus in rows:
+        ratio = taus["J1-R1"] / taus["J1-R1*"]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{taus[x]:.2f}" for x in labels) + f" | {ratio:.2f} |"
+        )
+    lines += ["", "Foresight hit rate (J1-R1 fallback; rounds after the first):", ""]
+    lines += ["| set | B | calibrated | uncalibrated | geometric |", "|---|---:|---:|---:|---:|"]
+    for name, b, hits in hit_rows:
+        lines.append(
+            f"| {name} | {b} | {hits['calibrated']:.2f} | {hits['uncalibrated']:.2f} | "
+            f"{hits['geometric']:.2f} |"
+        )
+    body = "\n".join(lines)
+    print(body)
+    write_section("refinement_ablation", body)
+
+
+if __name__ == "__main__":
+    main()

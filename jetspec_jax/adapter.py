@@ -1,0 +1,65 @@
+"""An adapter paired with its target and draft: random init (load and save: `checkpoint`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jetspec_jax.checkpoint.adapter_files import adapter_tensor_specs
+from jetspec_jax.checkpoint.hf_params import tree_from_tensors
+from jetspec_jax.draft import Draft, _draft_layers, _random_tensor
+from jetspec_jax.models.adapter import AdapterConfig
+from jetspec_jax.target import DTYPES
+
+__all__ = ["Adapter", "init_adapter"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Adapter:
+    """Predicts a target's tap states for unverified block positions (see `models/adapter.py`).
+
+    Attributes:
+        config: the adapter architecture (static under jit).
+        params: the parameter pytree (`{"layers": [decoder layer, ...]}`), in `dtype`.
+        dtype: "float32" or "bfloat16".
+    """
+
+    config: AdapterConfig
+    params: dict
+    dtype: str
+
+
+def init_adapter(
+    draft: Draft,
+    *,
+    layers_per_module: tuple[int, ...] | None = None,
+    intermediate_size: int | None = None,
+    init_std: float = 0.02,
+    seed: int = 0,
+) -> Adapter:
+    """A randomly initialised adapter for `draft`'s taps, in the draft's dtype.
+
+    Args:
+        draft: the draft whose tap layers the adapter predicts (its target sets the sizes).
+        layers_per_module: layers of each module (one per tap); None: one each.
+        intermediate_size: MLP width of the adapter layers; None: the target's.
+        init_std: standard deviation of the kernels (norm scales 1, biases 0). Small values start
+            every module near the identity: level m-1 states as the guess for level m.
+        seed: seed of `jax.random`.
+    """
+    taps = draft.config.target_layer_ids
+    per_module = (1,) * len(taps) if layers_per_module is None else tuple(layers_per_module)
+    config = AdapterConfig(
+        layers=_draft_layers(draft.target_config, 1, intermediate_size, None, None, None),
+        target_layer_ids=tuple(taps),
+        layers_per_module=per_module,
+    )
+    specs = adapter_tensor_specs(config)
+    keys = jax.random.split(jax.random.key(seed), len(specs))
+    tensors = {
+        spec.hf_name: _random_tensor(spec, key, init_std)
+        for spec, key in zip(specs, keys, strict=True)
+    }
+    params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
+    return Adapter(config=config, params=params, dtype=draft.dtype)

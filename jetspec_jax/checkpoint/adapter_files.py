@@ -1,0 +1,257 @@
+"""The adapter's files: `config.json` (its architecture) and `model.safetensors` (HF naming).
+
+An adapter directory (the `adapter/` part of a JetSpec++ checkpoint, `checkpoint/bundle.py`):
+
+    config.json        {"architecture": "JetSpecPPAdapter",
+                        "target_layer_ids": [int, ...],       the taps it predicts, chain order
+                        "layers_per_module": [int, ...],      decoder layers of each module
+                        "layers": {                           the shape of every adapter layer
+                            "hidden_size", "intermediate_size", "num_attention_heads",
+                            "num_key_value_heads", "head_dim", "rms_norm_eps",
+                            "max_position_embeddings", "vocab_size",
+                            "rope": {"theta", "rope_type", "factor", "low_freq_factor",
+                                     "high_freq_factor", "original_max_position_embeddings"}}}
+    model.safetensors  `layers.{i}.*` for i over all modules' layers in sequence (the
+                       decoder-layer layout of the target: `adapter_tensor_specs`)
+
+Adapter layers are Qwen3 decoder layers (q/k norms, no biases); `attention_impl` is a runtime
+choice and is not saved. Every key is required and unknown keys are refused, by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import safetensors
+import safetensors.numpy
+
+from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.hf_params import (
+    SINGLE_FILE,
+    TensorSpec,
+    decoder_layer_specs,
+    locate_tensors,
+    tensors_from_tree,
+    tree_from_tensors,
+    validate_names_and_shapes,
+)
+from jetspec_jax.models.adapter import AdapterConfig
+from jetspec_jax.models.config import RopeConfig, TransformerConfig
+
+ARCHITECTURE = "JetSpecPPAdapter"
+CONFIG_FILE = "config.json"
+_TOP_KEYS = ("architecture", "target_layer_ids", "layers_per_module", "layers")
+# `layers` key -> TransformerConfig field.
+_LAYER_FIELDS = {
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+    "rope": "rope",
+}
+_ROPE_FIELDS = tuple(f.name for f in dataclasses.fields(RopeConfig))
+
+
+def adapter_tensor_specs(config: AdapterConfig) -> list[TensorSpec]:
+    """Every tensor of an adapter of `config`, in a stable order (modules' layers in sequence)."""
+    specs = []
+    for i in range(config.num_layers):
+        specs += decoder_layer_specs(config.layers, f"layers.{i}", ("layers", i))
+    return specs
+
+
+def adapter_config_to_dict(config: AdapterConfig) -> dict[str, Any]:
+    """The JSON-ready `config.json` of an adapter (see the module docstring).
+
+    Raises:
+        ValueError: the layers are not Qwen3 decoder layers (q/k norms, no biases), which the
+            format cannot express.
+    """
+    c = config.layers
+    if c.model_type != "qwen3" or not c.qk_norm or c.attention_bias or c.mlp_bias:
+        raise ValueError(
+            "adapter layers must be Qwen3 decoder layers (qk_norm, no biases) to be saved, got "
+            f"model_type={c.model_type!r}, qk_norm={c.qk_norm}, attention_bias="
+            f"{c.attention_bias}, mlp_bias={c.mlp_bias}"
+        )
+    layers = {key: getattr(c, name) for key, name in _LAYER_FIELDS.items()}
+    layers["rope"] = dataclasses.asdict(c.rope)
+    return {
+        "architecture": ARCHITECTURE,
+        "target_layer_ids": list(config.target_layer_ids),
+        "layers_per_module": list(config.layers_per_module),
+        "layers": layers,
+    }
+
+
+def adapter_config_from_dict(data: Any, where: str = "adapter config") -> AdapterConfig:
+    """The inverse of `adapter_config_to_dict`, strictly validated.
+
+    Args:
+        data: the parsed `config.json`.
+        where: how messages name the source (e.g. the file's path).
+
+    Raises:
+        CheckpointError: not an object, a missing or unknown key (named), a wrong type, or sizes
+            `AdapterConfig` / `TransformerConfig` refuse.
+    """
+    top = _checked_keys(data, _TOP_KEYS, where)
+    if top["architecture"] != ARCHITECTURE:
+        raise CheckpointError(
+            f"{where}: architecture must be {ARCHITECTURE!r}, got {top['architecture']!r}"
+        )
+    layers = _checked_keys(top["layers"], tuple(_LAYER_FIELDS), f"{where}: layers")
+    rope = _checked_keys(layers["rope"], _ROPE_FIELDS, f"{where}: layers.rope")
+    try:
+        rope_config = RopeConfig(
+            theta=_number(rope["theta"], "layers.rope.theta", where),
+            rope_type=_string(rope["rope_type"], "layers.rope.rope_type", where),
+            factor=_number(rope["factor"], "layers.rope.factor", where),
+            low_freq_factor=_number(rope["low_freq_factor"], "layers.rope.low_freq_factor", where),
+            high_freq_factor=_number(
+                rope["high_freq_factor"], "layers.rope.high_freq_factor", where
+            ),
+            original_max_position_embeddings=_integer(
+                rope["original_max_position_embeddings"],
+                "layers.rope.original_max_position_embeddings",
+                where,
+            ),
+        )
+        sizes = {
+            name: _integer(layers[key], f"layers.{key}", where)
+            for key, name in _LAYER_FIELDS.items()
+            if key not in ("rope", "rms_norm_eps")
+        }
+        layer_config = TransformerConfig(
+            model_type="qwen3",
+            num_layers=1,  # the shape of one layer; the count is `layers_per_module`
+            rms_norm_eps=_number(layers["rms_norm_eps"], "layers.rms_norm_eps", where),
+            rope=rope_config,
+            qk_norm=True,
+            **sizes,
+        )
+        return AdapterConfig(
+            layers=layer_config,
+            target_layer_ids=_integers(top["target_layer_ids"], "target_layer_ids", where),
+            layers_per_module=_integers(top["layers_per_module"], "layers_per_module", where),
+        )
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{where}: invalid adapter config: {e}") from e
+
+
+def save_adapter(adapter, out_dir: str | pathlib.Path) -> None:
+    """Writes an `Adapter`'s `config.json` and `model.safetensors` into `out_dir` (created if
+    needed; callers wanting atomicity pass a directory inside `atomic_directory`)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = adapter_config_to_dict(adapter.config)
+    tensors = tensors_from_tree(adapter_tensor_specs(adapter.config), adapter.params)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    safetensors.numpy.save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+
+
+def load_adapter(path: str | pathlib.Path, draft):
+    """Loads the `Adapter` saved in `path` for `draft` (in the draft's dtype).
+
+    Raises:
+        CheckpointError: a missing or malformed `config.json` or weights (every missing,
+            unexpected and mis-shaped tensor named), or an adapter that does not fit the draft:
+            other tap layers than the draft reads, or another hidden size than the target's.
+    """
+    from jetspec_jax.adapter import Adapter  # jetspec_jax.adapter imports this module
+    from jetspec_jax.target import DTYPES
+
+    path = pathlib.Path(path)
+    config_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"adapter directory {path} does not exist")
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file} not found: an adapter directory needs a config.json")
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+    config = adapter_config_from_dict(data, str(config_file))
+    check_adapter_matches_draft(config, draft)
+    located = locate_tensors(path)
+    specs = adapter_tensor_specs(config)
+    try:
+        validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
+    except CheckpointError as e:
+        raise CheckpointError(f"adapter {path}: {e}") from e
+    tensors = {}
+    for name, (file, _) in sorted(located.items()):
+        with safetensors.safe_open(file, framework="numpy") as f:
+            tensors[name] = f.get_tensor(name)
+    params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
+    return Adapter(config=config, params=params, dtype=draft.dtype)
+
+
+def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
+    """Refuses an adapter that cannot serve `draft`: other taps, or another hidden size than the
+    draft's target.
+
+    Raises:
+        CheckpointError: naming both values.
+    """
+    taps = tuple(draft.config.target_layer_ids)
+    if tuple(config.target_layer_ids) != taps:
+        raise CheckpointError(
+            f"adapter target_layer_ids {list(config.target_layer_ids)} != the draft's "
+            f"target_layer_ids {list(taps)}"
+        )
+    hidden = draft.target_config.hidden_size
+    if config.layers.hidden_size != hidden:
+        raise CheckpointError(
+            f"adapter hidden_size {config.layers.hidden_size} != target hidden_size {hidden}"
+        )
+
+
+def _checked_keys(data: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where} must be a JSON object, got {type(data).__name__}")
+    missing = [k for k in keys if k not in data]
+    unknown = sorted(str(k) for k in data if k not in keys)
+    problems = []
+    if missing:
+        problems.append(f"missing key(s) {', '.join(missing)}")
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(unknown)}")
+    if problems:
+        raise CheckpointError(f"{where}: {'; '.join(problems)} (expected {', '.join(keys)})")
+    return data
+
+
+def _integer(value: Any, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"{where}: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _integers(value: Any, name: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise CheckpointError(
+            f"{where}: {name} must be a non-empty list of integers, got {value!r}"
+        )
+    return tuple(_integer(v, f"{name} entry", where) for v in value)
+
+
+def _number(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{where}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _string(value: Any, name: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise CheckpointError(f"{where}: {name} must be a string, got {value!r}")
+    return value

@@ -1,0 +1,403 @@
+"""Foresight drafting: draft block t+1 for the likely outcomes of block t before it is verified.
+
+While the target verifies block t = `[anchor, d_1 .. d_(K-1)]`, the draft side
+
+    predicts   the proxy (adapter + decoder) gives the block's tap states and `p̂` logits
+    selects    the top-B outcomes `(k, a)` of the round (`outcomes.select_for_rule`: calibrated /
+               uncalibrated `P̂(k, a)`, or SSD's geometric fan-out)
+    drafts     block t+1 for all B candidates in ONE batched draft call: candidate (k, a) sees the
+               verified context plus the *predicted* tap states of block positions 0..k (the anchor
+               and the k accepted drafts, which become context if the outcome is (k, a)), and has
+               anchor a at position anchor_pos + k + 1
+    caches     the B blocks in a fixed-size device-side cache keyed by (k, a)
+
+and when the outcome arrives: hit -> the cached block is block t+1's drafts (no drafting on the
+critical path); miss -> fallback drafting from the true states, as without foresight. Within a
+batch the fallback is one `lax.cond`: it runs (for every row, hits keep their cached block) when
+any active row missed.
+
+Only proposals change, so verification and the committed tokens are exactly those of plain
+speculative (and autoregressive) decoding, at any temperature. The draft's context for later
+rounds is always the *true* states: `observe` extends it with the verified tap states as usual, and
+the predicted rows written for the candidates (past the verified length, where rows are stale) are
+overwritten by it.
+
+The draft cache is slot = position, so all candidates share one cache extended with the K
+predicted rows and differ only by their context length (`models.draft.draft_hidden_candidates`).
+
+**[decision]** Candidate blocks get the draft's J Jacobi passes but no context refresh (a refresh
+would need a proxy call per candidate); the fallback path keeps the full `Jj-Rr` refinement.
+The first-pass noise of a candidate is the fallback's (copied tokens keyed by the candidate's
+anchor position, read from the candidate's own token sequence), so with an exact proxy a hit gives
+the block the fallback would have drafted.
+
+The sequential round here (`decode_foresight`) is the single-device reference; `pipeline.py` runs
+the same pieces with the verify and draft-ahead sides on two devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.decoding.outcomes import (
+    SELECTION_RULES,
+    Calibration,
+    geometric_fanout,
+    outcome_log_scores,
+    select_outcomes,
+)
+from jetspec_jax.decoding.proposers import _NOISE_KEY, DraftProposer
+from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
+from jetspec_jax.decoding.speculative import SpecState, commit_round, verify_block
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.draft import (
+    draft_hidden_candidates,
+    draft_logits,
+    drafts_from_logits,
+    extend_context,
+)
+from jetspec_jax.models.transformer import output_kernel
+from jetspec_jax.sampling import sampling_logits
+
+
+@flax.struct.dataclass
+class ForesightState:
+    """The foresight proposer's state.
+
+    Attributes:
+        refiner: the draft's and the proxy's caches of the verified context.
+        blocks: `[B, C, K-1]` int32 the cached next-block drafts of the C candidates.
+        keys_k: `[B, C]` int32 the outcome k each candidate was drafted for.
+        keys_a: `[B, C]` int32 the outcome's bonus token a (the candidate's anchor).
+        valid: `[B, C]` bool candidates that hold a block (impossible outcomes do not).
+        last_k: `[B]` int32 drafts accepted in the row's latest verified round (-1 before any).
+        hits: `[B, R]` bool per verification round of the row: its drafts came from the cache.
+        occupancy: `[B, R]` int32 per round: valid cache entries when its block was looked up.
+        num_rounds: `[B]` int32 rounds recorded (rounds in which the row was active).
+    """
+
+    refiner: RefinerState
+    blocks: jax.Array
+    keys_k: jax.Array
+    keys_a: jax.Array
+    valid: jax.Array
+    last_k: jax.Array
+    hits: jax.Array
+    occupancy: jax.Array
+    num_rounds: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ForesightProposer:
+    """Drafts ahead for the top-`num_candidates` outcomes (params: the refiner's
+    `{"draft": ..., "proxy": ...}`).
+
+    Attributes:
+        refiner: the fallback drafting (`Jj-Rr`; r may be 0) and the proxy whose `predict` gives
+            the block's predicted tap states and `p̂` logits.
+        num_candidates: B, candidate next blocks drafted per round (the cache size).
+        rule: outcome selection rule (`outcomes.SELECTION_RULES`).
+        calibration: the outcome-score calibration of rule "calibrated".
+        pipeline: run the round pipelined over two devices (`pipeline.py`) rather than
+            sequentially on one.
+    """
+
+    refiner: RefiningProposer
+    num_candidates: int
+    rule: str = "calibrated"
+    calibration: Calibration = Calibration()
+    pipeline: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.num_candidates, bool) or not isinstance(self.num_candidates, int):
+            raise ValueError(f"foresight must be an integer >= 1, got {self.num_candidates!r}")
+        if self.num_candidates < 1:
+            raise ValueError(f"foresight must be >= 1 candidate block, got {self.num_candidates}")
+        if self.rule not in SELECTION_RULES:
+            raise ValueError(
+                f"unknown selection rule {self.rule!r}; expected one of {SELECTION_RULES}"
+            )
+        vocab = self.refiner.drafter.config.layers.vocab_size
+        outcomes = (self.block_size - 1) * (vocab - 1) + vocab
+        if self.num_candidates > outcomes:
+            raise ValueError(
+                f"foresight={self.num_candidates} exceeds the {outcomes} possible outcomes"
+            )
+
+    @property
+    def block_size(self) -> int:
+        return self.refiner.block_size
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.refiner.tap_layers
+
+    @property
+    def drafter(self) -> DraftProposer:
+        return self.refiner.drafter
+
+    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+        batch, count = prompts.shape[0], self.num_candidates
+        k_len = self.block_size
+        return ForesightState(
+            refiner=self.refiner.start(
+                params, target_params, prompts, prompt_taps, prompt_lengths, capacity
+            ),
+            blocks=jnp.zeros((batch, count, k_len - 1), jnp.int32),
+            keys_k=jnp.zeros((batch, count), jnp.int32),
+            keys_a=jnp.zeros((batch, count), jnp.int32),
+            valid=jnp.zeros((batch, count), bool),
+            last_k=jnp.full((batch,), -1, jnp.int32),
+            hits=jnp.zeros((batch, capacity), bool),
+            occupancy=jnp.zeros((batch, capacity), jnp.int32),
+            num_rounds=jnp.zeros((batch,), jnp.int32),
+        )
+
+    # -- the proposer interface (usable by `decode_speculative`, which never drafts ahead) -----
+
+    def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
+        drafts, _ = self.propose_with_hits(
+            params, target_params, state, anchor, anchor_positions, sequence
+        )
+        return drafts
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed):
+        """Extends the contexts with the *true* verified states; remembers the round's k."""
+        return state.replace(
+            refiner=self.refiner.observe(
+                params, target_params, state.refiner, block, block_taps, num_committed
+            ),
+            last_k=jnp.where(num_committed > 0, num_committed - 1, state.last_k),
+        )
+
+    # -- foresight ------------------------------------------------------------------------------
+
+    def lookup(self, state: ForesightState, anchor: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`(hit [B], block [B, K-1])`: the cached block of the outcome (last_k, anchor)."""
+        match = (
+            state.valid
+            & (state.keys_k == state.last_k[:, None])
+            & (state.keys_a == anchor[:, None])
+        )
+        index = jnp.argmax(match, axis=1)
+        block = jnp.take_along_axis(state.blocks, index[:, None, None], axis=1)[:, 0]
+        return jnp.any(match, axis=1), block
+
+    def propose_with_hits(
+        self, params, target_params, state, anchor, anchor_positions, sequence, active=None
+    ):
+        """`(drafts [B, K-1], hit [B])`: cached blocks on hits; the fallback drafts the rest (one
+        `lax.cond`: skipped when every `active` row hit)."""
+        hit, cached = self.lookup(state, anchor)
+        need = ~hit if active is None else (~hit & active)
+
+        def fallback():
+            drafts = self.refiner.propose(
+                params, target_params, state.refiner, anchor, anchor_positions, sequence
+            )
+            return jnp.where(hit[:, None], cached, drafts)
+
+        return jax.lax.cond(jnp.any(need), fallback, lambda: cached), hit
+
+    def select(self, logits_hat, drafts, sampling):
+        """`(k, a, valid)` `[B, C]` each: the candidate outcomes of a block under `self.rule`.
+
+        Scores use `p̂` shaped by each row's sampling (temperature, top-k, top-p; greedy rows
+        score the raw logits, whose softmax stands for the uncertainty of the argmax)."""
+        count = self.num_candidates
+        if self.rule == "geometric":
+            k, a = geometric_fanout(logits_hat, drafts, count)
+            return k, a, jnp.ones(k.shape, bool)
+        calibration = self.calibration if self.rule == "calibrated" else Calibration()
+        scores = outcome_log_scores(sampling_logits(logits_hat, sampling), drafts, calibration)
+        k, a, top = select_outcomes(scores, count)
+        return k, a, jnp.isfinite(top)
+
+    def draft_ahead(self, params, target_params, state, block, sequence, sampling):
+        """Drafts the next block for the top-C outcomes of `block` (not yet verified).
+
+        Args:
+            params: the refiner's params.
+            target_params: the target's (embedding, LM head; the decoder's upper layers).
+            state: the state before `block` is verified (contexts end at its anchor).
+            block: `[B, K]` the block being verified, `[anchor, d_1 .. d_(K-1)]`.
+            sequence: `[B, S]` the committed tokens by position (the anchor included).
+            sampling: the rows' sampling parameters (shape the scores).
+
+        Returns:
+            The state with the new candidate cache; the draft cache holds the K predicted rows
+            past the verified length (stale there: `observe` overwrites them with true rows).
+        """
+        drafter, draft_params = self.drafter, params["draft"]
+        config = drafter.config
+        anchor_pos = state.refiner.draft.lengths
+        taps, logits_hat = self.refiner.proxy.predict(
+            params["proxy"], target_params, state.refiner.proxy, block
+        )
+        k_sel, a_sel, valid = self.select(logits_hat, block[:, 1:], sampling)
+        cache = extend_context(
+            draft_params, config, state.refiner.draft, taps, jnp.zeros_like(anchor_pos)
+        )
+        cand_anchor = anchor_pos[:, None] + k_sel + 1  # [B, C]
+        noise = _candidate_noise(sequence, block, anchor_pos, cand_anchor, a_sel)
+        drafts = self._candidate_pass(draft_params, target_params, cache, a_sel, noise, cand_anchor)
+        for _ in range(drafter.refine_passes):
+            drafts = self._candidate_pass(
+                draft_params, target_params, cache, a_sel, drafts, cand_anchor
+            )
+        return state.replace(
+            refiner=state.refiner.replace(draft=cache),
+            blocks=drafts,
+            keys_k=k_sel,
+            keys_a=a_sel,
+            valid=valid,
+        )
+
+    def _candidate_pass(self, draft_params, target_params, cache, anchors, inputs, context):
+        """One draft pass over the `[B, C]` candidate blocks `[anchor, inputs]`; `[B, C, K-1]`."""
+        config = self.drafter.config
+        embedding = target_params["embed_tokens"]["embedding"]
+        lm_head = output_kernel(target_params, self.drafter.target_config)
+        tokens = jnp.concatenate([anchors[..., None], inputs], axis=-1)
+        hidden = draft_hidden_candidates(draft_params, config, cache, embedding, tokens, context)
+        batch, count, k_len, _ = hidden.shape
+        logits = draft_logits(config, lm_head, hidden.reshape(batch * count, k_len, -1))
+        return drafts_from_logits(config, logits).reshape(batch, count, k_len - 1)
+
+    def record(self, state: ForesightState, hit, active) -> ForesightState:
+        """Logs the round's hit and cache occupancy for the active rows."""
+        rows = jnp.arange(hit.shape[0])
+        slot = jnp.where(active, state.num_rounds, state.hits.shape[1])  # inactive: dropped
+        return state.replace(
+            hits=state.hits.at[rows, slot].set(hit, mode="drop"),
+            occupancy=state.occupancy.at[rows, slot].set(
+                jnp.sum(state.valid, axis=1, dtype=jnp.int32), mode="drop"
+            ),
+            num_rounds=state.num_rounds + active,
+        )
+
+
+def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):
+    """`[B, C, K-1]` first-pass noise of the candidates: what `proposers._first_pass_noise` draws
+    for a row whose committed tokens are the verified ones, the block's first k+1 and the
+    candidate's anchor a (at `cand_anchor` = anchor_pos + k + 1)."""
+    count = block.shape[1] - 1
+
+    def one(tokens, block_row, start, anchor, a):
+        key = jax.random.fold_in(jax.random.key(_NOISE_KEY), anchor)
+        idx = jax.random.randint(key, (count,), 0, anchor + 1)
+        picked = tokens[idx]
+        in_block = (idx >= start) & (idx < anchor)
+        picked = jnp.where(in_block, block_row[jnp.clip(idx - start, 0, count)], picked)
+        return jnp.where(idx == anchor, a, picked)
+
+    per_candidate = jax.vmap(one, in_axes=(None, None, None, 0, 0))
+    return jax.vmap(per_candidate)(sequence, block, anchor_pos, cand_anchor, cand_token)
+
+
+def foresight_proposer(
+    draft, base, base_params, num_candidates: int, *, rule: str = "calibrated", pipeline=False
+) -> tuple[ForesightProposer, Any]:
+    """Wraps the proposer of a "jetspec++" draft for foresight drafting.
+
+    Args:
+        draft: the `Draft` (its adapter is the proxy, its calibration scores "calibrated").
+        base, base_params: `draft.proposer(...)`'s result: a `RefiningProposer` (its proxy is
+            used) or a `DraftProposer` (then the draft's adapter is needed).
+        num_candidates: B >= 1 candidate blocks per round.
+        rule: the outcome selection rule.
+        pipeline: the pipelined round (`pipeline.py`).
+
+    Raises:
+        ValueError: a mask-input draft, or no proxy (a draft without an adapter).
+    """
+    if isinstance(base, RefiningProposer):
+        refiner, params = base, base_params
+    elif isinstance(base, DraftProposer):
+        if not base.config.token_inputs:
+            raise ValueError("foresight drafting needs a token-input (jetspec++) draft")
+        adapter = getattr(draft, "adapter", None)
+        if adapter is None:
+            raise ValueError(
+                "foresight needs a draft with an adapter (Draft.with_adapter, or a JetSpec++ "
+                "checkpoint that holds one): it predicts the outcomes and the candidates' context"
+            )
+        proxy = LearnedProxy(adapter.config, base.target_config)
+        refiner = RefiningProposer(base, proxy, 0)
+        params = {"draft": base_params, "proxy": adapter.params}
+    else:
+        raise ValueError(f"foresight drafting needs a jetspec++ draft, got a {type(base).__name__}")
+    calibration = getattr(draft, "calibration", None) or Calibration()
+    proposer = ForesightProposer(refiner, num_candidates, rule, calibration, pipeline)
+    return proposer, params
+
+
+# -- the round, in pieces the pipeline reuses ------------------------------------------------------
+
+
+def foresight_round(params, proposer_params, s: SpecState, requests, config, proposer):
+    """One round, sequentially: propose (hit or fallback), draft ahead for the block's likely
+    outcomes, verify, commit, observe the true states."""
+    d = s.decode
+    active = ~d.done
+    anchor, anchor_pos = d.last_token, d.cache.lengths
+    pp = proposer_params
+    drafts, hit = proposer.propose_with_hits(
+        pp, params, s.proposer, anchor, anchor_pos, s.sequence, active
+    )
+    block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    ahead = proposer.record(s.proposer, hit, active)
+    ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
+    cache, taps, accepted, tokens = verify_block(
+        params, config, proposer.tap_layers, d, drafts, requests
+    )
+    num_committed = jnp.where(active, accepted + 1, 0)
+    s = commit_round(s, requests, cache, accepted, tokens)
+    return s.replace(proposer=proposer.observe(pp, params, ahead, block, taps, num_committed))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "proposer"), donate_argnames=("state",))
+def decode_foresight(
+    params: dict,
+    proposer_params: Any,
+    state: SpecState,
+    requests,
+    max_rounds: jax.Array,
+    *,
+    config: TransformerConfig,
+    proposer: ForesightProposer,
+) -> SpecState:
+    """`decode_speculative` with foresight rounds on one device (the pipeline's reference)."""
+
+    def not_finished(carry):
+        step, s = carry
+        return (step < max_rounds) & jnp.any(~s.decode.done)
+
+    def one_round(carry):
+        step, s = carry
+        return step + 1, foresight_round(params, proposer_params, s, requests, config, proposer)
+
+    return jax.lax.while_loop(not_finished, one_round, (jnp.int32(0), state))[1]
+
+
+def foresight_stats(state: SpecState) -> list[dict]:
+    """Per row (host): `hits` and `occupancy` of every recorded round, and the `hit_rate`."""
+    fs = jax.device_get(state.proposer)
+    rows = []
+    for row in range(fs.num_rounds.shape[0]):
+        n = int(fs.num_rounds[row])
+        hits = fs.hits[row, :n].tolist()
+        rows.append(
+            dict(
+                hits=hits,
+                occupancy=fs.occupancy[row, :n].tolist(),
+                hit_rate=sum(hits) / n if n else 0.0,
+            )
+        )
+    return rows

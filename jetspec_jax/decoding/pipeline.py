@@ -1,0 +1,207 @@
+"""The pipelined round: target verification on one device, foresight drafting on another.
+
+One `jax.jit` program; inside, `jax.shard_map` over a 2-device mesh axis `stage` runs the whole
+decode loop (`lax.while_loop`) on both devices, each branching on `lax.axis_index("stage")`:
+
+    step    stage 0 (target)                      stage 1 (draft)
+    1                                             propose block t: cached block on a hit, the
+                                                  fallback draft from the true states on a miss
+    2       <----------- ppermute: drafts of block t ------------
+    3       verify block t: target forward,       draft ahead: proxy (adapter + decoder) on block
+            acceptance, rolled-back cache         t, top-B outcomes, B candidate blocks t+1
+    4       ------ ppermute: accepted k, the target's tokens (bonus a), true tap states ----->
+    5       commit (both stages, from the same values: identical bookkeeping on each)
+    6                                             observe: extend the draft's and the proxy's
+                                                  contexts with the true tap states
+
+Steps 1/3/6 are `lax.cond`s on the stage, so each device executes only its own side; the two
+ppermutes are the only communication. Per round on a hit the critical path is
+`T_lookup + T_comm + max(T_verify, T_draft_ahead) + T_comm + T_observe`; a miss adds the fallback
+draft. The computation is exactly `foresight.foresight_round` (the single-device reference and
+fallback, `decode_foresight`): tokens, outcomes and hit statistics are the same.
+
+**Memory per device (single-program SPMD: every per-device shape is equal).** Arguments enter
+replicated (`P()`), and the loop carry is each device's own copy of the whole `SpecState`:
+
+- weights used: stage 0 the target (all layers, embedding, LM head); stage 1 the draft, the
+  adapter, and the target's embedding, LM head and layers above the deepest tap (the decoder);
+- weights held: all of them on both stages (replicated);
+- caches used: stage 0 the target KV cache; stage 1 the draft's context cache, the adapter and
+  decoder caches and the B candidate blocks;
+- caches held: both sides' on both stages (stage 0's draft-side copy is never updated; stage 1's
+  target KV cache is never written, only its lengths advance).
+
+So the cost of SPMD is that each device holds the other stage's weights and caches: the draft
+device holds the target's lower layers and a full-size (idle) target KV cache, the target device
+holds the draft, the adapter and their caches. Keeping each stage near what it needs takes the
+runtime-MPMD form (two sub-meshes, `device_put` per stage, asynchronous dispatch), which is not
+implemented here. Both sides' code is compiled into the program for both devices (code, not data).
+
+The carry is gathered back after the loop (decode side from stage 0, proposer side from stage 1),
+so the session, streaming and results read a plain `SpecState`; each call re-replicates it (one
+copy per chunk, not per round).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jetspec_jax.decoding.foresight import ForesightProposer, decode_foresight
+from jetspec_jax.decoding.speculative import (
+    SpecState,
+    commit_round,
+    decode_speculative,
+    verify_block,
+)
+from jetspec_jax.models.config import TransformerConfig
+
+STAGE = "stage"
+TARGET_STAGE, DRAFT_STAGE = 0, 1
+
+
+def check_pipeline_devices() -> None:
+    """Raises ValueError unless at least two devices are visible."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        raise ValueError(
+            f"pipeline=True needs >= 2 devices (the target verifies on one, the draft drafts "
+            f"ahead on another); {len(devices)} visible ({devices[0].platform}). Use "
+            "pipeline=False for the single-device foresight round"
+        )
+
+
+@functools.cache
+def stage_mesh() -> jax.sharding.Mesh:
+    """The `stage` mesh over the first two devices (0: target, 1: draft)."""
+    check_pipeline_devices()
+    return jax.make_mesh(
+        (2,), (STAGE,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
+
+
+def replicate(tree):
+    """`tree` placed replicated on the stage mesh (the pipelined loop's argument placement)."""
+    return jax.device_put(tree, NamedSharding(stage_mesh(), P()))
+
+
+def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config, proposer):
+    """The per-device program (inside `shard_map`); returns this device's carry as `[1, ...]`."""
+    stage = jax.lax.axis_index(STAGE)
+    is_draft = stage == DRAFT_STAGE
+    pp = proposer_params
+    k_len = proposer.block_size
+
+    def from_draft(tree):  # stage 1's values on both stages
+        got = jax.lax.ppermute(tree, STAGE, [(DRAFT_STAGE, TARGET_STAGE)])
+        return jax.tree.map(lambda own, x: jnp.where(is_draft, own, x), tree, got)
+
+    def from_target(tree):  # stage 0's values on both stages
+        got = jax.lax.ppermute(tree, STAGE, [(TARGET_STAGE, DRAFT_STAGE)])
+        return jax.tree.map(lambda own, x: jnp.where(is_draft, x, own), tree, got)
+
+    def one_round(carry):
+        step, s = carry
+        d = s.decode
+        active = ~d.done
+        anchor, anchor_pos = d.last_token, d.cache.lengths
+        batch = anchor.shape[0]
+
+        # 1-2. the draft stage proposes block t (cache hit or fallback) and sends it over.
+        def propose():
+            return proposer.propose_with_hits(
+                pp, params, s.proposer, anchor, anchor_pos, s.sequence, active
+            )
+
+        def idle_propose():
+            return jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool)
+
+        drafts, hit = jax.lax.cond(is_draft, propose, idle_propose)
+        drafts = from_draft(drafts)
+        block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+
+        # 3. in parallel: the target stage verifies, the draft stage drafts ahead.
+        def verify_side():
+            cache, taps, accepted, tokens = verify_block(
+                params, config, proposer.tap_layers, d, drafts, requests
+            )
+            return cache, taps, accepted, tokens, s.proposer
+
+        def draft_side():
+            ahead = proposer.record(s.proposer, hit, active)
+            ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
+            shapes = jax.eval_shape(verify_side)
+            taps = jnp.zeros(shapes[1].shape, shapes[1].dtype)
+            zeros = jnp.zeros((batch,), jnp.int32)
+            return d.cache, taps, zeros, jnp.zeros((batch, k_len), jnp.int32), ahead
+
+        cache, taps, accepted, tokens, pstate = jax.lax.cond(is_draft, draft_side, verify_side)
+
+        # 4-5. the outcome and the true states go to the draft stage; both commit alike.
+        taps, accepted, tokens = from_target((taps, accepted, tokens))
+        num_committed = jnp.where(active, accepted + 1, 0)
+        # The draft stage's target cache is never written: only its lengths advance.
+        cache = cache.replace(lengths=anchor_pos + num_committed)
+        s = commit_round(s, requests, cache, accepted, tokens)
+
+        # 6. the draft stage extends its contexts with the true states.
+        pstate = jax.lax.cond(
+            is_draft,
+            lambda: proposer.observe(pp, params, pstate, block, taps, num_committed),
+            lambda: pstate,
+        )
+        return step + 1, s.replace(proposer=pstate)
+
+    def not_finished(carry):
+        step, s = carry
+        return (step < max_rounds) & jnp.any(~s.decode.done)
+
+    state = jax.lax.while_loop(not_finished, one_round, (jnp.int32(0), state))[1]
+    return jax.tree.map(lambda x: x[None], state)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "proposer"))
+def decode_pipelined(
+    params: dict,
+    proposer_params: Any,
+    state: SpecState,
+    requests,
+    max_rounds: jax.Array,
+    *,
+    config: TransformerConfig,
+    proposer: ForesightProposer,
+) -> SpecState:
+    """`decode_foresight` with the verify and draft sides on the two stages of `stage_mesh()`.
+
+    Arguments must be placed on the mesh (`replicate`); the result is the gathered carry.
+    """
+    loop = functools.partial(_pipelined_loop, config=config, proposer=proposer)
+    stacked = jax.shard_map(
+        loop,
+        mesh=stage_mesh(),
+        in_specs=(P(), P(), P(), P(), P()),
+        out_specs=P(STAGE),
+        check_vma=False,
+    )(params, proposer_params, state, requests, max_rounds)
+    target_side = jax.tree.map(lambda x: x[TARGET_STAGE], stacked)
+    draft_side = jax.tree.map(lambda x: x[DRAFT_STAGE], stacked.proposer)
+    return target_side.replace(proposer=draft_side)
+
+
+def decode_loop(proposer):
+    """The compiled decode loop of a proposer: pipelined, foresight or plain speculative."""
+    if isinstance(proposer, ForesightProposer):
+        return decode_pipelined if proposer.pipeline else decode_foresight
+    return decode_speculative
+
+
+def place_arguments(proposer, args: tuple) -> tuple:
+    """The decode loop's arguments placed where it runs (replicated on the mesh if pipelined)."""
+    if isinstance(proposer, ForesightProposer) and proposer.pipeline:
+        return replicate(args)
+    return args

@@ -1,0 +1,232 @@
+"""Self-refinement `Jj-Rr`: Jacobi passes with context refresh and anchor replacement.
+
+The refining proposer drafts a block in one pass, then runs j more passes. Before each of the
+first r of them it *refreshes*:
+
+    proxy verify   the proxy (adapter + decoder) predicts the block's tap states and the target's
+                   argmax `g` at every block position, without running the target
+    replace        at the first unfixed position where the draft disagrees with `g`, the draft
+                   token is overwritten by `g` (anchor replacement); it and everything before it
+                   are now fixed
+    refresh        the draft's context is extended with the predicted states of the fixed prefix
+                   (up to, not including, the replaced token, which becomes the new anchor)
+
+and each pass redrafts only the positions after the fixed prefix, from that new anchor. Passes
+without a refresh (p >= r) are plain Jacobi passes from the current anchor. Only the proposal
+changes: verification, and therefore losslessness, is untouched.
+
+Fixed prefixes only grow: the adapter and the draft are causal, so a rewrite at position i never
+changes predictions before i.
+
+A proxy is a hashable description with pure functions over its own params and state:
+
+    start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
+    observe(params, target_params, state, block, block_taps, num_committed) -> state
+    predict(params, target_params, state, block) -> (taps [n, B, K, H], logits [B, K, V])
+
+`LearnedProxy` is the adapter + decoder; tests plug in the target itself as an oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.decoding.proposers import DraftProposer
+from jetspec_jax.models import adapter, decoder
+from jetspec_jax.models.adapter import AdapterConfig
+from jetspec_jax.models.block_stack import ContextCache
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.draft import draft_hidden, draft_logits, drafts_from_logits, extend_context
+from jetspec_jax.models.transformer import output_kernel
+
+
+@flax.struct.dataclass
+class ProxyState:
+    """The learned proxy's caches of the verified context.
+
+    Attributes:
+        adapter: context keys/values of every adapter layer.
+        decoder: keys/values of the target layers above the deepest tap.
+    """
+
+    adapter: ContextCache
+    decoder: ContextCache
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedProxy:
+    """Adapter + decoder: the block's predicted tap states and `p̂` logits (params: the adapter's).
+
+    Attributes:
+        adapter: the adapter config (its taps are the draft's).
+        target_config: the target (the decoder runs its layers above the deepest tap).
+    """
+
+    adapter: AdapterConfig
+    target_config: TransformerConfig
+
+    def __post_init__(self):
+        if self.target_config.is_hybrid:
+            # The decoder runs the target's upper layers with `block_layers` (plain attention,
+            # `w`-scaled norms); hybrid layers (Gated DeltaNet, `1 + w` norms) need their own path.
+            raise ValueError(
+                "context refreshes are not supported on hybrid (qwen3_5) targets yet: the decoder "
+                "cannot run their upper layers; use refreshes=0"
+            )
+
+    @property
+    def first_decoder_layer(self) -> int:
+        return self.adapter.target_layer_ids[-1] + 1
+
+    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+        batch, dtype = prompts.shape[0], prompt_taps.dtype
+        state = ProxyState(
+            adapter=adapter.empty_cache(self.adapter, batch, capacity, dtype),
+            decoder=decoder.empty_cache(
+                self.target_config, self.first_decoder_layer, batch, capacity, dtype
+            ),
+        )
+        return self.observe(params, target_params, state, prompts, prompt_taps, prompt_lengths)
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed):
+        embedding = target_params["embed_tokens"]["embedding"]
+        levels = adapter.context_levels(embedding, block, block_taps)
+        return ProxyState(
+            adapter=adapter.extend_context(
+                params, self.adapter, state.adapter, levels, num_committed
+            ),
+            decoder=decoder.extend_context(
+                target_params,
+                self.target_config,
+                self.first_decoder_layer,
+                state.decoder,
+                block_taps[-1],
+                num_committed,
+            ),
+        )
+
+    def predict(self, params, target_params, state, block):
+        embedding = target_params["embed_tokens"]["embedding"]
+        taps = adapter.predict_states(params, self.adapter, state.adapter, embedding, block)
+        logits = decoder.decoder_logits(
+            target_params, self.target_config, self.first_decoder_layer, state.decoder, taps[-1]
+        )
+        return taps, logits
+
+
+@flax.struct.dataclass
+class RefinerState:
+    """The refining proposer's state: the draft's context cache and the proxy's state."""
+
+    draft: ContextCache
+    proxy: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RefiningProposer:
+    """A token-input draft refined `Jj-Rr` (params: `{"draft": ..., "proxy": ...}`).
+
+    Attributes:
+        drafter: the draft proposer; its `refine_passes` is j.
+        proxy: predicts tap states and target argmaxes of a block (`LearnedProxy`).
+        refreshes: r <= j, the passes preceded by a refresh with anchor replacement.
+    """
+
+    drafter: DraftProposer
+    proxy: Any
+    refreshes: int
+
+    def __post_init__(self):
+        if not 0 <= self.refreshes <= self.drafter.refine_passes:
+            raise ValueError(
+                f"refreshes must be in [0, refine_passes={self.drafter.refine_passes}] (each "
+                f"refresh precedes a refinement pass), got {self.refreshes}"
+            )
+        if not self.drafter.config.token_inputs:
+            raise ValueError("refinement needs a token-input (jetspec++) draft")
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.drafter.tap_layers
+
+    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+        args = (prompts, prompt_taps, prompt_lengths, capacity)
+        return RefinerState(
+            draft=self.drafter.start(params["draft"], target_params, *args),
+            proxy=self.proxy.start(params["proxy"], target_params, *args),
+        )
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed):
+        args = (block, block_taps, num_committed)
+        return RefinerState(
+            draft=self.drafter.observe(params["draft"], target_params, state.draft, *args),
+            proxy=self.proxy.observe(params["proxy"], target_params, state.proxy, *args),
+        )
+
+    def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
+        """`[B, K-1]` drafts after `Jj-Rr` refinement of the block after `anchor`."""
+        config, draft_params = self.drafter.config, params["draft"]
+        drafts = self.drafter.first_pass(draft_params, target_params, state.draft, anchor, sequence)
+        fixed = jnp.zeros(anchor.shape, jnp.int32)
+        cache = state.draft
+        for p in range(self.drafter.refine_passes):
+            if p < self.refreshes:
+                block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+                taps, logits = self.proxy.predict(
+                    params["proxy"], target_params, state.proxy, block
+                )
+                guess = jnp.argmax(logits[:, :-1], axis=-1).astype(jnp.int32)
+                drafts, fixed = replace_first_disagreement(drafts, guess, fixed)
+                # Predicted rows of block positions 0 .. fixed-1 become context (from the true
+                # anchor position; rows past `fixed` are written but stay past the length).
+                cache = extend_context(draft_params, config, state.draft, taps, fixed)
+            drafts = self._redraft(draft_params, target_params, cache, anchor, drafts, fixed)
+        return drafts
+
+    def _redraft(self, draft_params, target_params, cache, anchor, drafts, fixed):
+        """One pass from block position `fixed` (the cache's lengths are the anchor + `fixed`);
+        drafts at indices < `fixed` are kept, the rest replaced by the pass's predictions."""
+        config = self.drafter.config
+        k_len = config.block_size
+        embedding = target_params["embed_tokens"]["embedding"]
+        lm_head = output_kernel(target_params, self.drafter.target_config)
+        # Block positions fixed .. fixed+K-1; past K-1 the inputs do not matter (causal draft).
+        padded = jnp.concatenate([anchor[:, None], drafts, jnp.repeat(drafts[:, -1:], k_len, 1)], 1)
+        block = jnp.take_along_axis(padded, fixed[:, None] + jnp.arange(k_len)[None], axis=1)
+        hidden = draft_hidden(draft_params, config, cache, embedding, block)
+        new = drafts_from_logits(config, draft_logits(config, lm_head, hidden))
+        index = jnp.arange(k_len - 1)[None]
+        from_new = jnp.take_along_axis(new, jnp.clip(index - fixed[:, None], 0, k_len - 2), 1)
+        return jnp.where(index < fixed[:, None], drafts, from_new)
+
+
+def replace_first_disagreement(
+    drafts: jax.Array, guess: jax.Array, fixed: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Anchor replacement.
+
+    Args:
+        drafts: `[B, K-1]` current drafts `d_1 .. d_(K-1)` (index i holds block position i+1).
+        guess: `[B, K-1]` the proxy's argmax for the same positions.
+        fixed: `[B]` drafts already fixed (indices < fixed).
+
+    Returns:
+        `(drafts, fixed)`: the first unfixed disagreement overwritten by the guess and everything
+        through it fixed; with no disagreement, every draft is fixed (the block is the proxy's
+        fixed point already).
+    """
+    index = jnp.arange(drafts.shape[1])[None]
+    mismatch = (drafts != guess) & (index >= fixed[:, None])
+    first = jnp.argmax(mismatch, axis=1).astype(jnp.int32)
+    found = jnp.any(mismatch, axis=1)
+    drafts = jnp.where(found[:, None] & (index == first[:, None]), guess, drafts)
+    return drafts, jnp.where(found, first + 1, drafts.shape[1]).astype(jnp.int32)

@@ -1,0 +1,65 @@
+"""The target as its own refinement proxy: true tap states and exact logits of a block.
+
+`RefiningProposer` (decoding/refinement.py) asks its proxy for a block's tap states and the
+target's argmax at every block position. `LearnedProxy` predicts them (adapter + decoder);
+`TargetProxy` computes them by running the target on the block over its own copy of the target's
+KV cache of the verified context. It is the ceiling the adapter is measured against (tau with true
+vs predicted states) and the oracle of the refinement tests. It costs a full target forward per
+refresh, so it is an evaluation tool, not a serving method.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jetspec_jax.decoding.refinement import RefiningProposer
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.transformer import forward, init_cache, unembed
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetProxy:
+    """A refinement proxy that is the target itself (params: none; state: its own target cache).
+
+    Attributes:
+        target_config: the target.
+        tap_layers: the taps to return (the draft's `target_layer_ids`).
+    """
+
+    target_config: TransformerConfig
+    tap_layers: tuple[int, ...]
+
+    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+        dtype = target_params["embed_tokens"]["embedding"].dtype
+        cache = init_cache(self.target_config, prompts.shape[0], capacity, dtype)
+        return forward(
+            target_params, self.target_config, prompts, cache, num_new=prompt_lengths
+        ).cache
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed):
+        return forward(target_params, self.target_config, block, state, num_new=num_committed).cache
+
+    def predict(self, params, target_params, state, block):
+        """`(taps [n, B, K, H], logits [B, K, V])` of `block` `[B, K]` after the cached context
+        (the advanced cache is dropped: only `observe` commits positions)."""
+        out = forward(target_params, self.target_config, block, state, tap_layers=self.tap_layers)
+        return out.taps, unembed(target_params, self.target_config, out.hidden)
+
+
+@dataclasses.dataclass(eq=False)
+class TargetProxyDraft:
+    """A `draft=` for `generate`: a real `Draft` refined `Jj-Rr` with the target as its proxy
+    (true tap states in place of the adapter's predictions)."""
+
+    draft: object
+
+    @property
+    def config(self):
+        return self.draft.config
+
+    def proposer(self, target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+        drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
+        if not refreshes:
+            return drafter, params
+        proxy = TargetProxy(target.config, tuple(self.draft.config.target_layer_ids))
+        return RefiningProposer(drafter, proxy, refreshes), {"draft": params, "proxy": ()}

@@ -1,0 +1,153 @@
+"""Decoder layers over candidate blocks that attend to a shared, already projected context.
+
+The draft, the adapter and the decoder all run the same computation: a few pre-norm decoder layers
+whose queries are the rows of one or more candidate blocks, and whose keys/values are
+
+    [context rows of that layer (projected once, cached, valid below a per-block length);
+     the candidate's own rows (causally, or bidirectionally for DFlash)]
+
+Candidates never see each other. `block_layers` is that stack; `ContextCache` holds the projected
+context of every layer (slot = absolute position), extended as positions get verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jetspec_jax.kernels import refinement_attention
+from jetspec_jax.models import layers
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.rope import inverse_frequencies
+
+Params = dict
+# (layer index in the stack, layer params) -> that layer's context keys, values [B, S, N_kv, D].
+ContextKV = Callable[[int, Params], tuple[jax.Array, jax.Array]]
+
+
+@flax.struct.dataclass
+class ContextCache:
+    """Projected context keys/values of every layer of a stack.
+
+    Attributes:
+        k, v: `[L, B, S, N_kv, D]`; slot s holds the context row at absolute position s.
+        lengths: `[B]` int32 valid context rows per row (= the position of the next block's first
+            row). Slots at or past a row's length are stale: never read, overwritten later.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def zeros(
+        cls, config: TransformerConfig, num_layers: int, batch_size: int, capacity: int, dtype
+    ) -> ContextCache:
+        shape = (num_layers, batch_size, capacity, config.num_kv_heads, config.head_dim)
+        return cls(
+            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32)
+        )
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> ContextCache:
+        """Writes `k`, `v` `[B, T, N_kv, D]` of positions `[B, T]` into `layer` (lengths kept)."""
+        rows = jnp.arange(k.shape[0])[:, None]
+        return self.replace(
+            k=self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
+        )
+
+
+def keys_values(
+    attn: Params, config: TransformerConfig, rows: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """A layer's keys (k_norm when the config has one, RoPE) and values of `rows` `[B, T, H]` at
+    `positions` `[B, T]`; each `[B, T, N_kv, D]`."""
+    c = config
+    k = layers.rotary_heads(
+        attn["k_proj"],
+        attn["k_norm"] if c.qk_norm else None,
+        rows,
+        c.num_kv_heads,
+        c.head_dim,
+        positions,
+        inverse_frequencies(c.rope, c.head_dim),
+        c.rms_norm_eps,
+    )
+    return k, layers.value_heads(attn["v_proj"], rows, c.num_kv_heads, c.head_dim)
+
+
+def block_layers(
+    layer_params: Sequence[Params],
+    config: TransformerConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    context_lengths: jax.Array,
+    context_kv: ContextKV,
+    *,
+    causal: bool,
+    impl: str,
+) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    """Pre-norm decoder layers (attention + SwiGLU) over C candidate blocks per row.
+
+    Args:
+        layer_params: the layers, in order (HF decoder-layer trees: `self_attn`, `mlp`, norms).
+        config: their shapes (heads, head_dim, RoPE, qk_norm, eps).
+        x: `[B, C, K, H]` the blocks' input residual stream.
+        positions: `[B, C, K]` absolute positions of the block rows.
+        context_lengths: `[B, C]` context rows (slot = position) each candidate sees.
+        context_kv: the context keys/values of each layer.
+        causal: causal attention within a block (else bidirectional).
+        impl: refinement-attention implementation (`jetspec_jax.kernels.IMPLS`).
+
+    Returns:
+        `(x, block_kv)`: the `[B, C, K, H]` output residual stream (not normed), and per layer the
+        blocks' own `(k, v)` `[B, C*K, N_kv, D]` (for callers that append them to a cache).
+    """
+    c = config
+    batch, cands, k_len, hidden = x.shape
+    flat_pos = positions.reshape(batch, cands * k_len)
+    inv_freq = inverse_frequencies(c.rope, c.head_dim)
+    x = x.reshape(batch, cands * k_len, hidden)
+
+    def split(y):
+        return y.reshape(batch, cands, k_len, *y.shape[2:])
+
+    block_kv = []
+    for i, layer in enumerate(layer_params):
+        attn = layer["self_attn"]
+        h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
+        q = layers.rotary_heads(
+            attn["q_proj"],
+            attn["q_norm"] if c.qk_norm else None,
+            h,
+            c.num_heads,
+            c.head_dim,
+            flat_pos,
+            inv_freq,
+            c.rms_norm_eps,
+        )
+        block_k, block_v = keys_values(attn, c, h, flat_pos)
+        block_kv.append((block_k, block_v))
+        context_k, context_v = context_kv(i, layer)
+        out = refinement_attention(
+            split(q),
+            context_k,
+            context_v,
+            context_lengths,
+            split(block_k).astype(context_k.dtype),
+            split(block_v).astype(context_v.dtype),
+            causal=causal,
+            impl=impl,
+        )
+        x = x + layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1))
+        h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
+        x = x + layers.swiglu_mlp(layer["mlp"], h)
+    return split(x), block_kv
+
+
+def cached_context(cache: ContextCache, first_layer: int = 0) -> ContextKV:
+    """`context_kv` reading layer `first_layer + i` of `cache`."""
+    return lambda i, layer: (cache.k[first_layer + i], cache.v[first_layer + i])

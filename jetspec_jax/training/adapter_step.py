@@ -1,0 +1,101 @@
+"""One optimisation step of adapter training, as a pure jitted function (step.py's machinery).
+
+    batch -> frozen target (levels + tap states) -> blocks (keyed by the step) -> adapter forward
+    in the compute dtype -> weighted normalised MSE -> grads (fp32 master weights) -> clip -> AdamW
+
+`TrainState`, the optimizer and the schedule are the draft's (`training/step.py`); only the loss
+differs. Blocks are drawn from `fold_in(key(seed), step)`, so a resumed run draws exactly the
+blocks an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from jetspec_jax.models.adapter import AdapterConfig
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.training.adapter_loss import adapter_loss, sample_blocks, teacher_levels
+from jetspec_jax.training.config import OptimConfig
+from jetspec_jax.training.sharding import param_shardings
+from jetspec_jax.training.step import DTYPES, TrainState, learning_rate_schedule, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterStepConfig:
+    """The static description of an adapter step (hashable: a jit static argument).
+
+    Attributes:
+        target: the frozen target.
+        adapter: the adapter (its taps are the draft's).
+        optim: optimisation (`anchors_per_sequence` anchors per sequence; `p_full_noise` unused).
+        block_size: K, the draft's block size.
+        kappa: the per-position reach probability of the loss weights.
+    """
+
+    target: TransformerConfig
+    adapter: AdapterConfig
+    optim: OptimConfig
+    block_size: int
+    kappa: float
+
+
+def _loss_and_metrics(params, target_params, batch, key, config: AdapterStepConfig):
+    levels, taps = teacher_levels(
+        target_params, config.target, config.adapter.target_layer_ids, batch["tokens"]
+    )
+    blocks = sample_blocks(
+        key,
+        batch["tokens"],
+        batch["loss_mask"],
+        config.block_size,
+        config.optim.anchors_per_sequence,
+    )
+    params = jax.tree.map(lambda x: x.astype(DTYPES[config.optim.compute_dtype]), params)
+    embedding = target_params["embed_tokens"]["embedding"]
+    return adapter_loss(params, config.adapter, embedding, levels, taps, blocks, config.kappa)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
+def adapter_train_step(
+    state: TrainState,
+    target_params,
+    batch: dict,
+    *,
+    config: AdapterStepConfig,
+    mesh: Mesh | None = None,
+) -> tuple[TrainState, dict]:
+    """One step on `batch` (`tokens` `[B, T]` int32, `loss_mask` `[B, T]` bool).
+
+    Returns:
+        The new state and metrics (`adapter_loss`'s, plus loss, grad_norm, learning_rate).
+    """
+    optimizer = make_optimizer(config.optim)
+    key = jax.random.fold_in(jax.random.key(config.optim.seed), state.step)
+    grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params, target_params, batch, key, config)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(
+        metrics,
+        loss=loss,
+        grad_norm=optax.tree.norm(grads),
+        learning_rate=learning_rate_schedule(config.optim)(state.step),
+    )
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    if mesh is not None:
+        new_state = jax.lax.with_sharding_constraint(new_state, param_shardings(new_state, mesh))
+    return new_state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def adapter_eval_metrics(
+    params, target_params, batch: dict, key: jax.Array, *, config: AdapterStepConfig
+) -> dict:
+    """`adapter_loss`'s metrics (and `loss`) on `batch` with blocks drawn from `key`; no update."""
+    loss, metrics = _loss_and_metrics(params, target_params, batch, key, config)
+    return dict(metrics, loss=loss)

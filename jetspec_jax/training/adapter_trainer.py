@@ -1,0 +1,269 @@
+"""The adapter-training run (`train.py adapter`): the draft's run machinery, the adapter's step.
+
+    train_adapter(config) ->
+        load the frozen target and the trained draft (default `<run.dir>/draft`); init (or
+        restore) the adapter for the draft's taps, the optimizer and the data iterator;
+        loop: next batch -> sharded global array -> jitted `adapter_train_step` -> metrics /
+        checkpoint / evaluation; export draft + adapter as a JetSpec++ checkpoint to
+        `<run.dir>/jetspec_pp` (`checkpoint/bundle.py`).
+
+The run lives in `<run.dir>/adapter_run` (orbax checkpoints of train state + grain iterator,
+`metrics.jsonl`, TensorBoard), apart from the draft's run, so both resume independently. The data
+pipeline, mesh, checkpointing and metrics log are `trainer.py`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from jetspec_jax.adapter import Adapter, init_adapter
+from jetspec_jax.checkpoint.bundle import save_bundle
+from jetspec_jax.draft import Draft, load_draft
+from jetspec_jax.target import Target, load_target
+from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
+from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
+from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
+from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
+from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
+from jetspec_jax.training.step import init_state, make_optimizer
+from jetspec_jax.training.trainer import (
+    MetricsLog,
+    batch_sizes,
+    checkpoint_manager,
+    host_floats,
+    restore_latest,
+    save_checkpoint,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterTrainResult:
+    """What an adapter run produced.
+
+    Attributes:
+        adapter: the trained adapter (params in the draft's dtype).
+        steps: optimisation steps done in total (including those of resumed checkpoints).
+        metrics: the last logged step's metrics (floats; lists per tap).
+        evaluation: the final evaluation: `eval_nmse`, `eval_stale_nmse`, `eval_gap_closed` (per
+            tap), `eval_gap_closed_mean`, `eval_loss`, and with evaluation prompts `tau_predicted`,
+            `tau_true`, `tau_ratio` (J1-R1).
+        export_dir: the exported JetSpec++ checkpoint (draft + adapter; `load_draft` reads it).
+    """
+
+    adapter: Adapter
+    steps: int
+    metrics: dict
+    evaluation: dict
+    export_dir: pathlib.Path
+
+
+def adapter_run_dir(config: TrainConfig) -> pathlib.Path:
+    """Checkpoints and metrics of the adapter run."""
+    return pathlib.Path(config.run.dir) / "adapter_run"
+
+
+def adapter_export_dir(config: TrainConfig) -> pathlib.Path:
+    """Where the draft with its trained adapter is exported (a JetSpec++ checkpoint)."""
+    return pathlib.Path(config.run.dir) / "jetspec_pp"
+
+
+def train_adapter(
+    config: TrainConfig,
+    *,
+    target: Target | None = None,
+    draft: Draft | str | pathlib.Path | None = None,
+    stop_after: int | None = None,
+    show_progress: bool | None = None,
+) -> AdapterTrainResult | None:
+    """Trains an adapter for `draft`'s taps as `config.adapter` says; resumes from the latest
+    checkpoint of `<run.dir>/adapter_run`.
+
+    Args:
+        config: the run's config (`adapter` section; its `optim`, else the top-level `optim`).
+        target: an already loaded target (tests); None loads `config.target`.
+        draft: the trained draft, or its directory; None: `<run.dir>/draft` (the draft stage's
+            export).
+        stop_after: run at most this many steps in this call, checkpoint, and return None.
+        show_progress: progress bar (None: only on a terminal).
+
+    Returns:
+        The `AdapterTrainResult` once all steps are done; None after `stop_after` steps.
+
+    Raises:
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft.
+        CheckpointError: the draft directory is missing or does not fit the target.
+    """
+    run_dir = adapter_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(config.mesh)
+    if target is None:
+        target = load_target(config.target, dtype=config.target_dtype)
+    if not isinstance(draft, Draft):
+        path = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
+        draft = load_draft(path, target)
+    records = read_regenerated(config.data.files)
+    optim = adapter_optim(config, len(records))
+    adapter = initial_adapter(config, draft)
+    optimizer = make_optimizer(optim)
+
+    local_batch, global_batch = batch_sizes(optim.batch_size, mesh)
+    dataset = training_dataset(
+        records,
+        batch_size=local_batch,
+        max_length=config.data.max_length,
+        seed=optim.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    iterator = iter(dataset)
+    state = init_state(adapter.params, optimizer)
+    state = jax.device_put(state, param_shardings(state, mesh))
+    target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
+
+    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
+    if manager.latest_step() is not None:
+        state = restore_latest(manager, state, iterator)
+        logger.info("adapter: resumed from step %d", int(state.step))
+
+    step_config = AdapterStepConfig(
+        target=target.config,
+        adapter=adapter.config,
+        optim=optim,
+        block_size=draft.config.block_size,
+        kappa=config.adapter.kappa,
+    )
+    step_fn = functools.partial(adapter_train_step, config=step_config, mesh=mesh)
+    sharding = batch_sharding(mesh)
+    eval_batches = _eval_batches(config, local_batch, sharding)
+
+    def evaluate(step: int, tau: bool) -> dict:
+        result = adapter_state_metrics(
+            state.params, target_params, eval_batches, config=step_config, seed=optim.seed
+        )
+        if tau and config.adapter.eval_tau and config.data.eval_prompts:
+            result.update(
+                evaluate_refinement_tau(
+                    target,
+                    draft,
+                    _as_adapter(adapter, state),
+                    config.data.eval_prompts,
+                    num_prompts=config.data.eval_num_prompts,
+                    max_new_tokens=config.data.eval_max_new_tokens,
+                    math_suffix=config.data.eval_math_suffix,
+                )
+            )
+        metrics_log.write(step, result)
+        return result
+
+    metrics_log = MetricsLog(run_dir, config.run.tensorboard)
+    start_step, metrics = int(state.step), {}
+    end_step = optim.steps if stop_after is None else min(optim.steps, start_step + stop_after)
+    progress = tqdm.tqdm(
+        range(start_step, end_step),
+        initial=start_step,
+        total=optim.steps,
+        desc="training adapter",
+        disable=None if show_progress is None else not show_progress,
+    )
+    clock = time.perf_counter()
+    for step in progress:
+        batch = next(iterator)
+        batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+        state, step_metrics = step_fn(state, target_params, batch)
+        done = step + 1
+        if done % config.run.log_every == 0 or done == optim.steps:
+            metrics = host_floats(jax.device_get(step_metrics))
+            elapsed, clock = time.perf_counter() - clock, time.perf_counter()
+            steps_run = done - max(start_step, done - config.run.log_every)
+            metrics["tokens_per_second"] = (
+                steps_run * global_batch * config.data.max_length / max(elapsed, 1e-9)
+            )
+            metrics_log.write(done, metrics)
+            progress.set_postfix(
+                loss=f"{metrics['loss']:.3f}", gap=f"{metrics['gap_closed_mean']:.3f}"
+            )
+        if done % config.run.checkpoint_every == 0 or done in (end_step, optim.steps):
+            save_checkpoint(manager, done, state, iterator)
+        if config.run.eval_every and done % config.run.eval_every == 0 and done < optim.steps:
+            evaluate(done, tau=True)
+    manager.wait_until_finished()
+    progress.close()
+    if int(state.step) < optim.steps:
+        metrics_log.close()
+        return None
+
+    trained = _as_adapter(adapter, state)
+    evaluation = evaluate(int(state.step), tau=True)
+    export_dir = adapter_export_dir(config)
+    if jax.process_index() == 0:
+        save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
+    metrics_log.close()
+    return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
+
+
+def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
+    """The adapter's optimisation settings (its own, else the draft's), epochs resolved."""
+    optim = config.optim if config.adapter.optim is None else config.adapter.optim
+    return resolve_steps(dataclasses.replace(config, optim=optim), num_examples).optim
+
+
+def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
+    """A fresh adapter for `draft`'s taps as `config.adapter` describes.
+
+    Raises:
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft.
+    """
+    a, taps = config.adapter, tuple(draft.config.target_layer_ids)
+    if a.layers_per_module is not None and len(a.layers_per_module) != len(taps):
+        raise ValueError(
+            f"adapter.layers_per_module {list(a.layers_per_module)} needs one entry per tap "
+            f"layer of the draft ({len(taps)}: {list(taps)})"
+        )
+    optim = config.optim if a.optim is None else a.optim
+    return init_adapter(
+        draft,
+        layers_per_module=a.layers_per_module,
+        intermediate_size=a.intermediate_size,
+        init_std=a.init_std,
+        seed=optim.seed,
+    )
+
+
+def _eval_batches(config: TrainConfig, local_batch: int, sharding) -> list[dict]:
+    """`adapter.eval_batches` fixed batches: the first examples of this process's share of
+    `adapter.eval_files` (else of the training files; then the figures are not held out)."""
+    files = config.adapter.eval_files or config.data.files
+    records = read_regenerated(files)[jax.process_index() :: jax.process_count()]
+    examples = [to_example(r, config.data.max_length) for r in records]
+    batches = []
+    for i in range(config.adapter.eval_batches):
+        chunk = examples[i * local_batch : (i + 1) * local_batch]
+        if len(chunk) < local_batch:
+            break
+        batch = {k: np.stack([e[k] for e in chunk]) for k in chunk[0]}
+        batches.append(
+            {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+        )
+    if not batches:
+        raise ValueError(
+            f"adapter evaluation needs at least {local_batch} records per process in {list(files)}"
+        )
+    return batches
+
+
+def _as_adapter(adapter: Adapter, state) -> Adapter:
+    """The trained weights as an `Adapter` in its dtype (on the host's default device)."""
+    dtype = jnp.bfloat16 if adapter.dtype == "bfloat16" else jnp.float32
+    params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), state.params)
+    return dataclasses.replace(adapter, params=params)

@@ -1,0 +1,116 @@
+"""The decoder (target layers above the deepest tap) and the adapter (predicted tap states)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.models import adapter, decoder
+from jetspec_jax.models.transformer import forward, unembed
+
+PROMPT, BLOCK = 11, 6
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3_rope_bias"])
+def any_target(request, checkpoints):
+    return jetspec_jax.load_target(checkpoints.get(request.param)[0])
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+def _sequence(batch=2, length=PROMPT + BLOCK, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, 97, (batch, length)), jnp.int32)
+
+
+@pytest.mark.parametrize("taps", [(0, 1), (1,), (0, 2)])
+def test_decoder_on_true_states_gives_the_target_logits(any_target, taps):
+    """Fed the target's own deepest-tap states, the decoder reproduces the target's logits, for
+    a context filled in two ragged steps (prompt, then a partly committed block)."""
+    cfg, params = any_target.config, any_target.params
+    tokens = _sequence()
+    full = forward(params, cfg, tokens, tap_layers=taps)
+    want = unembed(params, cfg, full.hidden)
+    first = taps[-1] + 1
+    states = full.taps[-1]
+
+    cache = decoder.empty_cache(cfg, first, 2, 32, jnp.float32)
+    lengths = jnp.asarray([PROMPT, PROMPT - 3])
+    extend = jax.jit(decoder.extend_context, static_argnums=(1, 2))
+    cache = extend(params, cfg, first, cache, states[:, :PROMPT], lengths)
+    blocks = jnp.stack([states[b, int(n) : int(n) + BLOCK] for b, n in enumerate(lengths)])
+    logits = jax.jit(decoder.decoder_logits, static_argnums=(1, 2))
+    got = logits(params, cfg, first, cache, blocks)  # rows start at their own lengths
+    for b, n in enumerate(lengths.tolist()):
+        np.testing.assert_allclose(got[b], want[b, n : n + BLOCK], atol=1e-4, rtol=1e-4)
+
+
+def _adapter(target, taps=(0, 1, 2), per_module=(1, 2, 1), std=0.05):
+    draft = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=taps, block_size=BLOCK)
+    made = init_adapter(draft, layers_per_module=per_module, init_std=std)
+    return made.config, made.params
+
+
+def _adapter_layers(target_config):
+    from jetspec_jax.draft import _draft_layers
+
+    return _draft_layers(target_config, 1, None, None, None, None)
+
+
+def test_adapter_decode_path_equals_training_path(target):
+    """Predicting a block from the incremental context cache == the all-anchors training
+    forward at that block's anchor (both are causal and see only the context before it)."""
+    cfg = target.config
+    config, params = _adapter(target)
+    tokens = _sequence(batch=1, length=24, seed=1)
+    emb = target.params["embed_tokens"]["embedding"]
+    taps = forward(target.params, cfg, tokens, tap_layers=config.target_layer_ids).taps
+    levels = adapter.context_levels(emb, tokens, taps)
+    anchors = jnp.asarray([[4, 9, 15]])
+    blocks = jnp.stack([tokens[:, a : a + BLOCK] for a in (4, 9, 15)], axis=1)
+    training = jax.jit(adapter.predict_states_for_training, static_argnums=1)
+    together = training(params, config, emb, levels, blocks, anchors)
+
+    @jax.jit
+    def alone(block, anchor):  # the context is the first `anchor` positions (the rest: stale)
+        cache = adapter.empty_cache(config, 1, 32, jnp.float32)
+        cache = adapter.extend_context(params, config, cache, levels, anchor[None])
+        return adapter.predict_states(params, config, cache, emb, block)
+
+    for i, a in enumerate((4, 9, 15)):
+        np.testing.assert_allclose(together[:, :, i], alone(blocks[:, i], a), atol=2e-5)
+
+
+def test_adapter_is_causal(target):
+    """Changing a later block token never changes an earlier position's predicted states."""
+    config, params = _adapter(target, std=0.2)
+    tokens = _sequence(batch=1, length=20, seed=2)
+    emb = target.params["embed_tokens"]["embedding"]
+    taps = forward(target.params, target.config, tokens, tap_layers=config.target_layer_ids).taps
+    cache = adapter.empty_cache(config, 1, 32, jnp.float32)
+    levels = adapter.context_levels(emb, tokens, taps)
+    cache = adapter.extend_context(params, config, cache, levels[:, :, :12], jnp.asarray([12]))
+    block = tokens[:, 12:18]
+    changed = block.at[:, 3].set((block[:, 3] + 1) % 97)
+    predict = jax.jit(adapter.predict_states, static_argnums=1)
+    a = predict(params, config, cache, emb, block)
+    b = predict(params, config, cache, emb, changed)
+    np.testing.assert_allclose(a[:, :, :3], b[:, :, :3], atol=1e-6)
+    assert not np.allclose(a[:, :, 3:], b[:, :, 3:], atol=1e-4)
+
+
+def test_adapter_config_refusals(target):
+    layers = _adapter_layers(target.config)
+    with pytest.raises(ValueError, match="one entry per tap"):
+        adapter.AdapterConfig(layers, (0, 1), (1,))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        adapter.AdapterConfig(layers, (1, 0), (1, 1))
+    with pytest.raises(ValueError, match=">= 1 layer"):
+        adapter.AdapterConfig(layers, (0, 1), (1, 0))

@@ -1,0 +1,264 @@
+"""Adapter training (`train.py adapter`): weighting, blocks, the stale baseline, training, resume,
+the CLI and config refusals, on the tiny target."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.checkpoint.adapter_files import load_adapter
+from jetspec_jax.training.adapter_evaluate import adapter_state_metrics
+from jetspec_jax.training.adapter_loss import (
+    adapter_loss,
+    normalised_mse,
+    position_weights,
+    sample_blocks,
+    teacher_levels,
+)
+from jetspec_jax.training.adapter_step import AdapterStepConfig
+from jetspec_jax.training.adapter_trainer import (
+    _eval_batches,
+    adapter_optim,
+    initial_adapter,
+    train_adapter,
+)
+from jetspec_jax.training.config import (
+    AdapterTrainConfig,
+    DataConfig,
+    MeshConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    load_train_config,
+)
+from jetspec_jax.training.sharding import batch_sharding, make_mesh
+from jetspec_jax.training.trainer import batch_sizes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    """A jetspec++ draft with two taps (the adapter chains embedding -> tap 0 -> tap 1)."""
+    return jetspec_jax.init_draft(
+        target, variant="jetspec++", num_layers=1, target_layer_ids=(0, 1), block_size=4
+    )
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """Conversations of random tokens: the adapter learns the target's states of any sequence, so
+    the target's own responses (slow to generate) are not needed here."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("adapter_data") / "data.jsonl"
+    with path.open("w") as f:
+        for _ in range(8):
+            prompt = rng.integers(0, 97, int(rng.integers(6, 12))).tolist()
+            response = rng.integers(0, 97, int(rng.integers(12, 24))).tolist()
+            f.write(json.dumps({"prompt_ids": prompt, "response_ids": response}) + "\n")
+    return path
+
+
+def _config(data_file, run_dir, **adapter) -> TrainConfig:
+    optim = OptimConfig(
+        batch_size=4,
+        anchors_per_sequence=8,
+        steps=4,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        compute_dtype="float32",
+    )
+    return TrainConfig(
+        data=DataConfig(files=(str(data_file),), max_length=32, eval_prompts=None),
+        target_dtype="float32",
+        optim=optim,
+        adapter=AdapterTrainConfig(
+            **{"layers_per_module": (1, 2), "intermediate_size": 32, **adapter}
+        ),
+        mesh=MeshConfig(data=1, fsdp=1),
+        run=RunConfig(dir=str(run_dir), checkpoint_every=100, log_every=1, tensorboard=False),
+    )
+
+
+def test_position_weights_are_kappa_powers_normalised_per_block():
+    valid = jnp.asarray([[True, True, True, False], [False] * 4, [True] * 4])
+    w = np.asarray(position_weights(valid, 0.5))
+    np.testing.assert_allclose(w[0], np.array([1, 0.5, 0.25, 0]) / 1.75, rtol=1e-6)
+    np.testing.assert_array_equal(w[1], 0.0)  # a block past the sequence's end weighs nothing
+    np.testing.assert_allclose(w[2], np.array([8, 4, 2, 1]) / 15, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(position_weights(valid, 1.0))[2], 0.25)
+
+
+def test_normalised_mse_by_hand_and_scale_free_across_taps():
+    # One block of two positions, H = 1; kappa 1/2 -> weights 2/3, 1/3.
+    w = position_weights(jnp.asarray([[[True, True]]]), 0.5)
+    true = jnp.asarray([[[[[2.0], [2.0]]]], [[[[20.0], [20.0]]]]])  # [n=2, B, A, K, H]
+    pred = jnp.asarray([[[[[1.0], [0.0]]]], [[[[10.0], [0.0]]]]])
+    # tap 0: (2/3 * 1 + 1/3 * 4) / (2/3 * 4 + 1/3 * 4) = 2 / 4; tap 1 is tap 0 times 10.
+    np.testing.assert_allclose(np.asarray(normalised_mse(pred, true, w)), [0.5, 0.5], rtol=1e-6)
+
+
+def test_blocks_are_the_sequences_own_tokens_and_stop_at_its_end():
+    tokens = jnp.asarray(np.arange(2 * 12).reshape(2, 12) + 1, jnp.int32)
+    lengths = np.array([9, 12])
+    mask = jnp.asarray((np.arange(12)[None] >= 4) & (np.arange(12)[None] < lengths[:, None]))
+    blocks = sample_blocks(jax.random.key(0), tokens, mask, 4, 6)
+    tok, pos, valid = (np.asarray(x) for x in (blocks.tokens, blocks.positions, blocks.valid))
+    anchors = np.asarray(blocks.anchors)
+    for b in range(2):
+        np.testing.assert_array_equal(tok[b], np.asarray(tokens)[b][pos[b]])
+        np.testing.assert_array_equal(pos[b][:, 0], anchors[b])
+        # Real anchors are followed by a response token; row 0 has 5 such positions for 6 anchors.
+        real = np.append(np.asarray(mask)[b][1:], False)[anchors[b]]
+        assert real.sum() == min(6, lengths[b] - 4)
+        raw = anchors[b][:, None] + np.arange(4)
+        np.testing.assert_array_equal(valid[b], (raw < lengths[b]) & real[:, None])
+
+
+def test_a_zero_adapter_is_the_stale_guess(target, draft, data_file):
+    """With every residual branch zeroed, each module passes its input through: tap 0's
+    prediction is the embedding, which is exactly the stale guess, so its gap closed is 0."""
+    adapter = init_adapter(draft, layers_per_module=(1, 1), intermediate_size=32)
+    params = jax.tree.map(jnp.zeros_like, adapter.params)
+    records = [json.loads(x) for x in data_file.read_text().splitlines()]
+    tokens = jnp.asarray([(r["prompt_ids"] + r["response_ids"])[:24] for r in records[:2]])
+    mask = jnp.arange(24)[None] >= 12
+    levels, taps = jax.jit(teacher_levels, static_argnums=(1, 2))(
+        target.params, target.config, (0, 1), tokens
+    )
+    blocks = sample_blocks(jax.random.key(1), tokens, jnp.broadcast_to(mask, tokens.shape), 4, 5)
+    emb = target.params["embed_tokens"]["embedding"]
+    loss_fn = jax.jit(adapter_loss, static_argnums=(1, 6))  # op by op is slow on CPU
+    loss, m = loss_fn(params, adapter.config, emb, levels, taps, blocks, 0.5)
+    np.testing.assert_allclose(float(m["gap_closed"][0]), 0.0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(m["nmse"])[0], np.asarray(m["stale_nmse"])[0], 1e-6)
+    np.testing.assert_allclose(float(loss), float(np.sum(np.asarray(m["nmse"]))), rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def workdir(checkpoints, target, data_file, tmp_path_factory):
+    """A working directory laid out as configs/tiny_cpu.yaml expects, with a (random) draft at
+    `<run.dir>/draft` where the draft stage exports it. The training test and the CLI test run
+    the same config, so the second reuses the first's compiled steps."""
+    work = tmp_path_factory.mktemp("tiny_adapter")
+    tiny = work / "runs" / "tiny"
+    shutil.copytree(checkpoints.get("qwen3")[0], tiny / "target")
+    shutil.copy(data_file, tiny / "data.jsonl")
+    jetspec_jax.init_draft(target, variant="jetspec++", block_size=4).save(tiny / "run" / "draft")
+    shutil.copy(ROOT / "configs" / "tiny_cpu.yaml", work / "tiny_cpu.yaml")
+    return work
+
+
+def _tiny_config(run_dir: str) -> TrainConfig:
+    config = load_train_config("tiny_cpu.yaml")
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, eval_prompts=None),  # tau: the CLI test's
+        run=dataclasses.replace(config.run, dir=run_dir),
+    )
+
+
+def test_training_lowers_the_loss_and_a_resumed_run_equals_a_straight_one(
+    target, workdir, monkeypatch
+):
+    monkeypatch.chdir(workdir)
+    draft = jetspec_jax.load_draft("runs/tiny/run/draft", target)
+    config = _tiny_config("runs/tiny/straight")
+    straight = train_adapter(config, target=target, draft=draft)
+    assert straight.steps == 4
+    # The trained adapter's evaluation metrics vs the same blocks at initialisation.
+    mesh = make_mesh(config.mesh)
+    batches = _eval_batches(config, batch_sizes(4, mesh)[0], batch_sharding(mesh))
+    step_config = AdapterStepConfig(
+        target.config, straight.adapter.config, adapter_optim(config, 8), 4, 0.5
+    )
+    before = adapter_state_metrics(
+        initial_adapter(config, draft).params, target.params, batches, config=step_config
+    )
+    after = straight.evaluation
+    assert after["eval_loss"] < 0.9 * before["eval_loss"], (before, after)
+    assert after["eval_gap_closed"][0] > before["eval_gap_closed"][0], (before, after)
+    lines = [json.loads(x) for x in open("runs/tiny/straight/adapter_run/metrics.jsonl")]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4]
+    assert len(lines[0]["nmse"]) == len(lines[0]["gap_closed"]) == 1
+
+    resumed_config = _tiny_config("runs/tiny/resumed")
+    assert train_adapter(resumed_config, target=target, draft=draft, stop_after=2) is None
+    resumed = train_adapter(resumed_config, target=target, draft=draft)
+    assert resumed.steps == 4
+    for a, b in zip(
+        jax.tree.leaves(straight.adapter.params),
+        jax.tree.leaves(resumed.adapter.params),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    loaded = jetspec_jax.load_draft(resumed.export_dir, target).adapter  # the bundle loads back
+    assert loaded.config == resumed.adapter.config
+
+
+def _load_train_py():
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_trains_resumes_evaluates_tau_and_exports(target, workdir, monkeypatch, capsys):
+    """`train.py adapter` on configs/tiny_cpu.yaml: stop after 2 steps, resume to the end, with
+    the J1-R1 tau evaluation (predicted vs true states) and the export."""
+    monkeypatch.chdir(workdir)
+    cli = _load_train_py()
+    args = ["adapter", "--config", "tiny_cpu.yaml"]
+    assert cli.main([*args, "--stop-after", "2"]) == 0
+    assert "stopped after 2 steps" in capsys.readouterr().out
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "trained the adapter 4 steps" in out and "J1-R1 tau" in out, out
+    evaluation = [json.loads(x) for x in open("runs/tiny/run/adapter_run/metrics.jsonl")][-1]
+    assert evaluation["tau_true"] >= 1.0 and evaluation["tau_predicted"] >= 1.0
+    assert evaluation["tau_ratio"] == pytest.approx(
+        evaluation["tau_predicted"] / evaluation["tau_true"]
+    )
+    draft = jetspec_jax.load_draft("runs/tiny/run/draft", target)
+    assert load_adapter("runs/tiny/run/jetspec_pp/adapter", draft).config.layers_per_module == (1,)
+
+
+def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, target, draft):
+    path = tmp_path / "c.yaml"
+    cases = {
+        "adapter: {kappa: 0}": "adapter.kappa",
+        "adapter: {kapa: 0.5}": "unknown key.*adapter.kapa",
+        "adapter: {layers_per_module: [1, 0]}": "adapter.layers_per_module",
+        "adapter: {optim: {steps: 0}}": "adapter.optim.steps",
+        "draft: {target_layer_ids: [0, 1]}\nadapter: {layers_per_module: [1]}": (
+            "one entry per tap layer"
+        ),
+    }
+    for text, message in cases.items():
+        path.write_text("data: {files: [a.jsonl]}\n" + text + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_train_config(path)
+    # Taps known only from the loaded draft: refused before anything is trained.
+    config = _config("unused.jsonl", tmp_path, layers_per_module=(1, 1, 1))
+    with pytest.raises(ValueError, match=r"one entry per tap layer of the draft \(2: \[0, 1\]\)"):
+        initial_adapter(config, draft)
+    # The CLI: status 2 and an `error:` line, no traceback.
+    path.write_text("data: {files: [a.jsonl]}\nadapter: {kappa: 1.5}\n")
+    assert _load_train_py().main(["adapter", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: invalid value for adapter.kappa" in err and "Traceback" not in err

@@ -1,0 +1,195 @@
+"""The JetSpec++ checkpoint: draft + adapter + calibration saved and loaded together."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax import CheckpointError
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.checkpoint import adapter_files, bundle
+from jetspec_jax.decoding.outcomes import Calibration
+
+PROMPT = [5, 17, 3, 88, 41, 12, 9]
+CALIBRATION = Calibration(acceptance_temperature=1.25, bonus_temperature=0.75)
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    plain = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 2), block_size=6)
+    adapter = init_adapter(plain, layers_per_module=(1, 2), init_std=0.05, seed=3)
+    return plain.with_adapter(adapter, CALIBRATION)
+
+
+@pytest.fixture(scope="module")
+def saved(draft, tmp_path_factory):
+    return draft.save(tmp_path_factory.mktemp("bundles") / "pp")
+
+
+def _copy(saved, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(saved, dst)
+    return dst
+
+
+def _assert_trees_equal(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _greedy(target, draft):
+    result = jetspec_jax.generate(
+        target,
+        PROMPT,
+        draft=draft,
+        method="jetspec++",
+        refine_passes=1,
+        refreshes=1,
+        max_new_tokens=20,
+        stop_token_ids=[],
+    )
+    return result.tokens, result.outcomes
+
+
+def test_round_trip(target, draft, saved):
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "adapter",
+        "calibration.json",
+        "draft",
+        "jetspec_pp.json",
+    ]
+    manifest = json.loads((saved / "jetspec_pp.json").read_text())
+    assert manifest == {
+        "format": "jetspec_pp",
+        "format_version": 1,
+        "dtype": "float32",
+        "contents": ["draft", "adapter", "calibration"],
+    }
+    loaded = jetspec_jax.load_draft(saved, target)
+    assert loaded.path == saved
+    assert loaded.config == draft.config
+    assert loaded.adapter.config == draft.adapter.config
+    assert loaded.calibration == CALIBRATION
+    _assert_trees_equal(loaded.params, draft.params)
+    _assert_trees_equal(loaded.adapter.params, draft.adapter.params)
+    assert _greedy(target, loaded) == _greedy(target, draft)
+
+
+def test_without_calibration_and_bf16(target, draft, tmp_path):
+    path = draft.with_adapter(draft.adapter).save(tmp_path / "nocal")
+    assert not (path / "calibration.json").exists()
+    loaded = jetspec_jax.load_draft(path, target, dtype="bfloat16")
+    assert loaded.calibration is None
+    assert loaded.dtype == loaded.adapter.dtype == "bfloat16"
+    assert jax.tree.leaves(loaded.adapter.params)[0].dtype == np.dtype("bfloat16")
+
+
+def test_draft_part_loads_as_plain_draft(target, draft, saved):
+    plain = jetspec_jax.load_draft(saved / "draft", target)
+    assert plain.adapter is None and plain.calibration is None
+    assert plain.config == draft.config
+    _assert_trees_equal(plain.params, draft.params)
+    # A draft without an adapter saves in the plain layout.
+    assert not bundle.is_bundle(saved / "draft")
+
+
+def test_plain_save_without_adapter(target, draft, tmp_path):
+    plain = jetspec_jax.load_draft(draft.save(tmp_path / "b") / "draft", target)
+    out = plain.save(tmp_path / "plain")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(ValueError, match="adapter"):
+        bundle.save_bundle(plain, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+def test_adapter_config_dict_round_trip_and_strictness(draft):
+    config = draft.adapter.config
+    data = adapter_files.adapter_config_to_dict(config)
+    assert adapter_files.adapter_config_from_dict(json.loads(json.dumps(data))) == config
+    with pytest.raises(CheckpointError, match="unknown key.*extra"):
+        adapter_files.adapter_config_from_dict({**data, "extra": 1})
+    missing = {k: v for k, v in data.items() if k != "layers_per_module"}
+    with pytest.raises(CheckpointError, match="missing key.*layers_per_module"):
+        adapter_files.adapter_config_from_dict(missing)
+    layers = {k: v for k, v in data["layers"].items() if k != "head_dim"}
+    with pytest.raises(CheckpointError, match="layers: missing key.*head_dim"):
+        adapter_files.adapter_config_from_dict({**data, "layers": layers})
+    with pytest.raises(CheckpointError, match="hidden_size must be an integer"):
+        bad = {**data["layers"], "hidden_size": "64"}
+        adapter_files.adapter_config_from_dict({**data, "layers": bad})
+    with pytest.raises(CheckpointError, match="layers_per_module"):
+        adapter_files.adapter_config_from_dict({**data, "layers_per_module": [1]})
+
+
+@pytest.mark.parametrize(
+    "break_it, message",
+    [
+        (lambda p: (p / "adapter" / "model.safetensors").unlink(), "model.safetensors"),
+        (lambda p: (p / "calibration.json").unlink(), "lists a calibration"),
+        (lambda p: shutil.rmtree(p / "draft"), "lacks its draft/"),
+        (lambda p: (p / "jetspec_pp.json").write_text("{not json"), "not valid JSON"),
+        (lambda p: (p / "calibration.json").write_text("[1, 2"), "calibration.json is not valid"),
+        (lambda p: (p / "calibration.json").write_text('{"temp": 2}'), "unknown calibration key"),
+        (lambda p: _edit(p / "jetspec_pp.json", format_version=2), "format_version 2"),
+        (lambda p: _edit(p / "jetspec_pp.json", format="other"), "format must be 'jetspec_pp'"),
+        (lambda p: _edit(p / "jetspec_pp.json", extra=1), "unknown key.*extra"),
+        (lambda p: _edit(p / "jetspec_pp.json", contents=["draft"]), "contents must list"),
+        (
+            lambda p: _edit(p / "adapter" / "config.json", target_layer_ids=[0, 1]),
+            r"adapter target_layer_ids \[0, 1\] != the draft's target_layer_ids \[0, 2\]",
+        ),
+        (lambda p: _edit_layers(p, hidden_size=32), "adapter hidden_size 32 != target hidden"),
+        (lambda p: _edit_layers(p, intermediate_size=50), "shape mismatches.*mlp"),
+    ],
+)
+def test_refusals(target, saved, tmp_path, break_it, message):
+    path = _copy(saved, tmp_path)
+    break_it(path)
+    with pytest.raises(CheckpointError, match=message):
+        jetspec_jax.load_draft(path, target)
+
+
+def _edit(file, **changes):
+    data = json.loads(file.read_text())
+    data.update(changes)
+    file.write_text(json.dumps(data))
+
+
+def _edit_layers(path, **changes):
+    file = path / "adapter" / "config.json"
+    data = json.loads(file.read_text())
+    data["layers"].update(changes)
+    file.write_text(json.dumps(data))
+
+
+def test_failed_save_leaves_nothing(draft, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bundle, "save_adapter", fail)
+    with pytest.raises(OSError, match="disk full"):
+        draft.save(tmp_path / "pp")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite(target, draft, saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    with pytest.raises(FileExistsError):
+        draft.save(path)
+    recalibrated = draft.with_adapter(draft.adapter, Calibration(2.0, 0.5))
+    recalibrated.save(path, overwrite=True)
+    assert jetspec_jax.load_draft(path, target).calibration == Calibration(2.0, 0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no temporaries left

@@ -1,0 +1,136 @@
+"""Held-out calibration rounds (`training/calibration_rounds.py`) and `train.py calibrate`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+import train
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.refinement import LearnedProxy
+from jetspec_jax.models.transformer import forward
+from jetspec_jax.training.calibration_rounds import collect_rounds, split_rounds
+
+K = 6
+MAX_NEW = 16
+SPEC = dict(method="jetspec++", refine_passes=1, refreshes=1, stop_token_ids=[])
+
+
+def _near_bigram(target, scale=0.03):
+    """The target with its layers' residual contributions shrunk: next tokens depend mostly on
+    the current token, which an untrained draft that shares the embedding, LM head and final
+    norm partly predicts, so rounds accept 0 .. K-1 drafts (a random pair would accept none)."""
+
+    def shrink(path, x):
+        names = {getattr(key, "key", None) for key in path}
+        return x * scale if names & {"o_proj", "down_proj"} else x
+
+    return dataclasses.replace(
+        target, params=jax.tree_util.tree_map_with_path(shrink, target.params)
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoints):
+    target = _near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
+    draft = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 2), block_size=K)
+    params = {**draft.params, "norm": {"scale": target.params["norm"]["scale"]}}
+    draft = dataclasses.replace(draft, params=params)
+    draft = draft.with_adapter(init_adapter(draft, layers_per_module=(1, 1), init_std=0.02))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 97, 6).tolist() for _ in range(8)]
+    # Greedy (= the target's autoregressive output); the same compiled loop as the checks below.
+    results = jetspec_jax.generate_batch(
+        target, prompts, draft=draft, max_new_tokens=MAX_NEW, **SPEC
+    )
+    records = [
+        {"prompt_ids": p, "response_ids": r.tokens} for p, r in zip(prompts, results, strict=True)
+    ]
+    return target, draft, records
+
+
+def test_collected_outcomes_match_the_decode_loop(setup):
+    """The rounds rebuilt from one teacher forward (caches cut back to the anchor) are the rounds
+    the real speculative loop runs from the same context: same (k, a) under greedy J1-R1."""
+    target, draft, records = setup
+    rounds = collect_rounds(target, draft, records, num_rounds=48, anchors_per_sequence=8)
+    assert len(rounds) == 48 and rounds.dropped == 0
+    assert len(set(rounds.k_true.tolist())) >= 3, np.bincount(rounds.k_true)
+    assert rounds.logits_hat.shape == (48, K, 97) and rounds.drafts.shape == (48, K - 1)
+
+    # Eight anchors, as many different k as there are.
+    by_k = {}
+    for i, k in enumerate(rounds.k_true.tolist()):
+        by_k.setdefault(k, []).append(i)
+    picked = [i for group in zip(*by_k.values(), strict=False) for i in group]
+    picked = (picked + [i for i in range(48) if i not in picked])[:8]
+    sequences = [
+        records[rounds.records[i]]["prompt_ids"] + records[rounds.records[i]]["response_ids"]
+        for i in picked
+    ]
+    anchors = [int(rounds.anchors[i]) for i in picked]
+    results = jetspec_jax.generate_batch(
+        target,
+        [s[:t] for s, t in zip(sequences, anchors, strict=True)],
+        draft=draft,
+        max_new_tokens=MAX_NEW,
+        **SPEC,
+    )
+    for i, seq, t, result in zip(picked, sequences, anchors, results, strict=True):
+        assert result.tokens[0] == seq[t]  # the prefill's token is the anchor
+        assert result.outcomes[0] == (int(rounds.k_true[i]), int(rounds.a_true[i]))
+
+    # p̂: the proxy started on the prompt alone scores the same block the same way.
+    i, seq, t = picked[0], sequences[0], anchors[0]
+    proxy = LearnedProxy(draft.adapter.config, target.config)
+    prompt = jnp.asarray([seq[:t]], jnp.int32)
+    taps = forward(target.params, target.config, prompt, tap_layers=(0, 2)).taps
+    state = proxy.start(
+        draft.adapter.params, target.params, prompt, taps, jnp.asarray([t]), t + 2 * K
+    )
+    block = jnp.asarray([[seq[t], *rounds.drafts[i].tolist()]], jnp.int32)
+    _, logits = proxy.predict(draft.adapter.params, target.params, state, block)
+    np.testing.assert_allclose(logits[0], rounds.logits_hat[i], atol=1e-4, rtol=1e-4)
+
+    fit, held = split_rounds(rounds, 0.25)
+    assert len(fit) + len(held) == 48
+    assert not set(fit.records.tolist()) & set(held.records.tolist())
+
+
+def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
+    target, draft, records = setup
+    target_dir = target.save(tmp_path / "target")
+    bundle = draft.save(tmp_path / "pp")
+    assert not (bundle / "calibration.json").exists()
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = tmp_path / "report.json"
+    argv = ["calibrate", "--target", str(target_dir), "--draft", str(bundle), "--data", str(data)]
+    argv += ["--num-rounds", "48", "--anchors-per-sequence", "8", "--report", str(report)]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "held-out hit rate" in out and "geometric" in out
+
+    loaded = jetspec_jax.load_draft(bundle, target)
+    summary = json.loads(report.read_text())
+    assert loaded.calibration is not None
+    assert loaded.calibration.to_dict() == summary["calibration"]
+    assert summary["rounds"] == 48 and summary["dropped"] == 0
+    assert set(summary["held_out_hit_rate"]) == {"calibrated", "uncalibrated", "geometric"}
+    assert set(summary["held_out_hit_rate"]["calibrated"]) == {"1", "4", "16"}
+    ll = summary["held_out_log_likelihood"]
+    assert np.isfinite(ll["calibrated"]) and np.isfinite(ll["uncalibrated"])
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, draft.params)
+
+    # A plain draft directory has no adapter to score outcomes with.
+    plain = draft.with_adapter(draft.adapter)
+    plain = dataclasses.replace(plain, adapter=None).save(tmp_path / "plain")
+    argv[argv.index("--draft") + 1] = str(plain)
+    assert train.main(argv) == 2
+    assert "not a JetSpec++ checkpoint" in capsys.readouterr().err

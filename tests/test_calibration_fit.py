@@ -1,0 +1,113 @@
+"""Calibration fitting on synthetic rounds with a known answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jetspec_jax.decoding.outcomes import (
+    Calibration,
+    hit_rate,
+    outcome_log_scores,
+    select_for_rule,
+)
+from jetspec_jax.training.calibration import _row_terms, fit_calibration, outcome_log_likelihood
+
+T_TRUE = Calibration(acceptance_temperature=1.7, bonus_temperature=0.6)
+
+
+def _softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+
+
+def _rounds(seed, n, k_len=4, vocab=16, truth=T_TRUE):
+    """Decoder logits, drafts, and outcomes drawn by running the TRUE verification: accept
+    d_(j+1) with probability softmax(logits_j / T_acc)[d_(j+1)], else draw the bonus from
+    softmax(logits_j / T_bonus) without d_(j+1) (from all of it after K-1 acceptances)."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(size=(n, k_len, vocab)) * 2.5).astype(np.float32)
+    drafts = np.argmax(logits[:, :-1], -1)  # drafts are the decoder's argmax, as when serving
+    noisy = rng.random(drafts.shape) < 0.2
+    drafts = np.where(noisy, rng.integers(0, vocab, drafts.shape), drafts).astype(np.int32)
+    p_acc = _softmax(logits.astype(np.float64) / truth.acceptance_temperature)
+    p_bonus = _softmax(logits.astype(np.float64) / truth.bonus_temperature)
+    k_true = np.full(n, k_len - 1)
+    alive = np.ones(n, bool)
+    for j in range(k_len - 1):
+        accept = rng.random(n) < p_acc[np.arange(n), j, drafts[:, j]]
+        k_true[alive & ~accept] = j
+        alive &= accept
+    bonus = p_bonus[np.arange(n), k_true].copy()
+    rejected = k_true < k_len - 1
+    bonus[np.nonzero(rejected)[0], drafts[rejected, k_true[rejected]]] = 0.0
+    bonus /= bonus.sum(-1, keepdims=True)
+    u = rng.random((n, 1))
+    a_true = np.minimum((np.cumsum(bonus, -1) < u).sum(-1), vocab - 1)
+    return logits, drafts, k_true.astype(np.int32), a_true.astype(np.int32)
+
+
+def test_row_likelihood_equals_the_gathered_scores():
+    logits, drafts, k_true, a_true = _rounds(0, 50)
+    scores = np.asarray(outcome_log_scores(logits, drafts, T_TRUE))
+    acceptance, bonus = _row_terms(logits, drafts, k_true, a_true, 1.7, 0.6)
+    np.testing.assert_allclose(
+        np.asarray(acceptance + bonus), scores[np.arange(50), k_true, a_true], atol=1e-4
+    )
+    mean = outcome_log_likelihood(logits, drafts, k_true, a_true, T_TRUE)
+    assert mean == pytest.approx(scores[np.arange(50), k_true, a_true].mean(), abs=1e-4)
+
+
+def test_fit_recovers_known_temperatures():
+    logits, drafts, k_true, a_true = _rounds(1, 20000)
+    fitted = fit_calibration(logits, drafts, k_true, a_true)
+    assert fitted.acceptance_temperature == pytest.approx(1.7, rel=0.1)
+    assert fitted.bonus_temperature == pytest.approx(0.6, rel=0.1)
+    fitted_ll = outcome_log_likelihood(logits, drafts, k_true, a_true, fitted)
+    assert fitted_ll >= outcome_log_likelihood(logits, drafts, k_true, a_true)
+    assert fitted_ll >= outcome_log_likelihood(logits, drafts, k_true, a_true, T_TRUE) - 1e-5
+
+
+def test_fit_of_calibrated_data_stays_near_one():
+    logits, drafts, k_true, a_true = _rounds(2, 5000, truth=Calibration())
+    fitted = fit_calibration(logits, drafts, k_true, a_true)
+    assert fitted.acceptance_temperature == pytest.approx(1.0, rel=0.1)
+    assert fitted.bonus_temperature == pytest.approx(1.0, rel=0.1)
+
+
+def test_calibrated_selection_hits_at_least_as_often():
+    """Fit on one set of rounds, select on fresh ones: calibrated >= uncalibrated at every B."""
+    fitted = fit_calibration(*_rounds(3, 5000))
+    logits, drafts, k_true, a_true = _rounds(4, 10000)
+    rates = {}
+    for num in (2, 4, 8):
+        for rule in ("calibrated", "uncalibrated", "geometric"):
+            k, a = select_for_rule(rule, logits, drafts, num, fitted)
+            rates[rule, num] = hit_rate(k, a, k_true, a_true)
+        assert rates["calibrated", num] >= rates["uncalibrated", num], rates
+    assert rates["calibrated", 8] > rates["calibrated", 2]
+
+
+def test_fit_refuses_bad_input():
+    logits, drafts, k_true, a_true = _rounds(5, 20)
+    with pytest.raises(ValueError, match="N = 0"):
+        fit_calibration(logits[:0], drafts[:0], k_true[:0], a_true[:0])
+    with pytest.raises(ValueError, match=r"logits_hat must be \[N, K, V\]"):
+        fit_calibration(logits[0], drafts, k_true, a_true)
+    with pytest.raises(ValueError, match="drafts must have shape"):
+        fit_calibration(logits, drafts[:, :2], k_true, a_true)
+    with pytest.raises(ValueError, match="a_true must have shape"):
+        fit_calibration(logits, drafts, k_true, a_true[:5])
+    with pytest.raises(ValueError, match="k_true has values outside"):
+        fit_calibration(logits, drafts, k_true + 4, a_true)
+    with pytest.raises(ValueError, match="k_true must be integers"):
+        fit_calibration(logits, drafts, k_true.astype(np.float32), a_true)
+    bad = logits.copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        fit_calibration(bad, drafts, k_true, a_true)
+    impossible = a_true.copy()
+    row = int(np.argmax(k_true < 3))
+    impossible[row] = drafts[row, k_true[row]]
+    with pytest.raises(ValueError, match="never produces"):
+        fit_calibration(logits, drafts, k_true, impossible)

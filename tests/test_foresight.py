@@ -1,0 +1,183 @@
+"""Foresight drafting (single-device round): the committed tokens never depend on hits or misses.
+
+Hits and misses are forced with an oracle outcome predictor: the target itself as the proxy, its
+logits scaled by a dynamic factor (one compilation for every mode): x1000 makes `p̂` a point mass
+on the target's argmax (greedy: every outcome predicted, every lookup after the first a hit),
+x-1000 a point mass on its least likely token (every guess wrong), x0.5 a blurred guess (a natural
+mix). Outcome selection itself (true top-B) is tested in test_outcomes.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.foresight import ForesightProposer, foresight_stats
+from jetspec_jax.decoding.refinement import RefiningProposer
+from jetspec_jax.decoding.session import DecodeSession
+from tests.oracles import TargetProxy
+
+N_NEW = 24
+BLOCK = 5
+HITS, MISSES, MIXED = 1000.0, -1000.0, 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledTargetProxy(TargetProxy):
+    """The target as proxy, its logits multiplied by the proxy params (a scalar)."""
+
+    def predict(self, params, target_params, state, block):
+        taps, logits = super().predict(params, target_params, state, block)
+        return taps, logits * params
+
+
+@dataclasses.dataclass(eq=False)
+class ScaledOracleDraft:
+    """A `draft=`: a real jetspec++ draft with the scaled oracle proxy (`calibration` None:
+    uncalibrated scores; the scale plays the temperature)."""
+
+    draft: object
+    scale: float
+    calibration = None
+
+    def proposer(self, target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+        drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
+        proxy = ScaledTargetProxy(target.config, self.draft.config.target_layer_ids)
+        proposer = RefiningProposer(drafter, proxy, refreshes)
+        return proposer, {"draft": params, "proxy": jnp.float32(self.scale)}
+
+
+def make_draft(target):
+    return jetspec_jax.init_draft(
+        target, variant="jetspec++", num_layers=1, block_size=BLOCK, init_std=0.3, seed=4
+    )
+
+
+def make_prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, 97, n).tolist() for n in (11, 6)]
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return make_draft(target)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+def _ar(target, prompts, **sampling):
+    out = jetspec_jax.generate_batch(
+        target,
+        prompts,
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+        sampling=jetspec_jax.SamplingParams(**sampling),
+    )
+    return [r.tokens for r in out]
+
+
+def run(target, prompts, draft, *, foresight=1, pipeline=False, **sampling):
+    """`(tokens, outcomes, stats)` per row, through the public session path."""
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=draft,
+        method="jetspec++",
+        max_new_tokens=N_NEW,
+        sampling=jetspec_jax.SamplingParams(**sampling),
+        stop_token_ids=[],
+        foresight=foresight,
+        pipeline=pipeline,
+    )
+    session.start()
+    session.advance()
+    results = session.results()
+    stats = foresight_stats(session._state)[: len(prompts)]
+    return [r.tokens for r in results], [r.outcomes for r in results], stats
+
+
+def test_forced_hits_give_ar_tokens_and_the_plain_drafts(target, draft, prompts):
+    tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, HITS))
+    assert tokens == _ar(target, prompts)
+    for row in stats:
+        assert row["hits"][0] is False  # nothing cached before the first round
+        assert all(row["hits"][1:]), row["hits"]
+        assert row["occupancy"][1:] == [1] * (len(row["hits"]) - 1)
+    # An exact proxy predicts the true states: cached blocks are the blocks the fallback drafts
+    # from the true states, so every round has the outcome of plain (no foresight) decoding.
+    plain = jetspec_jax.generate_batch(
+        target,
+        prompts,
+        draft=ScaledOracleDraft(draft, HITS),
+        method="jetspec++",
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+    )
+    assert outcomes == [r.outcomes for r in plain]
+
+
+def test_forced_misses_give_ar_tokens(target, draft, prompts):
+    tokens, _, stats = run(target, prompts, ScaledOracleDraft(draft, MISSES))
+    assert tokens == _ar(target, prompts)
+    for row in stats:
+        assert not any(row["hits"])
+        assert len(row["hits"]) == len(row["occupancy"]) > 1
+
+
+def test_natural_mix_gives_ar_tokens(target, draft, prompts):
+    tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, MIXED))
+    assert tokens == _ar(target, prompts)
+    for row, rounds in zip(stats, outcomes, strict=True):
+        assert len(row["hits"]) == len(rounds)
+
+
+def test_learned_proxy_with_several_candidates_gives_ar_tokens(target, draft, prompts):
+    """The served path: the adapter + decoder predict, B = 3 candidates per round."""
+    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
+    tokens, outcomes, stats = run(target, prompts, learned, foresight=3)
+    assert tokens == _ar(target, prompts)
+    for row, rounds in zip(stats, outcomes, strict=True):
+        assert len(row["hits"]) == len(rounds)
+        assert row["occupancy"][0] == 0 and set(row["occupancy"][1:]) == {3}
+
+
+@pytest.mark.parametrize("scale", [HITS, MISSES])
+def test_sampled_tokens_do_not_depend_on_hits(target, draft, prompts, scale):
+    for seed in (0, 3):
+        sampling = dict(temperature=1.0, seed=seed)
+        tokens, _, _ = run(target, prompts, ScaledOracleDraft(draft, scale), **sampling)
+        assert tokens == _ar(target, prompts, **sampling)
+
+
+def test_foresight_requests_are_validated(target, draft):
+    with_adapter = draft.with_adapter(init_adapter(draft))
+    kwargs = dict(max_new_tokens=4, stop_token_ids=[])
+    with pytest.raises(ValueError, match="needs a draft with an adapter"):
+        DecodeSession(target, [[1, 2]], draft=draft, method="jetspec++", foresight=2, **kwargs)
+    with pytest.raises(ValueError, match="set foresight >= 1"):
+        DecodeSession(target, [[1]], draft=with_adapter, method="jetspec++", pipeline=True)
+    with pytest.raises(ValueError, match="foresight must be >= 1|integer >= 0"):
+        DecodeSession(target, [[1]], draft=with_adapter, method="jetspec++", foresight=-1)
+    with pytest.raises(ValueError, match="unknown selection rule"):
+        jetspec_jax.generate(
+            target, [1], draft=with_adapter, method="jetspec++", foresight=2, foresight_rule="x"
+        )
+    dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
+    with pytest.raises(ValueError, match="'jetspec\\+\\+' only"):
+        DecodeSession(target, [[1]], draft=dflash, method="dflash", foresight=2)
+    session = DecodeSession(target, [[1, 2]], draft=with_adapter, method="jetspec++", foresight=2)
+    assert isinstance(session._proposer, ForesightProposer)
+    assert session._proposer.num_candidates == 2

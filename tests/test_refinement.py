@@ -1,0 +1,117 @@
+"""`Jj-Rr` refinement: lossless for every setting, and it helps when its proxy is right."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax import SamplingParams
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.proposers import DraftProposer
+from jetspec_jax.decoding.refinement import replace_first_disagreement
+from jetspec_jax.decoding.target_proxy import TargetProxyDraft
+from jetspec_jax.models.transformer import forward
+
+N_NEW, BLOCK = 16, 6
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    draft = jetspec_jax.init_draft(target, num_layers=1, block_size=BLOCK, init_std=0.2)
+    return draft.with_adapter(init_adapter(draft, init_std=0.05))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 97, n).tolist() for n in (9, 4)]
+
+
+def _generate(target, prompts, draft=None, **kwargs):
+    method = "ar" if draft is None else "jetspec++"
+    return jetspec_jax.generate_batch(
+        target,
+        prompts,
+        draft=draft,
+        method=method,
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+        **kwargs,
+    )
+
+
+def test_replace_first_disagreement():
+    drafts = jnp.asarray([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    guess = jnp.asarray([[5, 9, 9, 8], [5, 9, 9, 8], [5, 6, 7, 8]])
+    fixed = jnp.asarray([0, 2, 0])
+    new, fixed = replace_first_disagreement(drafts, guess, fixed)
+    # row 0: index 1 replaced; row 1: index 1 is fixed already, so index 2; row 2: all agree.
+    np.testing.assert_array_equal(new, [[5, 9, 7, 8], [5, 6, 9, 8], [5, 6, 7, 8]])
+    np.testing.assert_array_equal(fixed, [2, 3, 4])
+
+
+@pytest.mark.parametrize("passes,refreshes", [(1, 0), (1, 1), (3, 2)])
+def test_every_setting_is_token_identical_to_greedy(target, draft, prompts, passes, refreshes):
+    want = [r.tokens for r in _generate(target, prompts)]
+    got = _generate(target, prompts, draft, refine_passes=passes, refreshes=refreshes)
+    assert [r.tokens for r in got] == want
+
+
+def test_sampled_refinement_is_token_identical_to_sampled_ar(target, draft, prompts):
+    sampling = SamplingParams(temperature=1.0, top_k=20, seed=11)
+    want = [r.tokens for r in _generate(target, prompts, sampling=sampling)]
+    got = _generate(target, prompts, draft, refine_passes=2, refreshes=2, sampling=sampling)
+    assert [r.tokens for r in got] == want
+
+
+def test_extra_passes_past_the_fixed_point_change_nothing(target, draft):
+    """A causal draft's Jacobi iteration reaches its fixed point within K-1 passes."""
+    tokens = jnp.asarray([np.random.default_rng(4).integers(0, 97, 12)], jnp.int32)
+    taps = forward(target.params, target.config, tokens, tap_layers=draft.config.target_layer_ids)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def drafts(passes):
+        proposer = DraftProposer(draft.config, target.config, passes)
+        state = proposer.start(
+            draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
+        )
+        return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)
+
+    at_fixed_point = drafts(BLOCK - 1)
+    np.testing.assert_array_equal(drafts(BLOCK + 2), at_fixed_point)
+
+
+def test_an_oracle_proxy_never_lowers_tau(target, draft, prompts):
+    """With the target itself as the proxy, every replaced token is right, so refreshing can
+    only lengthen the accepted prefix."""
+    oracle = TargetProxyDraft(draft)
+    for passes in (1, 3):
+        plain = _generate(target, prompts, draft, refine_passes=passes)
+        refined = _generate(target, prompts, oracle, refine_passes=passes, refreshes=passes)
+        for p, r in zip(plain, refined, strict=True):
+            assert r.tokens == p.tokens
+            assert r.tau >= p.tau
+        assert np.mean([r.tau for r in refined]) > np.mean([p.tau for p in plain])
+
+
+def test_refusals(target, draft, prompts):
+    bare = jetspec_jax.init_draft(target, num_layers=1, block_size=BLOCK)
+    with pytest.raises(ValueError, match="needs a draft with an adapter"):
+        _generate(target, prompts, bare, refine_passes=1, refreshes=1)
+    with pytest.raises(ValueError, match="refreshes must be in"):
+        _generate(target, prompts, draft, refine_passes=1, refreshes=2)
+    with pytest.raises(ValueError, match="apply to method 'jetspec\\+\\+' only"):
+        _generate(target, prompts, refreshes=1)
+    other = jetspec_jax.init_draft(target, num_layers=1, block_size=BLOCK, target_layer_ids=(0, 1))
+    with pytest.raises(ValueError, match="predicts tap layers"):
+        other.with_adapter(draft.adapter)
