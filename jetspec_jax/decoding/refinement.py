@@ -51,11 +51,12 @@ class ProxyState:
 
     Attributes:
         adapter: context keys/values of every adapter layer.
-        decoder: keys/values of the target layers above the deepest tap.
+        decoder: the cache of the target layers above the deepest tap (`KVCache`, or
+            `HybridCache` for a hybrid target).
     """
 
     adapter: ContextCache
-    decoder: ContextCache
+    decoder: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +70,6 @@ class LearnedProxy:
 
     adapter: AdapterConfig
     target_config: TransformerConfig
-
-    def __post_init__(self):
-        if self.target_config.is_hybrid:
-            # The decoder runs the target's upper layers with `block_layers` (plain attention,
-            # `w`-scaled norms); hybrid layers (Gated DeltaNet, `1 + w` norms) need their own path.
-            raise ValueError(
-                "context refreshes are not supported on hybrid (qwen3_5) targets yet: the decoder "
-                "cannot run their upper layers; use refreshes=0"
-            )
 
     @property
     def first_decoder_layer(self) -> int:

@@ -4,11 +4,16 @@ Given the adapter's prediction of the deepest tap's states for a block, the froz
 `first_layer .. L-1` (+ final norm + LM head) turn them into estimates `p̂_j` of the target's
 next-token distributions, without running the target. Training-free: the weights are the target's.
 
-Those layers attend to the verified context through their own key/value cache. The decoder keeps
-that cache itself (`ContextCache` of the upper layers only), filling it by running the same layers
-on the *true* deepest-tap states of verified positions: the upper layers' keys/values depend on
-nothing else, so the cache equals the target's own for those layers. This keeps the decoder
-independent of the target's cache (a pipelined draft device holds only the upper layers).
+The decoder is the target's `forward` over an *upper model*: the same config and parameters with
+only the layers from `first_layer` on, fed states instead of token embeddings. So it serves every
+target architecture with the target's exact numerics, the Qwen3.5 hybrid included (its upper
+Gated DeltaNet layers carry their recurrent state in the upper model's `HybridCache`).
+
+Those layers attend to (or recur over) the verified context through their own cache, which the
+decoder keeps itself, filling it by running the upper model on the *true* deepest-tap states of
+verified positions: the upper layers' state depends on nothing else, so it equals the target's own
+for those layers. This keeps the decoder independent of the target's cache (a pipelined draft
+device holds only the upper layers). Predictions run over that cache and drop what they append.
 
 When the deepest tap is the last layer, its states are HF's final-normed `hidden_states[L]`, so
 the decoder is the LM head alone.
@@ -16,34 +21,49 @@ the decoder is the LM head alone.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import dataclasses
 
-from jetspec_jax.models import layers
-from jetspec_jax.models.block_stack import ContextCache, block_layers, cached_context
+import jax
+
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.transformer import unembed
+from jetspec_jax.models.hybrid_cache import HybridCache
+from jetspec_jax.models.kv_cache import KVCache
+from jetspec_jax.models.transformer import forward, init_cache, unembed
 
 Params = dict
-# The target's layers attend with the jnp reference: their numerics are the target's own.
-_IMPL = "reference"
+
+
+def upper_config(config: TransformerConfig, first_layer: int) -> TransformerConfig:
+    """The config of the target's layers `first_layer .. L-1`."""
+    return dataclasses.replace(
+        config,
+        num_layers=config.num_layers - first_layer,
+        layer_types=config.layer_types[first_layer:],
+    )
+
+
+def upper_model(
+    params: Params, config: TransformerConfig, first_layer: int
+) -> tuple[Params, TransformerConfig]:
+    """The target restricted to layers `first_layer .. L-1` (final norm and LM head kept)."""
+    return {**params, "layers": params["layers"][first_layer:]}, upper_config(config, first_layer)
 
 
 def empty_cache(
     config: TransformerConfig, first_layer: int, batch_size: int, capacity: int, dtype
-) -> ContextCache:
-    """An empty key/value cache for the target layers `first_layer .. L-1`."""
-    return ContextCache.zeros(config, config.num_layers - first_layer, batch_size, capacity, dtype)
+) -> KVCache | HybridCache:
+    """An empty cache of the target layers `first_layer .. L-1`."""
+    return init_cache(upper_config(config, first_layer), batch_size, capacity, dtype)
 
 
 def extend_context(
     params: Params,
     config: TransformerConfig,
     first_layer: int,
-    cache: ContextCache,
+    cache: KVCache | HybridCache,
     states: jax.Array,
     num_new: jax.Array,
-) -> ContextCache:
+) -> KVCache | HybridCache:
     """Appends verified positions to the upper layers' cache.
 
     Args:
@@ -51,20 +71,20 @@ def extend_context(
         first_layer: the first decoder layer (deepest tap + 1).
         cache: row b's new rows go to positions `cache.lengths[b] + arange(T)`.
         states: `[B, T, H]` the target's true deepest-tap states of those positions.
-        num_new: `[B]` real rows among the T (the rest land past the new length).
+        num_new: `[B]` real rows among the T (the rest never reach the cache's state).
     """
-    positions = cache.lengths[:, None] + jnp.arange(states.shape[1], dtype=jnp.int32)[None]
-    _, block_kv = _upper_layers(params, config, first_layer, cache, states, positions)
-    for i, (k, v) in enumerate(block_kv):
-        cache = cache.write(i, k, v, positions)
-    return cache.replace(lengths=cache.lengths + num_new)
+    if first_layer == config.num_layers:
+        return cache.replace(lengths=cache.lengths + num_new)
+    sub_params, sub_config = upper_model(params, config, first_layer)
+    out = forward(sub_params, sub_config, None, cache, num_new=num_new, inputs=_cast(states, cache))
+    return out.cache
 
 
 def decoder_logits(
     params: Params,
     config: TransformerConfig,
     first_layer: int,
-    cache: ContextCache,
+    cache: KVCache | HybridCache,
     states: jax.Array,
 ) -> jax.Array:
     """`p̂` logits `[B, K, V]` (float32) of a block starting at each row's `cache.lengths`.
@@ -77,20 +97,10 @@ def decoder_logits(
     """
     if first_layer == config.num_layers:  # the deepest tap is the final-normed output
         return unembed(params, config, states)
-    positions = cache.lengths[:, None] + jnp.arange(states.shape[1], dtype=jnp.int32)[None]
-    x, _ = _upper_layers(params, config, first_layer, cache, states, positions)
-    return unembed(params, config, layers.rms_norm(params["norm"], x, config.rms_norm_eps))
+    sub_params, sub_config = upper_model(params, config, first_layer)
+    out = forward(sub_params, sub_config, None, cache, inputs=_cast(states, cache))
+    return unembed(params, config, out.hidden)
 
 
-def _upper_layers(params, config, first_layer, cache, states, positions):
-    x, block_kv = block_layers(
-        params["layers"][first_layer:],
-        config,
-        states.astype(cache.k.dtype)[:, None],
-        positions[:, None],
-        cache.lengths[:, None],
-        cached_context(cache),
-        causal=True,
-        impl=_IMPL,
-    )
-    return x[:, 0], block_kv
+def _cast(states: jax.Array, cache) -> jax.Array:
+    return states.astype(cache.k.dtype)

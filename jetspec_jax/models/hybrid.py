@@ -28,18 +28,21 @@ Params = dict
 def forward(
     params: Params,
     config: TransformerConfig,
-    tokens: jax.Array,
+    tokens: jax.Array | None,
     cache: HybridCache | None,
     *,
     num_new: jax.Array | None,
     tap_layers: tuple[int, ...],
+    inputs: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, HybridCache | None]:
     """`transformer.forward` for the hybrid; returns `(hidden, taps, cache)` (see `ForwardOutput`).
 
     `tokens` `[B, T]` sit at positions `cache.lengths[b] + arange(T)` (0 without a cache); the first
     `num_new[b]` of them are real (default: all). Padding never reaches a conv or recurrent state.
+    `inputs` `[B, T, H]` replaces the token embedding (see `transformer.forward`).
     """
-    batch, length = tokens.shape
+    x = layers.embed_inputs(params, tokens, inputs)
+    batch, length = x.shape[:2]
     offsets = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
     positions = offsets[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
     real = jnp.full((batch,), length, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
@@ -48,7 +51,6 @@ def forward(
     lin_slot = {layer: j for j, layer in enumerate(config.linear_layers)}
     eps = config.rms_norm_eps
 
-    x = jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
     kv = None if cache is None else (cache.k, cache.v)
     convs, states, inputs, taps = [], [], [], {}
     for i, layer in enumerate(params["layers"]):

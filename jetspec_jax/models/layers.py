@@ -14,6 +14,16 @@ from jetspec_jax.models.rope import apply_rope
 Params = dict
 
 
+def embed_inputs(params: Params, tokens: jax.Array | None, inputs: jax.Array | None) -> jax.Array:
+    """A decoder's layer-0 input `[B, T, H]`: the embedding of `tokens` `[B, T]`, or `inputs` as
+    given (the decoder runs a model's upper layers on predicted states)."""
+    if (tokens is None) == (inputs is None):
+        raise ValueError("pass exactly one of tokens and inputs")
+    if inputs is not None:
+        return inputs
+    return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
+
+
 def linear(params: Params, x: jax.Array) -> jax.Array:
     """`x @ kernel (+ bias)`; `x` is `[..., in]`."""
     y = x @ params["kernel"]

@@ -46,11 +46,12 @@ class ForwardOutput:
 def forward(
     params: Params,
     config: TransformerConfig,
-    tokens: jax.Array,
+    tokens: jax.Array | None,
     cache: KVCache | HybridCache | None = None,
     *,
     num_new: jax.Array | None = None,
     tap_layers: tuple[int, ...] = (),
+    inputs: jax.Array | None = None,
 ) -> ForwardOutput:
     """Runs the decoder on `tokens`, optionally appending to a KV cache.
 
@@ -64,6 +65,8 @@ def forward(
             advances by this much. Defaults to T. Padding slots are written past the row's new
             length, where they are stale and get overwritten later.
         tap_layers: 0-indexed decoder layers whose outputs to return (static).
+        inputs: `[B, T, H]` the residual stream entering layer 0, in place of the embedding of
+            `tokens` (then None): the decoder runs a model's upper layers on predicted states.
 
     Returns:
         A `ForwardOutput`.
@@ -72,16 +75,16 @@ def forward(
         raise ValueError(f"tap_layers {tap_layers} out of range for {config.num_layers} layers")
     if config.is_hybrid:
         hidden, taps, cache = hybrid.forward(
-            params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers
+            params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers, inputs=inputs
         )
         return ForwardOutput(hidden=hidden, taps=taps, cache=cache)
 
-    batch, length = tokens.shape
+    x = layers.embed_inputs(params, tokens, inputs)
+    batch, length = x.shape[:2]
     offsets = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
     positions = offsets[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
-    x = jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
     kv_cache = None if cache is None else (cache.k, cache.v)
     taps = {}
     for i, layer in enumerate(params["layers"]):
