@@ -14,15 +14,13 @@ import dataclasses
 import functools
 
 import jax
-import optax
 from jax.sharding import Mesh
 
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.training.adapter_loss import adapter_loss, sample_blocks, teacher_levels
 from jetspec_jax.training.config import OptimConfig
-from jetspec_jax.training.sharding import param_shardings
-from jetspec_jax.training.step import DTYPES, TrainState, learning_rate_schedule, make_optimizer
+from jetspec_jax.training.step import DTYPES, TrainState, apply_gradients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,22 +72,10 @@ def adapter_train_step(
     Returns:
         The new state and metrics (`adapter_loss`'s, plus loss, grad_norm, learning_rate).
     """
-    optimizer = make_optimizer(config.optim)
     key = jax.random.fold_in(jax.random.key(config.optim.seed), state.step)
     grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, target_params, batch, key, config)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(
-        metrics,
-        loss=loss,
-        grad_norm=optax.tree.norm(grads),
-        learning_rate=learning_rate_schedule(config.optim)(state.step),
-    )
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
-    if mesh is not None:
-        new_state = jax.lax.with_sharding_constraint(new_state, param_shardings(new_state, mesh))
-    return new_state, metrics
+    return apply_gradients(state, grads, dict(metrics, loss=loss), config.optim, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

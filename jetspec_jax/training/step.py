@@ -90,7 +90,6 @@ def train_step(
         The new state and metrics (loss, accuracy, accuracy_by_row, grad_norm, learning_rate,
         supervised).
     """
-    optimizer = make_optimizer(config.optim)
     key = jax.random.fold_in(jax.random.key(config.optim.seed), state.step)
     teacher = teacher_forward(target_params, config.target, config.draft, batch["tokens"])
     blocks = build_blocks(
@@ -108,13 +107,21 @@ def train_step(
         return draft_loss(params, config.draft, target_params, config.target, teacher, blocks)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return apply_gradients(state, grads, dict(metrics, loss=loss), config.optim, mesh)
+
+
+def apply_gradients(
+    state: TrainState, grads, metrics: dict, optim: OptimConfig, mesh: Mesh | None
+) -> tuple[TrainState, dict]:
+    """The optimizer update shared by every trainer: AdamW (clipped, scheduled) on `grads`, the
+    step advanced, the state constrained to the fsdp layout under a `mesh`; `metrics` gain
+    `grad_norm` and `learning_rate`."""
+    updates, opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(
         metrics,
-        loss=loss,
         grad_norm=optax.tree.norm(grads),
-        learning_rate=learning_rate_schedule(config.optim)(state.step),
+        learning_rate=learning_rate_schedule(optim)(state.step),
     )
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     if mesh is not None:
