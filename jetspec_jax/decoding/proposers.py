@@ -10,8 +10,8 @@ own parameter pytree and state pytree:
 `prompts` `[B, T]` and `block` `[B, K]` are the tokens whose tap states are `prompt_taps` and
 `block_taps` `[n_taps, B, T|K, H]`; the first `prompt_lengths` / `num_committed` of them are real.
 
-The parallel draft model is the proposer every method serves; tests plug in oracles through the same
-interface, and foresight drafting will be another.
+The parallel draft model is the proposer every method serves; `refinement.RefiningProposer` (Jj-Rr)
+and `foresight.ForesightProposer` wrap it, and tests plug in oracles through the same interface.
 """
 
 from __future__ import annotations
