@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jetspec_jax.kernels import refinement_attention
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.rope import inverse_frequencies
 
 Params = dict
@@ -53,10 +54,8 @@ class ContextCache:
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, positions: jax.Array) -> ContextCache:
         """Writes `k`, `v` `[B, T, N_kv, D]` of positions `[B, T]` into `layer` (lengths kept)."""
-        rows = jnp.arange(k.shape[0])[:, None]
         return self.replace(
-            k=self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
+            k=write_layer(self.k, layer, k, positions), v=write_layer(self.v, layer, v, positions)
         )
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.hybrid_cache import HybridCache
+from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.linear_attention import gated_deltanet_mixer
 from jetspec_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -109,7 +110,7 @@ def _gated_attention(params, config, index, h, positions, inv_freq, kv):
         out = layers.attention(q, k, v, layers.causal_mask(positions, positions))
     else:
         k_cache, v_cache = (
-            _write(cache, index, new, positions) for cache, new in zip(kv, (k, v), strict=True)
+            write_layer(cache, index, new, positions) for cache, new in zip(kv, (k, v), strict=True)
         )
         capacity = k_cache.shape[2]
         slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
@@ -126,10 +127,3 @@ def _partial_rope(x: jax.Array, positions: jax.Array, inv_freq) -> jax.Array:
     rotary = 2 * len(inv_freq)
     rotated = apply_rope(x[..., :rotary], positions, inv_freq)
     return jnp.concatenate([rotated, x[..., rotary:]], axis=-1)
-
-
-def _write(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """`new` `[B, T, N_kv, D]` into `cache[layer]` at slot = position; writes past S are dropped
-    (only right padding lands there). Same rule as `transformer._write`."""
-    rows = jnp.arange(cache.shape[1])[:, None]
-    return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")

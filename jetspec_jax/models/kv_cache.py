@@ -47,3 +47,13 @@ class KVCache:
     def rolled_back(self, lengths: jax.Array) -> KVCache:
         """The same cache truncated to `lengths` `[B]` (each at most the current length)."""
         return self.replace(lengths=jnp.minimum(lengths.astype(jnp.int32), self.lengths))
+
+
+def write_layer(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Writes `new` `[B, T, N_kv, D]` into `cache[layer]` (`cache` is `[L, B, S, N_kv, D]`).
+
+    Slot = absolute position. Writes past the capacity are dropped: callers size the cache so that
+    no real token lands there, only the right padding of a short row can.
+    """
+    rows = jnp.arange(cache.shape[1])[:, None]
+    return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")

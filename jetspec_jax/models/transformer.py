@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.models import hybrid, layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.hybrid_cache import HybridCache
-from jetspec_jax.models.kv_cache import KVCache
+from jetspec_jax.models.kv_cache import KVCache, write_layer
 from jetspec_jax.models.rope import inverse_frequencies
 
 Params = dict
@@ -158,7 +158,7 @@ def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
         out = layers.attention(q, k, v, layers.causal_mask(positions, positions))
     else:
         k_cache, v_cache = (
-            _write(c, index, new, positions) for c, new in zip(kv_cache, (k, v), strict=True)
+            write_layer(c, index, new, positions) for c, new in zip(kv_cache, (k, v), strict=True)
         )
         capacity = k_cache.shape[2]
         slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
@@ -166,13 +166,3 @@ def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
         out = layers.attention(q, k_cache[index], v_cache[index], mask)
         kv_cache = (k_cache, v_cache)
     return layers.linear(params["o_proj"], out), kv_cache
-
-
-def _write(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """Writes `new` `[B, T, N_kv, D]` into `cache[layer]` (`cache` is `[L, B, S, N_kv, D]`).
-
-    Slot = absolute position. Writes past the capacity are dropped: callers size the cache so that
-    no real token lands there, only the right padding of a short row can.
-    """
-    rows = jnp.arange(cache.shape[1])[:, None]
-    return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")
