@@ -50,6 +50,8 @@ from jetspec_jax.decoding.outcomes import SELECTION_RULES, Calibration, hit, sel
 from jetspec_jax.decoding.refinement import LearnedProxy, RefiningProposer
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.hybrid_cache import HybridCache
+from jetspec_jax.models.kv_cache import KVCache
 from jetspec_jax.models.transformer import forward, unembed
 from jetspec_jax.training.calibration import outcome_log_likelihood
 
@@ -96,21 +98,33 @@ class Rounds:
         return self.logits_hat, self.drafts, self.k_true, self.a_true
 
 
+_SLOT_CACHES = (ContextCache, KVCache)  # slot = position: cutting back is lowering lengths
+
+
 def _at_anchors(state: Any, anchors: jax.Array) -> Any:
-    """Every `ContextCache` of a proposer / proxy state started on B rows, repeated to `B * A`
-    rows (row b's anchors together) with lengths set to the anchor positions `[B, A]`."""
+    """Every cache of a proposer / proxy state started on B rows (the draft's and adapter's
+    `ContextCache`, the decoder's `KVCache`), repeated to `B * A` rows (row b's anchors together)
+    with lengths set to the anchor positions `[B, A]`.
+
+    Raises:
+        TypeError: a cache that cannot be cut back by its lengths (a hybrid target's recurrent
+            state: calibration rounds need a dense target).
+    """
     per_row = anchors.shape[1]
 
     def at(cache):
-        if not isinstance(cache, ContextCache):
-            raise TypeError(f"can only set context lengths of ContextCache states, got {cache!r}")
-        return ContextCache(
+        if not isinstance(cache, _SLOT_CACHES):
+            raise TypeError(
+                f"calibration rounds cut caches back by their lengths, which a "
+                f"{type(cache).__name__} does not allow (hybrid targets are not supported here)"
+            )
+        return cache.replace(
             k=jnp.repeat(cache.k, per_row, axis=1),
             v=jnp.repeat(cache.v, per_row, axis=1),
             lengths=anchors.reshape(-1).astype(jnp.int32),
         )
 
-    return jax.tree.map(at, state, is_leaf=lambda x: isinstance(x, ContextCache))
+    return jax.tree.map(at, state, is_leaf=lambda x: isinstance(x, (*_SLOT_CACHES, HybridCache)))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "proposer", "proxy"))
