@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--foresight", default="4,16", help="comma-separated B values")
+    parser.add_argument(
+        "--rules", default="calibrated,uncalibrated,geometric", help="foresight selection rules"
+    )
     args = parser.parse_args()
 
     target = jetspec_jax.load_target(args.target)
@@ -82,10 +85,11 @@ def main() -> None:
             )
             assert [r.tokens for r in results] == want, f"{name} {label}: not AR's tokens"
             taus[label] = float(np.mean([r.tau for r in results]))
+            print(f"{name} {label}: tau {taus[label]:.2f}", flush=True)
         rows.append((name, taus))
         for b in budgets:
             hits = {}
-            for rule in ("calibrated", "uncalibrated", "geometric"):
+            for rule in args.rules.split(","):
                 results, session = _run(
                     target,
                     prompts,
@@ -101,6 +105,7 @@ def main() -> None:
                 stats = foresight_stats(session._state)[: len(prompts)]
                 rounds = sum(len(s["hits"]) - 1 for s in stats)  # the first round cannot hit
                 hits[rule] = sum(sum(s["hits"][1:]) for s in stats) / max(rounds, 1)
+                print(f"{name} B={b} {rule}: hit rate {hits[rule]:.2f}", flush=True)
             hit_rows.append((name, b, hits))
         print(f"{name}: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
 
@@ -121,12 +126,10 @@ def main() -> None:
             f"| {name} | " + " | ".join(f"{taus[x]:.2f}" for x in labels) + f" | {ratio:.2f} |"
         )
     lines += ["", "Foresight hit rate (J1-R1 fallback; rounds after the first):", ""]
-    lines += ["| set | B | calibrated | uncalibrated | geometric |", "|---|---:|---:|---:|---:|"]
+    rules = args.rules.split(",")
+    lines += ["| set | B | " + " | ".join(rules) + " |", "|---|---:|" + "---:|" * len(rules)]
     for name, b, hits in hit_rows:
-        lines.append(
-            f"| {name} | {b} | {hits['calibrated']:.2f} | {hits['uncalibrated']:.2f} | "
-            f"{hits['geometric']:.2f} |"
-        )
+        lines.append(f"| {name} | {b} | " + " | ".join(f"{hits[r]:.2f}" for r in rules) + " |")
     body = "\n".join(lines)
     print(body)
     write_section("refinement_ablation", body)

@@ -5,8 +5,16 @@ from __future__ import annotations
 import os
 import pathlib
 
-import jax
-import pytest
+# The tests run tiny models, so XLA's compile time dominates their cost: turn the CPU backend's
+# LLVM optimisations down (about a third less CPU time). Numerics are unchanged (fast-math stays
+# off); set before the backend starts, and inherited by the tests' subprocesses.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Two CPU devices for the multi-device tests (sharded training, pipelined rounds); everything else

@@ -35,7 +35,7 @@ def _sequence(batch=2, length=PROMPT + BLOCK, seed=0):
     return jnp.asarray(rng.integers(0, 97, (batch, length)), jnp.int32)
 
 
-@pytest.mark.parametrize("taps", [(0, 1), (1,), (0, 2)])
+@pytest.mark.parametrize("taps", [(0, 1), (0, 2)])
 def test_decoder_on_true_states_gives_the_target_logits(any_target, taps):
     """Fed the target's own deepest-tap states, the decoder reproduces the target's logits, for
     a context filled in two ragged steps (prompt, then a partly committed block)."""
