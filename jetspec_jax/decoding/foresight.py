@@ -52,7 +52,7 @@ from jetspec_jax.decoding.outcomes import (
     outcome_log_scores,
     select_outcomes,
 )
-from jetspec_jax.decoding.proposers import _NOISE_KEY, DraftProposer
+from jetspec_jax.decoding.proposers import NOISE_KEY, DraftProposer
 from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
 from jetspec_jax.decoding.speculative import SpecState, commit_round, verify_block
 from jetspec_jax.models.config import TransformerConfig
@@ -290,7 +290,7 @@ def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):
     count = block.shape[1] - 1
 
     def one(tokens, block_row, start, anchor, a):
-        key = jax.random.fold_in(jax.random.key(_NOISE_KEY), anchor)
+        key = jax.random.fold_in(jax.random.key(NOISE_KEY), anchor)
         idx = jax.random.randint(key, (count,), 0, anchor + 1)
         picked = tokens[idx]
         in_block = (idx >= start) & (idx < anchor)

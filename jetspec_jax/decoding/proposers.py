@@ -34,8 +34,9 @@ from jetspec_jax.models.draft import (
 from jetspec_jax.models.transformer import output_kernel
 
 # Fixed key of the first-pass noise of token-input drafts: not the request's seed, so that greedy
-# drafts (and hence the number of target forwards) do not depend on it.
-_NOISE_KEY = 0x5EED
+# drafts (and hence the number of target forwards) do not depend on it. Foresight's candidate
+# blocks draw the same noise, so a hit equals the fallback's block under an exact proxy.
+NOISE_KEY = 0x5EED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _first_pass_noise(sequence, anchor_positions, count):
     """
 
     def row(tokens, anchor_pos):
-        key = jax.random.fold_in(jax.random.key(_NOISE_KEY), anchor_pos)
+        key = jax.random.fold_in(jax.random.key(NOISE_KEY), anchor_pos)
         idx = jax.random.randint(key, (count,), 0, anchor_pos + 1)
         return tokens[idx]
 
