@@ -54,7 +54,7 @@ from jetspec_jax.decoding.outcomes import (
 )
 from jetspec_jax.decoding.proposers import NOISE_KEY, DraftProposer
 from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
-from jetspec_jax.decoding.speculative import SpecState, commit_round, verify_block
+from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import (
     draft_hidden_candidates,
@@ -375,15 +375,11 @@ def decode_foresight(
 ) -> SpecState:
     """`decode_speculative` with foresight rounds on one device (the pipeline's reference)."""
 
-    def not_finished(carry):
-        step, s = carry
-        return (step < max_rounds) & jnp.any(~s.decode.done)
-
-    def one_round(carry):
-        step, s = carry
-        return step + 1, foresight_round(params, proposer_params, s, requests, config, proposer)
-
-    return jax.lax.while_loop(not_finished, one_round, (jnp.int32(0), state))[1]
+    return run_rounds(
+        lambda s: foresight_round(params, proposer_params, s, requests, config, proposer),
+        state,
+        max_rounds,
+    )
 
 
 def foresight_stats(state: SpecState) -> list[dict]:

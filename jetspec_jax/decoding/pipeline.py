@@ -57,6 +57,7 @@ from jetspec_jax.decoding.speculative import (
     SpecState,
     commit_round,
     decode_speculative,
+    run_rounds,
     verify_block,
 )
 from jetspec_jax.models.config import TransformerConfig
@@ -105,8 +106,7 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
         got = jax.lax.ppermute(tree, STAGE, [(TARGET_STAGE, DRAFT_STAGE)])
         return jax.tree.map(lambda own, x: jnp.where(is_draft, x, own), tree, got)
 
-    def one_round(carry):
-        step, s = carry
+    def one_round(s):
         d = s.decode
         active = ~d.done
         anchor, anchor_pos = d.last_token, d.cache.lengths
@@ -155,13 +155,9 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
             lambda: proposer.observe(pp, params, pstate, block, taps, num_committed),
             lambda: pstate,
         )
-        return step + 1, s.replace(proposer=pstate)
+        return s.replace(proposer=pstate)
 
-    def not_finished(carry):
-        step, s = carry
-        return (step < max_rounds) & jnp.any(~s.decode.done)
-
-    state = jax.lax.while_loop(not_finished, one_round, (jnp.int32(0), state))[1]
+    state = run_rounds(one_round, state, max_rounds)
     return jax.tree.map(lambda x: x[None], state)
 
 

@@ -99,15 +99,24 @@ def decode_speculative(
         The advanced carry.
     """
 
+    return run_rounds(
+        lambda s: _round(params, proposer_params, s, requests, config, proposer), state, max_rounds
+    )
+
+
+def run_rounds(one_round, state: SpecState, max_rounds: jax.Array) -> SpecState:
+    """`one_round(state) -> state` in a `lax.while_loop` until every row is done or `max_rounds`
+    rounds have run (the loop of every speculative round: plain, foresight, pipelined)."""
+
     def not_finished(carry):
         step, s = carry
         return (step < max_rounds) & jnp.any(~s.decode.done)
 
-    def one_round(carry):
+    def body(carry):
         step, s = carry
-        return step + 1, _round(params, proposer_params, s, requests, config, proposer)
+        return step + 1, one_round(s)
 
-    return jax.lax.while_loop(not_finished, one_round, (jnp.int32(0), state))[1]
+    return jax.lax.while_loop(not_finished, body, (jnp.int32(0), state))[1]
 
 
 def _round(params, proposer_params, s: SpecState, requests, config, proposer) -> SpecState:
