@@ -38,6 +38,7 @@ from jetspec_jax.checkpoint.hf_params import (
     tree_from_tensors,
     validate_names_and_shapes,
 )
+from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.config import RopeConfig, TransformerConfig
 
@@ -172,14 +173,9 @@ def load_adapter(path: str | pathlib.Path, draft):
 
     path = pathlib.Path(path)
     config_file = path / CONFIG_FILE
-    if not path.is_dir():
-        raise CheckpointError(f"adapter directory {path} does not exist")
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file} not found: an adapter directory needs a config.json")
-    try:
-        data = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+    data = read_json(
+        path, CONFIG_FILE, "adapter directory", "an adapter directory needs a config.json"
+    )
     config = adapter_config_from_dict(data, str(config_file))
     check_adapter_matches_draft(config, draft)
     located = locate_tensors(path)

@@ -29,6 +29,7 @@ from typing import Any
 from jetspec_jax.checkpoint.adapter_files import load_adapter, save_adapter
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.json_files import read_json
 
 MANIFEST = "jetspec_pp.json"
 FORMAT = "jetspec_pp"
@@ -126,16 +127,8 @@ def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
         CheckpointError: missing, not JSON, unknown or missing keys (named), another format or a
             version this code does not read, or a malformed `contents`.
     """
-    path = pathlib.Path(path)
-    file = path / MANIFEST
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    if not file.is_file():
-        raise CheckpointError(f"{file} not found: not a JetSpec++ checkpoint")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    file = pathlib.Path(path) / MANIFEST
+    data = read_json(path, MANIFEST, "checkpoint directory", "not a JetSpec++ checkpoint")
     if not isinstance(data, dict):
         raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
     if data.get("format") != FORMAT:

@@ -12,11 +12,11 @@ text model's fields under `text_config`); we load the text model of either (our
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.config import (
     SUPPORTED_MODEL_TYPES,
     SUPPORTED_ROPE_TYPES,
@@ -53,15 +53,12 @@ _QWEN3_5_FULL_ATTENTION_INTERVAL = 4
 
 def read_hf_config(checkpoint_dir: str | pathlib.Path) -> dict[str, Any]:
     """The parsed `config.json` of an HF checkpoint directory."""
-    path = pathlib.Path(checkpoint_dir) / "config.json"
-    if not pathlib.Path(checkpoint_dir).is_dir():
-        raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found: an HF checkpoint directory needs a config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    return read_json(
+        checkpoint_dir,
+        "config.json",
+        "checkpoint directory",
+        "an HF checkpoint directory needs a config.json",
+    )
 
 
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:

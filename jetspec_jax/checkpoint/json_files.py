@@ -1,0 +1,33 @@
+"""Reading a checkpoint directory's JSON files, with errors that name the file and what it is."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from jetspec_jax.checkpoint.errors import CheckpointError
+
+
+def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str) -> Any:
+    """The parsed `directory/name`.
+
+    Args:
+        directory: the checkpoint directory.
+        name: the file's name in it.
+        what: the directory's kind, for the error when it does not exist ("adapter directory").
+        missing: why the file matters, for the error when it is absent.
+
+    Raises:
+        CheckpointError: the directory or the file is missing, or the file is not valid JSON.
+    """
+    directory = pathlib.Path(directory)
+    file = directory / name
+    if not directory.is_dir():
+        raise CheckpointError(f"{what} {directory} does not exist")
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found: {missing}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from e
