@@ -17,6 +17,7 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline
 from jetspec_jax.decoding.session import DecodeSession
 from tests.test_foresight import (
+    BLOCK,
     HITS,
     MISSES,
     MIXED,
@@ -27,6 +28,7 @@ from tests.test_foresight import (
     make_prompts,
     run,
 )
+from tests.tiny_models import make_hybrid_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +96,16 @@ def test_pipeline_is_refused_on_one_device(target, draft, monkeypatch):
         DecodeSession(
             target, [[1, 2]], draft=learned, method="jetspec++", foresight=2, pipeline=True
         )
+
+
+def test_pipelined_round_on_a_hybrid_target(tmp_path_factory):
+    """Qwen3.5 hybrid: the verify stage's Gated DeltaNet states roll back across the pipeline
+    (recompute of the committed prefix) and the tokens stay exactly AR's, greedy and sampled."""
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+    hybrid = jetspec_jax.load_target(path)
+    prompts = make_prompts()
+    oracle = ScaledOracleDraft(make_draft(hybrid), MIXED)
+    for sampling in ({}, dict(temperature=1.0, top_p=0.9, seed=3)):
+        tokens, outcomes, _ = run(hybrid, prompts, oracle, pipeline=True, **sampling)
+        assert tokens == _ar(hybrid, prompts, **sampling)
+        assert any(k < BLOCK - 1 for row in outcomes for k, _ in row)  # rejections happened

@@ -103,6 +103,11 @@ HYBRID_VARIANTS = {
             "linear_attention",
         ],
     ),
+    # A vocabulary of 8, for the statistical sampling test.
+    "qwen3_5_vocab8": dict(
+        vocab_size=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    ),
     "qwen3_5_tied": dict(
         tie_word_embeddings=True,
         attention_bias=True,

@@ -91,6 +91,38 @@ def replicate(tree):
     return jax.device_put(tree, NamedSharding(stage_mesh(), P()))
 
 
+def _permute_packed(tree, pairs):
+    """`ppermute` of a whole pytree as one collective over one packed uint32 buffer: one launch
+    and one rendezvous per exchange rather than one per leaf (the tap states, the accepted counts
+    and the tokens travel together)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    words = jnp.concatenate([_to_words(x).reshape(-1) for x in leaves])
+    words = jax.lax.ppermute(words, STAGE, pairs)
+    out, start = [], 0
+    for x in leaves:
+        out.append(_from_words(words[start : start + x.size].reshape(x.shape), x.dtype))
+        start += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _to_words(x: jax.Array) -> jax.Array:
+    """`x` as uint32 holding its bits (widened for 8- and 16-bit dtypes)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+
+
+def _from_words(words: jax.Array, dtype) -> jax.Array:
+    """The inverse of `_to_words`."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return words != 0
+    return jax.lax.bitcast_convert_type(words.astype(_UINT[dtype.itemsize]), dtype)
+
+
 def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config, proposer):
     """The per-device program (inside `shard_map`); returns this device's carry as `[1, ...]`."""
     stage = jax.lax.axis_index(STAGE)
@@ -99,11 +131,11 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
     k_len = proposer.block_size
 
     def from_draft(tree):  # stage 1's values on both stages
-        got = jax.lax.ppermute(tree, STAGE, [(DRAFT_STAGE, TARGET_STAGE)])
+        got = _permute_packed(tree, [(DRAFT_STAGE, TARGET_STAGE)])
         return jax.tree.map(lambda own, x: jnp.where(is_draft, own, x), tree, got)
 
     def from_target(tree):  # stage 0's values on both stages
-        got = jax.lax.ppermute(tree, STAGE, [(TARGET_STAGE, DRAFT_STAGE)])
+        got = _permute_packed(tree, [(TARGET_STAGE, DRAFT_STAGE)])
         return jax.tree.map(lambda own, x: jnp.where(is_draft, x, own), tree, got)
 
     def one_round(s):

@@ -7,7 +7,7 @@ Per head, with state `S` `[Dk, Dv]`, decay `g_t <= 0` (log space) and write stre
     o_t = S_t^T q_t
 
 `chunked` computes it for a whole sequence with matmuls: within a chunk of C positions the C
-updates collapse, through a unit lower-triangular solve (the "UT transform"), into one low-rank
+updates collapse, through a unit lower-triangular inverse (the "UT transform"), into one low-rank
 correction, and only the chunk boundaries are sequential (a `lax.scan` over T / C chunks). A
 16-token verification block is one chunk: no per-token loop. `step` is the one-token form for
 autoregressive decoding. Both match transformers' `torch_chunk_gated_delta_rule` /
@@ -45,6 +45,38 @@ def prepare_qk(q: jax.Array, k: jax.Array, num_value_heads: int) -> tuple[jax.Ar
     return jnp.repeat(q, repeats, axis=2), jnp.repeat(k, repeats, axis=2)
 
 
+def unit_lower_inverse(strict: jax.Array) -> jax.Array:
+    """`(I + N)^-1` for strictly lower triangular `N` `[..., C, C]`, C a power of two.
+
+    Blocked forward substitution with matmuls only: the inverses of the diagonal blocks double in
+    size each level, `[[A, 0], [L, D]]^-1 = [[A^-1, 0], [-D^-1 L A^-1, D^-1]]`, log2(C) levels.
+    This is substitution's arithmetic regrouped (as stable as a triangular solve; unlike the
+    power series `sum (-N)^m`, which cancels catastrophically when keys are nearly parallel). No
+    LAPACK call either: on XLA:CPU the batched `trsm` waits on the same thread pool that the
+    pipelined round's collectives block, and deadlocks a 2-core host.
+    """
+    size = strict.shape[-1]
+    batch = strict.shape[:-2]
+    eye = jnp.eye(size, dtype=strict.dtype)
+    blocks = jnp.ones((*batch, size, 1, 1), strict.dtype)  # the 1 x 1 diagonal blocks of I + N
+    width = 1
+    while width < size:
+        pairs = size // (2 * width)
+        # M's blocks of size 2w on the diagonal, split into halves: [..., pairs, 2, w, 2, w].
+        m = (strict + eye).reshape(*batch, pairs, 2 * width, pairs, 2 * width)
+        m = jnp.diagonal(m, axis1=-4, axis2=-2)  # [..., 2w, 2w, pairs]
+        m = jnp.moveaxis(m, -1, -3).reshape(*batch, pairs, 2, width, 2, width)
+        a_inv, d_inv = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+        low = -jnp.einsum(
+            "...ij,...jk,...kl->...il", d_inv, m[..., 1, :, 0, :], a_inv, precision=_HI
+        )
+        top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+        bottom = jnp.concatenate([low, d_inv], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)  # [..., pairs, 2w, 2w]
+        width *= 2
+    return blocks[..., 0, :, :]
+
+
 def chunked(
     q: jax.Array | None,
     k: jax.Array,
@@ -72,7 +104,7 @@ def chunked(
     """
     f32 = jnp.float32
     length = k.shape[1]
-    size = min(chunk_size, length)
+    size = min(chunk_size, 1 << (length - 1).bit_length())  # a power of two (see the inverse)
     pad = -length % size
 
     def chunks(x):  # [B, T, H, ...] -> [n, B, H, C, ...] (scan axis first)
@@ -87,14 +119,13 @@ def chunked(
     # decay[i, j] = exp(cum_i - cum_j) for j <= i (the exponent is <= 0 there: no overflow).
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0)), 0)
     k_beta = k * beta[..., None]
-    # UT transform: (I + strictly_lower(beta_i k_i.k_j decay_ij)) X = rhs.
+    # UT transform: X = (I + strictly_lower(beta_i k_i.k_j decay_ij))^-1, applied to two rhs.
     system = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=_HI) * decay
-    system = jnp.where(jnp.tril(lower, -1), system, 0) + jnp.eye(size, dtype=f32)
-    solve = jax.vmap(  # over the chunk axis keeps the batched solve's rank fixed
-        lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True, unit_diagonal=True)
+    inverse = unit_lower_inverse(jnp.where(jnp.tril(lower, -1), system, 0))
+    new_values = jnp.einsum("...ij,...jv->...iv", inverse, v * beta[..., None], precision=_HI)
+    k_cumdecay = jnp.einsum(
+        "...ij,...jk->...ik", inverse, k_beta * jnp.exp(cum)[..., None], precision=_HI
     )
-    new_values = solve(system, v * beta[..., None])  # [n, B, H, C, Dv]
-    k_cumdecay = solve(system, k_beta * jnp.exp(cum)[..., None])  # [n, B, H, C, Dk]
     k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]  # decayed to the chunk's end
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [n, B, H, 1, 1]
 
