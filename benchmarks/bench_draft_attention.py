@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import statistics
 import sys
 import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.kernel_timing import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
 from jetspec_jax.kernels import Tiling, refinement_attention  # noqa: E402
 
@@ -66,7 +65,6 @@ class Shape:
 FULL_GRID = [Shape(c, s) for c in (1, 4, 16) for s in (512, 1024, 2048, 4096, 8192)]
 SMOKE_GRID = [Shape(c, s, 4, 4, 2, 16) for c in (1, 2) for s in (40, 64)]
 CHECK_SHAPES = [Shape(1, 1000), Shape(4, 2048), Shape(16, 520)]  # incl. S not a tile multiple
-ITERS, REPEATS = 20, 5
 
 
 def operands(shape: Shape, dtype, seed: int = 0):
@@ -124,22 +122,6 @@ def cudnn_fns(shape: Shape):
     return full, alone
 
 
-def seconds(fn, args) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(ITERS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / ITERS)
-    return statistics.median(times)
-
-
-def max_err(a, b) -> float:
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-
-
 def check(shapes, kernel_impl: str, tilings: dict) -> list[str]:
     """Correctness lines; a line starting with FAIL fails the run."""
     lines = []
@@ -162,7 +144,7 @@ def check(shapes, kernel_impl: str, tilings: dict) -> list[str]:
                         f"reference {max_err(ref, exact):.2e})"
                     )
                 except Exception as e:  # noqa: BLE001 - record and go on: one run, all facts
-                    lines.append(f"FAIL {shape} {jnp.dtype(dtype).name} {name}: {_first_line(e)}")
+                    lines.append(f"FAIL {shape} {jnp.dtype(dtype).name} {name}: {first_line(e)}")
     lines.append(check_cudnn_form(shapes[0]))
     shape = shapes[0]
     args = operands(shape, jnp.float32, seed=1)
@@ -181,7 +163,7 @@ def check(shapes, kernel_impl: str, tilings: dict) -> list[str]:
         err = max(max_err(a, b) for a, b in zip(grad(kernel_impl), grad("reference"), strict=True))
         lines.append(f"{'ok' if err <= 1e-5 else 'FAIL'} gradients {shape}: max error {err:.2e}")
     except Exception as e:  # noqa: BLE001
-        lines.append(f"FAIL gradients {shape}: {_first_line(e)}")
+        lines.append(f"FAIL gradients {shape}: {first_line(e)}")
     return lines
 
 
@@ -207,11 +189,7 @@ def check_cudnn_form(shape: Shape) -> str:
             f"(bound {bound:.2e})"
         )
     except Exception as e:  # noqa: BLE001
-        return f"FAIL {shape} {name} baseline: {_first_line(e)}"
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+        return f"FAIL {shape} {name} baseline: {first_line(e)}"
 
 
 def timings(shapes, kernel_impl: str, tilings: dict, with_cudnn: bool) -> tuple[list, list]:
@@ -224,7 +202,7 @@ def timings(shapes, kernel_impl: str, tilings: dict, with_cudnn: bool) -> tuple[
             try:
                 kernel[name] = seconds(attention_fn(kernel_impl, tiling), args)
             except Exception as e:  # noqa: BLE001
-                notes.append(f"kernel {name} at {shape}: {_first_line(e)}")
+                notes.append(f"kernel {name} at {shape}: {first_line(e)}")
         cudnn_full = cudnn_alone = None
         if with_cudnn:
             full, alone = cudnn_fns(shape)
@@ -232,7 +210,7 @@ def timings(shapes, kernel_impl: str, tilings: dict, with_cudnn: bool) -> tuple[
                 cudnn_full = seconds(full, args)
                 cudnn_alone = seconds(alone, jax.jit(cudnn_inputs)(*args))
             except Exception as e:  # noqa: BLE001
-                notes.append(f"cudnn at {shape}: {_first_line(e)}")
+                notes.append(f"cudnn at {shape}: {first_line(e)}")
         rows.append((shape, ref_s, kernel, cudnn_full, cudnn_alone))
         best = min(kernel.values()) if kernel else float("nan")
         print(

@@ -48,10 +48,10 @@ GPU_TILING = Tiling(block_q=64, block_kv=64, num_warps=4, num_stages=2)
 TPU_TILING = Tiling(block_q=128, block_kv=128, kv_splits=1)
 
 
-def check_impl(impl: str) -> None:
-    """Raises ValueError unless `impl` is one of `IMPLS`."""
+def check_impl(impl: str, what: str = "attention impl") -> None:
+    """Raises ValueError unless `impl` (the `what` of the message) is one of `IMPLS`."""
     if impl not in IMPLS:
-        raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        raise ValueError(f"{what} must be one of {', '.join(IMPLS)}, got {impl!r}")
 
 
 def pallas_backend(platform: str | None = None) -> str | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jetspec_jax.kernels.refinement import check_impl
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_5")
 LAYER_TYPES = ("full_attention", "linear_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -77,6 +79,9 @@ class TransformerConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Runtime choice, not part of the checkpoint: how the Gated DeltaNet recurrence runs
+    # (`jetspec_jax.kernels.delta_rule`: "auto", "reference", "pallas", "pallas_interpret").
+    recurrence_impl: str = "auto"
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -90,6 +95,7 @@ class TransformerConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        check_impl(self.recurrence_impl, "recurrence_impl")
         if self.is_hybrid:
             self._check_hybrid()
         elif self.layer_types:

@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.kernels.delta_rule import chunked_delta_rule
 from jetspec_jax.models import gated_deltanet
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.layers import linear
@@ -96,7 +97,7 @@ def gated_deltanet_mixer(
         )
         out = out[:, None]
     else:
-        out, new_state = gated_deltanet.chunked(q, k_rep, v, g, beta, state)
+        out, new_state = chunked_delta_rule(q, k_rep, v, g, beta, state, impl=c.recurrence_impl)
 
     z = linear(params["in_proj_z"], h).reshape(batch, length, hv, dv)
     out = _gated_rms_norm(params["norm"], out.astype(h.dtype), z, c.rms_norm_eps)

@@ -1,0 +1,149 @@
+"""The gated-delta-rule kernel (Pallas, interpreted on CPU) against the XLA chunked form, its
+lowering for GPUs, the impl switch, and the hybrid target running on it end to end.
+
+The XLA form (`gated_deltanet.chunked`) is itself checked against transformers' recurrence in
+`test_qwen3_5_parity.py`; here it is the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.kernels import chunked_delta_rule, delta_rule, pallas_delta_rule
+from jetspec_jax.models import gated_deltanet
+from jetspec_jax.models.config import TransformerConfig
+
+pytest.importorskip("torch")  # the tiny hybrid checkpoint is made with transformers
+
+from tests.tiny_models import make_hybrid_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hybrid_target(tmp_path_factory):
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+    return jetspec_jax.load_target(path)
+
+
+def _operands(batch, length, key_heads, heads, dk, dv, *, seed=0, parallel_keys=False):
+    """Prepared q, k (l2-normed, heads repeated), v, g <= 0, beta in (0, 1), a nonzero state.
+
+    `parallel_keys`: every key is close to the first one and beta is near 1, the regime where
+    the UT transform's matrix is nearly all ones below the diagonal (its power series would
+    cancel catastrophically in float32; substitution must not).
+    """
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (batch, length, key_heads, dk))
+    k = jax.random.normal(ks[1], (batch, length, key_heads, dk))
+    if parallel_keys:
+        k = k[:, :1] + 0.05 * k
+    q, k = gated_deltanet.prepare_qk(q, k, heads)
+    v = jax.random.normal(ks[2], (batch, length, heads, dv))
+    g = -0.3 * jax.nn.softplus(jax.random.normal(ks[3], (batch, length, heads)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, length, heads)) + 3 * parallel_keys)
+    state = jax.random.normal(ks[5], (batch, heads, dk, dv))
+    return q, k, v, g, beta, state
+
+
+# (B, T, Hk, H, Dk, Dv, parallel_keys): what each case exercises is in its id.
+CASES = {
+    "verify-block-16": (2, 16, 1, 2, 16, 16, True),
+    "gqa2-dk-ne-dv-37-not-a-chunk-multiple": (1, 37, 2, 4, 16, 32, False),
+    "three-chunks-parallel-keys": (1, 150, 1, 2, 16, 16, True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_the_xla_form(case):
+    *shape, parallel = CASES[case]
+    args = _operands(*shape, parallel_keys=parallel)
+    want_out, want_state = chunked_delta_rule(*args, impl="reference")
+    got_out, got_state = chunked_delta_rule(*args, impl="pallas_interpret")
+    assert got_out.shape == want_out.shape and got_state.shape == want_state.shape
+    assert float(jnp.max(jnp.abs(got_out - want_out))) <= 1e-5
+    assert float(jnp.max(jnp.abs(got_state - want_state))) <= 1e-5
+
+
+def test_chunk_step_solves_the_ut_transform_stably():
+    """One 64-position chunk with nearly parallel keys, against a float64 solve of the same
+    system: substitution keeps float32 accuracy where a power series would not."""
+    q, k, v, g, beta, state = _operands(1, 64, 1, 1, 16, 16, parallel_keys=True)
+    q, k, v, g, beta = (np.asarray(x[0, :, 0]) for x in (q, k, v, g, beta))
+    state = np.asarray(state[0, 0])
+    out, new_state = pallas_delta_rule.chunk_step(
+        *(jnp.asarray(x) for x in (q, k, v, g[:, None], g[None, :], beta[:, None], state)),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    # The recurrence itself, token by token, in float64.
+    s, want = state.astype(np.float64), []
+    for t in range(64):
+        s = s * np.exp(g[t])
+        s = s + np.outer(k[t], beta[t] * (v[t] - s.T @ k[t]))
+        want.append(s.T @ q[t])
+    assert np.max(np.abs(np.asarray(out) - np.stack(want))) <= 1e-4
+    assert np.max(np.abs(np.asarray(new_state) - s)) <= 1e-4
+
+
+def test_kernel_lowers_for_gpu_at_qwen3_8_27b_shapes():
+    """Pallas' Triton lowering accepts the kernel, from CPU: a verification block and a prefill
+    at the 27B's 48 value heads of 128 channels. (Triton's PTX compile runs only on a GPU.)"""
+    for length in (16, 2048):
+        x = jax.ShapeDtypeStruct((1, length, 48, 128), jnp.float32)
+        g = jax.ShapeDtypeStruct((1, length, 48), jnp.float32)
+        state = jax.ShapeDtypeStruct((1, 48, 128, 128), jnp.float32)
+        call = functools.partial(
+            pallas_delta_rule.kernel_call,
+            chunk=min(length, delta_rule.MAX_CHUNK),
+            num_warps=4,
+            num_stages=1,
+            interpret=False,
+        )
+        text = jax.jit(call).trace(x, x, x, g, g, state).lower(lowering_platforms=("cuda",))
+        assert "triton" in text.as_text()
+
+
+def test_impl_selection():
+    args = _operands(1, 16, 1, 2, 16, 16)
+    with pytest.raises(ValueError, match="must be one of"):
+        chunked_delta_rule(*args, impl="cuda")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="needs a GPU"):
+            chunked_delta_rule(*args, impl="pallas")
+    assert delta_rule.kernel_supports((1, 16, 2, 16), (1, 16, 2, 16), "interpret") is None
+    assert "power-of-two" in delta_rule.kernel_supports((1, 16, 2, 16), (1, 16, 2, 12), "triton")
+    assert "TPU" in delta_rule.kernel_supports((1, 16, 2, 128), (1, 16, 2, 128), "tpu")
+    with pytest.raises(ValueError, match="recurrence_impl must be one of"):
+        TransformerConfig("qwen3", 8, 8, 8, 1, 2, 2, 4, recurrence_impl="fast")
+
+
+def test_hybrid_target_is_the_same_on_the_kernel(hybrid_target):
+    """Greedy speculative decoding of the tiny hybrid target (prefill over several chunks, then
+    verification blocks) gives the same tokens with the recurrence on the interpreted kernel."""
+    kernel_config = dataclasses.replace(hybrid_target.config, recurrence_impl="pallas_interpret")
+    on_kernel = dataclasses.replace(hybrid_target, config=kernel_config)
+    draft = jetspec_jax.init_draft(hybrid_target, variant="jetspec", block_size=4, seed=0)
+    prompt = np.random.default_rng(0).integers(0, 97, 70).tolist()
+    tokens = [
+        jetspec_jax.generate(
+            target, prompt, draft=draft, method="jetspec", max_new_tokens=12, stop_token_ids=[]
+        ).tokens
+        for target in (hybrid_target, on_kernel)
+    ]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("size", [1, 2, 16, 64])
+def test_unit_lower_inverse_is_the_inverse(size):
+    """The XLA form's blocked inverse against float64 `inv`, with the nearly-all-ones strict lower
+    part of nearly parallel keys (where the power series would lose every digit)."""
+    rng = np.random.default_rng(size)
+    strict = np.tril(0.95 + 0.05 * rng.random((3, size, size)), -1).astype(np.float32)
+    got = np.asarray(gated_deltanet.unit_lower_inverse(jnp.asarray(strict)))
+    want = np.linalg.inv(np.eye(size) + strict.astype(np.float64))
+    assert np.max(np.abs(got - want)) <= 1e-5
