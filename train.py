@@ -58,7 +58,7 @@ def _train(args: argparse.Namespace) -> int:
     """Trains (or resumes) the run a config describes."""
     from jetspec_jax.training.config import load_train_config
 
-    config = load_train_config(args.config)  # validated before JAX starts
+    config = load_train_config(args.config, args.overrides)  # validated before JAX starts
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     if args.coordinator:
@@ -89,7 +89,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
     """Trains (or resumes) the adapter of the run a config describes, for its trained draft."""
     from jetspec_jax.training.config import load_train_config
 
-    config = load_train_config(args.config)  # validated before JAX starts
+    config = load_train_config(args.config, args.overrides)  # validated before JAX starts
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
     from jetspec_jax.training.adapter_trainer import train_adapter
@@ -306,6 +306,14 @@ def _parser() -> argparse.ArgumentParser:
 
     draft = commands.add_parser("draft", help="train a draft from a YAML config (resumable)")
     draft.add_argument("--config", required=True, help="training config (see configs/)")
+    draft.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override a config value (repeatable), e.g. --set draft.variant=dflash",
+    )
     draft.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
     draft.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
     draft.add_argument("--num-processes", type=int, default=None)
@@ -316,6 +324,14 @@ def _parser() -> argparse.ArgumentParser:
         "adapter", help="train the adapter for a trained draft from a YAML config (resumable)"
     )
     adapter.add_argument("--config", required=True, help="training config (its adapter section)")
+    adapter.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help="override a config value (repeatable), e.g. --set adapter.optim.steps=200",
+    )
     adapter.add_argument(
         "--draft", default=None, help="the trained draft's directory (default: <run.dir>/draft)"
     )

@@ -210,6 +210,28 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         load_train_config(path)
 
 
+def test_command_line_overrides_are_typed_and_validated(tmp_path):
+    """`train.py draft --set KEY=VALUE`: how the baseline drafts reuse one config."""
+    from jetspec_jax.training.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {files: [a.jsonl]}\ndraft: {variant: jetspec++}\n")
+    config = load_train_config(
+        path,
+        ["draft.variant=dflash", "optim.steps=500", "data.files=[b.jsonl, c.jsonl]", "run.dir=x"],
+    )
+    assert config.draft.variant == "dflash" and config.optim.steps == 500
+    assert config.data.files == ("b.jsonl", "c.jsonl") and config.run.dir == "x"
+    with pytest.raises(ValueError, match="section.key=value"):
+        load_train_config(path, ["draft.variant"])
+    with pytest.raises(ValueError, match="draft.variant is not a section"):
+        load_train_config(path, ["draft.variant.x=1"])
+    with pytest.raises(ValueError, match="unknown key.*draft.varient"):
+        load_train_config(path, ["draft.varient=dflash"])
+    with pytest.raises(ValueError, match="optim.steps must be an integer"):
+        load_train_config(path, ["optim.steps=many"])
+
+
 @pytest.mark.parametrize("variant", ["dflash", "jetspec++"])
 def test_training_forward_equals_the_inference_forward_block_by_block(target, variant):
     # (jitted pieces: op-by-op execution of a forward is slow on CPU)

@@ -7,6 +7,8 @@ falls back to a default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import dataclasses
 import math
 import pathlib
@@ -177,13 +179,20 @@ def resolve_steps(config: TrainConfig, num_examples: int) -> TrainConfig:
     return dataclasses.replace(config, optim=optim)
 
 
-def load_train_config(path: str | pathlib.Path) -> TrainConfig:
-    """Reads and validates a YAML training config.
+def load_train_config(
+    path: str | pathlib.Path, overrides: Sequence[str] = ()
+) -> TrainConfig:
+    """Reads and validates a YAML training config, with command-line overrides applied.
+
+    Args:
+        path: the YAML file.
+        overrides: `"dotted.key=value"` strings, applied in order before validation; the value is
+            parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: malformed YAML, an unknown key, a missing required key, a wrong type or an
-            invalid value, named by its dotted path.
+        ValueError: malformed YAML or override, an unknown key, a missing required key, a wrong
+            type or an invalid value, named by its dotted path.
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -192,7 +201,29 @@ def load_train_config(path: str | pathlib.Path) -> TrainConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path} is not valid YAML: {e}") from e
-    return from_dict(TrainConfig, data or {}, "")
+    data = data or {}
+    for override in overrides:
+        _apply_override(data, override)
+    return from_dict(TrainConfig, data, "")
+
+
+def _apply_override(data: dict, override: str) -> None:
+    """Sets `data[k1][k2]... = value` for `"k1.k2...=value"` (sections created as needed; the
+    keys themselves are checked by `from_dict`)."""
+    key, sep, text = override.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not all(keys):
+        raise ValueError(f"override {override!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {override!r}: the value is not valid YAML: {e}") from e
+    node = data
+    for i, name in enumerate(keys[:-1]):
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {override!r}: {'.'.join(keys[: i + 1])} is not a section")
+    node[keys[-1]] = value
 
 
 def from_dict(cls, data: Any, where: str):
