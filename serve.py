@@ -13,6 +13,7 @@ as it is produced, then prints tokens/s, tau and a speedup estimate to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -30,6 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(args)
 
 
+def _decoding_options(args):
+    """The `DecodingOptions` of the command line (validated: a ValueError names the bad flag)."""
+    from jetspec_jax import DecodingOptions
+
+    return DecodingOptions(
+        method=args.method,
+        refine_passes=args.refine_passes,
+        refreshes=args.refreshes,
+        foresight=args.foresight,
+        foresight_rule=args.foresight_rule,
+        pipeline=args.pipeline,
+    )
+
+
 def _serve(args) -> int:
     import jetspec_jax  # deferred so that --help answers at once
     from jetspec_jax.serving import ServerConfig, serve
@@ -37,11 +52,7 @@ def _serve(args) -> int:
     try:
         config = ServerConfig(
             model_name=args.model_name,
-            method=args.method,
-            refine_passes=args.refine_passes,
-            refreshes=args.refreshes,
-            foresight=args.foresight,
-            pipeline=args.pipeline,
+            decoding=_decoding_options(args),
             api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
             max_batch_size=args.max_batch_size,
             queue_size=args.queue_size,
@@ -71,6 +82,7 @@ def _generate(args) -> int:
         )
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        options = _decoding_options(args)
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         draft = jetspec_jax.load_draft(args.draft, target) if args.draft else None
         if target.tokenizer is None:
@@ -89,11 +101,7 @@ def _generate(args) -> int:
             prompt_ids,
             chunk_steps=args.chunk_steps,
             draft=draft,
-            method=args.method,
-            refine_passes=args.refine_passes,
-            refreshes=args.refreshes,
-            foresight=args.foresight,
-            pipeline=args.pipeline,
+            **dataclasses.asdict(options),
             **request,
         )
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
@@ -170,6 +178,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="jetspec++: draft the next block ahead for B likely outcomes (draft with adapter; "
         "default 0: off)",
+    )
+    parser.add_argument(
+        "--foresight-rule",
+        default="calibrated",
+        choices=["calibrated", "uncalibrated", "geometric"],
+        help="how the B outcomes are chosen (default: calibrated, the draft's calibration)",
     )
     parser.add_argument(
         "--pipeline",

@@ -6,10 +6,12 @@ Public API:
     generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
     generate_batch(target, prompts, *, ...) -> list[GenerationResult]
     stream(target, prompt_ids, *, chunk_steps=8, ...) -> TokenStream (chunks of new token ids)
-    SamplingParams, CheckpointError
+    DecodingOptions (how a batch is decoded: the server's and `DecodeSession`'s form of the
+        method arguments above), SamplingParams, CheckpointError
 """
 
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.generate import (
     METHODS,
@@ -26,6 +28,7 @@ from jetspec_jax.target import Target, load_target
 __all__ = [
     "METHODS",
     "CheckpointError",
+    "DecodingOptions",
     "Draft",
     "GenerationResult",
     "SamplingParams",

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jetspec_jax.decoding.options import METHODS, DecodingOptions
 from jetspec_jax.decoding.session import (
     GREEDY,
-    METHODS,
     DecodeSession,
     GenerationResult,
     Timing,
@@ -20,7 +20,15 @@ from jetspec_jax.decoding.session import (
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target
 
-__all__ = ["METHODS", "GenerationResult", "TokenStream", "Timing", "generate", "generate_batch"]
+__all__ = [
+    "METHODS",
+    "DecodingOptions",
+    "GenerationResult",
+    "TokenStream",
+    "Timing",
+    "generate",
+    "generate_batch",
+]
 
 
 def generate(
@@ -47,10 +55,10 @@ def generate(
         target: a loaded target (`load_target`).
         prompt_ids: the prompt's token ids (a non-empty list of ints).
         draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
-        method: "ar" (autoregressive), or a speculative method matching the draft's variant:
-            "dflash", "jetspec" or "jetspec++". Every method gives the same tokens as "ar" (greedy,
-            and sampled with the same seed, up to floating-point differences between block and
-            single-token forwards); they differ in how many target forwards they need.
+        method, refine_passes, refreshes, foresight, foresight_rule, pipeline: how to decode;
+            see `jetspec_jax.DecodingOptions` (method "ar", autoregressive, by default; the
+            speculative methods "dflash", "jetspec", "jetspec++" give the same tokens with fewer
+            target forwards; the rest are JetSpec++'s `Jj-Rr` refinement and foresight).
         max_new_tokens: at most this many new tokens (>= 1).
         temperature: 0 for greedy decoding, > 0 to sample.
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
@@ -58,38 +66,16 @@ def generate(
         seed: random seed of the request; the same seed gives the same tokens.
         stop_token_ids: stop after generating any of these; None uses the target's end-of-sequence
             ids, [] disables stopping.
-        refine_passes: "jetspec++" only: J extra Jacobi refinement passes of the draft per round
-            (J0 = one pass).
-        refreshes: "jetspec++" only: R <= J context refreshes with anchor replacement, one before
-            each of the first R passes (`Jj-Rr`; needs a draft with an adapter).
-        foresight: "jetspec++" only: B >= 1 turns foresight drafting on: while a block is
-            verified, the next block is drafted for its B likely outcomes (k, a) from the
-            adapter's predicted states (needs a draft with an adapter); a hit skips drafting on
-            the critical path. 0 (default) = off. Tokens are unchanged either way.
-        foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration),
-            "uncalibrated" or "geometric" (SSD's fixed fan-out).
-        pipeline: run the foresight round pipelined over two devices (device 0 verifies,
-            device 1 drafts ahead; needs foresight >= 1 and >= 2 visible devices, else a
-            ValueError). False: the same round sequentially on one device.
 
     Returns:
         A `GenerationResult`.
     """
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return generate_batch(
-        target,
-        [prompt_ids],
-        draft=draft,
-        method=method,
-        max_new_tokens=max_new_tokens,
-        sampling=[sampling],
-        stop_token_ids=stop_token_ids,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-        foresight=foresight,
-        foresight_rule=foresight_rule,
-        pipeline=pipeline,
-    )[0]
+    options = DecodingOptions(method, refine_passes, refreshes, foresight, foresight_rule, pipeline)
+    (result,) = _decode(
+        target, [prompt_ids], draft, options, max_new_tokens, sampling, stop_token_ids
+    )
+    return result
 
 
 def generate_batch(
@@ -122,19 +108,20 @@ def generate_batch(
     Returns:
         One `GenerationResult` per prompt, in order.
     """
+    options = DecodingOptions(method, refine_passes, refreshes, foresight, foresight_rule, pipeline)
+    return _decode(target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids)
+
+
+def _decode(target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids):
+    """The whole decode loop in one call: no host round trip until the results."""
     session = DecodeSession(
         target,
         prompts,
         draft=draft,
-        method=method,
+        options=options,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_token_ids=stop_token_ids,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-        foresight=foresight,
-        foresight_rule=foresight_rule,
-        pipeline=pipeline,
     )
     session.start()
     session.advance()  # to the end: every forward commits >= 1 token per unfinished row
@@ -213,14 +200,11 @@ def stream(
         target,
         [prompt_ids],
         draft=draft,
-        method=method,
+        options=DecodingOptions(
+            method, refine_passes, refreshes, foresight, foresight_rule, pipeline
+        ),
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_token_ids=stop_token_ids,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-        foresight=foresight,
-        foresight_rule=foresight_rule,
-        pipeline=pipeline,
     )
     return TokenStream(session, chunk_steps)

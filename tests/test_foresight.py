@@ -18,6 +18,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import ForesightProposer, foresight_stats
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.decoding.session import DecodeSession
 from tests.oracles import TargetProxy
@@ -95,12 +96,10 @@ def run(target, prompts, draft, *, foresight=1, pipeline=False, **sampling):
         target,
         prompts,
         draft=draft,
-        method="jetspec++",
+        options=DecodingOptions("jetspec++", foresight=foresight, pipeline=pipeline),
         max_new_tokens=N_NEW,
         sampling=jetspec_jax.SamplingParams(**sampling),
         stop_token_ids=[],
-        foresight=foresight,
-        pipeline=pipeline,
     )
     session.start()
     session.advance()
@@ -164,20 +163,23 @@ def test_sampled_tokens_do_not_depend_on_hits(target, draft, prompts, scale):
 
 def test_foresight_requests_are_validated(target, draft):
     with_adapter = draft.with_adapter(init_adapter(draft))
-    kwargs = dict(max_new_tokens=4, stop_token_ids=[])
     with pytest.raises(ValueError, match="needs a draft with an adapter"):
-        DecodeSession(target, [[1, 2]], draft=draft, method="jetspec++", foresight=2, **kwargs)
+        DecodeSession(
+            target, [[1, 2]], draft=draft, options=DecodingOptions("jetspec++", foresight=2)
+        )
     with pytest.raises(ValueError, match="set foresight >= 1"):
-        DecodeSession(target, [[1]], draft=with_adapter, method="jetspec++", pipeline=True)
-    with pytest.raises(ValueError, match="foresight must be >= 1|integer >= 0"):
-        DecodeSession(target, [[1]], draft=with_adapter, method="jetspec++", foresight=-1)
+        DecodingOptions("jetspec++", pipeline=True)
+    with pytest.raises(ValueError, match="foresight must be an integer >= 0"):
+        DecodingOptions("jetspec++", foresight=-1)
     with pytest.raises(ValueError, match="unknown selection rule"):
         jetspec_jax.generate(
             target, [1], draft=with_adapter, method="jetspec++", foresight=2, foresight_rule="x"
         )
     dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
     with pytest.raises(ValueError, match="'jetspec\\+\\+' only"):
-        DecodeSession(target, [[1]], draft=dflash, method="dflash", foresight=2)
-    session = DecodeSession(target, [[1, 2]], draft=with_adapter, method="jetspec++", foresight=2)
+        jetspec_jax.generate(target, [1], draft=dflash, method="dflash", foresight=2)
+    session = DecodeSession(
+        target, [[1, 2]], draft=with_adapter, options=DecodingOptions("jetspec++", foresight=2)
+    )
     assert isinstance(session._proposer, ForesightProposer)
     assert session._proposer.num_candidates == 2

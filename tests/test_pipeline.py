@@ -15,6 +15,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 from tests.test_foresight import (
     BLOCK,
@@ -76,11 +77,9 @@ def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts):
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        method="jetspec++",
+        options=DecodingOptions("jetspec++", foresight=1, pipeline=True),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
-        foresight=1,
-        pipeline=True,
     )
     chunks = list(session.chunks(2))
     assert len(chunks) > 2
@@ -94,7 +93,10 @@ def test_pipeline_is_refused_on_one_device(target, draft, monkeypatch):
     monkeypatch.setattr(pipeline.jax, "devices", lambda *args: one)
     with pytest.raises(ValueError, match="pipeline=True needs >= 2 devices"):
         DecodeSession(
-            target, [[1, 2]], draft=learned, method="jetspec++", foresight=2, pipeline=True
+            target,
+            [[1, 2]],
+            draft=learned,
+            options=DecodingOptions("jetspec++", foresight=2, pipeline=True),
         )
 
 

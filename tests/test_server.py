@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import jetspec_jax
+from jetspec_jax import DecodingOptions
 from jetspec_jax.bench.load import markdown, run_load
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.serving import BackgroundServer, ServerConfig
@@ -289,7 +290,11 @@ def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_serve
     (finishing at different rounds) answer exactly as the autoregressive server does."""
     draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4, seed=7)
     config = ServerConfig(
-        model_name=MODEL, method="jetspec", max_batch_size=BATCH, chunk_steps=2, pad_batch=True
+        model_name=MODEL,
+        decoding=DecodingOptions("jetspec"),
+        max_batch_size=BATCH,
+        chunk_steps=2,
+        pad_batch=True,
     )
     greedy = [r for r in REQUESTS if r["temperature"] == 0][:BATCH]
     expected = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in greedy]

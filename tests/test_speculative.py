@@ -130,8 +130,10 @@ def test_method_must_match_the_draft_variant(target):
         jetspec_jax.generate(target, [1, 2], draft=draft, method="jetspec")
     with pytest.raises(ValueError, match="needs a draft"):
         jetspec_jax.generate(target, [1, 2], method="jetspec++")
-    with pytest.raises(ValueError, match="refinement passes need a token-input"):
+    with pytest.raises(ValueError, match="refine_passes apply to method 'jetspec\\+\\+' only"):
         jetspec_jax.generate(target, [1, 2], draft=draft, method="dflash", refine_passes=1)
+    with pytest.raises(ValueError, match="refinement passes need a token-input"):
+        draft.proposer(target, method="dflash", refine_passes=1)
 
 
 def test_rollback_leaves_the_cache_of_a_fresh_prefill(target, prompts):

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import jetspec_jax
+from jetspec_jax import DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
 from tests.oracles import OracleDraft
@@ -107,7 +108,7 @@ def test_ragged_speculative_batch_in_chunks_equals_each_row_alone(target, prompt
         target,
         prompts,
         draft=draft,
-        method="jetspec",
+        options=DecodingOptions("jetspec"),
         max_new_tokens=budgets,
         stop_token_ids=[],
     )

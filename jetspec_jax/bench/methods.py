@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jetspec_jax.decoding.session import METHODS
+from jetspec_jax.decoding.options import METHODS
 
 _SPEC = re.compile(r"^(ar|dflash|jetspec|jetspec\+\+)(?:-J(\d+))?(?:-R(\d+))?$")
 

@@ -30,13 +30,13 @@ from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.foresight import foresight_proposer
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.pipeline import check_pipeline_devices, decode_loop, replicate
 from jetspec_jax.decoding.prefill import prefill
 from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling, SamplingParams
 
-METHODS = ("ar", "dflash", "jetspec", "jetspec++")
 GREEDY = SamplingParams()
 # One process-wide cache: every session (and every server batch) of a bucket reuses its executables.
 COMPILED = CompiledCache()
@@ -109,15 +109,10 @@ class DecodeSession:
         prompts: Sequence[Sequence[int]],
         *,
         draft=None,
-        method: str = "ar",
+        options: DecodingOptions | None = None,
         max_new_tokens: int | Sequence[int] = 128,
         sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         stop_token_ids: Sequence[int] | None = None,
-        refine_passes: int = 0,
-        refreshes: int = 0,
-        foresight: int = 0,
-        foresight_rule: str = "calibrated",
-        pipeline: bool = False,
         pad_batch_to: int = 1,
     ):
         """Validates the requests and builds the bucketed inputs (no compilation yet).
@@ -125,8 +120,9 @@ class DecodeSession:
         Args:
             target: a loaded `Target`.
             prompts: token-id lists, one per request (row).
-            draft, method, refine_passes, refreshes, foresight, foresight_rule, pipeline: as in
-                `jetspec_jax.generate`, shared by all rows.
+            draft: the draft head of speculative methods; None for "ar".
+            options: the method and its settings, shared by all rows; None: `DecodingOptions()`
+                ("ar").
             max_new_tokens: one budget for all rows, or one per row (each >= 1).
             sampling: one `SamplingParams` for all rows, or one per row.
             stop_token_ids: shared by all rows; None: the target's end-of-sequence ids; [] never
@@ -139,19 +135,11 @@ class DecodeSession:
         """
         config = target.config
         self._target = target
-        self._proposer, self._proposer_params = resolve_proposer(
-            target, draft, method, refine_passes, refreshes
-        )
-        self._proposer, self._proposer_params = _with_foresight(
-            draft,
-            method,
-            self._proposer,
-            self._proposer_params,
-            foresight,
-            foresight_rule,
-            pipeline,
-        )
-        self._pipeline = bool(pipeline)
+        options = DecodingOptions() if options is None else options
+        if not isinstance(options, DecodingOptions):
+            raise ValueError(f"options must be a DecodingOptions, got {type(options).__name__}")
+        self._proposer, self._proposer_params = resolve_proposer(target, draft, options)
+        self._pipeline = options.pipeline
         self._pipeline_params = None  # the weights replicated on the stage mesh, once
         prompts = [check_token_ids(p, config.vocab_size) for p in prompts]
         if not prompts:
@@ -330,42 +318,37 @@ class DecodeSession:
         return self._state.decode if isinstance(self._state, SpecState) else self._state
 
 
-def resolve_proposer(target, draft, method: str, refine_passes: int, refreshes: int = 0):
-    """`(proposer, params)` for a speculative method, `(None, None)` for "ar"."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
-    if method == "ar":
+def resolve_proposer(target, draft, options: DecodingOptions):
+    """`(proposer, params)` of `options`' speculative method with `draft` (wrapped for foresight,
+    pipelined if asked), `(None, None)` for "ar"."""
+    if options.method == "ar":
         if draft is not None:
             raise ValueError("method 'ar' takes no draft model")
-        if refine_passes or refreshes:
-            raise ValueError("refine_passes and refreshes apply to method 'jetspec++' only")
         return None, None
     if draft is None:
-        raise ValueError(f"method {method!r} needs a draft model (load_draft or init_draft)")
+        raise ValueError(
+            f"method {options.method!r} needs a draft model (load_draft or init_draft)"
+        )
     if not hasattr(draft, "proposer"):
         raise ValueError(f"draft must be a Draft (load_draft or init_draft), got {type(draft)}")
-    return draft.proposer(target, method=method, refine_passes=refine_passes, refreshes=refreshes)
-
-
-def _with_foresight(draft, method, proposer, params, foresight, rule, pipeline):
-    """The proposer wrapped for foresight drafting (`foresight` >= 1 candidate blocks per round),
-    pipelined over two devices if `pipeline`; unchanged when `foresight` is 0 and no pipeline."""
-    if isinstance(foresight, bool) or not isinstance(foresight, (int, np.integer)):
-        raise ValueError(f"foresight must be an integer >= 0, got {foresight!r}")
-    if not isinstance(pipeline, bool):
-        raise ValueError(f"pipeline must be True or False, got {pipeline!r}")
-    if not foresight and not pipeline:
+    proposer, params = draft.proposer(
+        target,
+        method=options.method,
+        refine_passes=options.refine_passes,
+        refreshes=options.refreshes,
+    )
+    if not options.foresight:
         return proposer, params
-    if method != "jetspec++":
-        raise ValueError(f"foresight and pipeline apply to method 'jetspec++' only, not {method!r}")
-    if pipeline:
-        if not foresight:
-            raise ValueError(
-                "pipeline=True drafts ahead on the second device: set foresight >= 1 (candidate "
-                "blocks per round)"
-            )
+    if options.pipeline:
         check_pipeline_devices()
-    return foresight_proposer(draft, proposer, params, int(foresight), rule=rule, pipeline=pipeline)
+    return foresight_proposer(
+        draft,
+        proposer,
+        params,
+        options.foresight,
+        rule=options.foresight_rule,
+        pipeline=options.pipeline,
+    )
 
 
 def check_budget(config, prompt_length: int, max_new_tokens) -> None:

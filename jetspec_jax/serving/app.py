@@ -153,7 +153,7 @@ async def _health(request: web.Request) -> web.Response:
     body = {
         "status": "ok" if scheduler.accepting else "shutting_down",
         "model": request.app[MODEL].name,
-        "method": scheduler.decoding["method"],
+        "method": scheduler.options.method,
         "queue_depth": scheduler.queue_depth,
         "running": scheduler.running,
     }

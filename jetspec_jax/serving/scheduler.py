@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import (
     DecodeSession,
     GenerationResult,
@@ -103,8 +104,9 @@ class Scheduler:
 
     Args:
         target: the loaded target.
-        draft, method, refine_passes, refreshes, foresight, foresight_rule, pipeline: as in
-            `jetspec_jax.generate` (checked here, at start-up).
+        draft: the draft head of speculative methods; None for "ar".
+        options: how every batch is decoded (`DecodingOptions`; None: "ar"); its pairing with
+            `draft` is checked here, at start-up.
         max_batch_size: at most this many jobs per batch.
         queue_size: at most this many jobs waiting (not counting the running batch).
         chunk_steps: target forwards between two deliveries of new tokens.
@@ -118,12 +120,7 @@ class Scheduler:
         target,
         *,
         draft=None,
-        method: str = "ar",
-        refine_passes: int = 0,
-        refreshes: int = 0,
-        foresight: int = 0,
-        foresight_rule: str = "calibrated",
-        pipeline: bool = False,
+        options: DecodingOptions | None = None,
         max_batch_size: int = 8,
         queue_size: int = 64,
         chunk_steps: int = 8,
@@ -138,17 +135,10 @@ class Scheduler:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.target = target
-        self.decoding = dict(
-            draft=draft,
-            method=method,
-            refine_passes=refine_passes,
-            refreshes=refreshes,
-            foresight=foresight,
-            foresight_rule=foresight_rule,
-            pipeline=pipeline,
-        )
+        self.draft = draft
+        self.options = DecodingOptions() if options is None else options
         # Refuse a bad pairing now, not at the first request: a one-row session validates it.
-        DecodeSession(target, [[0]], max_new_tokens=1, **self.decoding)
+        DecodeSession(target, [[0]], draft=draft, options=self.options, max_new_tokens=1)
         self.max_batch_size, self.queue_size, self.chunk_steps = (
             max_batch_size,
             queue_size,
@@ -278,7 +268,8 @@ class Scheduler:
             session = DecodeSession(
                 self.target,
                 [job.prompt_ids for job in batch],
-                **self.decoding,
+                draft=self.draft,
+                options=self.options,
                 max_new_tokens=[job.max_new_tokens for job in batch],
                 sampling=[job.sampling for job in batch],
                 pad_batch_to=self._pad_to,

@@ -14,6 +14,7 @@ import threading
 
 from aiohttp import web
 
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.serving.app import create_app
 from jetspec_jax.serving.metrics import ServerMetrics
 from jetspec_jax.serving.openai_requests import ModelInfo
@@ -28,9 +29,8 @@ class ServerConfig:
 
     Attributes:
         model_name: the id clients send as `model` (None: the target directory's name).
-        method, refine_passes, refreshes, foresight, foresight_rule, pipeline: the decoding
-            method ("ar" or the draft's variant), its `Jj-Rr` refinement and foresight drafting
-            (as in `jetspec_jax.generate`).
+        decoding: the method ("ar" or the draft's variant), its `Jj-Rr` refinement and foresight
+            drafting (`DecodingOptions`).
         api_key: required as a bearer token on /v1/* when set.
         max_batch_size: requests decoded together at most.
         queue_size: requests waiting at most; one more is answered 503.
@@ -41,12 +41,7 @@ class ServerConfig:
     """
 
     model_name: str | None = None
-    method: str = "ar"
-    refine_passes: int = 0
-    refreshes: int = 0
-    foresight: int = 0
-    foresight_rule: str = "calibrated"
-    pipeline: bool = False
+    decoding: DecodingOptions = DecodingOptions()
     api_key: str | None = None
     max_batch_size: int = 8
     queue_size: int = 64
@@ -66,12 +61,7 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
     scheduler = Scheduler(
         target,
         draft=draft,
-        method=config.method,
-        refine_passes=config.refine_passes,
-        refreshes=config.refreshes,
-        foresight=config.foresight,
-        foresight_rule=config.foresight_rule,
-        pipeline=config.pipeline,
+        options=config.decoding,
         max_batch_size=config.max_batch_size,
         queue_size=config.queue_size,
         chunk_steps=config.chunk_steps,
@@ -92,7 +82,7 @@ def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port:
     requests with 503, lets running ones finish for `config.shutdown_timeout` seconds, cancels the
     rest."""
     app = build_app(target, draft, config)
-    logger.info("serving %s on http://%s:%d", config.method, host, port)
+    logger.info("serving %s on http://%s:%d", config.decoding.method, host, port)
     web.run_app(
         app,
         host=host,

@@ -7,13 +7,12 @@ falls back to a default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import dataclasses
 import math
 import pathlib
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -179,9 +178,7 @@ def resolve_steps(config: TrainConfig, num_examples: int) -> TrainConfig:
     return dataclasses.replace(config, optim=optim)
 
 
-def load_train_config(
-    path: str | pathlib.Path, overrides: Sequence[str] = ()
-) -> TrainConfig:
+def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> TrainConfig:
     """Reads and validates a YAML training config, with command-line overrides applied.
 
     Args:

@@ -1,0 +1,84 @@
+"""`DecodingOptions`: how a batch is decoded — the method, and JetSpec++'s refinement and
+foresight.
+
+One frozen value built by the public entry points (`generate`, `generate_batch`, `stream`) and the
+server's config, and handed as is to the scheduler and `DecodeSession`. It checks itself on
+construction (everything that does not need the draft); the pairing with the draft is checked
+when the session builds its proposer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jetspec_jax.decoding.outcomes import SELECTION_RULES
+
+METHODS = ("ar", "dflash", "jetspec", "jetspec++")
+_JETSPEC_PP_ONLY = ("refine_passes", "refreshes", "foresight", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingOptions:
+    """How every row of a batch is decoded.
+
+    Attributes:
+        method: "ar" (autoregressive), or a speculative method matching the draft's variant:
+            "dflash", "jetspec" or "jetspec++". Every method gives the same tokens as "ar" (greedy,
+            and sampled with the same seed, up to floating-point differences between block and
+            single-token forwards); they differ in how many target forwards they need.
+        refine_passes: "jetspec++" only: J extra Jacobi refinement passes of the draft per round
+            (J0 = one pass).
+        refreshes: "jetspec++" only: R <= J context refreshes with anchor replacement, one before
+            each of the first R passes (`Jj-Rr`; needs a draft with an adapter).
+        foresight: "jetspec++" only: B >= 1 turns foresight drafting on: while a block is
+            verified, the next block is drafted for its B likely outcomes (k, a) from the
+            adapter's predicted states (needs a draft with an adapter); a hit skips drafting on
+            the critical path. 0 = off. Tokens are unchanged either way.
+        foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration),
+            "uncalibrated" or "geometric" (SSD's fixed fan-out).
+        pipeline: run the foresight round pipelined over two devices (device 0 verifies,
+            device 1 drafts ahead; needs foresight >= 1 and >= 2 visible devices). False: the
+            same round sequentially on one device.
+
+    Raises:
+        ValueError: on construction, naming the bad value.
+    """
+
+    method: str = "ar"
+    refine_passes: int = 0
+    refreshes: int = 0
+    foresight: int = 0
+    foresight_rule: str = "calibrated"
+    pipeline: bool = False
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
+        for name in ("refine_passes", "refreshes", "foresight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.pipeline, bool):
+            raise ValueError(f"pipeline must be True or False, got {self.pipeline!r}")
+        if self.foresight_rule not in SELECTION_RULES:
+            raise ValueError(
+                f"unknown selection rule {self.foresight_rule!r}; expected one of "
+                f"{', '.join(SELECTION_RULES)}"
+            )
+        used = [name for name in _JETSPEC_PP_ONLY if getattr(self, name)]
+        if used and self.method != "jetspec++":
+            raise ValueError(
+                f"{', '.join(used)} apply to method 'jetspec++' only, not {self.method!r}"
+            )
+        if self.refreshes > self.refine_passes:
+            raise ValueError(
+                f"refreshes must be in [0, refine_passes={self.refine_passes}] (one refresh "
+                f"before each of the first R passes), got {self.refreshes}"
+            )
+        if self.pipeline and not self.foresight:
+            raise ValueError(
+                "pipeline=True drafts ahead on the second device: set foresight >= 1 (candidate "
+                "blocks per round)"
+            )
