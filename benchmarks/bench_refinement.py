@@ -27,10 +27,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import machine_line, write_section  # noqa: E402
+from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
 from jetspec_jax import DecodingOptions  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
-from jetspec_jax.decoding.foresight import foresight_stats  # noqa: E402
 from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
@@ -49,7 +48,7 @@ def _run(target, prompts, max_new_tokens, *, draft=None, **options):
     )
     session.start()
     session.advance()
-    return session.results(), session
+    return session.results()
 
 
 def main() -> None:
@@ -65,6 +64,9 @@ def main() -> None:
     parser.add_argument(
         "--rules", default="calibrated,uncalibrated,geometric", help="foresight selection rules"
     )
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file to write"
+    )
     args = parser.parse_args()
 
     target = jetspec_jax.load_target(args.target)
@@ -75,12 +77,12 @@ def main() -> None:
         path = ROOT.parent / "shared" / "data" / "eval" / f"{name}.jsonl"
         prompts = load_dataset(path, target.tokenizer, limit=args.num_prompts).prompts
         start = time.perf_counter()
-        ar, _ = _run(target, prompts, args.max_new_tokens)
+        ar = _run(target, prompts, args.max_new_tokens)
         want = [r.tokens for r in ar]
         taus = {}
         for label, passes, refreshes in SETTINGS + TRUE_STATE_SETTINGS:
             used = TargetProxyDraft(draft) if label.endswith("*") else draft
-            results, _ = _run(
+            results = _run(
                 target,
                 prompts,
                 args.max_new_tokens,
@@ -96,7 +98,7 @@ def main() -> None:
         for b in budgets:
             hits = {}
             for rule in args.rules.split(","):
-                results, session = _run(
+                results = _run(
                     target,
                     prompts,
                     args.max_new_tokens,
@@ -108,9 +110,8 @@ def main() -> None:
                     foresight_rule=rule,
                 )
                 assert [r.tokens for r in results] == want, f"{name} B={b} {rule}: not AR's"
-                stats = foresight_stats(session._state)[: len(prompts)]
-                rounds = sum(len(s["hits"]) - 1 for s in stats)  # the first round cannot hit
-                hits[rule] = sum(sum(s["hits"][1:]) for s in stats) / max(rounds, 1)
+                rounds = sum(len(r.foresight_hits) - 1 for r in results)  # round 1 cannot hit
+                hits[rule] = sum(sum(r.foresight_hits[1:]) for r in results) / max(rounds, 1)
                 print(f"{name} B={b} {rule}: hit rate {hits[rule]:.2f}", flush=True)
             hit_rows.append((name, b, hits))
         print(f"{name}: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -138,7 +139,7 @@ def main() -> None:
         lines.append(f"| {name} | {b} | " + " | ".join(f"{hits[r]:.2f}" for r in rules) + " |")
     body = "\n".join(lines)
     print(body)
-    write_section("refinement_ablation", body)
+    write_section("refinement_ablation", body, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
-from jetspec_jax.decoding.foresight import ForesightProposer, foresight_stats
+from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.decoding.session import DecodeSession
@@ -104,7 +104,7 @@ def run(target, prompts, draft, *, foresight=1, pipeline=False, **sampling):
     session.start()
     session.advance()
     results = session.results()
-    stats = foresight_stats(session._state)[: len(prompts)]
+    stats = [dict(hits=r.foresight_hits, occupancy=r.foresight_occupancy) for r in results]
     return [r.tokens for r in results], [r.outcomes for r in results], stats
 
 

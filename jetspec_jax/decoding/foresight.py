@@ -380,20 +380,3 @@ def decode_foresight(
         state,
         max_rounds,
     )
-
-
-def foresight_stats(state: SpecState) -> list[dict]:
-    """Per row (host): `hits` and `occupancy` of every recorded round, and the `hit_rate`."""
-    fs = jax.device_get(state.proposer)
-    rows = []
-    for row in range(fs.num_rounds.shape[0]):
-        n = int(fs.num_rounds[row])
-        hits = fs.hits[row, :n].tolist()
-        rows.append(
-            dict(
-                hits=hits,
-                occupancy=fs.occupancy[row, :n].tolist(),
-                hit_rate=sum(hits) / n if n else 0.0,
-            )
-        )
-    return rows

@@ -29,7 +29,7 @@ import numpy as np
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
-from jetspec_jax.decoding.foresight import foresight_proposer
+from jetspec_jax.decoding.foresight import ForesightState, foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.pipeline import check_pipeline_devices, decode_loop, replicate
 from jetspec_jax.decoding.prefill import prefill
@@ -71,6 +71,9 @@ class GenerationResult:
         timing: wall-clock times of the batch this prompt ran in.
         outcomes: speculative methods: `(k, a)` of every verification round (k drafts accepted,
             bonus token a); empty for "ar".
+        foresight_hits: with foresight, whether each verification round's block came from the
+            foresight cache (the first round never does); empty without foresight.
+        foresight_occupancy: with foresight, the candidate blocks cached when each round began.
     """
 
     tokens: list[int]
@@ -79,12 +82,20 @@ class GenerationResult:
     prompt_length: int
     timing: Timing
     outcomes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    foresight_hits: list[bool] = dataclasses.field(default_factory=list)
+    foresight_occupancy: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def tau(self) -> float:
         """Mean tokens committed per verification round (the prefill's first token excluded)."""
         rounds = self.acceptance_lengths[1:] or self.acceptance_lengths
         return float(np.mean(rounds)) if rounds else 0.0
+
+    @property
+    def foresight_hit_rate(self) -> float:
+        """The fraction of verification rounds whose block was a foresight hit (0 without)."""
+        hits = self.foresight_hits
+        return sum(hits) / len(hits) if hits else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -393,7 +404,11 @@ def _per_row(value, rows: int, name: str) -> list:
 def _result(state, row, prompt_length, stops, timing, cancelled) -> GenerationResult:
     decode = state.decode if isinstance(state, SpecState) else state
     tokens = decode.output[row, : int(decode.num_generated[row])].tolist()
-    outcomes = []
+    outcomes, hits, occupancy = [], [], []
+    if isinstance(state, SpecState) and isinstance(state.proposer, ForesightState):
+        rounds = int(state.proposer.num_rounds[row])
+        hits = state.proposer.hits[row, :rounds].tolist()
+        occupancy = state.proposer.occupancy[row, :rounds].tolist()
     if isinstance(state, SpecState):
         rounds = int(state.num_verify_rounds[row])
         outcomes = list(
@@ -414,4 +429,6 @@ def _result(state, row, prompt_length, stops, timing, cancelled) -> GenerationRe
         prompt_length=prompt_length,
         timing=timing,
         outcomes=outcomes,
+        foresight_hits=hits,
+        foresight_occupancy=occupancy,
     )

@@ -57,18 +57,18 @@ def unit_lower_inverse(strict: jax.Array) -> jax.Array:
     """
     size = strict.shape[-1]
     batch = strict.shape[:-2]
-    eye = jnp.eye(size, dtype=strict.dtype)
     blocks = jnp.ones((*batch, size, 1, 1), strict.dtype)  # the 1 x 1 diagonal blocks of I + N
     width = 1
     while width < size:
         pairs = size // (2 * width)
-        # M's blocks of size 2w on the diagonal, split into halves: [..., pairs, 2, w, 2, w].
-        m = (strict + eye).reshape(*batch, pairs, 2 * width, pairs, 2 * width)
-        m = jnp.diagonal(m, axis1=-4, axis2=-2)  # [..., 2w, 2w, pairs]
-        m = jnp.moveaxis(m, -1, -3).reshape(*batch, pairs, 2, width, 2, width)
+        # N's diagonal blocks of size 2w, split into halves: [..., pairs, 2, w, 2, w]; their
+        # lower-left halves L are the only part of I + N the new level reads.
+        n = strict.reshape(*batch, pairs, 2 * width, pairs, 2 * width)
+        n = jnp.diagonal(n, axis1=-4, axis2=-2)  # [..., 2w, 2w, pairs]
+        n = jnp.moveaxis(n, -1, -3).reshape(*batch, pairs, 2, width, 2, width)
         a_inv, d_inv = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
         low = -jnp.einsum(
-            "...ij,...jk,...kl->...il", d_inv, m[..., 1, :, 0, :], a_inv, precision=_HI
+            "...ij,...jk,...kl->...il", d_inv, n[..., 1, :, 0, :], a_inv, precision=_HI
         )
         top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
         bottom = jnp.concatenate([low, d_inv], axis=-1)
