@@ -268,3 +268,22 @@ def test_training_forward_equals_the_inference_forward_block_by_block(target, va
             cache = extend(draft.params, cfg, cache, visible, jnp.asarray([n]))
             alone = alone_fn(draft.params, cfg, cache, emb, blocks[b : b + 1, a])
             np.testing.assert_allclose(together[b, a], alone[0], atol=2e-5)
+
+
+def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
+    """`draft.init_from`: the saved draft's weights, not a random initialisation; a saved draft
+    of another architecture is refused by field."""
+    from jetspec_jax.training.config import TrainConfig, from_dict
+    from jetspec_jax.training.trainer import initial_draft
+
+    saved = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=5)
+    path = saved.save(tmp_path / "saved")
+    section = dict(variant="jetspec++", block_size=4, init_from=str(path))
+    config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
+    start = initial_draft(config, target)
+    for got, want in zip(jax.tree.leaves(start.params), jax.tree.leaves(saved.params), strict=True):
+        np.testing.assert_array_equal(got, want)
+    section["block_size"] = 8
+    config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
+    with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):
+        initial_draft(config, target)

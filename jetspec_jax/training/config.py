@@ -32,7 +32,12 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DraftArchConfig:
-    """The draft to train (see `jetspec_jax.init_draft`)."""
+    """The draft to train (see `jetspec_jax.init_draft`).
+
+    `init_from`: a saved draft (DFlash/JetSpec layout or JetSpec++ checkpoint) to start from
+    instead of a random initialisation — to continue with more data, or to fine-tune an imported
+    draft. Its architecture must be the one this section describes.
+    """
 
     variant: str = "jetspec++"
     num_layers: int = 1
@@ -40,6 +45,7 @@ class DraftArchConfig:
     block_size: int = 16
     intermediate_size: int | None = None
     init_std: float = 0.02
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

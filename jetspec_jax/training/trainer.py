@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
 
-from jetspec_jax.draft import Draft, init_draft
+from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, training_dataset
@@ -83,7 +83,7 @@ def train(
         target = load_target(config.target, dtype=config.target_dtype)
     records = read_regenerated(config.data.files)
     config = resolve_steps(config, len(records))
-    draft = _initial_draft(config, target)
+    draft = initial_draft(config, target)
     optimizer = make_optimizer(config.optim)
 
     local_batch, global_batch = batch_sizes(config.optim.batch_size, mesh)
@@ -159,9 +159,12 @@ def train(
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
 
-def _initial_draft(config: TrainConfig, target: Target) -> Draft:
+def initial_draft(config: TrainConfig, target: Target) -> Draft:
+    """The draft a run starts from: random as `config.draft` says, or the saved draft
+    `draft.init_from` names, which must have that architecture (its adapter, if any, is dropped:
+    it would not fit the retrained draft)."""
     d = config.draft
-    return init_draft(
+    draft = init_draft(
         target,
         variant=d.variant,
         num_layers=d.num_layers,
@@ -171,6 +174,19 @@ def _initial_draft(config: TrainConfig, target: Target) -> Draft:
         init_std=d.init_std,
         seed=config.optim.seed,
     )
+    if d.init_from is None:
+        return draft
+    start = load_draft(d.init_from, target, dtype=draft.dtype)
+    differ = [
+        f"{f.name} {getattr(start.config, f.name)!r} (configured {getattr(draft.config, f.name)!r})"
+        for f in dataclasses.fields(draft.config)
+        if getattr(start.config, f.name) != getattr(draft.config, f.name)
+    ]
+    if differ:
+        raise ValueError(
+            f"draft.init_from {d.init_from} is not the configured draft: {'; '.join(differ)}"
+        )
+    return dataclasses.replace(draft, params=start.params)
 
 
 def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
