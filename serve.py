@@ -19,7 +19,6 @@ import os
 import sys
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
-METHODS = ["ar", "dflash", "jetspec", "jetspec++"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +156,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         default="ar",
-        choices=METHODS,
-        help="decoding method; speculative methods need --draft of that variant (default: ar)",
+        help="decoding method: ar (default), dflash, jetspec or jetspec++; the speculative ones "
+        "need --draft of that variant",
     )
     parser.add_argument(
         "--draft", default=None, help="draft head directory (DFlash/JetSpec layout)"
@@ -182,8 +181,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--foresight-rule",
         default="calibrated",
-        choices=["calibrated", "uncalibrated", "geometric"],
-        help="how the B outcomes are chosen (default: calibrated, the draft's calibration)",
+        help="how the B outcomes are chosen: calibrated (the draft's calibration; default), "
+        "uncalibrated or geometric",
     )
     parser.add_argument(
         "--pipeline",

@@ -24,19 +24,18 @@ If the kernel is correct and faster at the decode shape, add "triton" to
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
-import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 
-from benchmarks.kernel_timing import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks import kernel_bench  # noqa: E402
+from benchmarks.kernel_bench import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
+from benchmarks.report import machine_line  # noqa: E402
 from jetspec_jax.kernels import chunked_delta_rule  # noqa: E402
 from jetspec_jax.kernels.delta_rule import DeltaRuleLaunch  # noqa: E402
 from jetspec_jax.models import gated_deltanet  # noqa: E402
@@ -140,40 +139,26 @@ def report(rows, notes, check_lines, kernel_impl: str, smoke: bool) -> str:
             f"| {shape.batch} | {shape.length} | {shape.key_heads} / {shape.heads} / "
             f"{shape.head_dim} | {ref_s * 1e3:.3f} | {cell} | {ratio} |"
         )
-    head += ["", "Correctness on the device (vs the XLA form at highest precision):", ""]
-    head += [f"- {line}" for line in check_lines]
-    if notes:
-        head += ["", "Failures while timing:", ""] + [f"- {n}" for n in notes]
+    head += kernel_bench.report_lists(
+        "Correctness on the device (vs the XLA form at highest precision):", check_lines, notes
+    )
     return "\n".join(head) + "\n"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpreter")
-    parser.add_argument("--check", action="store_true", help="correctness only")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="markdown file to write")
-    args = parser.parse_args()
-
-    if not args.smoke and jax.default_backend() != "gpu":
-        parser.error("the full benchmark needs a GPU; use --smoke on CPU")
-    kernel_impl = "pallas_interpret" if args.smoke else "pallas"
-    print(machine_line(), flush=True)
-
-    check_lines = check(SMOKE_GRID if args.smoke else CHECK_SHAPES, kernel_impl, LAUNCHES)
-    print("\n".join(check_lines), flush=True)
-    failed = any(line.startswith("FAIL") for line in check_lines)
-    if args.check:
-        return int(failed)
-
-    rows, notes = timings(SMOKE_GRID if args.smoke else FULL_GRID, kernel_impl, LAUNCHES)
-    body = report(rows, notes, check_lines, kernel_impl, args.smoke)
-    out = args.out
-    if out is None:
-        out = pathlib.Path(tempfile.mkdtemp()) / "BENCHMARKS.md" if args.smoke else BENCHMARKS_MD
-    write_section(SECTION, body, out)
-    print(body)
-    print(f"wrote section {SECTION!r} of {out}")
-    return int(failed)
+    args = kernel_bench.parse_args(__doc__.split("\n")[0], platforms=("gpu",))
+    impl = args.kernel_impl
+    return kernel_bench.run(
+        args,
+        SECTION,
+        check=lambda: check(SMOKE_GRID if args.smoke else CHECK_SHAPES, impl, LAUNCHES),
+        measure=lambda check_lines: report(
+            *timings(SMOKE_GRID if args.smoke else FULL_GRID, impl, LAUNCHES),
+            check_lines,
+            impl,
+            args.smoke,
+        ),
+    )
 
 
 if __name__ == "__main__":

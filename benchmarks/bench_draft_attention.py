@@ -26,11 +26,9 @@ over `REPEATS`; launch overhead is included (as in a decode step).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import sys
-import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -39,8 +37,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.kernel_timing import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks import kernel_bench  # noqa: E402
+from benchmarks.kernel_bench import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
+from benchmarks.report import machine_line  # noqa: E402
 from jetspec_jax.kernels import Tiling, refinement_attention  # noqa: E402
 
 SECTION = "draft_attention"
@@ -259,44 +258,29 @@ def report(rows, notes, check_lines, kernel_impl: str, smoke: bool) -> str:
             f"{shape.head_dim} / {shape.k_len} | {ref_s * 1e3:.3f} | {kernel_cell} | "
             f"{_ms(cudnn_full)} | {_ms(cudnn_alone)} | {ratio} |"
         )
-    head += ["", "Correctness on the device (kernel vs fp32 reference at highest precision):", ""]
-    head += [f"- {line}" for line in check_lines]
-    if notes:
-        head += ["", "Failures while timing:", ""] + [f"- {n}" for n in notes]
+    head += kernel_bench.report_lists(
+        "Correctness on the device (kernel vs fp32 reference at highest precision):",
+        check_lines,
+        notes,
+    )
     return "\n".join(head) + "\n"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpreter")
-    parser.add_argument("--check", action="store_true", help="correctness only")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="markdown file to write")
-    args = parser.parse_args()
-
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    if not args.smoke and not on_accelerator:
-        parser.error("the full benchmark needs a GPU or TPU; use --smoke on CPU")
-    kernel_impl = "pallas_interpret" if args.smoke else "pallas"
-    tilings = SMOKE_TILINGS if args.smoke else TILINGS
-    print(machine_line(), flush=True)
-
-    check_lines = check(SMOKE_GRID[2:3] if args.smoke else CHECK_SHAPES, kernel_impl, tilings)
-    print("\n".join(check_lines), flush=True)
-    failed = any(line.startswith("FAIL") for line in check_lines)
-    if args.check:
-        return int(failed)
-
-    grid = SMOKE_GRID if args.smoke else FULL_GRID
+    args = kernel_bench.parse_args(__doc__.split("\n")[0], platforms=("gpu", "tpu"))
+    impl, tilings = args.kernel_impl, SMOKE_TILINGS if args.smoke else TILINGS
     with_cudnn = jax.default_backend() == "gpu"
-    rows, notes = timings(grid, kernel_impl, tilings, with_cudnn)
-    body = report(rows, notes, check_lines, kernel_impl, args.smoke)
-    out = args.out
-    if out is None:
-        out = pathlib.Path(tempfile.mkdtemp()) / "BENCHMARKS.md" if args.smoke else BENCHMARKS_MD
-    write_section(SECTION, body, out)
-    print(body)
-    print(f"wrote section {SECTION!r} of {out}")
-    return int(failed)
+    return kernel_bench.run(
+        args,
+        SECTION,
+        check=lambda: check(SMOKE_GRID[2:3] if args.smoke else CHECK_SHAPES, impl, tilings),
+        measure=lambda check_lines: report(
+            *timings(SMOKE_GRID if args.smoke else FULL_GRID, impl, tilings, with_cudnn),
+            check_lines,
+            impl,
+            args.smoke,
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -11,17 +11,13 @@ import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.models import adapter, decoder
 from jetspec_jax.models.transformer import forward, unembed
-from tests.tiny_models import HYBRID_VARIANTS, make_hybrid_checkpoint
 
 PROMPT, BLOCK = 11, 6
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama3_rope_bias", "qwen3_5"])
-def any_target(request, checkpoints, tmp_path_factory):
-    if request.param in HYBRID_VARIANTS:  # upper layers with recurrent (Gated DeltaNet) state
-        return jetspec_jax.load_target(
-            make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid"), request.param)[0]
-        )
+def any_target(request, checkpoints):
+    # qwen3_5: upper layers with recurrent (Gated DeltaNet) state.
     return jetspec_jax.load_target(checkpoints.get(request.param)[0])
 
 

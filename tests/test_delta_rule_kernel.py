@@ -20,15 +20,10 @@ from jetspec_jax.kernels import chunked_delta_rule, delta_rule, pallas_delta_rul
 from jetspec_jax.models import gated_deltanet
 from jetspec_jax.models.config import TransformerConfig
 
-pytest.importorskip("torch")  # the tiny hybrid checkpoint is made with transformers
-
-from tests.tiny_models import make_hybrid_checkpoint  # noqa: E402
-
 
 @pytest.fixture(scope="module")
-def hybrid_target(tmp_path_factory):
-    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
-    return jetspec_jax.load_target(path)
+def hybrid_target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
 
 
 def _operands(batch, length, key_heads, heads, dk, dv, *, seed=0, parallel_keys=False):

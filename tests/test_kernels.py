@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax
-from jetspec_jax.kernels import Tiling, refinement, refinement_attention
+from jetspec_jax.kernels import Tiling, refinement, refinement_attention, select
 from jetspec_jax.kernels.layout import make_layout
 from jetspec_jax.models import layers
 from jetspec_jax.models.block_stack import ContextCache
@@ -57,9 +57,7 @@ CASES = {
 }
 # The interpreter everywhere; on a GPU also the compiled Triton kernel (the TPU kernel needs
 # head_dim % 128 == 0, beyond these small shapes).
-KERNEL_IMPLS = ["pallas_interpret"] + (
-    ["pallas"] if refinement.pallas_backend() == "triton" else []
-)
+KERNEL_IMPLS = ["pallas_interpret"] + (["pallas"] if select.pallas_backend() == "triton" else [])
 # Jitted: op-by-op dispatch would compile every op of the packing and the reference per shape.
 _attention = jax.jit(refinement_attention, static_argnames=("causal", "impl", "tiling"))
 
@@ -244,9 +242,9 @@ def test_impl_selection():
             refinement_attention(*args, causal=True, impl="pallas")
         auto = _attention(*args, causal=True, impl="auto")
         np.testing.assert_array_equal(auto, _attention(*args, causal=True, impl="reference"))
-    assert refinement.pallas_backend("gpu") == "triton"
-    assert refinement.pallas_backend("tpu") == "tpu"
-    assert refinement.pallas_backend("cpu") is None
+    assert select.pallas_backend("gpu") == "triton"
+    assert select.pallas_backend("tpu") == "tpu"
+    assert select.pallas_backend("cpu") is None
 
     def operands(head_dim, dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16):
         q = jax.ShapeDtypeStruct((1, 1, 16, 8, head_dim), dtype)

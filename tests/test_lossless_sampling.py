@@ -10,15 +10,17 @@ first three tokens are tested (21 degrees of freedom): token 3 mostly follows a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 import jetspec_jax
 from jetspec_jax.sampling import RowSampling, SamplingParams, filter_logits
-from tests.tiny_models import make_hybrid_checkpoint
 
 N = 16384
+PROMPT = [3, 1, 4, 1, 5]
 CHI2_BOUND_14_DOF = 36.12  # 0.999 quantile of chi-square with 14 degrees of freedom
 CHI2_BOUND_21_DOF = 46.80  # and with 21 (three tokens)
 
@@ -46,6 +48,23 @@ def _exact(target, prompt, params: SamplingParams, num_tokens: int = 2) -> list[
     return marginals
 
 
+def _sample(target, method: str, params: SamplingParams, num_tokens: int):
+    """The first `num_tokens` tokens of N requests for `PROMPT` (seeds 0..N-1) with a random
+    draft of `method`, and the drafts each accepted in round 1: `[N, num_tokens]`, `[N]`."""
+    draft = jetspec_jax.init_draft(target, variant=method, block_size=4, init_std=0.5, seed=7)
+    results = jetspec_jax.generate_batch(
+        target,
+        [PROMPT] * N,
+        draft=draft,
+        method=method,
+        max_new_tokens=num_tokens,
+        sampling=[dataclasses.replace(params, seed=s) for s in range(N)],
+        stop_token_ids=[],
+    )
+    tokens = np.asarray([r.tokens for r in results])
+    return tokens, np.asarray([r.outcomes[0][0] for r in results])
+
+
 def _chi2(samples, probs):
     counts = np.bincount(samples, minlength=len(probs))
     assert np.all(counts[probs == 0] == 0), "a token outside the support was drawn"
@@ -62,46 +81,22 @@ def test_speculative_samples_follow_the_target_distribution(
     checkpoints, method, temperature, top_p
 ):
     target = jetspec_jax.load_target(checkpoints.get("qwen3_vocab8")[0])
-    draft = jetspec_jax.init_draft(target, variant=method, block_size=4, init_std=0.5, seed=7)
-    prompt = [3, 1, 4, 1, 5]
-    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=s) for s in range(N)]
-    results = jetspec_jax.generate_batch(
-        target,
-        [prompt] * N,
-        draft=draft,
-        method=method,
-        max_new_tokens=2,
-        sampling=params,
-        stop_token_ids=[],
-    )
-    tokens = np.asarray([r.tokens for r in results])
-    accepted = np.asarray([r.outcomes[0][0] for r in results])
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    tokens, accepted = _sample(target, method, params, num_tokens=2)
     assert 0.05 < np.mean(accepted > 0) < 0.95, "the test needs both acceptances and rejections"
-    first, second = _exact(target, prompt, params[0])
+    first, second = _exact(target, PROMPT, params)
     chi2 = _chi2(tokens[:, 0], first) + _chi2(tokens[:, 1], second)
     assert chi2 < CHI2_BOUND_14_DOF, chi2
 
 
-def test_speculative_samples_on_a_hybrid_target_follow_its_distribution(tmp_path):
+def test_speculative_samples_on_a_hybrid_target_follow_its_distribution(checkpoints):
     """Qwen3.5 hybrid: three tokens, so that most rows draw token 3 after a rejection, from
     Gated DeltaNet states rolled back to the committed prefix."""
-    target = jetspec_jax.load_target(make_hybrid_checkpoint(tmp_path, "qwen3_5_vocab8")[0])
-    draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4, init_std=0.5, seed=7)
-    prompt = [3, 1, 4, 1, 5]
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(N)]
-    results = jetspec_jax.generate_batch(
-        target,
-        [prompt] * N,
-        draft=draft,
-        method="jetspec",
-        max_new_tokens=3,
-        sampling=params,
-        stop_token_ids=[],
-    )
-    tokens = np.asarray([r.tokens for r in results])
-    accepted = np.asarray([r.outcomes[0][0] for r in results])
+    target = jetspec_jax.load_target(checkpoints.get("qwen3_5_vocab8")[0])
+    params = SamplingParams(temperature=1.0)
+    tokens, accepted = _sample(target, "jetspec", params, num_tokens=3)
     assert 0.5 < np.mean(accepted == 0) < 0.95, "most rows must reject, and roll back, in round 1"
-    marginals = _exact(target, prompt, params[0], num_tokens=3)
+    marginals = _exact(target, PROMPT, params, num_tokens=3)
     chi2 = sum(_chi2(tokens[:, i], p) for i, p in enumerate(marginals))
     assert chi2 < CHI2_BOUND_21_DOF, chi2
 

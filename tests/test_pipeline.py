@@ -29,7 +29,6 @@ from tests.test_foresight import (
     make_prompts,
     run,
 )
-from tests.tiny_models import make_hybrid_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +99,10 @@ def test_pipeline_is_refused_on_one_device(target, draft, monkeypatch):
         )
 
 
-def test_pipelined_round_on_a_hybrid_target(tmp_path_factory):
+def test_pipelined_round_on_a_hybrid_target(checkpoints):
     """Qwen3.5 hybrid: the verify stage's Gated DeltaNet states roll back across the pipeline
     (recompute of the committed prefix) and the tokens stay exactly AR's, greedy and sampled."""
-    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
-    hybrid = jetspec_jax.load_target(path)
+    hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
     prompts = make_prompts()
     oracle = ScaledOracleDraft(make_draft(hybrid), MIXED)
     for sampling in ({}, dict(temperature=1.0, top_p=0.9, seed=3)):

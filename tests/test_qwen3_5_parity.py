@@ -18,15 +18,14 @@ import jetspec_jax  # noqa: E402
 from jetspec_jax.checkpoint.errors import CheckpointError  # noqa: E402
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from jetspec_jax.models.transformer import forward, init_cache, unembed  # noqa: E402
-from tests.tiny_models import make_hybrid_checkpoint  # noqa: E402
 
 TOL = 1e-4
 CONV_WINDOW, CHUNK = 4, 64  # the tiny config's conv window; gated_deltanet.DEFAULT_CHUNK
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    path, model = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+def hybrid(checkpoints):
+    path, model = checkpoints.get("qwen3_5")
     return path, model, jetspec_jax.load_target(path)
 
 
@@ -91,8 +90,8 @@ def test_prefill_then_blocks_then_single_steps_match_transformers(hybrid):
         np.testing.assert_allclose(np.concatenate(got[b]), ref, atol=TOL, rtol=0)
 
 
-def test_tied_head_and_attention_bias_match_transformers(tmp_path):
-    path, model = make_hybrid_checkpoint(tmp_path, "qwen3_5_tied")
+def test_tied_head_and_attention_bias_match_transformers(checkpoints):
+    path, model = checkpoints.get("qwen3_5_tied")
     target = jetspec_jax.load_target(path)
     assert target.config.tie_word_embeddings and "lm_head" not in target.params
     ids = np.random.default_rng(4).integers(0, 97, (1, 23))

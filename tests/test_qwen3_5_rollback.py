@@ -16,16 +16,14 @@ import jetspec_jax  # noqa: E402
 from jetspec_jax.models.transformer import init_cache  # noqa: E402
 from tests.oracles import OracleDraft, OracleProposer  # noqa: E402
 from tests.test_qwen3_5_parity import append  # noqa: E402
-from tests.tiny_models import make_hybrid_checkpoint  # noqa: E402
 
 N_NEW = 32
 BLOCK = 8
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
-    return jetspec_jax.load_target(path)
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from jetspec_jax.decoding.proposers import DraftProposer
 from jetspec_jax.decoding.refinement import replace_first_disagreement
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.models.transformer import forward
-from tests.tiny_models import make_hybrid_checkpoint
 
 N_NEW, BLOCK = 16, 6
 
@@ -68,10 +67,10 @@ def test_every_setting_is_token_identical_to_greedy(target, draft, prompts, pass
     assert [r.tokens for r in got] == want
 
 
-def test_refinement_on_a_hybrid_target_is_token_identical_to_ar(tmp_path, prompts):
+def test_refinement_on_a_hybrid_target_is_token_identical_to_ar(checkpoints, prompts):
     """The decoder runs the hybrid's upper Gated DeltaNet layers over their recurrent state;
     greedy and sampled (same seed) output equal AR's."""
-    hybrid = jetspec_jax.load_target(make_hybrid_checkpoint(tmp_path, "qwen3_5")[0])
+    hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
     draft = jetspec_jax.init_draft(hybrid, num_layers=1, block_size=BLOCK, target_layer_ids=(0, 1))
     draft = draft.with_adapter(init_adapter(draft, init_std=0.05))
     for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):

@@ -67,13 +67,16 @@ def hf_config(variant: str) -> transformers.PretrainedConfig:
 
 
 class CheckpointFactory:
-    """Makes each variant once: a saved directory and the torch model it was saved from."""
+    """Makes each variant (dense or hybrid) once: a saved directory and the torch model it was
+    saved from."""
 
     def __init__(self, root: pathlib.Path):
         self.root = root
         self._made: dict[str, tuple[pathlib.Path, torch.nn.Module]] = {}
 
     def get(self, variant: str) -> tuple[pathlib.Path, torch.nn.Module]:
+        if variant in HYBRID_VARIANTS and variant not in self._made:
+            self._made[variant] = make_hybrid_checkpoint(self.root, variant)
         if variant not in self._made:
             torch.manual_seed(sum(map(ord, variant)))
             model = transformers.AutoModelForCausalLM.from_config(hf_config(variant)).float().eval()

@@ -11,13 +11,11 @@ from jetspec_jax.kernels.layout import Tiling
 from jetspec_jax.kernels.reference import refinement_attention_reference
 from jetspec_jax.kernels.refinement import (
     GPU_TILING,
-    IMPLS,
     TPU_TILING,
-    check_impl,
     kernel_supports,
-    pallas_backend,
     refinement_attention,
 )
+from jetspec_jax.kernels.select import IMPLS, check_impl, pallas_backend
 
 __all__ = [
     "GPU_TILING",

@@ -1,14 +1,9 @@
 """`chunked_delta_rule`: Gated DeltaNet's recurrence over a sequence, dispatched to the XLA form
 (`models.gated_deltanet.chunked`) or the Pallas kernel (`pallas_delta_rule`).
 
-Implementations (`impl`, the same names as the refinement attention's):
-
-| impl               | runs                                                                   |
-|--------------------|------------------------------------------------------------------------|
-| "auto"             | the kernel where verified on hardware (`HARDWARE_VERIFIED`), else XLA   |
-| "reference"        | `gated_deltanet.chunked` (jnp, XLA)                                     |
-| "pallas"           | the kernel, Triton lowering (GPU only)                                  |
-| "pallas_interpret" | the kernel in the Pallas interpreter (any platform; slow: for tests)    |
+`impl` is chosen as for every kernel (`kernels/select.py`): "auto" (the kernel where verified on
+hardware, `HARDWARE_VERIFIED`, else the XLA form), "reference", "pallas" (Triton: GPU only) or
+"pallas_interpret".
 
 The target is never differentiated (training reads its states under `stop_gradient`), so the
 kernel has no backward pass. Status: the kernel runs in the interpreter and lowers through Pallas
@@ -26,7 +21,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.kernels import pallas_delta_rule
 from jetspec_jax.kernels.layout import next_pow2
-from jetspec_jax.kernels.refinement import check_impl, pallas_backend
+from jetspec_jax.kernels.select import select_launch, triton_head_dim_problem
 from jetspec_jax.models import gated_deltanet
 
 HARDWARE_VERIFIED: frozenset[str] = frozenset()
@@ -47,9 +42,9 @@ def kernel_supports(k_shape: tuple[int, ...], v_shape: tuple[int, ...], backend:
     if backend == "tpu":
         return "the delta-rule kernel has no Mosaic (TPU) launch"
     if backend == "triton":
-        for name, dim in (("Dk", k_shape[-1]), ("Dv", v_shape[-1])):
-            if dim < 16 or dim != next_pow2(dim):
-                return f"Triton needs power-of-two head dims >= 16, got {name} = {dim}"
+        return triton_head_dim_problem(k_shape[-1], "Dk") or triton_head_dim_problem(
+            v_shape[-1], "Dv"
+        )
     return None
 
 
@@ -76,21 +71,14 @@ def chunked_delta_rule(
     Returns:
         `(out [B, T, H, Dv], final state [B, H, Dk, Dv])`, float32.
     """
-    check_impl(impl, "delta-rule impl")
-    backend = pallas_backend()
-    if impl == "auto":
-        usable = backend in HARDWARE_VERIFIED and not kernel_supports(k.shape, v.shape, backend)
-        impl = "pallas" if usable else "reference"
-    if impl == "reference":
+    backend, interpret = select_launch(
+        impl,
+        kernel="delta-rule",
+        verified=HARDWARE_VERIFIED,
+        supports=lambda b: kernel_supports(k.shape, v.shape, b),
+    )
+    if backend is None:
         return gated_deltanet.chunked(q, k, v, g, beta, state)
-    interpret = impl == "pallas_interpret"
-    if not interpret and backend is None:
-        raise ValueError(
-            f"impl 'pallas' needs a GPU; the {jax.default_backend()!r} backend can only interpret "
-            "Pallas kernels (impl 'pallas_interpret')"
-        )
-    if why := kernel_supports(k.shape, v.shape, "interpret" if interpret else backend):
-        raise ValueError(f"the delta-rule kernel does not take these operands: {why}")
 
     length = k.shape[1]
     chunk = min(MAX_CHUNK, max(16, next_pow2(length)))  # Triton's dot needs >= 16 rows

@@ -1,16 +1,9 @@
 """`refinement_attention`: the draft's attention, dispatched to the jnp reference or the Pallas
 kernel, differentiable either way.
 
-Implementations (`impl`):
-
-| impl               | runs                                                                  |
-|--------------------|-----------------------------------------------------------------------|
-| "auto"             | the kernel where verified on hardware (`HARDWARE_VERIFIED`), else ref  |
-| "reference"        | `reference.refinement_attention_reference` (jnp, XLA)                 |
-| "pallas"           | the kernel on this platform's Pallas backend (GPU or TPU only)        |
-| "pallas_interpret" | the kernel in the Pallas interpreter (any platform; slow: for tests)  |
-
-"auto" falls back to the reference for operands the kernel does not take (`kernel_supports`).
+`impl` is chosen as for every kernel (`kernels/select.py`): "auto" (the kernel where verified on
+hardware, `HARDWARE_VERIFIED`, and the operands fit it, `kernel_supports`; else the reference
+`reference.refinement_attention_reference`), "reference", "pallas" or "pallas_interpret".
 The kernel's backward pass recomputes through the reference (`jax.custom_vjp`), so gradients are
 the reference's.
 
@@ -34,8 +27,8 @@ import numpy as np
 from jetspec_jax.kernels import layout, pallas_refinement
 from jetspec_jax.kernels.layout import Tiling
 from jetspec_jax.kernels.reference import refinement_attention_reference
+from jetspec_jax.kernels.select import select_launch, triton_head_dim_problem
 
-IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
 # Pallas backends whose compiled kernel has been checked against the reference on real hardware;
 # "auto" selects the kernel only there (a kernel that was merely interpreted and lowered on CPU is
 # opt-in with impl="pallas" until `benchmarks/bench_draft_attention.py --check` passes on a device).
@@ -48,19 +41,6 @@ GPU_TILING = Tiling(block_q=64, block_kv=64, num_warps=4, num_stages=2)
 TPU_TILING = Tiling(block_q=128, block_kv=128, kv_splits=1)
 
 
-def check_impl(impl: str, what: str = "attention impl") -> None:
-    """Raises ValueError unless `impl` (the `what` of the message) is one of `IMPLS`."""
-    if impl not in IMPLS:
-        raise ValueError(f"{what} must be one of {', '.join(IMPLS)}, got {impl!r}")
-
-
-def pallas_backend(platform: str | None = None) -> str | None:
-    """The Pallas backend of `platform` (default: JAX's): "triton" on GPU, "tpu" on TPU, None
-    where Pallas only interprets (CPU)."""
-    platform = jax.default_backend() if platform is None else platform
-    return {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "tpu"}.get(platform)
-
-
 def kernel_supports(q, context_k, context_v, block_k, block_v, backend: str) -> str | None:
     """None if the kernel takes these operands (arrays or `jax.ShapeDtypeStruct`s) on `backend`
     ("triton", "tpu" or "interpret"), else why not."""
@@ -70,8 +50,8 @@ def kernel_supports(q, context_k, context_v, block_k, block_v, backend: str) -> 
         return f"operands of several dtypes ({', '.join(sorted(d.name for d in dtypes))})"
     if num_heads % num_kv:
         return f"{num_heads} query heads are not a multiple of {num_kv} KV heads"
-    if backend == "triton" and (head_dim < 16 or head_dim != layout.next_pow2(head_dim)):
-        return f"Triton needs a power-of-two head_dim >= 16, got {head_dim}"
+    if backend == "triton" and (why := triton_head_dim_problem(head_dim)):
+        return why
     if backend == "tpu" and head_dim % 128:
         return f"Mosaic TPU needs head_dim % 128 == 0 (lane-dense blocks), got {head_dim}"
     return None
@@ -107,27 +87,16 @@ def refinement_attention(
     Returns:
         `[B, C, K, N, D]` in the dtype of `q`; scores and softmax statistics are float32.
     """
-    check_impl(impl)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, context_k, context_v, context_lengths, block_k, block_v)
-    backend = pallas_backend()
-    if impl == "auto":
-        usable = (
-            backend in HARDWARE_VERIFIED and kernel_supports(*args[:3], *args[4:], backend) is None
-        )
-        impl = "pallas" if usable else "reference"
-    if impl == "reference":
+    backend, interpret = select_launch(
+        impl,
+        kernel="refinement-attention",
+        verified=HARDWARE_VERIFIED,
+        supports=lambda b: kernel_supports(*args[:3], *args[4:], b),
+    )
+    if backend is None:
         return refinement_attention_reference(*args, causal=causal, scale=scale)
-    interpret = impl == "pallas_interpret"
-    if interpret:
-        backend = "triton"  # the launch the interpreter runs; its shape limits do not apply
-    elif backend is None:
-        raise ValueError(
-            f"impl 'pallas' needs a GPU or TPU; the {jax.default_backend()!r} backend can only "
-            "interpret Pallas kernels (impl 'pallas_interpret')"
-        )
-    if why := kernel_supports(*args[:3], *args[4:], "interpret" if interpret else backend):
-        raise ValueError(f"the refinement-attention kernel does not take these operands: {why}")
     if tiling is None:
         tiling = TPU_TILING if backend == "tpu" else GPU_TILING
     options = KernelOptions(causal, scale, tiling, backend, interpret)

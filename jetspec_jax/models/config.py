@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jetspec_jax.kernels.refinement import check_impl
+from jetspec_jax.kernels.select import check_impl
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_5")
 LAYER_TYPES = ("full_attention", "linear_attention")
