@@ -186,9 +186,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pipeline",
-        action="store_true",
+        nargs="?",
+        const="spmd",
+        default=None,
+        metavar="spmd|mpmd",
         help="jetspec++ with --foresight >= 1: verify on device 0 while device 1 drafts ahead "
-        "(needs >= 2 devices)",
+        "(needs >= 2 devices); spmd (the default form): one program, each device holding both "
+        "stages; mpmd: one program per device, each holding only its stage",
     )
     parser.add_argument(
         "--chunk-steps",

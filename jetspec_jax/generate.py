@@ -47,7 +47,7 @@ def generate(
     refreshes: int = 0,
     foresight: int = 0,
     foresight_rule: str = "calibrated",
-    pipeline: bool = False,
+    pipeline: str | None = None,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
@@ -91,7 +91,7 @@ def generate_batch(
     refreshes: int = 0,
     foresight: int = 0,
     foresight_rule: str = "calibrated",
-    pipeline: bool = False,
+    pipeline: str | None = None,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
@@ -176,7 +176,7 @@ def stream(
     refreshes: int = 0,
     foresight: int = 0,
     foresight_rule: str = "calibrated",
-    pipeline: bool = False,
+    pipeline: str | None = None,
 ) -> TokenStream:
     """Generates like `generate`, yielding the new tokens as they are produced.
 

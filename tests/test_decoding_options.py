@@ -15,12 +15,13 @@ from jetspec_jax import DecodingOptions
         (dict(method="jetspec++", refine_passes=-1), "refine_passes must be an integer >= 0"),
         (dict(method="jetspec++", refine_passes=1.5), "refine_passes must be an integer >= 0"),
         (dict(method="jetspec++", foresight=True), "foresight must be an integer >= 0"),
-        (dict(method="jetspec++", foresight=2, pipeline=1), "pipeline must be True or False"),
+        (dict(method="jetspec++", foresight=2, pipeline=True), "pipeline must be None or one"),
+        (dict(method="jetspec++", foresight=2, pipeline="ring"), "'spmd', 'mpmd', got 'ring'"),
         (dict(method="jetspec++", foresight_rule="best"), "unknown selection rule 'best'"),
         (dict(method="jetspec", refine_passes=1, foresight=2), "refine_passes, foresight apply"),
-        (dict(method="ar", pipeline=True), "pipeline apply to method 'jetspec\\+\\+' only"),
+        (dict(method="ar", pipeline="spmd"), "pipeline apply to method 'jetspec\\+\\+' only"),
         (dict(method="jetspec++", refine_passes=1, refreshes=2), "refine_passes=1\\]"),
-        (dict(method="jetspec++", pipeline=True), "set foresight >= 1"),
+        (dict(method="jetspec++", pipeline="mpmd"), "set foresight >= 1"),
     ],
 )
 def test_bad_options_are_refused_by_name(kwargs, message):
@@ -30,6 +31,22 @@ def test_bad_options_are_refused_by_name(kwargs, message):
 
 def test_good_options():
     assert DecodingOptions() == DecodingOptions(method="ar")
-    options = DecodingOptions("jetspec++", np.int64(3), 3, 4, "geometric", True)
-    assert (options.refine_passes, options.foresight, options.pipeline) == (3, 4, True)
-    assert hash(options) == hash(DecodingOptions("jetspec++", 3, 3, 4, "geometric", True))
+    options = DecodingOptions("jetspec++", np.int64(3), 3, 4, "geometric", "mpmd")
+    assert (options.refine_passes, options.foresight, options.pipeline) == (3, 4, "mpmd")
+    assert hash(options) == hash(DecodingOptions("jetspec++", 3, 3, 4, "geometric", "mpmd"))
+
+
+@pytest.mark.parametrize(
+    "flags, pipeline",
+    [([], None), (["--pipeline"], "spmd"), (["--pipeline", "mpmd"], "mpmd")],
+)
+def test_serve_pipeline_flag(flags, pipeline):
+    import serve
+
+    args = serve._parser().parse_args(
+        ["generate", "hi", "--method", "jetspec++", "--foresight", "2"] + flags
+    )
+    assert serve._decoding_options(args).pipeline == pipeline
+    bad = serve._parser().parse_args(["generate", "hi", "--pipeline", "ring"])
+    with pytest.raises(ValueError, match="got 'ring'"):
+        serve._decoding_options(bad)

@@ -90,7 +90,7 @@ def _ar(target, prompts, **sampling):
     return [r.tokens for r in out]
 
 
-def run(target, prompts, draft, *, foresight=1, pipeline=False, **sampling):
+def run(target, prompts, draft, *, foresight=1, pipeline=None, **sampling):
     """`(tokens, outcomes, stats)` per row, through the public session path."""
     session = DecodeSession(
         target,
@@ -168,7 +168,7 @@ def test_foresight_requests_are_validated(target, draft):
             target, [[1, 2]], draft=draft, options=DecodingOptions("jetspec++", foresight=2)
         )
     with pytest.raises(ValueError, match="set foresight >= 1"):
-        DecodingOptions("jetspec++", pipeline=True)
+        DecodingOptions("jetspec++", pipeline="spmd")
     with pytest.raises(ValueError, match="foresight must be an integer >= 0"):
         DecodingOptions("jetspec++", foresight=-1)
     with pytest.raises(ValueError, match="unknown selection rule"):

@@ -1,10 +1,11 @@
-"""The pipelined round (shard_map over two CPU devices): the single-device round's results.
+"""The pipelined round over two CPU devices, both forms (one SPMD `shard_map` program; one program
+per device): the single-device round's results.
 
-Pipelined, single-device foresight and autoregressive decoding give the same tokens, and the two
+Pipelined, single-device foresight and autoregressive decoding give the same tokens, and the
 foresight rounds the same outcomes and hit statistics, with forced hits, forced misses and natural
-mixes (the scaled oracle proxy of test_foresight.py), greedy and sampled. The pipeline is
-proxy-agnostic: the learned proxy (adapter + decoder) is covered by the single-device round in
-test_foresight.py. On CPU the two virtual devices share the cores: correctness, not overlap.
+mixes (the scaled oracle proxy of test_foresight.py), greedy and sampled. The MPMD form is also run
+with the learned proxy (adapter + decoder), whose placement leaves the target's lower layers off the
+draft device. On CPU the two virtual devices share the cores: correctness, not overlap.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline
-from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
+from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
 from jetspec_jax.decoding.session import DecodeSession
 from tests.test_foresight import (
     BLOCK,
@@ -46,37 +48,66 @@ def prompts():
     return make_prompts()
 
 
+def run_with_candidates(target, prompts, draft, pipeline=None):
+    """`run`'s results and the candidate blocks cached at the end: these depend on every input
+    of the drafting side (the drafts of a random draft are rejected whatever they are, so the
+    outcomes alone would not notice a wrong token sequence on the draft device)."""
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=draft,
+        options=DecodingOptions("jetspec++", foresight=2, pipeline=pipeline),
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+    )
+    session.start()
+    session.advance()
+    results = session.results()
+    proposer = session._state.proposer  # the foresight state (private: test-only inspection)
+    candidates = jax.device_get((proposer.blocks, proposer.keys_k, proposer.keys_a))
+    return (
+        [r.tokens for r in results],
+        [r.outcomes for r in results],
+        [(r.foresight_hits, r.foresight_occupancy) for r in results],
+        [x.tolist() for x in candidates],
+    )
+
+
+@pytest.mark.parametrize("form", PIPELINES)
 @pytest.mark.parametrize("scale", [HITS, MISSES, MIXED])
-def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale):
+def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale, form):
     oracle = ScaledOracleDraft(draft, scale)
-    piped = run(target, prompts, oracle, pipeline=True)
-    single = run(target, prompts, oracle)
-    assert piped == single  # tokens, outcomes, hit and occupancy logs
+    piped = run_with_candidates(target, prompts, oracle, pipeline=form)
+    single = run_with_candidates(target, prompts, oracle)
+    assert piped == single  # tokens, outcomes, hit and occupancy logs, candidate blocks
     assert piped[0] == _ar(target, prompts)
-    hits = [h for row in piped[2] for h in row["hits"][1:]]
+    hits = [h for row_hits, _ in piped[2] for h in row_hits[1:]]
     if scale == HITS:
         assert all(hits)
     if scale == MISSES:
         assert not any(hits)
 
 
+@pytest.mark.parametrize("form", PIPELINES)
 @pytest.mark.parametrize("scale", [HITS, MISSES])
-def test_pipelined_sampled_tokens_equal_ar_with_the_same_seed(target, draft, prompts, scale):
+def test_pipelined_sampled_tokens_equal_ar_with_the_same_seed(target, draft, prompts, scale, form):
     for seed in (1, 2):
         sampling = dict(temperature=1.0, top_p=0.9, seed=seed)
         tokens, _, _ = run(
-            target, prompts, ScaledOracleDraft(draft, scale), pipeline=True, **sampling
+            target, prompts, ScaledOracleDraft(draft, scale), pipeline=form, **sampling
         )
         assert tokens == _ar(target, prompts, **sampling)
 
 
-def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts):
-    """The loop resumes across chunks (the carry is gathered and re-replicated each call)."""
+@pytest.mark.parametrize("form", PIPELINES)
+def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
+    """The loop resumes across chunks (SPMD: the carry is gathered and re-replicated each call;
+    MPMD: the draft device's mirror is rebuilt from the decode side)."""
     session = DecodeSession(
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        options=DecodingOptions("jetspec++", foresight=1, pipeline=True),
+        options=DecodingOptions("jetspec++", foresight=1, pipeline=form),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )
@@ -86,26 +117,102 @@ def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts):
     assert joined == _ar(target, prompts)
 
 
-def test_pipeline_is_refused_on_one_device(target, draft, monkeypatch):
+@pytest.mark.parametrize("form", PIPELINES)
+def test_pipeline_is_refused_on_one_device(target, draft, monkeypatch, form):
     learned = draft.with_adapter(init_adapter(draft))
     one = jax.devices()[:1]
     monkeypatch.setattr(pipeline.jax, "devices", lambda *args: one)
-    with pytest.raises(ValueError, match="pipeline=True needs >= 2 devices"):
+    with pytest.raises(ValueError, match="a pipeline needs >= 2 devices"):
         DecodeSession(
             target,
             [[1, 2]],
             draft=learned,
-            options=DecodingOptions("jetspec++", foresight=2, pipeline=True),
+            options=DecodingOptions("jetspec++", foresight=2, pipeline=form),
         )
 
 
-def test_pipelined_round_on_a_hybrid_target(checkpoints):
+def test_mpmd_places_each_stage_on_its_own_device(target, draft, prompts):
+    """With the learned proxy the draft device holds the target's embedding, norm, LM head and
+    the decoder's layers only; the tokens are AR's; after a call the decode state is on device 0
+    and the proposer state on device 1; a second session reuses the placed weights."""
+    learned = draft.with_adapter(init_adapter(draft))
+    deepest_tap = draft.config.target_layer_ids[-1]
+    assert 0 < deepest_tap < target.config.num_layers - 1  # lower layers exist to leave out
+
+    def session():
+        return DecodeSession(
+            target,
+            prompts,
+            draft=learned,
+            options=DecodingOptions("jetspec++", foresight=2, pipeline="mpmd"),
+            max_new_tokens=N_NEW,
+            stop_token_ids=[],
+        )
+
+    first = session()
+    first.start()
+    first.advance()
+    assert [r.tokens for r in first.results()] == _ar(target, prompts)
+
+    device0, device1 = jax.devices()[:2]
+    stages = first._two_programs
+    layers = stages.draft_target_params["layers"]
+    assert all(layer is None for layer in layers[: deepest_tap + 1])
+    assert all(layer is not None for layer in layers[deepest_tap + 1 :])
+    placed = {
+        device0: (stages.target_params, first._state.decode),
+        device1: (stages.draft_target_params, stages.draft_params, first._state.proposer),
+    }
+    for device, trees in placed.items():
+        assert {d for x in jax.tree.leaves(trees) for d in x.devices()} == {device}
+
+    second = session()
+    second.start()
+    second.advance(1)
+    assert second._two_programs.draft_target_params is stages.draft_target_params
+
+
+def test_mpmd_cancel_between_chunks(target, draft, prompts):
+    """A row cancelled between calls is inactive on both devices; the other row is unchanged."""
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=ScaledOracleDraft(draft, MIXED),
+        options=DecodingOptions("jetspec++", foresight=1, pipeline="mpmd"),
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+    )
+    session.start()
+    first = session.poll()
+    session.advance(1)
+    kept = first[0] + session.poll()[0]
+    session.cancel(0)
+    while not all(session.row_done[1:]):
+        session.advance(2)
+        session.poll()
+    results = session.results()
+    assert results[0].tokens == kept and results[0].finish_reason == "cancelled"
+    assert results[1].tokens == _ar(target, prompts)[1]
+
+
+def test_draft_stage_target_params_leave_out_the_lower_layers():
+    params = {"embed_tokens": 1, "layers": [10, 11, 12, 13], "norm": 2}
+    assert draft_stage_target_params(params, 3) == {
+        "embed_tokens": 1,
+        "layers": [None, None, None, 13],
+        "norm": 2,
+    }
+    assert draft_stage_target_params(params, 0) == params
+
+
+@pytest.mark.parametrize("form", PIPELINES)
+def test_pipelined_round_on_a_hybrid_target(checkpoints, form):
     """Qwen3.5 hybrid: the verify stage's Gated DeltaNet states roll back across the pipeline
     (recompute of the committed prefix) and the tokens stay exactly AR's, greedy and sampled."""
     hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
     prompts = make_prompts()
     oracle = ScaledOracleDraft(make_draft(hybrid), MIXED)
     for sampling in ({}, dict(temperature=1.0, top_p=0.9, seed=3)):
-        tokens, outcomes, _ = run(hybrid, prompts, oracle, pipeline=True, **sampling)
+        tokens, outcomes, _ = run(hybrid, prompts, oracle, pipeline=form, **sampling)
         assert tokens == _ar(hybrid, prompts, **sampling)
         assert any(k < BLOCK - 1 for row in outcomes for k, _ in row)  # rejections happened

@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class CompiledCache:
-    """Executables keyed by function, static arguments and the shapes/dtypes of the array inputs."""
+    """Executables keyed by function, static arguments and the array inputs' shapes, dtypes and
+    placements."""
 
     def __init__(self):
         self._executables: dict[tuple, Any] = {}
@@ -31,7 +32,9 @@ class CompiledCache:
             **static: its static arguments (hashable).
         """
         leaves, tree = jax.tree.flatten(args)
-        key = (fn, tree, tuple((x.shape, x.dtype) for x in leaves), tuple(sorted(static.items())))
+        # The placement is part of the key: an executable runs where its arguments were placed.
+        avals = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+        key = (fn, tree, avals, tuple(sorted(static.items())))
         if key in self._executables:
             return self._executables[key], 0.0
         start = time.perf_counter()

@@ -31,8 +31,9 @@ The first-pass noise of a candidate is the fallback's (copied tokens keyed by th
 anchor position, read from the candidate's own token sequence), so with an exact proxy a hit gives
 the block the fallback would have drafted.
 
-The sequential round here (`decode_foresight`) is the single-device reference; `pipeline.py` runs
-the same pieces with the verify and draft-ahead sides on two devices.
+The sequential round here (`decode_foresight`) is the single-device reference; `pipeline.py` (one
+SPMD program) and `pipeline_mpmd.py` (one program per device) run the same pieces with the verify
+and draft-ahead sides on two devices.
 """
 
 from __future__ import annotations
@@ -104,15 +105,12 @@ class ForesightProposer:
         num_candidates: B, candidate next blocks drafted per round (the cache size).
         rule: outcome selection rule (`outcomes.SELECTION_RULES`).
         calibration: the outcome-score calibration of rule "calibrated".
-        pipeline: run the round pipelined over two devices (`pipeline.py`) rather than
-            sequentially on one.
     """
 
     refiner: RefiningProposer
     num_candidates: int
     rule: str = "calibrated"
     calibration: Calibration = Calibration()
-    pipeline: bool = False
 
     def __post_init__(self):
         if isinstance(self.num_candidates, bool) or not isinstance(self.num_candidates, int):
@@ -141,6 +139,12 @@ class ForesightProposer:
     @property
     def drafter(self) -> DraftProposer:
         return self.refiner.drafter
+
+    @property
+    def first_target_layer(self) -> int:
+        """The lowest target layer the drafting side runs (its proxy's); it also reads the
+        target's embedding, final norm and LM head."""
+        return self.refiner.proxy.first_target_layer
 
     def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
         batch, count = prompts.shape[0], self.num_candidates
@@ -302,7 +306,7 @@ def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):
 
 
 def foresight_proposer(
-    draft, base, base_params, num_candidates: int, *, rule: str = "calibrated", pipeline=False
+    draft, base, base_params, num_candidates: int, *, rule: str = "calibrated"
 ) -> tuple[ForesightProposer, Any]:
     """Wraps the proposer of a "jetspec++" draft for foresight drafting.
 
@@ -312,7 +316,6 @@ def foresight_proposer(
             used) or a `DraftProposer` (then the draft's adapter is needed).
         num_candidates: B >= 1 candidate blocks per round.
         rule: the outcome selection rule.
-        pipeline: the pipelined round (`pipeline.py`).
 
     Raises:
         ValueError: a mask-input draft, or no proxy (a draft without an adapter).
@@ -334,7 +337,7 @@ def foresight_proposer(
     else:
         raise ValueError(f"foresight drafting needs a jetspec++ draft, got a {type(base).__name__}")
     calibration = getattr(draft, "calibration", None) or Calibration()
-    proposer = ForesightProposer(refiner, num_candidates, rule, calibration, pipeline)
+    proposer = ForesightProposer(refiner, num_candidates, rule, calibration)
     return proposer, params
 
 

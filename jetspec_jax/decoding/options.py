@@ -16,6 +16,7 @@ import numpy as np
 from jetspec_jax.decoding.outcomes import SELECTION_RULES
 
 METHODS = ("ar", "dflash", "jetspec", "jetspec++")
+PIPELINES = ("spmd", "mpmd")
 _JETSPEC_PP_ONLY = ("refine_passes", "refreshes", "foresight", "pipeline")
 
 
@@ -38,9 +39,12 @@ class DecodingOptions:
             the critical path. 0 = off. Tokens are unchanged either way.
         foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration),
             "uncalibrated" or "geometric" (SSD's fixed fan-out).
-        pipeline: run the foresight round pipelined over two devices (device 0 verifies,
-            device 1 drafts ahead; needs foresight >= 1 and >= 2 visible devices). False: the
-            same round sequentially on one device.
+        pipeline: run the foresight round pipelined over two devices, device 0 verifying while
+            device 1 drafts ahead (needs foresight >= 1 and >= 2 visible devices): "spmd", one
+            `shard_map` program, every device holding both stages (`decoding/pipeline.py`);
+            "mpmd", one program per stage dispatched by the host, each device holding only its
+            stage (`decoding/pipeline_mpmd.py`). None: the same round sequentially on one
+            device.
 
     Raises:
         ValueError: on construction, naming the bad value.
@@ -51,7 +55,7 @@ class DecodingOptions:
     refreshes: int = 0
     foresight: int = 0
     foresight_rule: str = "calibrated"
-    pipeline: bool = False
+    pipeline: str | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -60,14 +64,17 @@ class DecodingOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.pipeline, bool):
-            raise ValueError(f"pipeline must be True or False, got {self.pipeline!r}")
+        if self.pipeline is not None and self.pipeline not in PIPELINES:
+            raise ValueError(
+                f"pipeline must be None or one of {', '.join(map(repr, PIPELINES))}, got "
+                f"{self.pipeline!r}"
+            )
         if self.foresight_rule not in SELECTION_RULES:
             raise ValueError(
                 f"unknown selection rule {self.foresight_rule!r}; expected one of "
                 f"{', '.join(SELECTION_RULES)}"
             )
-        used = [name for name in _JETSPEC_PP_ONLY if getattr(self, name)]
+        used = [name for name in _JETSPEC_PP_ONLY if getattr(self, name) not in (0, None)]
         if used and self.method != "jetspec++":
             raise ValueError(
                 f"{', '.join(used)} apply to method 'jetspec++' only, not {self.method!r}"
@@ -77,8 +84,8 @@ class DecodingOptions:
                 f"refreshes must be in [0, refine_passes={self.refine_passes}] (one refresh "
                 f"before each of the first R passes), got {self.refreshes}"
             )
-        if self.pipeline and not self.foresight:
+        if self.pipeline is not None and not self.foresight:
             raise ValueError(
-                "pipeline=True drafts ahead on the second device: set foresight >= 1 (candidate "
+                "a pipeline drafts ahead on the second device: set foresight >= 1 (candidate "
                 "blocks per round)"
             )

@@ -33,9 +33,10 @@ replicated (`P()`), and the loop carry is each device's own copy of the whole `S
 
 So the cost of SPMD is that each device holds the other stage's weights and caches: the draft
 device holds the target's lower layers and a full-size (idle) target KV cache, the target device
-holds the draft, the adapter and their caches. Keeping each stage near what it needs takes the
-runtime-MPMD form (two sub-meshes, `device_put` per stage, asynchronous dispatch), which is not
-implemented here. Both sides' code is compiled into the program for both devices (code, not data).
+holds the draft, the adapter and their caches. `pipeline_mpmd.py` is the runtime-MPMD form (one
+program per stage, `device_put` between them, asynchronous dispatch), each device holding only its
+stage, at the price of a host-driven loop. Both sides' code is compiled into the program for both
+devices (code, not data).
 
 The carry is gathered back after the loop (decode side from stage 0, proposer side from stage 1),
 so the session, streaming and results read a plain `SpecState`; each call re-replicates it (one
@@ -53,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jetspec_jax.decoding.foresight import ForesightProposer, decode_foresight
+from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.speculative import (
     SpecState,
     commit_round,
@@ -66,29 +68,38 @@ STAGE = "stage"
 TARGET_STAGE, DRAFT_STAGE = 0, 1
 
 
-def check_pipeline_devices() -> None:
-    """Raises ValueError unless at least two devices are visible."""
+def pipeline_devices() -> tuple[jax.Device, jax.Device]:
+    """`(target device, draft device)`: the first two devices (both pipeline forms use them).
+
+    Raises:
+        ValueError: fewer than two devices are visible.
+    """
     devices = jax.devices()
     if len(devices) < 2:
         raise ValueError(
-            f"pipeline=True needs >= 2 devices (the target verifies on one, the draft drafts "
+            f"a pipeline needs >= 2 devices (the target verifies on one, the draft drafts "
             f"ahead on another); {len(devices)} visible ({devices[0].platform}). Use "
-            "pipeline=False for the single-device foresight round"
+            "pipeline=None for the single-device foresight round"
         )
+    return devices[TARGET_STAGE], devices[DRAFT_STAGE]
 
 
 @functools.cache
 def stage_mesh() -> jax.sharding.Mesh:
     """The `stage` mesh over the first two devices (0: target, 1: draft)."""
-    check_pipeline_devices()
     return jax.make_mesh(
-        (2,), (STAGE,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+        (2,), (STAGE,), axis_types=(jax.sharding.AxisType.Auto,), devices=pipeline_devices()
     )
 
 
 def replicate(tree):
     """`tree` placed replicated on the stage mesh (the pipelined loop's argument placement)."""
     return jax.device_put(tree, NamedSharding(stage_mesh(), P()))
+
+
+def replicated_weights(tree):
+    """`replicate` for weights: placed once, reused by later sessions (`PLACED`)."""
+    return PLACED.put(tree, NamedSharding(stage_mesh(), P()))
 
 
 def _permute_packed(tree, pairs):
@@ -221,15 +232,9 @@ def decode_pipelined(
     return target_side.replace(proposer=draft_side)
 
 
-def decode_loop(proposer):
-    """The compiled decode loop of a proposer: pipelined, foresight or plain speculative."""
+def decode_loop(proposer, pipelined: bool):
+    """The compiled decode loop of a proposer: the SPMD pipeline, foresight or plain speculative
+    (the MPMD pipeline is a host loop: `pipeline_mpmd.TwoProgramPipeline`)."""
     if isinstance(proposer, ForesightProposer):
-        return decode_pipelined if proposer.pipeline else decode_foresight
+        return decode_pipelined if pipelined else decode_foresight
     return decode_speculative
-
-
-def place_arguments(proposer, args: tuple) -> tuple:
-    """The decode loop's arguments placed where it runs (replicated on the mesh if pipelined)."""
-    if isinstance(proposer, ForesightProposer) and proposer.pipeline:
-        return replicate(args)
-    return args

@@ -72,7 +72,8 @@ class LearnedProxy:
     target_config: TransformerConfig
 
     @property
-    def first_decoder_layer(self) -> int:
+    def first_target_layer(self) -> int:
+        """The lowest target layer the proxy runs: the decoder's first (deepest tap + 1)."""
         return self.adapter.target_layer_ids[-1] + 1
 
     def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
@@ -80,7 +81,7 @@ class LearnedProxy:
         state = ProxyState(
             adapter=adapter.empty_cache(self.adapter, batch, capacity, dtype),
             decoder=decoder.empty_cache(
-                self.target_config, self.first_decoder_layer, batch, capacity, dtype
+                self.target_config, self.first_target_layer, batch, capacity, dtype
             ),
         )
         return self.observe(params, target_params, state, prompts, prompt_taps, prompt_lengths)
@@ -95,7 +96,7 @@ class LearnedProxy:
             decoder=decoder.extend_context(
                 target_params,
                 self.target_config,
-                self.first_decoder_layer,
+                self.first_target_layer,
                 state.decoder,
                 block_taps[-1],
                 num_committed,
@@ -106,7 +107,7 @@ class LearnedProxy:
         embedding = target_params["embed_tokens"]["embedding"]
         taps = adapter.predict_states(params, self.adapter, state.adapter, embedding, block)
         logits = decoder.decoder_logits(
-            target_params, self.target_config, self.first_decoder_layer, state.decoder, taps[-1]
+            target_params, self.target_config, self.first_target_layer, state.decoder, taps[-1]
         )
         return taps, logits
 

@@ -10,6 +10,9 @@ The host side of decoding, shared by `generate`, streaming and the server:
     .cancel(row)                          stop a row at the next chunk boundary
     .results()                            one `GenerationResult` per request
 
+With `pipeline="mpmd"` the prefill and the loop are `pipeline_mpmd.TwoProgramPipeline`'s (one
+program per device, rounds dispatched from the host); every other method runs one compiled loop.
+
 Everything per token stays on the device: a caller that never polls (`generate_batch`) makes no
 host round trip until `results()`. Shapes are bucketed (batch, prompt length, output length:
 powers of two) so that new requests reuse compiled code; the first use of a bucket compiles ahead
@@ -31,7 +34,13 @@ from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.foresight import ForesightState, foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
-from jetspec_jax.decoding.pipeline import check_pipeline_devices, decode_loop, replicate
+from jetspec_jax.decoding.pipeline import (
+    decode_loop,
+    pipeline_devices,
+    replicate,
+    replicated_weights,
+)
+from jetspec_jax.decoding.pipeline_mpmd import TwoProgramPipeline
 from jetspec_jax.decoding.prefill import prefill
 from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
@@ -151,7 +160,7 @@ class DecodeSession:
             raise ValueError(f"options must be a DecodingOptions, got {type(options).__name__}")
         self._proposer, self._proposer_params = resolve_proposer(target, draft, options)
         self._pipeline = options.pipeline
-        self._pipeline_params = None  # the weights replicated on the stage mesh, once
+        self._two_programs = None  # the MPMD pipeline's stage placement, built at start
         prompts = [check_token_ids(p, config.vocab_size) for p in prompts]
         if not prompts:
             raise ValueError("prompts is empty")
@@ -218,6 +227,9 @@ class DecodeSession:
         if self._state is not None:
             raise RuntimeError("this session has already started")
         target, proposer = self._target, self._proposer
+        if self._pipeline == "mpmd":
+            self._start_two_programs()
+            return
         sizes = dict(config=target.config, capacity=self._capacity, max_output=self._max_output)
         if proposer is None:
             fn, args = prefill, (target.params, *self._inputs, self._requests)
@@ -248,23 +260,48 @@ class DecodeSession:
         if steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {steps}")
         target, proposer = self._target, self._proposer
+        if self._pipeline == "mpmd":
+            self._advance_two_programs(steps)
+            return
         if proposer is None:
             fn, params, static = decode_autoregressive, (target.params,), {}
         else:
-            fn, params = decode_loop(proposer), (target.params, self._proposer_params)
-            if self._pipeline:
-                if self._pipeline_params is None:
-                    self._pipeline_params = replicate(params)
-                params = self._pipeline_params
+            fn = decode_loop(proposer, pipelined=self._pipeline == "spmd")
+            params = (target.params, self._proposer_params)
             static = dict(proposer=proposer)
         args = (*params, self._state, self._requests, jnp.int32(steps))
-        if self._pipeline:  # the pipelined loop's arguments live on the stage mesh
-            args = (*params, *replicate(args[len(params) :]))
+        if self._pipeline == "spmd":  # the loop's arguments live on the stage mesh
+            args = (*replicated_weights(params), *replicate(args[len(params) :]))
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
         self._state = jax.block_until_ready(run(*args))  # the old state is donated
         self._decode_seconds += time.perf_counter() - start
+
+    def _start_two_programs(self) -> None:
+        """`start` for the MPMD pipeline: each side's prefill on its device."""
+        self._two_programs = TwoProgramPipeline(
+            self._target.params,
+            self._proposer_params,
+            config=self._target.config,
+            proposer=self._proposer,
+            compiled=COMPILED,
+        )
+        start = time.perf_counter()
+        state, compile_seconds = self._two_programs.prefill(
+            *self._inputs, self._requests, capacity=self._capacity, max_output=self._max_output
+        )
+        self._state = jax.block_until_ready(state)
+        self._compile_seconds += compile_seconds
+        self._prefill_seconds = time.perf_counter() - start - compile_seconds
+
+    def _advance_two_programs(self, steps: int) -> None:
+        """`advance` through the MPMD pipeline's host loop (compilation timed apart)."""
+        start = time.perf_counter()
+        state, compile_seconds = self._two_programs.advance(self._state, self._requests, steps)
+        self._state = jax.block_until_ready(state)
+        self._compile_seconds += compile_seconds
+        self._decode_seconds += time.perf_counter() - start - compile_seconds
 
     def poll(self) -> list[list[int]]:
         """The tokens each row committed since the previous poll (one small device transfer)."""
@@ -330,8 +367,8 @@ class DecodeSession:
 
 
 def resolve_proposer(target, draft, options: DecodingOptions):
-    """`(proposer, params)` of `options`' speculative method with `draft` (wrapped for foresight,
-    pipelined if asked), `(None, None)` for "ar"."""
+    """`(proposer, params)` of `options`' speculative method with `draft` (wrapped for foresight),
+    `(None, None)` for "ar"; a pipeline is refused here with fewer than two devices."""
     if options.method == "ar":
         if draft is not None:
             raise ValueError("method 'ar' takes no draft model")
@@ -350,15 +387,10 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     )
     if not options.foresight:
         return proposer, params
-    if options.pipeline:
-        check_pipeline_devices()
+    if options.pipeline is not None:
+        pipeline_devices()  # refused with fewer than two
     return foresight_proposer(
-        draft,
-        proposer,
-        params,
-        options.foresight,
-        rule=options.foresight_rule,
-        pipeline=options.pipeline,
+        draft, proposer, params, options.foresight, rule=options.foresight_rule
     )
 
 

@@ -62,13 +62,13 @@ def start_speculative(
     sequence = jnp.zeros((batch, capacity), jnp.int32).at[:, : prompts.shape[1]].set(prompts)
     rows = jnp.arange(batch)
     sequence = sequence.at[rows, prompt_lengths].set(decode.last_token, mode="drop")
-    zeros = jnp.zeros((batch, max_output), jnp.int32)
     return SpecState(
         decode=decode,
         proposer=proposer_state,
         sequence=sequence,
-        accepted=zeros,
-        bonus=zeros,
+        # Two buffers (not one array twice): the decode loops donate the carry.
+        accepted=jnp.zeros((batch, max_output), jnp.int32),
+        bonus=jnp.zeros((batch, max_output), jnp.int32),
         num_verify_rounds=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -157,10 +157,7 @@ def commit_round(s: SpecState, requests, cache, accepted, tokens) -> SpecState:
     anchor_pos = d.cache.lengths
     decode = commit(d.replace(cache=cache), tokens, accepted + 1, requests)
     rows = jnp.arange(tokens.shape[0])[:, None]
-    k_len = tokens.shape[1]
-    sequence = s.sequence.at[rows, anchor_pos[:, None] + 1 + jnp.arange(k_len)].set(
-        tokens, mode="drop"
-    )
+    sequence = write_round_tokens(s.sequence, anchor_pos, tokens)
     slot = jnp.where(active, s.num_verify_rounds, s.accepted.shape[1])  # inactive: dropped
     bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
     return s.replace(
@@ -170,6 +167,14 @@ def commit_round(s: SpecState, requests, cache, accepted, tokens) -> SpecState:
         bonus=s.bonus.at[rows[:, 0], slot].set(bonus, mode="drop"),
         num_verify_rounds=s.num_verify_rounds + active,
     )
+
+
+def write_round_tokens(sequence: jax.Array, anchor_pos: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`sequence` `[B, S]` with a round's target tokens `[B, K]` at positions `anchor_pos + 1 ..`
+    (all K: those past the committed length are overwritten by later rounds)."""
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    positions = anchor_pos[:, None] + 1 + jnp.arange(tokens.shape[1])
+    return sequence.at[rows, positions].set(tokens, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "proposer", "capacity", "max_output"))

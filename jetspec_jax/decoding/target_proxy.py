@@ -29,6 +29,8 @@ class TargetProxy:
     target_config: TransformerConfig
     tap_layers: tuple[int, ...]
 
+    first_target_layer = 0  # it runs every target layer
+
     def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
         dtype = target_params["embed_tokens"]["embedding"].dtype
         cache = init_cache(self.target_config, prompts.shape[0], capacity, dtype)

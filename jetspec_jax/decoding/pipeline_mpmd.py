@@ -1,0 +1,306 @@
+"""The pipelined round as one program per device (runtime MPMD): each device holds only its stage.
+
+`pipeline.py` runs the round as one SPMD program, so every device holds both stages' weights and
+caches. Here the host drives the rounds and dispatches each stage's jitted step to its own device;
+asynchronous dispatch lets device 0 verify block t while device 1 drafts ahead for that block's
+outcomes, and the two exchanges per round are `jax.device_put`s between the devices:
+
+    host dispatches      device 0 (target)                 device 1 (draft)
+    propose_block                                          block t: cached on a hit, else the
+                                                           fallback draft from the true states
+    device_put  ───────▶ the drafts of block t
+    verify_and_commit    verify block t, commit
+    draft_ahead                                            proxy on block t, top-B outcomes,
+                                                           B candidate blocks t+1 (meanwhile)
+    device_put  ─────────────────────────────────────────▶ accepted k, tokens, true tap states
+    observe_outcome                                        extend the contexts with the true
+                                                           states; mirror the commit
+
+**Memory per device.** Device 0: the target's weights and cache and the decode state (outputs,
+per-round logs). Device 1: the draft's and the adapter's weights; of the target only what the
+drafting side runs (`draft_stage_target_params`: the embedding, final norm and LM head, and the
+layers from the proxy's first, i.e. the decoder's layers above the deepest tap); the draft-side
+caches; and `DraftSide`'s mirror of the decode values the proposer reads (the token sequence, each
+row's anchor, its position and its done flag), kept in step by the outcome device 0 sends.
+
+**Costs against the SPMD program.** No device-resident loop: the host issues three programs and two
+transfers per round (microseconds each, against a target forward of milliseconds on an
+accelerator). The host reads the previous round's done flags after dispatching the next round, so
+one round is always in flight and the devices never wait on the host. So when every row is done,
+one more round has been dispatched; each stage program skips its work when no row is active, and
+that round changes nothing.
+
+The computation is `foresight.foresight_round`'s, split between the devices: the tokens, outcomes
+and hit statistics are the single-device round's. Between calls the session holds a plain
+`SpecState` (its decode side on device 0, its proposer state on device 1); each call rebuilds the
+mirror from the decode side, so a row cancelled between calls is inactive on both devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding.foresight import ForesightProposer
+from jetspec_jax.decoding.pipeline import pipeline_devices
+from jetspec_jax.decoding.placement import PLACED
+from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.speculative import (
+    SpecState,
+    commit_round,
+    start_speculative,
+    verify_block,
+    write_round_tokens,
+)
+from jetspec_jax.models.config import TransformerConfig
+
+
+@flax.struct.dataclass
+class DraftSide:
+    """What the draft device carries between rounds.
+
+    Attributes:
+        proposer: the foresight proposer's state (contexts, candidate cache, hit logs).
+        sequence: `[B, S]` int32 every row's tokens by position (the decode side's, mirrored).
+        anchor: `[B]` int32 the last committed token (the next block's anchor).
+        anchor_pos: `[B]` int32 its position (the target cache's committed length).
+        done: `[B]` bool finished rows.
+    """
+
+    proposer: Any
+    sequence: jax.Array
+    anchor: jax.Array
+    anchor_pos: jax.Array
+    done: jax.Array
+
+
+@flax.struct.dataclass
+class Outcome:
+    """What the target device sends after verifying a block.
+
+    Attributes:
+        taps: `[n, B, K, H]` the true tap states of the block.
+        accepted: `[B]` int32 drafts accepted.
+        tokens: `[B, K]` int32 the target's tokens (accepted drafts, then the bonus).
+        anchor, anchor_pos, done: `[B]` the rows' `DraftSide` values after the commit.
+    """
+
+    taps: jax.Array
+    accepted: jax.Array
+    tokens: jax.Array
+    anchor: jax.Array
+    anchor_pos: jax.Array
+    done: jax.Array
+
+
+def draft_stage_target_params(params: dict, first_layer: int) -> dict:
+    """The target's parameters the draft device needs: every entry but the decoder layers below
+    `first_layer`, which are left out (`None`, so layer indices keep their meaning)."""
+    layers = params["layers"]
+    return {**params, "layers": [None] * first_layer + list(layers[first_layer:])}
+
+
+# -- the stage programs ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("side",))
+def propose_block(draft_params, target_params, side: DraftSide, *, proposer: ForesightProposer):
+    """Device 1: `(side, block [B, K])`, block t = [anchor, drafts] (cached on a hit), the
+    round's hit and cache occupancy logged."""
+    active = ~side.done
+    drafts, hit = proposer.propose_with_hits(
+        draft_params,
+        target_params,
+        side.proposer,
+        side.anchor,
+        side.anchor_pos,
+        side.sequence,
+        active,
+    )
+    block = jnp.concatenate([side.anchor[:, None], drafts], axis=1)
+    return side.replace(proposer=proposer.record(side.proposer, hit, active)), block
+
+
+@functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("side",))
+def draft_ahead(draft_params, target_params, side: DraftSide, block, sampling, *, proposer):
+    """Device 1, while block t is verified: the candidate blocks t+1 of its likely outcomes."""
+    state = jax.lax.cond(
+        jnp.any(~side.done),
+        lambda: proposer.draft_ahead(
+            draft_params, target_params, side.proposer, block, side.sequence, sampling
+        ),
+        lambda: side.proposer,
+    )
+    return side.replace(proposer=state)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tap_layers"), donate_argnames=("state",))
+def verify_and_commit(
+    params, state: SpecState, drafts, requests, *, config: TransformerConfig, tap_layers
+) -> tuple[SpecState, Outcome]:
+    """Device 0: verify block t (`drafts` `[B, K-1]`), commit; the outcome for device 1."""
+
+    def verify():
+        cache, taps, accepted, tokens = verify_block(
+            params, config, tap_layers, state.decode, drafts, requests
+        )
+        return commit_round(state, requests, cache, accepted, tokens), taps, accepted, tokens
+
+    def skip():  # no active row: the round changes nothing
+        taps = jax.eval_shape(verify)[1]
+        zeros = jnp.zeros(drafts.shape[:1], jnp.int32)
+        tokens = jnp.zeros((drafts.shape[0], drafts.shape[1] + 1), jnp.int32)
+        return state, jnp.zeros(taps.shape, taps.dtype), zeros, tokens
+
+    state, taps, accepted, tokens = jax.lax.cond(jnp.any(~state.decode.done), verify, skip)
+    d = state.decode
+    return state, Outcome(taps, accepted, tokens, d.last_token, d.cache.lengths, d.done)
+
+
+@functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("side",))
+def observe_outcome(
+    draft_params, target_params, side: DraftSide, block, outcome: Outcome, *, proposer
+):
+    """Device 1: the contexts extended with the true states of block t; the commit mirrored."""
+
+    def observe():
+        num_committed = jnp.where(side.done, 0, outcome.accepted + 1)
+        state = proposer.observe(
+            draft_params, target_params, side.proposer, block, outcome.taps, num_committed
+        )
+        return DraftSide(
+            proposer=state,
+            sequence=write_round_tokens(side.sequence, side.anchor_pos, outcome.tokens),
+            anchor=outcome.anchor,
+            anchor_pos=outcome.anchor_pos,
+            done=outcome.done,
+        )
+
+    return jax.lax.cond(jnp.any(~side.done), observe, lambda: side)
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "capacity"))
+def start_proposer(
+    draft_params, target_params, prompts, prompt_taps, prompt_lengths, *, proposer, capacity
+):
+    """Device 1: the proposer's state over the prompts (their tap states from device 0)."""
+    return proposer.start(
+        draft_params, target_params, prompts, prompt_taps, prompt_lengths, capacity
+    )
+
+
+# -- the host loop -----------------------------------------------------------------------------
+
+
+class TwoProgramPipeline:
+    """A foresight proposer's pipelined round with each stage's weights on its own device.
+
+    Places the target's weights on device 0 and the drafting side's on device 1
+    (`draft_stage_target_params` of the target, the proposer's params), once per weights
+    (`PLACED`: later sessions reuse the copies). `prefill` builds the carry with each side on its
+    device; `advance` runs rounds on it as `decode_foresight` does.
+    """
+
+    def __init__(
+        self,
+        target_params: dict,
+        proposer_params: Any,
+        *,
+        config: TransformerConfig,
+        proposer: ForesightProposer,
+        compiled: CompiledCache,
+    ):
+        """Args:
+        target_params: the target's weights (placed on device 0; no copy if already there).
+        proposer_params: the foresight proposer's (`{"draft": ..., "proxy": ...}`).
+        config: the target config.
+        proposer: the foresight proposer (static in every stage program).
+        compiled: where the stage programs' executables are kept (per shape bucket).
+
+        Raises:
+            ValueError: fewer than two devices.
+        """
+        self.target_device, self.draft_device = pipeline_devices()
+        self.config, self.proposer, self._compiled = config, proposer, compiled
+        self.target_params = PLACED.put(target_params, self.target_device)
+        self.draft_target_params = PLACED.put(
+            draft_stage_target_params(target_params, proposer.first_target_layer),
+            self.draft_device,
+        )
+        self.draft_params = PLACED.put(proposer_params, self.draft_device)
+
+    def prefill(
+        self, prompts, prompt_lengths, requests, *, capacity: int, max_output: int
+    ) -> tuple[SpecState, float]:
+        """`(state, compile seconds)`: `prefill_speculative`'s carry with each side built on its
+        device (the target's prefill on device 0, the proposer's start on device 1)."""
+        static = dict(config=self.config, capacity=capacity, max_output=max_output)
+        args = (self.target_params, prompts, prompt_lengths, requests)
+        run, compile_seconds = self._compiled.get(
+            prefill, *args, **static, tap_layers=self.proposer.tap_layers
+        )
+        decode, taps = run(*args)
+        args = (
+            self.draft_params,
+            self.draft_target_params,
+            *jax.device_put((prompts, taps, prompt_lengths), self.draft_device),
+        )
+        run, seconds = self._compiled.get(
+            start_proposer, *args, proposer=self.proposer, capacity=capacity
+        )
+        state = start_speculative(decode, run(*args), prompts, prompt_lengths, capacity)
+        return state, compile_seconds + seconds
+
+    def advance(self, state: SpecState, requests, max_rounds: int) -> tuple[SpecState, float]:
+        """`(state, compile seconds)` after at most `max_rounds` rounds, stopping once every row
+        is done. `state` (from `prefill_speculative`, or an earlier call) is consumed."""
+        compile_seconds = 0.0
+        executables = {}
+
+        def call(fn, *args, **static):
+            nonlocal compile_seconds
+            if fn not in executables:
+                executables[fn], seconds = self._compiled.get(fn, *args, **static)
+                compile_seconds += seconds
+            return executables[fn](*args)
+
+        decode_side = jax.device_put(state.replace(proposer=None), self.target_device)
+        d = decode_side.decode
+        side = jax.device_put(
+            DraftSide(state.proposer, decode_side.sequence, d.last_token, d.cache.lengths, d.done),
+            self.draft_device,
+        )
+        requests0 = jax.device_put(requests, self.target_device)
+        sampling1 = jax.device_put(requests.sampling, self.draft_device)
+        draft, tp1 = self.draft_params, self.draft_target_params
+        proposer = dict(proposer=self.proposer)
+
+        if np.all(jax.device_get(d.done)):
+            return decode_side.replace(proposer=side.proposer), compile_seconds
+        unread = None  # the done flags of the latest round the host has not checked
+        for _ in range(max_rounds):
+            side, block = call(propose_block, draft, tp1, side, **proposer)
+            drafts = jax.device_put(block[:, 1:], self.target_device)
+            decode_side, outcome = call(
+                verify_and_commit,
+                self.target_params,
+                decode_side,
+                drafts,
+                requests0,
+                config=self.config,
+                tap_layers=self.proposer.tap_layers,
+            )
+            side = call(draft_ahead, draft, tp1, side, block, sampling1, **proposer)
+            outcome1 = jax.device_put(outcome, self.draft_device)
+            side = call(observe_outcome, draft, tp1, side, block, outcome1, **proposer)
+            # The previous round's flags: this round is already queued behind it.
+            if unread is not None and np.all(jax.device_get(unread)):
+                break
+            unread = outcome.done
+        return decode_side.replace(proposer=side.proposer), compile_seconds

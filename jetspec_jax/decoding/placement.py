@@ -1,0 +1,41 @@
+"""`PlacementCache`: device copies of weight trees, made once and reused by later sessions.
+
+The pipelines place the weights per stage (replicated on the stage mesh, or one stage per device).
+A server builds a session per batch; without this, every batch would copy the target's weights
+again.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+
+class PlacementCache:
+    """`jax.device_put` results keyed by the identity of the source arrays and the destination.
+
+    An entry holds its source arrays, so their ids cannot be reused by other arrays while it
+    lives; the least recently used entries are dropped beyond `size`.
+    """
+
+    def __init__(self, size: int = 8):
+        self._size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def put(self, tree, where):
+        """`jax.device_put(tree, where)` (a device or a sharding), reused for the same arrays."""
+        leaves, treedef = jax.tree.flatten(tree)
+        key = (treedef, tuple(map(id, leaves)), where)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key][1]
+        placed = jax.device_put(tree, where)
+        self._entries[key] = (leaves, placed)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return placed
+
+
+# Process-wide: sessions of the same target and draft share their placed weights.
+PLACED = PlacementCache()
