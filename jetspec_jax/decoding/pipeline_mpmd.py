@@ -23,14 +23,16 @@ layers from the proxy's first, i.e. the decoder's layers above the deepest tap);
 caches; and `DraftSide`'s mirror of the decode values the proposer reads (the token sequence, each
 row's anchor, its position and its done flag), kept in step by the outcome device 0 sends.
 
-**Costs against the SPMD program.** No device-resident loop: the host issues three programs and two
-transfers per round (microseconds each, against a target forward of milliseconds on an
-accelerator). The host reads the previous round's done flags after dispatching the next round, so
+**Costs against the SPMD program.** No device-resident loop: the host dispatches four programs
+(one on device 0, three on device 1) and two transfers per round; dispatch is asynchronous, so
+this costs host time, not device time, while the host keeps ahead of the devices. The host reads the previous round's done flags after dispatching the next round, so
 one round is always in flight and the devices never wait on the host. So when every row is done,
 one more round has been dispatched; each stage program skips its work when no row is active, and
 that round changes nothing.
 
-The computation is `foresight.foresight_round`'s, split between the devices: the tokens, outcomes
+The prefill is split the same way: the target's on device 0, then the prompts' tap states go to
+device 1, where the proposer starts. The computation is `foresight.foresight_round`'s, split
+between the devices: the tokens, outcomes
 and hit statistics are the single-device round's. Between calls the session holds a plain
 `SpecState` (its decode side on device 0, its proposer state on device 1); each call rebuilds the
 mirror from the decode side, so a row cancelled between calls is inactive on both devices.
