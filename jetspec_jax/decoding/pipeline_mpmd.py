@@ -261,7 +261,7 @@ class TwoProgramPipeline:
 
     def advance(self, state: SpecState, requests, max_rounds: int) -> tuple[SpecState, float]:
         """`(state, compile seconds)` after at most `max_rounds` rounds, stopping once every row
-        is done. `state` (from `prefill_speculative`, or an earlier call) is consumed."""
+        is done. `state` (from `prefill`, or an earlier call) is consumed."""
         compile_seconds = 0.0
         executables = {}
 
