@@ -10,19 +10,25 @@ from jetspec_jax.bench.__main__ import main
 from jetspec_jax.bench.datasets import prompt_text
 from jetspec_jax.bench.methods import MethodSpec, parse_methods
 from jetspec_jax.data.prompts import MATH_SUFFIX
+from jetspec_jax.decoding.options import DecodingOptions
 from tests.text_fixtures import with_tokenizer
 
 
 def test_method_specs():
-    assert parse_methods("jetspec++-J2,jetspec++-J3-R3") == [
-        MethodSpec("ar", "ar"),
-        MethodSpec("jetspec++-J2", "jetspec++", 2),
-        MethodSpec("jetspec++-J3-R3", "jetspec++", 3, 3),
+    assert parse_methods("jetspec++-J2,jetspec++-J3-R3,jetspec++-J1-R1-F4-mpmd") == [
+        MethodSpec("ar", DecodingOptions("ar")),
+        MethodSpec("jetspec++-J2", DecodingOptions("jetspec++", 2)),
+        MethodSpec("jetspec++-J3-R3", DecodingOptions("jetspec++", 3, 3)),
+        MethodSpec(
+            "jetspec++-J1-R1-F4-mpmd", DecodingOptions("jetspec++", 1, 1, 4, pipeline="mpmd")
+        ),
     ]
     for bad, message in (
         ("medusa", "unknown method"),
-        ("dflash-J1", "jetspec\\+\\+ only"),
-        ("jetspec++-J1-R2", "R must be <= J"),
+        ("dflash-J1", "'dflash-J1': refine_passes apply to method 'jetspec\\+\\+' only"),
+        ("jetspec++-J1-R2", "refreshes must be in \\[0, refine_passes=1\\]"),
+        ("jetspec++-spmd", "set foresight >= 1"),
+        ("jetspec++-F4-ring", "unknown method"),
         ("ar,ar", "repeated"),
     ):
         with pytest.raises(ValueError, match=message):
@@ -83,3 +89,34 @@ def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
 def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys):
     assert main(["--prompts", str(tmp_path / "missing.jsonl"), "--methods", "bogus"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
+    """A JetSpec++ checkpoint (draft + adapter) under foresight, single device and both pipeline
+    forms: the hit-rate column is filled, and greedy output is AR's."""
+    import jetspec_jax
+    from jetspec_jax.adapter import init_adapter
+
+    target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
+    target = jetspec_jax.load_target(target_dir)
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=1)
+    draft.with_adapter(init_adapter(draft)).save(tmp_path / "pp")
+    prompts = tmp_path / "tiny.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi", "source": "tiny"}) + "\n")
+    out = tmp_path / "bench"
+    methods = "jetspec++-F2,jetspec++-J1-R1-F2-spmd,jetspec++-F2-mpmd"
+    argv = [
+        "--prompts", str(prompts),
+        "--target", str(target_dir),
+        "--draft", str(tmp_path / "pp"),
+        "--methods", methods,
+        "--max-new-tokens", "12",
+        "--warmup", "0",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar", *methods.split(",")]
+    assert rows[0]["foresight_hit_rate"] is None
+    for r in rows[1:]:
+        assert 0.0 <= r["foresight_hit_rate"] <= 1.0 and r["greedy_matches_ar"] == 1

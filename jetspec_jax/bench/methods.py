@@ -1,13 +1,22 @@
-"""Benchmark method specs: "ar", "dflash", "jetspec", "jetspec++" and "jetspec++-J<j>"."""
+"""Benchmark method specs: a method name and JetSpec++'s settings in one label.
+
+    ar | dflash | jetspec | jetspec++[-J<j>][-R<r>][-F<b>][-spmd|-mpmd]
+
+`-J<j>` refinement passes, `-R<r>` context refreshes (r <= j; needs an adapter), `-F<b>` foresight
+with B candidate blocks (needs an adapter), `-spmd` / `-mpmd` the foresight round pipelined over two
+devices. Each spec is a `DecodingOptions`, which validates it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 
-from jetspec_jax.decoding.options import METHODS
+from jetspec_jax.decoding.options import METHODS, DecodingOptions
 
-_SPEC = re.compile(r"^(ar|dflash|jetspec|jetspec\+\+)(?:-J(\d+))?(?:-R(\d+))?$")
+_SPEC = re.compile(
+    r"^(ar|dflash|jetspec|jetspec\+\+)(?:-J(\d+))?(?:-R(\d+))?(?:-F(\d+))?(?:-(spmd|mpmd))?$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,43 +24,54 @@ class MethodSpec:
     """One benchmarked configuration.
 
     Attributes:
-        name: as given (the row label), e.g. "jetspec++-J2".
-        method: the decoding method ("ar" or a draft variant).
-        refine_passes: J, Jacobi refinement passes (jetspec++ only).
-        refreshes: R <= J, context refreshes with anchor replacement (jetspec++ with an adapter).
+        name: as given (the row label), e.g. "jetspec++-J1-R1-F4".
+        options: how it decodes.
     """
 
     name: str
-    method: str
-    refine_passes: int = 0
-    refreshes: int = 0
+    options: DecodingOptions
+
+    @property
+    def method(self) -> str:
+        return self.options.method
 
     @property
     def speculative(self) -> bool:
         return self.method != "ar"
 
 
+def parse_method(name: str) -> MethodSpec:
+    """One spec (see the module doc).
+
+    Raises:
+        ValueError: naming the spec and what is wrong with it.
+    """
+    match = _SPEC.match(name)
+    if match is None:
+        raise ValueError(
+            f"unknown method {name!r}; use {', '.join(METHODS)} or "
+            "jetspec++[-J<j>][-R<r>][-F<b>][-spmd|-mpmd]"
+        )
+    method, passes, refreshes, foresight, pipeline = match.groups()
+    try:
+        options = DecodingOptions(
+            method,
+            refine_passes=int(passes or 0),
+            refreshes=int(refreshes or 0),
+            foresight=int(foresight or 0),
+            pipeline=pipeline,
+        )
+    except ValueError as e:
+        raise ValueError(f"{name!r}: {e}") from None
+    return MethodSpec(name, options)
+
+
 def parse_methods(text: str) -> list[MethodSpec]:
     """Comma-separated specs; "ar" is added first when missing (speedups are measured against
-    it). `-J<j>` sets jetspec++'s refinement passes and `-R<r>` its context refreshes (r <= j;
-    the draft needs an adapter)."""
-    specs = []
-    for name in (part.strip() for part in text.split(",")):
-        if not name:
-            continue
-        match = _SPEC.match(name)
-        if match is None:
-            raise ValueError(
-                f"unknown method {name!r}; use {', '.join(METHODS)} or jetspec++-J<j>-R<r>"
-            )
-        method, passes, refreshes = match.groups()
-        if (passes is not None or refreshes is not None) and method != "jetspec++":
-            raise ValueError(f"{name!r}: refinement (-J, -R) applies to jetspec++ only")
-        if int(refreshes or 0) > int(passes or 0):
-            raise ValueError(f"{name!r}: each refresh precedes a pass, so R must be <= J")
-        specs.append(MethodSpec(name, method, int(passes or 0), int(refreshes or 0)))
+    it)."""
+    specs = [parse_method(name) for name in (p.strip() for p in text.split(",")) if name]
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"methods are repeated in {text!r}")
     if not any(s.method == "ar" for s in specs):
-        specs.insert(0, MethodSpec("ar", "ar"))
+        specs.insert(0, parse_method("ar"))
     return specs

@@ -17,18 +17,20 @@ def write_jsonl(path: pathlib.Path, rows: Sequence) -> None:
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
-    """One row per (dataset, temperature, method)."""
+    """One row per (dataset, temperature, method); foresight hits = the fraction of rounds after
+    each prompt's first whose block was drafted ahead (blank without foresight)."""
     lines = [
         "| dataset | T | method | prompts | tokens | tau | decode tok/s | speedup vs AR "
-        "| prefill ms | ms / round | greedy = AR |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| prefill ms | ms / round | foresight hits | greedy = AR |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for s in summaries:
         check = "" if s.greedy_matches_ar is None else f"{s.greedy_matches_ar}/{s.prompts}"
+        hits = "" if s.foresight_hit_rate is None else f"{s.foresight_hit_rate:.2f}"
         lines.append(
             f"| {s.dataset} | {s.temperature:g} | {s.method} | {s.prompts} | {s.new_tokens} "
             f"| {s.tau:.2f} | {s.decode_tokens_per_second:.1f} | {s.speedup:.2f}x "
-            f"| {s.prefill_ms:.1f} | {s.round_ms:.2f} | {check} |"
+            f"| {s.prefill_ms:.1f} | {s.round_ms:.2f} | {hits} | {check} |"
         )
     return "\n".join(lines) + "\n"
 

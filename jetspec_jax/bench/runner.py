@@ -37,6 +37,9 @@ class Sample:
     compile_seconds: float
     finish_reason: str
     matches_ar: bool | None  # greedy speculative methods: tokens equal AR's
+    foresight_hits: (
+        int | None
+    )  # rounds after the first that were foresight hits (None: no foresight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Summary:
         round_ms: mean time of one target forward (AR) / verification round (speculative).
         greedy_matches_ar: prompts whose greedy output equals AR's, of `prompts` (None when not
             checked: AR itself, or temperature > 0).
+        foresight_hit_rate: pooled over the rounds after each prompt's first (the first cannot
+            hit); None for methods without foresight.
     """
 
     dataset: str
@@ -65,6 +70,7 @@ class Summary:
     round_ms: float
     compile_seconds: float
     greedy_matches_ar: int | None
+    foresight_hit_rate: float | None
 
 
 def run_benchmark(
@@ -136,9 +142,7 @@ def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, a
             target,
             data.prompts[i],
             draft=draft,
-            method=m.method,
-            refine_passes=m.refine_passes,
-            refreshes=m.refreshes,
+            **dataclasses.asdict(m.options),
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             seed=i,
@@ -170,6 +174,8 @@ def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, a
                 compile_seconds=t.compile_seconds,
                 finish_reason=result.finish_reason,
                 matches_ar=matches,
+                # The first round cannot hit: nothing was drafted ahead for it.
+                foresight_hits=sum(result.foresight_hits[1:]) if m.options.foresight else None,
             )
         )
 
@@ -202,6 +208,7 @@ def summarize(samples: Sequence[Sample]) -> list[Summary]:
                 round_ms=1e3 * decode_seconds / rounds if rounds else 0.0,
                 compile_seconds=sum(s.compile_seconds for s in group),
                 greedy_matches_ar=sum(checked) if checked else None,
+                foresight_hit_rate=_hit_rate(group),
             )
         )
     return summaries
@@ -211,3 +218,10 @@ def _rate(group: Sequence[Sample]) -> float:
     decoded = sum(max(s.new_tokens - 1, 0) for s in group)
     seconds = sum(s.decode_seconds for s in group)
     return decoded / seconds if seconds > 0 else 0.0
+
+
+def _hit_rate(group: Sequence[Sample]) -> float | None:
+    if any(s.foresight_hits is None for s in group):
+        return None
+    chances = sum(max(s.rounds - 1, 0) for s in group)
+    return sum(s.foresight_hits for s in group) / chances if chances else 0.0

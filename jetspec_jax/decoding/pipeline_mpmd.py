@@ -25,10 +25,11 @@ row's anchor, its position and its done flag), kept in step by the outcome devic
 
 **Costs against the SPMD program.** No device-resident loop: the host dispatches four programs
 (one on device 0, three on device 1) and two transfers per round; dispatch is asynchronous, so
-this costs host time, not device time, while the host keeps ahead of the devices. The host reads the previous round's done flags after dispatching the next round, so
-one round is always in flight and the devices never wait on the host. So when every row is done,
-one more round has been dispatched; each stage program skips its work when no row is active, and
-that round changes nothing.
+this costs host time, not device time, while the host keeps ahead of the devices. The host reads
+the previous round's done flags after dispatching the next round, so one round is always in
+flight and the devices never wait on the host. So when every row is done, one more round has been
+dispatched; each stage program skips its work when no row is active, and that round changes
+nothing.
 
 The prefill is split the same way: the target's on device 0, then the prompts' tap states go to
 device 1, where the proposer starts. The computation is `foresight.foresight_round`'s, split
