@@ -37,9 +37,7 @@ class Sample:
     compile_seconds: float
     finish_reason: str
     matches_ar: bool | None  # greedy speculative methods: tokens equal AR's
-    foresight_hits: (
-        int | None
-    )  # rounds after the first that were foresight hits (None: no foresight)
+    foresight_hits: int | None  # hits in the rounds after the first (None: no foresight)
 
 
 @dataclasses.dataclass(frozen=True)
