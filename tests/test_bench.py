@@ -14,6 +14,19 @@ from jetspec_jax.decoding.options import DecodingOptions
 from tests.text_fixtures import with_tokenizer
 
 
+def _prompt_file(tmp_path, texts):
+    """A JSONL prompt file of dataset "tiny"."""
+    path = tmp_path / "tiny.jsonl"
+    lines = [{"id": f"t-{i}", "prompt": text, "source": "tiny"} for i, text in enumerate(texts)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _results(out):
+    """The summary rows the harness wrote into `out`."""
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
 def test_method_specs():
     assert parse_methods("jetspec++-J2,jetspec++-J3-R3,jetspec++-J1-R1-F4-mpmd") == [
         MethodSpec("ar", DecodingOptions("ar")),
@@ -44,11 +57,7 @@ def test_math_prompts_get_the_standard_suffix():
 
 def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
     target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
-    prompts = tmp_path / "tiny.jsonl"
-    lines = [
-        {"id": f"t-{i}", "prompt": p, "source": "tiny"} for i, p in enumerate(["Hi", "Sky", "2+2"])
-    ]
-    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = _prompt_file(tmp_path, ["Hi", "Sky", "2+2"])
     out = tmp_path / "bench"
     argv = [
         "--prompts", str(prompts),
@@ -62,7 +71,7 @@ def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
     ]  # fmt: skip
     assert main(argv) == 0
 
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = _results(out)
     assert [(r["temperature"], r["method"]) for r in rows] == [
         (0.0, "ar"),
         (0.0, "jetspec++-J1"),
@@ -101,8 +110,7 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     target = jetspec_jax.load_target(target_dir)
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=1)
     draft.with_adapter(init_adapter(draft)).save(tmp_path / "pp")
-    prompts = tmp_path / "tiny.jsonl"
-    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi", "source": "tiny"}) + "\n")
+    prompts = _prompt_file(tmp_path, ["Hi"])
     out = tmp_path / "bench"
     methods = "jetspec++-F2,jetspec++-J1-R1-F2-spmd,jetspec++-F2-mpmd"
     argv = [
@@ -115,7 +123,7 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
         "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    rows = _results(out)
     assert [r["method"] for r in rows] == ["ar", *methods.split(",")]
     assert rows[0]["foresight_hit_rate"] is None
     for r in rows[1:]:

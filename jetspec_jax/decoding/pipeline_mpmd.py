@@ -8,7 +8,7 @@ outcomes, and the two exchanges per round are `jax.device_put`s between the devi
     host dispatches      device 0 (target)                 device 1 (draft)
     propose_block                                          block t: cached on a hit, else the
                                                            fallback draft from the true states
-    device_put  ───────▶ the drafts of block t
+    device_put  ───────▶ block t (its drafts)
     verify_and_commit    verify block t, commit
     draft_ahead                                            proxy on block t, top-B outcomes,
                                                            B candidate blocks t+1 (meanwhile)
@@ -145,9 +145,11 @@ def draft_ahead(draft_params, target_params, side: DraftSide, block, sampling, *
 
 @functools.partial(jax.jit, static_argnames=("config", "tap_layers"), donate_argnames=("state",))
 def verify_and_commit(
-    params, state: SpecState, drafts, requests, *, config: TransformerConfig, tap_layers
+    params, state: SpecState, block, requests, *, config: TransformerConfig, tap_layers
 ) -> tuple[SpecState, Outcome]:
-    """Device 0: verify block t (`drafts` `[B, K-1]`), commit; the outcome for device 1."""
+    """Device 0: verify block t (`block` `[B, K]` = [anchor, drafts]), commit; the outcome for
+    device 1."""
+    drafts = block[:, 1:]
 
     def verify():
         cache, taps, accepted, tokens = verify_block(
@@ -289,12 +291,11 @@ class TwoProgramPipeline:
         unread = None  # the done flags of the latest round the host has not checked
         for _ in range(max_rounds):
             side, block = call(propose_block, draft, tp1, side, **proposer)
-            drafts = jax.device_put(block[:, 1:], self.target_device)
             decode_side, outcome = call(
                 verify_and_commit,
                 self.target_params,
                 decode_side,
-                drafts,
+                jax.device_put(block, self.target_device),
                 requests0,
                 config=self.config,
                 tap_layers=self.proposer.tap_layers,
