@@ -19,6 +19,11 @@
     python train.py calibrate --target DIR --draft runs/x/jetspec_pp --data held_out.jsonl \
         [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--out DIR] [--report FILE.json]
 
+    # 6. Re-save a draft or JetSpec++ checkpoint in another dtype (e.g. bfloat16 to ship it);
+    #    --adapter-from pairs a plain draft with another checkpoint's adapter (same taps).
+    python train.py export --draft runs/x/draft --adapter-from runs/y/jetspec_pp --out DIR \
+        [--dtype bfloat16]
+
 Errors (bad arguments, configs, files, checkpoints) print `error: ...` and exit with status 2.
 """
 
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             "adapter": _train_adapter,
             "evaluate": _evaluate,
             "calibrate": _calibrate,
+            "export": _export,
         }
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, CheckpointError) as e:
@@ -203,6 +209,30 @@ def _calibrate(args: argparse.Namespace) -> int:
             **{"held_out_" + k: v for k, v in report.items()},
         }
         pathlib.Path(args.report).write_text(json.dumps(full, indent=2) + "\n")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Re-saves a draft or JetSpec++ checkpoint in `--dtype`, optionally with another adapter."""
+    import jetspec_jax
+    from jetspec_jax.checkpoint.bundle import is_bundle
+
+    out = pathlib.Path(args.out)
+    if out.exists():
+        raise ValueError(f"--out {out} exists; not replacing it")
+    if args.adapter_from is not None and not is_bundle(args.adapter_from):
+        raise ValueError(f"--adapter-from {args.adapter_from} is not a JetSpec++ checkpoint")
+    target = jetspec_jax.load_target(args.target)
+    draft = jetspec_jax.load_draft(args.draft, target, dtype=args.dtype)
+    if args.adapter_from is not None:
+        if draft.adapter is not None:
+            raise ValueError(f"--draft {args.draft} already has an adapter")
+        donor = jetspec_jax.load_draft(args.adapter_from, target, dtype=args.dtype)
+        # Without its calibration: that was fitted to the donor's draft (train.py calibrate).
+        draft = draft.with_adapter(donor.adapter)
+    draft.save(out)
+    parts = "draft + adapter" + (" + calibration" if draft.calibration is not None else "")
+    print(f"{parts} saved in {args.dtype} to {out}")
     return 0
 
 
@@ -375,6 +405,27 @@ def _parser() -> argparse.ArgumentParser:
         "--report", default=None, metavar="FILE", help="also write a JSON report"
     )
     calibrate.add_argument("-v", "--verbose", action="store_true")
+
+    export = commands.add_parser(
+        "export", help="re-save a draft or JetSpec++ checkpoint in a dtype, or with an adapter"
+    )
+    export.add_argument("--draft", required=True, help="draft or JetSpec++ checkpoint directory")
+    export.add_argument("--out", required=True, help="directory to write (must not exist)")
+    export.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the saved weights' dtype",
+    )
+    export.add_argument(
+        "--adapter-from",
+        default=None,
+        metavar="DIR",
+        help="JetSpec++ checkpoint whose adapter to pair with a plain --draft (its calibration "
+        "is not carried over: rerun train.py calibrate)",
+    )
+    export.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
+    export.add_argument("-v", "--verbose", action="store_true")
 
     evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
     evaluate.add_argument("--draft", required=True, help="draft directory (DFlash/JetSpec layout)")

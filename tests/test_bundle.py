@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -193,3 +195,45 @@ def test_overwrite(target, draft, saved, tmp_path):
     recalibrated.save(path, overwrite=True)
     assert jetspec_jax.load_draft(path, target).calibration == Calibration(2.0, 0.5)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no temporaries left
+
+
+def test_train_export_in_bfloat16_and_with_another_adapter(
+    checkpoints, target, draft, saved, tmp_path, capsys
+):
+    import train
+
+    common = ["--target", str(checkpoints.get("qwen3")[0])]
+    out = tmp_path / "bf16"
+    argv = ["export", "--draft", str(saved), "--out", str(out), "--dtype", "bfloat16"]
+    assert train.main(argv + common) == 0
+    assert bundle.read_manifest(out)["dtype"] == "bfloat16"
+    loaded = jetspec_jax.load_draft(out, target)  # served in the target's float32
+    assert loaded.calibration == CALIBRATION
+
+    def rounded(params):
+        return jax.tree.map(lambda x: np.asarray(x, ml_dtypes.bfloat16).astype(np.float32), params)
+
+    _assert_trees_equal(loaded.params, rounded(draft.params))
+    _assert_trees_equal(loaded.adapter.params, rounded(draft.adapter.params))
+
+    # A plain draft takes another checkpoint's adapter, but not its calibration.
+    plain = dataclasses.replace(draft, adapter=None, calibration=None).save(tmp_path / "plain")
+    paired = tmp_path / "paired"
+    argv = ["export", "--draft", str(plain), "--adapter-from", str(saved), "--out", str(paired)]
+    assert train.main(argv + common) == 0
+    loaded = jetspec_jax.load_draft(paired, target)
+    assert loaded.calibration is None
+    _assert_trees_equal(loaded.adapter.params, draft.adapter.params)
+    assert _greedy(target, loaded) == _greedy(target, draft.with_adapter(draft.adapter))
+
+    capsys.readouterr()
+    refusals = [
+        (["--draft", str(plain), "--out", str(paired)], "exists; not replacing it"),
+        (["--draft", str(plain), "--adapter-from", str(plain)], "not a JetSpec++ checkpoint"),
+        (["--draft", str(saved), "--adapter-from", str(saved)], "already has an adapter"),
+    ]
+    for args, message in refusals:
+        args = args if "--out" in args else [*args, "--out", str(tmp_path / "never")]
+        assert train.main(["export", *args, *common]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
