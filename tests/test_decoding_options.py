@@ -46,7 +46,7 @@ def test_serve_pipeline_flag(flags, pipeline):
     args = serve._parser().parse_args(
         ["generate", "hi", "--method", "jetspec++", "--foresight", "2"] + flags
     )
-    assert serve._decoding_options(args).pipeline == pipeline
+    assert serve._decoding_options(args, None).pipeline == pipeline
     bad = serve._parser().parse_args(["generate", "hi", "--pipeline", "ring"])
     with pytest.raises(ValueError, match="got 'ring'"):
-        serve._decoding_options(bad)
+        serve._decoding_options(bad, None)

@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.bench.methods import parse_methods
     from jetspec_jax.bench.report import markdown_table, write_report
     from jetspec_jax.bench.runner import run_benchmark
+    from jetspec_jax.default_model import default_draft_dir
 
     try:
         methods = parse_methods(args.methods)
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
         drafts = {}
-        for path in args.draft:
+        shipped = args.target is None and not args.draft and not args.random_draft
+        for path in [default_draft_dir()] if shipped else args.draft:
             draft = jetspec_jax.load_draft(path, target)
             drafts[draft.config.variant] = draft
         if args.random_draft:
@@ -82,7 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=None, help="HF directory (default: the default model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument(
-        "--draft", action="append", default=[], help="draft directory; serves its own variant"
+        "--draft",
+        action="append",
+        default=[],
+        help="draft directory (repeatable); serves its own variant (default with the default "
+        "target: its shipped JetSpec++ draft)",
     )
     parser.add_argument(
         "--random-draft",

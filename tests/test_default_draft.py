@@ -1,0 +1,130 @@
+"""The draft shipped for the default model: small, fits its target, trained, lossless, the default.
+
+These run the real 30-layer SmolLM2-135M-Instruct target with the shipped JetSpec++ checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import jetspec_jax
+import serve
+from jetspec_jax.checkpoint.bundle import read_manifest
+from jetspec_jax.default_model import default_draft_dir
+from jetspec_jax.prompting import encode_prompt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROMPTS = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that returns the largest element of a list.",
+    "Explain in three sentences why the sky is blue.",
+)
+# On these prompts a random draft of this target reaches tau 1.01; the shipped one ~1.3.
+TRAINED_TAU = 1.15
+
+
+@pytest.fixture(scope="module")
+def target(default_model_dir):
+    return jetspec_jax.load_target()
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return jetspec_jax.load_draft(default_draft_dir(), target)
+
+
+def test_shipped_checkpoint_is_a_small_bfloat16_jetspec_pp_bundle():
+    path = default_draft_dir()
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    assert size <= 40e6, f"the shipped draft is {size / 1e6:.1f} MB (at most 40 MB)"
+    manifest = read_manifest(path)
+    assert manifest["dtype"] == "bfloat16"
+    assert manifest["contents"] == ["draft", "adapter", "calibration"]
+
+
+def test_shipped_draft_fits_the_default_target(draft, target):
+    assert draft.config.variant == "jetspec++"
+    assert draft.adapter is not None and draft.calibration is not None
+    assert draft.dtype == target.dtype == "float32"  # served in the target's dtype
+    assert max(draft.config.target_layer_ids) < target.config.num_layers
+
+
+def test_shipped_draft_is_lossless_and_trained(draft, target):
+    """Greedy JetSpec++ output equals AR's token for token, and the draft is better than noise."""
+    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in PROMPTS]
+    kwargs = dict(max_new_tokens=48, stop_token_ids=())
+    ar = jetspec_jax.generate_batch(target, prompts, **kwargs)
+    spec = jetspec_jax.generate_batch(target, prompts, draft=draft, method="jetspec++", **kwargs)
+    for a, s in zip(ar, spec, strict=True):
+        assert s.tokens == a.tokens
+    rounds = [n for s in spec for n in s.acceptance_lengths[1:]]  # the prefill's token excluded
+    tau = sum(rounds) / len(rounds)
+    assert tau >= TRAINED_TAU, f"tau {tau:.2f}"
+
+
+@pytest.mark.parametrize(
+    "flags, method, shipped",
+    [
+        ([], "jetspec++", True),
+        (["--method", "jetspec++"], "jetspec++", True),
+        (["--method", "ar"], "ar", False),
+    ],
+)
+def test_serve_flags_choose_the_shipped_draft_for_the_default_model(
+    flags, method, shipped, default_model_dir
+):
+    args = serve._parser().parse_args(["generate", "hi", *flags])
+    _, draft = serve._load_models(args)
+    assert (draft is not None and draft.path == default_draft_dir()) == shipped
+    assert serve._decoding_options(args, draft).method == method
+
+
+def test_serve_flags_a_draft_without_method_runs_its_variant(target, tmp_path):
+    draft_dir = jetspec_jax.init_draft(target, variant="jetspec", block_size=4).save(tmp_path / "d")
+    args = serve._parser().parse_args(["generate", "hi", "--draft", str(draft_dir)])
+    _, draft = serve._load_models(args)
+    assert serve._decoding_options(args, draft).method == "jetspec"
+    other_target = serve._parser().parse_args(["generate", "hi", "--target", str(target.path)])
+    assert serve._load_models(other_target)[1] is None  # another target: AR unless told
+    with pytest.raises(ValueError, match="--method must be one of"):
+        serve._load_models(serve._parser().parse_args(["generate", "hi", "--method", "eagle"]))
+
+
+def test_readme_main_command_runs_jetspec_pp_with_no_flags(target, default_cache):
+    """`python serve.py generate "PROMPT"`: the shipped draft, JetSpec++, AR's greedy text."""
+    prompt = PROMPTS[0]
+    ids = encode_prompt(target.tokenizer, prompt, chat=True)
+    expected = target.tokenizer.decode(
+        jetspec_jax.generate(target, ids, max_new_tokens=16).tokens, skip_special_tokens=True
+    )
+    proc = subprocess.run(
+        [sys.executable, "serve.py", "generate", prompt, "--max-new-tokens", "16"],
+        cwd=ROOT,
+        env={**os.environ, "JETSPEC_JAX_CACHE": str(default_cache)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == expected.strip()
+    assert "[jetspec++ J0-R0]" in proc.stderr and "tau" in proc.stderr
+
+
+def test_bench_harness_serves_jetspec_pp_with_the_shipped_draft(default_model_dir, tmp_path):
+    from jetspec_jax.bench.__main__ import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "0", "prompt": PROMPTS[0], "source": "gsm8k"}) + "\n")
+    out = tmp_path / "bench"
+    argv = ["--prompts", str(prompts), "--methods", "jetspec++", "--max-new-tokens", "8"]
+    assert main([*argv, "--warmup", "0", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["ar", "jetspec++"]
+    assert rows[1]["greedy_matches_ar"] == 1
