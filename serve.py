@@ -63,6 +63,7 @@ def _decoding_options(args, draft):
         method=method,
         refine_passes=args.refine_passes,
         refreshes=args.refreshes,
+        replacement_confidence=args.replacement_confidence,
         foresight=args.foresight,
         foresight_rule=args.foresight_rule,
         pipeline=args.pipeline,
@@ -206,6 +207,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="jetspec++: context refreshes with anchor replacement R <= J (draft with adapter)",
+    )
+    parser.add_argument(
+        "--replacement-confidence",
+        type=float,
+        default=None,
+        metavar="C",
+        help="jetspec++ with --refreshes: replace a draft token only where the decoder's "
+        "probability of its own token exceeds C in [0, 1] (0: every disagreement, the paper's "
+        "rule; default: the draft's calibration)",
     )
     parser.add_argument(
         "--foresight",

@@ -14,10 +14,12 @@
     # 4. Tau of a draft through the inference path.
     python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl
 
-    # 5. Fit the outcome-score calibration of a JetSpec++ checkpoint (draft + adapter) on held-out
-    #    regenerated sequences; writes its calibration.json (the bundle is rewritten atomically).
+    # 5. Fit the calibration of a JetSpec++ checkpoint (draft + adapter) on held-out regenerated
+    #    sequences: refinement's replacement confidence, then the outcome-score temperatures;
+    #    writes its calibration.json (the bundle is rewritten atomically).
     python train.py calibrate --target DIR --draft runs/x/jetspec_pp --data held_out.jsonl \
-        [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--out DIR] [--report FILE.json]
+        [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--confidence-grid 0,0.5,0.9,1] \
+        [--replacement-confidence C] [--out DIR] [--report FILE.json]
 
     # 6. Re-save a draft or JetSpec++ checkpoint in another dtype (e.g. bfloat16 to ship it);
     #    --adapter-from pairs a plain draft with another checkpoint's adapter (same taps).
@@ -122,7 +124,9 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    """Fits the outcome calibration of a JetSpec++ checkpoint and stores it in the checkpoint."""
+    """Fits the calibration of a JetSpec++ checkpoint (replacement confidence, outcome-score
+    temperatures) and stores it in the checkpoint."""
+    import dataclasses
     import json
 
     for name in ("num_rounds", "anchors_per_sequence", "max_length"):
@@ -137,6 +141,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     import jetspec_jax
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
+    from jetspec_jax.decoding.refinement import check_replacement_confidence
     from jetspec_jax.training.calibration import fit_calibration
     from jetspec_jax.training.calibration_rounds import (
         collect_rounds,
@@ -144,7 +149,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         split_rounds,
     )
     from jetspec_jax.training.data import read_regenerated
+    from jetspec_jax.training.replacement_fit import fit_replacement_confidence
 
+    if args.replacement_confidence is not None and args.confidence_grid is not None:
+        raise ValueError("give --replacement-confidence (store it) or --confidence-grid (fit)")
+    for value in [args.replacement_confidence or 0.0, *(args.confidence_grid or [])]:
+        check_replacement_confidence(value)
     if not is_bundle(args.draft):
         raise ValueError(
             f"--draft {args.draft} is not a JetSpec++ checkpoint (no jetspec_pp.json): "
@@ -157,10 +167,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     records = read_regenerated(args.data)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
-    rounds = collect_rounds(
-        target,
-        draft,
-        records,
+    round_args = dict(
         num_rounds=args.num_rounds,
         refine_passes=args.refine_passes,
         refreshes=args.refreshes,
@@ -168,8 +175,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         seed=args.seed,
     )
+    confidence, confidence_fit = args.replacement_confidence, None
+    if confidence is None and args.refreshes:
+        grid = {} if args.confidence_grid is None else {"grid": args.confidence_grid}
+        confidence_fit = fit_replacement_confidence(target, draft, records, **grid, **round_args)
+        confidence = confidence_fit.best
+    confidence = confidence or 0.0
+    # The temperatures score the drafts the served refinement (with that confidence) makes.
+    rounds = collect_rounds(target, draft, records, replacement_confidence=confidence, **round_args)
     fit, held_out = split_rounds(rounds, args.holdout_fraction, seed=args.seed)
-    calibration = fit_calibration(*fit.fit_arrays)
+    calibration = dataclasses.replace(
+        fit_calibration(*fit.fit_arrays), replacement_confidence=confidence
+    )
     report = evaluate_rounds(held_out, calibration)
     # Saved in the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).
     stored = (
@@ -179,6 +196,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     stored.with_adapter(stored.adapter, calibration).save(out, overwrite=out.exists())
 
+    if confidence_fit is not None:
+        print(
+            f"replacement confidence: tau per held-out round (J{args.refine_passes}-R"
+            f"{args.refreshes}, {confidence_fit.rounds} rounds) by confidence"
+        )
+        for value, tau in confidence_fit.tau.items():
+            print(f"  {value:>5.2f}  {tau:.4f}{'  <- fitted' if value == confidence else ''}")
+    else:
+        print(f"replacement confidence: {confidence:.2f} (given, not fitted)")
     ll = report["log_likelihood"]
     print(
         f"calibration rounds: {len(rounds)} (J{args.refine_passes}-R{args.refreshes}; fit "
@@ -206,6 +232,11 @@ def _calibrate(args: argparse.Namespace) -> int:
             "rounds": len(rounds),
             "fit_rounds": len(fit),
             "dropped": rounds.dropped,
+            "replacement_confidence_tau": (
+                None
+                if confidence_fit is None
+                else {str(c): tau for c, tau in confidence_fit.tau.items()}
+            ),
             **{"held_out_" + k: v for k, v in report.items()},
         }
         pathlib.Path(args.report).write_text(json.dumps(full, indent=2) + "\n")
@@ -298,6 +329,11 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _float_list(text: str) -> list[float]:
+    """`--flag 0,0.5,1` -> [0.0, 0.5, 1.0] (argparse reports the ValueError as a usage error)."""
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -388,6 +424,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--refine-passes", type=int, default=1, help="J of the served Jj-Rr")
     calibrate.add_argument("--refreshes", type=int, default=1, help="R of the served Jj-Rr")
+    calibrate.add_argument(
+        "--confidence-grid",
+        type=_float_list,
+        default=None,
+        metavar="C,C,...",
+        help="replacement confidences tried, the best held-out tau per round wins (default: "
+        "seven from 0 to 1, training/replacement_fit.py)",
+    )
+    calibrate.add_argument(
+        "--replacement-confidence",
+        type=float,
+        default=None,
+        metavar="C",
+        help="store this replacement confidence instead of fitting one (0: the paper's rule)",
+    )
     calibrate.add_argument(
         "--holdout-fraction",
         type=float,

@@ -45,7 +45,8 @@ class Draft:
             depth is the `num_target_layers` an export records).
         path: the directory it was loaded from, if any.
         adapter: the `Adapter` predicting its taps (context refreshes need one), if any.
-        calibration: the `Calibration` of its outcome scores (foresight), if fitted.
+        calibration: its fitted `Calibration` (foresight's outcome scores, refinement's
+            replacement confidence), if any.
     """
 
     config: DraftConfig
@@ -93,9 +94,19 @@ class Draft:
             save_draft_params(self.params, self.config, tmp)
         return pathlib.Path(out_dir)
 
-    def proposer(self, target: Target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+    def proposer(
+        self,
+        target: Target,
+        *,
+        method: str,
+        refine_passes: int = 0,
+        refreshes: int = 0,
+        replacement_confidence: float | None = None,
+    ):
         """`(proposer, params)` drafting for `target` with `method` (the decode loop's interface):
-        `Jj` Jacobi passes, the first `refreshes` of them after a context refresh (`Jj-Rr`).
+        `Jj` Jacobi passes, the first `refreshes` of them after a context refresh (`Jj-Rr`) whose
+        anchor replacement trusts the proxy above `replacement_confidence` (None: the
+        calibration's value; 0, the paper's rule, for a draft without a calibration).
 
         Raises:
             ValueError: `method` is not this draft's variant, refinement on a mask-input draft,
@@ -111,9 +122,12 @@ class Draft:
                 f"refreshes={refreshes} needs a draft with an adapter (Draft.with_adapter, or a "
                 "JetSpec++ checkpoint that holds one)"
             )
+        if replacement_confidence is None:
+            calibration = self.calibration or Calibration()
+            replacement_confidence = calibration.replacement_confidence
         proxy = LearnedProxy(self.adapter.config, target.config)
         params = {"draft": self.params, "proxy": self.adapter.params}
-        return RefiningProposer(proposer, proxy, refreshes), params
+        return RefiningProposer(proposer, proxy, refreshes, replacement_confidence), params
 
 
 def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = None) -> Draft:

@@ -48,6 +48,7 @@ def generate(
     foresight: int = 0,
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
+    replacement_confidence: float | None = None,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
@@ -55,10 +56,11 @@ def generate(
         target: a loaded target (`load_target`).
         prompt_ids: the prompt's token ids (a non-empty list of ints).
         draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
-        method, refine_passes, refreshes, foresight, foresight_rule, pipeline: how to decode;
-            see `jetspec_jax.DecodingOptions` (method "ar", autoregressive, by default; the
-            speculative methods "dflash", "jetspec", "jetspec++" give the same tokens with fewer
-            target forwards; the rest are JetSpec++'s `Jj-Rr` refinement and foresight).
+        method, refine_passes, refreshes, foresight, foresight_rule, pipeline,
+            replacement_confidence: how to decode; see `jetspec_jax.DecodingOptions` (method
+            "ar", autoregressive, by default; the speculative methods "dflash", "jetspec",
+            "jetspec++" give the same tokens with fewer target forwards; the rest are
+            JetSpec++'s `Jj-Rr` refinement and foresight).
         max_new_tokens: at most this many new tokens (>= 1).
         temperature: 0 for greedy decoding, > 0 to sample.
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
@@ -71,7 +73,15 @@ def generate(
         A `GenerationResult`.
     """
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    options = DecodingOptions(method, refine_passes, refreshes, foresight, foresight_rule, pipeline)
+    options = DecodingOptions(
+        method,
+        refine_passes,
+        refreshes,
+        foresight,
+        foresight_rule,
+        pipeline,
+        replacement_confidence,
+    )
     (result,) = _decode(
         target, [prompt_ids], draft, options, max_new_tokens, sampling, stop_token_ids
     )
@@ -92,6 +102,7 @@ def generate_batch(
     foresight: int = 0,
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
+    replacement_confidence: float | None = None,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
@@ -102,13 +113,22 @@ def generate_batch(
         target: a loaded target.
         prompts: token-id lists, one per request.
         draft, method, max_new_tokens, stop_token_ids, refine_passes, refreshes, foresight,
-            foresight_rule, pipeline: as in `generate`, shared by all rows.
+            foresight_rule, pipeline, replacement_confidence: as in `generate`, shared by all
+            rows.
         sampling: one `SamplingParams` for all rows, or one per row.
 
     Returns:
         One `GenerationResult` per prompt, in order.
     """
-    options = DecodingOptions(method, refine_passes, refreshes, foresight, foresight_rule, pipeline)
+    options = DecodingOptions(
+        method,
+        refine_passes,
+        refreshes,
+        foresight,
+        foresight_rule,
+        pipeline,
+        replacement_confidence,
+    )
     return _decode(target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids)
 
 
@@ -177,6 +197,7 @@ def stream(
     foresight: int = 0,
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
+    replacement_confidence: float | None = None,
 ) -> TokenStream:
     """Generates like `generate`, yielding the new tokens as they are produced.
 
@@ -201,7 +222,13 @@ def stream(
         [prompt_ids],
         draft=draft,
         options=DecodingOptions(
-            method, refine_passes, refreshes, foresight, foresight_rule, pipeline
+            method,
+            refine_passes,
+            refreshes,
+            foresight,
+            foresight_rule,
+            pipeline,
+            replacement_confidence,
         ),
         max_new_tokens=max_new_tokens,
         sampling=sampling,

@@ -49,6 +49,7 @@ class OracleDraft:
     vocab_size: int
     wrong_at: int | None = None
 
-    def proposer(self, target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+    def proposer(self, target, *, method: str, **_):
+        """The oracle serves every method and setting alike (`Draft.proposer`'s keywords)."""
         proposer = OracleProposer(self.block_size, self.vocab_size, self.wrong_at)
         return proposer, jnp.asarray(self.continuation, jnp.int32)

@@ -28,12 +28,17 @@ def _results(out):
 
 
 def test_method_specs():
-    assert parse_methods("jetspec++-J2,jetspec++-J3-R3,jetspec++-J1-R1-F4-mpmd") == [
+    specs = "jetspec++-J2,jetspec++-J3-R3,jetspec++-J1-R1-F4-mpmd,jetspec++-J3-R3-C0.75"
+    assert parse_methods(specs) == [
         MethodSpec("ar", DecodingOptions("ar")),
         MethodSpec("jetspec++-J2", DecodingOptions("jetspec++", 2)),
         MethodSpec("jetspec++-J3-R3", DecodingOptions("jetspec++", 3, 3)),
         MethodSpec(
             "jetspec++-J1-R1-F4-mpmd", DecodingOptions("jetspec++", 1, 1, 4, pipeline="mpmd")
+        ),
+        MethodSpec(
+            "jetspec++-J3-R3-C0.75",
+            DecodingOptions("jetspec++", 3, 3, replacement_confidence=0.75),
         ),
     ]
     for bad, message in (
@@ -42,6 +47,8 @@ def test_method_specs():
         ("jetspec++-J1-R2", "refreshes must be in \\[0, refine_passes=1\\]"),
         ("jetspec++-spmd", "set foresight >= 1"),
         ("jetspec++-F4-ring", "unknown method"),
+        ("jetspec++-J1-R1-C2", "replacement_confidence must be in \\[0, 1\\]"),
+        ("jetspec++-J1-C0.5", "set refreshes >= 1"),
         ("ar,ar", "repeated"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -16,6 +16,7 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.refinement import LearnedProxy
 from jetspec_jax.models.transformer import forward
 from jetspec_jax.training.calibration_rounds import collect_rounds, split_rounds
+from jetspec_jax.training.replacement_fit import fit_replacement_confidence
 
 K = 6
 MAX_NEW = 16
@@ -103,6 +104,29 @@ def test_collected_outcomes_match_the_decode_loop(setup):
     assert not set(fit.records.tolist()) & set(held.records.tolist())
 
 
+def test_replacement_confidence_fit_scores_the_served_refinement(setup):
+    """Each grid point's score is the mean acceptance length of the rounds its `Jj-Rr` drafts:
+    c = 0 those of the paper's rule, c = 1 those of `Jj-R0`; the best score wins."""
+    target, draft, records = setup
+    common = dict(num_rounds=48, anchors_per_sequence=8)
+    fit = fit_replacement_confidence(target, draft, records, grid=(1.0, 0.0, 0.5), **common)
+    assert list(fit.tau) == [1.0, 0.0, 0.5] and fit.rounds == 48
+    paper = collect_rounds(target, draft, records, replacement_confidence=0.0, **common)
+    no_refresh = collect_rounds(target, draft, records, refreshes=0, **common)
+    assert fit.tau[0.0] == pytest.approx(np.mean(paper.k_true + 1))
+    assert fit.tau[1.0] == pytest.approx(np.mean(no_refresh.k_true + 1))
+    assert fit.tau[0.0] != fit.tau[1.0]  # the grid points draft differently here
+    assert fit.tau[fit.best] == max(fit.tau.values())
+    for kwargs, message in (
+        (dict(grid=(0.5, 0.5)), "without repeats"),
+        (dict(grid=()), "non-empty"),
+        (dict(grid=(1.5,)), "must be in \\[0, 1\\]"),
+        (dict(refreshes=0), "refreshes >= 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            fit_replacement_confidence(target, draft, records, **{**common, **kwargs})
+
+
 def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     target, draft, records = setup
     target_dir = target.save(tmp_path / "target")
@@ -121,12 +145,25 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     summary = json.loads(report.read_text())
     assert loaded.calibration is not None
     assert loaded.calibration.to_dict() == summary["calibration"]
+    # The replacement confidence: fitted over the default grid (J1-R1), the best score stored.
+    scores = {float(c): tau for c, tau in summary["replacement_confidence_tau"].items()}
+    assert len(scores) == 7 and "<- fitted" in out
+    assert scores[loaded.calibration.replacement_confidence] == max(scores.values())
     assert summary["rounds"] == 48 and summary["dropped"] == 0
     assert set(summary["held_out_hit_rate"]) == {"calibrated", "uncalibrated", "geometric"}
     assert set(summary["held_out_hit_rate"]["calibrated"]) == {"1", "4", "16"}
     ll = summary["held_out_log_likelihood"]
     assert np.isfinite(ll["calibrated"]) and np.isfinite(ll["uncalibrated"])
     jax.tree.map(np.testing.assert_array_equal, loaded.params, draft.params)
+
+    # A given confidence is stored as it is; giving a grid too is ambiguous.
+    given = argv + ["--replacement-confidence", "0.25", "--out", str(tmp_path / "given")]
+    assert train.main(given) == 0
+    assert "0.25 (given, not fitted)" in capsys.readouterr().out
+    stored = jetspec_jax.load_draft(tmp_path / "given", target).calibration
+    assert stored.replacement_confidence == 0.25
+    assert train.main(given[:-2] + ["--confidence-grid", "0,1"]) == 2
+    assert "--replacement-confidence (store it) or --confidence-grid" in capsys.readouterr().err
 
     # A plain draft directory has no adapter to score outcomes with.
     plain = draft.with_adapter(draft.adapter)

@@ -22,6 +22,11 @@ from jetspec_jax import DecodingOptions
         (dict(method="ar", pipeline="spmd"), "pipeline apply to method 'jetspec\\+\\+' only"),
         (dict(method="jetspec++", refine_passes=1, refreshes=2), "refine_passes=1\\]"),
         (dict(method="jetspec++", pipeline="mpmd"), "set foresight >= 1"),
+        (dict(method="jetspec++", replacement_confidence=0.5), "set refreshes >= 1"),
+        (
+            dict(method="jetspec++", refine_passes=1, refreshes=1, replacement_confidence=1.5),
+            "replacement_confidence must be in \\[0, 1\\], got 1.5",
+        ),
     ],
 )
 def test_bad_options_are_refused_by_name(kwargs, message):
@@ -34,6 +39,9 @@ def test_good_options():
     options = DecodingOptions("jetspec++", np.int64(3), 3, 4, "geometric", "mpmd")
     assert (options.refine_passes, options.foresight, options.pipeline) == (3, 4, "mpmd")
     assert hash(options) == hash(DecodingOptions("jetspec++", 3, 3, 4, "geometric", "mpmd"))
+    assert options.replacement_confidence is None  # the draft's calibration decides
+    options = DecodingOptions("jetspec++", 1, 1, replacement_confidence=np.float32(0.5))
+    assert options.replacement_confidence == 0.5 and type(options.replacement_confidence) is float
 
 
 @pytest.mark.parametrize(
@@ -50,3 +58,13 @@ def test_serve_pipeline_flag(flags, pipeline):
     bad = serve._parser().parse_args(["generate", "hi", "--pipeline", "ring"])
     with pytest.raises(ValueError, match="got 'ring'"):
         serve._decoding_options(bad, None)
+
+
+def test_serve_replacement_confidence_flag():
+    import serve
+
+    argv = ["generate", "hi", "--method", "jetspec++", "--refine-passes", "1", "--refreshes", "1"]
+    args = serve._parser().parse_args(argv)
+    assert serve._decoding_options(args, None).replacement_confidence is None
+    args = serve._parser().parse_args(argv + ["--replacement-confidence", "0.7"])
+    assert serve._decoding_options(args, None).replacement_confidence == 0.7

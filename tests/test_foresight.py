@@ -46,10 +46,18 @@ class ScaledOracleDraft:
     scale: float
     calibration = None
 
-    def proposer(self, target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+    def proposer(
+        self,
+        target,
+        *,
+        method: str,
+        refine_passes: int = 0,
+        refreshes: int = 0,
+        replacement_confidence: float | None = None,
+    ):
         drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
         proxy = ScaledTargetProxy(target.config, self.draft.config.target_layer_ids)
-        proposer = RefiningProposer(drafter, proxy, refreshes)
+        proposer = RefiningProposer(drafter, proxy, refreshes, replacement_confidence or 0.0)
         return proposer, {"draft": params, "proxy": jnp.float32(self.scale)}
 
 

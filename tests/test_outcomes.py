@@ -184,3 +184,11 @@ def test_calibration_dict_round_trip_and_refusals():
             Calibration(bonus_temperature=bad)
     with pytest.raises(ValueError, match="JSON object"):
         Calibration.from_dict([1.0, 2.0])
+    # The replacement confidence: a probability; files that predate it read as the paper's 0.
+    cal = Calibration(1.7, 0.6, replacement_confidence=0.8)
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+    assert Calibration.from_dict({"acceptance_temperature": 1.7}).replacement_confidence == 0.0
+    assert Calibration(replacement_confidence=1).replacement_confidence == 1.0
+    for bad in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="replacement_confidence"):
+            Calibration(replacement_confidence=bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax import SamplingParams
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import DraftProposer
 from jetspec_jax.decoding.refinement import replace_first_disagreement
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
@@ -60,11 +62,51 @@ def test_replace_first_disagreement():
     np.testing.assert_array_equal(fixed, [2, 3, 4])
 
 
-@pytest.mark.parametrize("passes,refreshes", [(1, 1), (3, 2)])  # J1-R0: test_speculative
-def test_every_setting_is_token_identical_to_greedy(target, draft, prompts, passes, refreshes):
+def test_replace_first_disagreement_acts_only_where_trusted():
+    drafts = jnp.asarray([[5, 6, 7, 8]] * 4)
+    guess = jnp.asarray([[5, 9, 9, 8]] * 3 + [[5, 6, 7, 8]])
+    # Rows: the paper's rule; an untrusted disagreement; an untrusted agreement (twice).
+    trusted = jnp.asarray([[1, 1, 1, 1], [1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 0, 1]], bool)
+    new, fixed = replace_first_disagreement(drafts, guess, jnp.zeros(4, jnp.int32), trusted)
+    np.testing.assert_array_equal(new, [[5, 9, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    np.testing.assert_array_equal(fixed, [2, 1, 0, 2])
+
+
+# J1-R0: test_speculative. Confidence None: the paper's rule (this draft has no calibration).
+@pytest.mark.parametrize("passes,refreshes,confidence", [(1, 1, None), (3, 2, None), (3, 3, 0.1)])
+def test_every_setting_is_token_identical_to_greedy(
+    target, draft, prompts, passes, refreshes, confidence
+):
     want = [r.tokens for r in _generate(target, prompts)]
-    got = _generate(target, prompts, draft, refine_passes=passes, refreshes=refreshes)
+    got = _generate(
+        target,
+        prompts,
+        draft,
+        refine_passes=passes,
+        refreshes=refreshes,
+        replacement_confidence=confidence,
+    )
     assert [r.tokens for r in got] == want
+
+
+def test_replacement_confidence_spans_the_paper_rule_to_no_refresh(target, draft, prompts):
+    """Round by round (the outcomes (k, a) of every verification): a confidence below every
+    decoder probability is the paper's rule (also a draft without calibration); one above them
+    all proposes exactly `Jj-R0`'s blocks, whether it comes from the options or from the draft's
+    calibration (1.0 skips the refresh, 0.999999 runs it and trusts nothing)."""
+
+    def outcomes(draft, **kwargs):
+        results = _generate(target, prompts, draft, refine_passes=2, **kwargs)
+        return [r.outcomes for r in results]
+
+    paper = outcomes(draft, refreshes=2)
+    assert outcomes(draft, refreshes=2, replacement_confidence=1e-6) == paper
+    no_refresh = outcomes(draft)
+    assert no_refresh != paper  # the refreshes change the proposals of this pair
+    assert outcomes(draft, refreshes=2, replacement_confidence=0.999999) == no_refresh
+    assert outcomes(draft, refreshes=2, replacement_confidence=1.0) == no_refresh
+    calibrated = dataclasses.replace(draft, calibration=Calibration(replacement_confidence=1.0))
+    assert outcomes(calibrated, refreshes=2) == no_refresh
 
 
 def test_refinement_on_a_hybrid_target_is_token_identical_to_ar(checkpoints, prompts):

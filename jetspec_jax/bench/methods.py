@@ -1,10 +1,11 @@
 """Benchmark method specs: a method name and JetSpec++'s settings in one label.
 
-    ar | dflash | jetspec | jetspec++[-J<j>][-R<r>][-F<b>][-spmd|-mpmd]
+    ar | dflash | jetspec | jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]
 
-`-J<j>` refinement passes, `-R<r>` context refreshes (r <= j; needs an adapter), `-F<b>` foresight
-with B candidate blocks (needs an adapter), `-spmd` / `-mpmd` the foresight round pipelined over two
-devices. Each spec is a `DecodingOptions`, which validates it.
+`-J<j>` refinement passes, `-R<r>` context refreshes (r <= j; needs an adapter), `-C<c>` their
+replacement confidence in [0, 1] (default: the draft's calibration; `-C0`: the paper's rule),
+`-F<b>` foresight with B candidate blocks (needs an adapter), `-spmd` / `-mpmd` the foresight round
+pipelined over two devices. Each spec is a `DecodingOptions`, which validates it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import re
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
 
 _SPEC = re.compile(
-    r"^(ar|dflash|jetspec|jetspec\+\+)(?:-J(\d+))?(?:-R(\d+))?(?:-F(\d+))?(?:-(spmd|mpmd))?$"
+    r"^(ar|dflash|jetspec|jetspec\+\+)(?:-J(\d+))?(?:-R(\d+))?(?:-C(\d+(?:\.\d+)?))?(?:-F(\d+))?"
+    r"(?:-(spmd|mpmd))?$"
 )
 
 
@@ -50,14 +52,15 @@ def parse_method(name: str) -> MethodSpec:
     if match is None:
         raise ValueError(
             f"unknown method {name!r}; use {', '.join(METHODS)} or "
-            "jetspec++[-J<j>][-R<r>][-F<b>][-spmd|-mpmd]"
+            "jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]"
         )
-    method, passes, refreshes, foresight, pipeline = match.groups()
+    method, passes, refreshes, confidence, foresight, pipeline = match.groups()
     try:
         options = DecodingOptions(
             method,
             refine_passes=int(passes or 0),
             refreshes=int(refreshes or 0),
+            replacement_confidence=None if confidence is None else float(confidence),
             foresight=int(foresight or 0),
             pipeline=pipeline,
         )

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from jetspec_jax.decoding.outcomes import SELECTION_RULES
+from jetspec_jax.decoding.refinement import check_replacement_confidence
 
 METHODS = ("ar", "dflash", "jetspec", "jetspec++")
 PIPELINES = ("spmd", "mpmd")
@@ -33,6 +34,10 @@ class DecodingOptions:
             (J0 = one pass).
         refreshes: "jetspec++" only: R <= J context refreshes with anchor replacement, one before
             each of the first R passes (`Jj-Rr`; needs a draft with an adapter).
+        replacement_confidence: with refreshes only: anchor replacement trusts the proxy where
+            the decoder's probability of its argmax exceeds this value in [0, 1] (0: the paper's
+            rule, every disagreement replaced; 1: none, drafting as `Jj-R0`). None: the value
+            the draft's calibration holds (0 without one).
         foresight: "jetspec++" only: B >= 1 turns foresight drafting on: while a block is
             verified, the next block is drafted for its B likely outcomes (k, a) from the
             adapter's predicted states (needs a draft with an adapter); a hit skips drafting on
@@ -56,6 +61,7 @@ class DecodingOptions:
     foresight: int = 0
     foresight_rule: str = "calibrated"
     pipeline: str | None = None
+    replacement_confidence: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -84,6 +90,13 @@ class DecodingOptions:
                 f"refreshes must be in [0, refine_passes={self.refine_passes}] (one refresh "
                 f"before each of the first R passes), got {self.refreshes}"
             )
+        if self.replacement_confidence is not None:
+            if not self.refreshes:
+                raise ValueError(
+                    "replacement_confidence applies to context refreshes: set refreshes >= 1"
+                )
+            confidence = check_replacement_confidence(self.replacement_confidence)
+            object.__setattr__(self, "replacement_confidence", confidence)
         if self.pipeline is not None and not self.foresight:
             raise ValueError(
                 "a pipeline drafts ahead on the second device: set foresight >= 1 (candidate "

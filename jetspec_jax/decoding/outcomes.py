@@ -40,31 +40,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.decoding.refinement import check_replacement_confidence
+
 SELECTION_RULES = ("calibrated", "uncalibrated", "geometric")
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The fitted calibration of outcome scores (frozen and hashable: a valid static jit argument).
+    """What `train.py calibrate` fits of how far the proxy (adapter + decoder) can be trusted
+    (frozen and hashable: a valid static jit argument).
 
     Attributes:
         acceptance_temperature: divides the decoder's logits when scoring draft acceptance.
         bonus_temperature: divides the decoder's logits when scoring the bonus token.
+        replacement_confidence: the decoder probability above which refinement's anchor
+            replacement trusts the proxy (`decoding/refinement.py`); 0, the paper's rule, when a
+            calibration file predates it.
     """
 
     acceptance_temperature: float = 1.0
     bonus_temperature: float = 1.0
+    replacement_confidence: float = 0.0
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name in ("acceptance_temperature", "bonus_temperature"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(
                 value, (int, float, np.integer, np.floating)
             ):
-                raise ValueError(f"{field.name} must be a positive finite number, got {value!r}")
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{field.name} must be a positive finite number, got {value!r}")
-            object.__setattr__(self, field.name, float(value))
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        confidence = check_replacement_confidence(self.replacement_confidence)
+        object.__setattr__(self, "replacement_confidence", confidence)
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready `{name: value}`."""

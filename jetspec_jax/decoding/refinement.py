@@ -15,6 +15,15 @@ and each pass redrafts only the positions after the fixed prefix, from that new 
 without a refresh (p >= r) are plain Jacobi passes from the current anchor. Only the proposal
 changes: verification, and therefore losslessness, is untouched.
 
+**[decision] Replacement confidence.** The proxy is trusted at a position only where the decoder's
+probability of its argmax exceeds `replacement_confidence` c: the fixed prefix grows through
+trusted agreements, a trusted disagreement is replaced (the paper's rule), and the first untrusted
+position ends the prefix unreplaced (the pass redrafts from there). c = 0 is the paper's rule
+(every position trusted); c = 1 trusts nothing and `Jj-Rr` drafts exactly as `Jj-R0`. A proxy
+that disagrees with the target more often than the draft does makes replacements cost tau (the
+CPU-budget adapter: J1-R1 below J1-R0); `train.py calibrate` fits c on held-out rounds
+(`training/replacement_fit.py`) and stores it in the checkpoint's calibration.
+
 Fixed prefixes only grow: the adapter and the draft are causal, so a rewrite at position i never
 changes predictions before i.
 
@@ -35,6 +44,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jetspec_jax.decoding.proposers import DraftProposer
 from jetspec_jax.models import adapter, decoder
@@ -128,11 +138,14 @@ class RefiningProposer:
         drafter: the draft proposer; its `refine_passes` is j.
         proxy: predicts tap states and target argmaxes of a block (`LearnedProxy`).
         refreshes: r <= j, the passes preceded by a refresh with anchor replacement.
+        replacement_confidence: c in [0, 1], the decoder probability the proxy's argmax must
+            exceed to be trusted (module docstring); 0: the paper's rule, 1: no refresh.
     """
 
     drafter: DraftProposer
     proxy: Any
     refreshes: int
+    replacement_confidence: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.refreshes <= self.drafter.refine_passes:
@@ -140,6 +153,8 @@ class RefiningProposer:
                 f"refreshes must be in [0, refine_passes={self.drafter.refine_passes}] (each "
                 f"refresh precedes a refinement pass), got {self.refreshes}"
             )
+        confidence = check_replacement_confidence(self.replacement_confidence)
+        object.__setattr__(self, "replacement_confidence", confidence)
         if not self.drafter.config.token_inputs:
             raise ValueError("refinement needs a token-input (jetspec++) draft")
 
@@ -171,14 +186,18 @@ class RefiningProposer:
         drafts = self.drafter.first_pass(draft_params, target_params, state.draft, anchor, sequence)
         fixed = jnp.zeros(anchor.shape, jnp.int32)
         cache = state.draft
+        # c = 1 trusts no position: a refresh would fix nothing, so none is run (Jj-R0's drafts).
+        refreshes = self.refreshes if self.replacement_confidence < 1.0 else 0
         for p in range(self.drafter.refine_passes):
-            if p < self.refreshes:
+            if p < refreshes:
                 block = jnp.concatenate([anchor[:, None], drafts], axis=1)
                 taps, logits = self.proxy.predict(
                     params["proxy"], target_params, state.proxy, block
                 )
-                guess = jnp.argmax(logits[:, :-1], axis=-1).astype(jnp.int32)
-                drafts, fixed = replace_first_disagreement(drafts, guess, fixed)
+                probs = jax.nn.softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+                guess = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+                trusted = jnp.max(probs, axis=-1) > self.replacement_confidence
+                drafts, fixed = replace_first_disagreement(drafts, guess, fixed, trusted)
                 # Predicted rows of block positions 0 .. fixed-1 become context (from the true
                 # anchor position; rows past `fixed` are written but stay past the length).
                 cache = extend_context(draft_params, config, state.draft, taps, fixed)
@@ -203,7 +222,7 @@ class RefiningProposer:
 
 
 def replace_first_disagreement(
-    drafts: jax.Array, guess: jax.Array, fixed: jax.Array
+    drafts: jax.Array, guess: jax.Array, fixed: jax.Array, trusted: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Anchor replacement.
 
@@ -211,15 +230,30 @@ def replace_first_disagreement(
         drafts: `[B, K-1]` current drafts `d_1 .. d_(K-1)` (index i holds block position i+1).
         guess: `[B, K-1]` the proxy's argmax for the same positions.
         fixed: `[B]` drafts already fixed (indices < fixed).
+        trusted: `[B, K-1]` bool, where the proxy is confident enough to act on; None: everywhere
+            (the paper's rule).
 
     Returns:
-        `(drafts, fixed)`: the first unfixed disagreement overwritten by the guess and everything
-        through it fixed; with no disagreement, every draft is fixed (the block is the proxy's
-        fixed point already).
+        `(drafts, fixed)`. At the first unfixed position that is not a trusted agreement: a
+        trusted disagreement is overwritten by the guess and fixed with everything before it; an
+        untrusted position is left as it is, and only the positions before it are fixed. With
+        none, every draft is fixed (the block is the proxy's fixed point already).
     """
+    if trusted is None:
+        trusted = jnp.ones(drafts.shape, bool)
     index = jnp.arange(drafts.shape[1])[None]
-    mismatch = (drafts != guess) & (index >= fixed[:, None])
-    first = jnp.argmax(mismatch, axis=1).astype(jnp.int32)
-    found = jnp.any(mismatch, axis=1)
-    drafts = jnp.where(found[:, None] & (index == first[:, None]), guess, drafts)
-    return drafts, jnp.where(found, first + 1, drafts.shape[1]).astype(jnp.int32)
+    stop = ((drafts != guess) | ~trusted) & (index >= fixed[:, None])
+    first = jnp.argmax(stop, axis=1).astype(jnp.int32)
+    found = jnp.any(stop, axis=1)
+    replace = found & jnp.take_along_axis(trusted, first[:, None], 1)[:, 0]
+    drafts = jnp.where(replace[:, None] & (index == first[:, None]), guess, drafts)
+    return drafts, jnp.where(found, first + replace, drafts.shape[1]).astype(jnp.int32)
+
+
+def check_replacement_confidence(value) -> float:
+    """`value` as a float after checking it is a number in [0, 1] (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise ValueError(f"replacement_confidence must be a number in [0, 1], got {value!r}")
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"replacement_confidence must be in [0, 1], got {value!r}")
+    return float(value)

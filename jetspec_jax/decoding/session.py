@@ -384,6 +384,7 @@ def resolve_proposer(target, draft, options: DecodingOptions):
         method=options.method,
         refine_passes=options.refine_passes,
         refreshes=options.refreshes,
+        replacement_confidence=options.replacement_confidence,
     )
     if not options.foresight:
         return proposer, params

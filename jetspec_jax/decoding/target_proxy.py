@@ -59,9 +59,20 @@ class TargetProxyDraft:
     def config(self):
         return self.draft.config
 
-    def proposer(self, target, *, method: str, refine_passes: int = 0, refreshes: int = 0):
+    def proposer(
+        self,
+        target,
+        *,
+        method: str,
+        refine_passes: int = 0,
+        refreshes: int = 0,
+        replacement_confidence: float | None = None,
+    ):
+        """As `Draft.proposer`; the oracle is always right, so the default trusts it everywhere
+        (`replacement_confidence` 0)."""
         drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
         if not refreshes:
             return drafter, params
         proxy = TargetProxy(target.config, tuple(self.draft.config.target_layer_ids))
-        return RefiningProposer(drafter, proxy, refreshes), {"draft": params, "proxy": ()}
+        refiner = RefiningProposer(drafter, proxy, refreshes, replacement_confidence or 0.0)
+        return refiner, {"draft": params, "proxy": ()}

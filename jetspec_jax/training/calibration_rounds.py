@@ -205,6 +205,7 @@ def collect_rounds(
     num_rounds: int,
     refine_passes: int = 1,
     refreshes: int = 1,
+    replacement_confidence: float | None = None,
     anchors_per_sequence: int = 16,
     max_length: int | None = None,
     seed: int = 0,
@@ -217,7 +218,8 @@ def collect_rounds(
         draft: the `Draft`, with an adapter (the proxy scoring `p̂`).
         records: `{"prompt_ids": [...], "response_ids": [...]}` (greedy regenerations).
         num_rounds: rounds to collect (fewer if the records run out: logged).
-        refine_passes, refreshes: the served refinement `Jj-Rr`.
+        refine_passes, refreshes, replacement_confidence: the served refinement `Jj-Rr`
+            (`Draft.proposer`; None: the draft's calibrated replacement confidence).
         anchors_per_sequence: A, anchors drawn per sequence (one jitted call each; every
             context cache is repeated A times on the device).
         max_length: truncate sequences to this many tokens; None: the target's
@@ -239,7 +241,11 @@ def collect_rounds(
             f"{anchors_per_sequence}"
         )
     proposer, proposer_params = draft.proposer(
-        target, method=draft.config.variant, refine_passes=refine_passes, refreshes=refreshes
+        target,
+        method=draft.config.variant,
+        refine_passes=refine_passes,
+        refreshes=refreshes,
+        replacement_confidence=replacement_confidence,
     )
     proxy = LearnedProxy(draft.adapter.config, target.config)
     k_len = proposer.block_size

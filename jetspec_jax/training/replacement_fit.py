@@ -1,0 +1,97 @@
+"""Fitting refinement's replacement confidence (`decoding/refinement.py`) on held-out rounds.
+
+Anchor replacement pays when the proxy's argmax is the target's token more often than the draft's
+is; with a weakly trained adapter it is not, and `Jj-Rr` falls below `Jj-R0`. The replacement
+confidence c trusts the proxy only where the decoder's probability of its argmax exceeds c, and is
+chosen here by what it buys: for each c of a grid, the served `Jj-Rr` drafts the blocks of the
+same held-out rounds (`calibration_rounds.collect_rounds`: anchors drawn from regenerated
+sequences with one seed, the target's greedy verification read off a teacher forward), and c's
+score is the mean acceptance length `k + 1` of those rounds, i.e. tau per round without running the
+decode loop.
+
+**[decision]** The fit is the c with the highest score; ties go to the smaller c (the paper's rule
+is c = 0). Every grid point sees the same records and anchors, except where a round is dropped
+because the sequence is not the target's greedy continuation along the accepted prefix (that
+depends on the drafts, hence on c); those are counted in `Rounds.dropped` and rare with greedy
+regenerations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jetspec_jax.decoding.refinement import check_replacement_confidence
+from jetspec_jax.training.calibration_rounds import collect_rounds
+
+DEFAULT_GRID = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfidenceFit:
+    """The fitted replacement confidence and the score of every grid point.
+
+    Attributes:
+        best: the fitted c.
+        tau: `{c: mean acceptance length}` over the held-out rounds, in grid order.
+        rounds: rounds scored at each grid point (the smallest count, if drops differ).
+    """
+
+    best: float
+    tau: dict[float, float]
+    rounds: int
+
+
+def fit_replacement_confidence(
+    target,
+    draft,
+    records: Sequence[dict],
+    *,
+    grid: Sequence[float] = DEFAULT_GRID,
+    refine_passes: int = 1,
+    refreshes: int = 1,
+    num_rounds: int = 256,
+    anchors_per_sequence: int = 16,
+    max_length: int | None = None,
+    seed: int = 0,
+    show_progress: bool | None = None,
+) -> ConfidenceFit:
+    """The replacement confidence of `Jj-Rr` that maximises held-out acceptance length.
+
+    Args:
+        target, draft, records, num_rounds, anchors_per_sequence, max_length, seed,
+            show_progress: as in `collect_rounds` (the draft needs its adapter).
+        grid: the candidate values, each in [0, 1], at least one, no repeats.
+        refine_passes, refreshes: the served `Jj-Rr` (refreshes >= 1: without one the
+            confidence has no effect).
+
+    Raises:
+        ValueError: an empty, repeated or out-of-range grid, refreshes == 0, or what
+            `collect_rounds` refuses.
+    """
+    grid = tuple(check_replacement_confidence(c) for c in grid)
+    if not grid or len(set(grid)) != len(grid):
+        raise ValueError(f"the confidence grid must be non-empty without repeats, got {grid}")
+    if refreshes < 1:
+        raise ValueError("the replacement confidence acts on refreshes: fit it with refreshes >= 1")
+    tau, counts = {}, []
+    for confidence in sorted(grid):
+        rounds = collect_rounds(
+            target,
+            draft,
+            records,
+            num_rounds=num_rounds,
+            refine_passes=refine_passes,
+            refreshes=refreshes,
+            replacement_confidence=confidence,
+            anchors_per_sequence=anchors_per_sequence,
+            max_length=max_length,
+            seed=seed,
+            show_progress=show_progress,
+        )
+        tau[confidence] = float(np.mean(rounds.k_true + 1))
+        counts.append(len(rounds))
+    best = max(sorted(tau), key=lambda c: (tau[c], -c))
+    return ConfidenceFit(best=best, tau={c: tau[c] for c in grid}, rounds=min(counts))
