@@ -13,6 +13,8 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import tqdm
+
 from jetspec_jax.bench.datasets import Dataset
 from jetspec_jax.bench.methods import MethodSpec
 from jetspec_jax.generate import generate
@@ -80,6 +82,7 @@ def run_benchmark(
     temperatures: Sequence[float] = (0.0,),
     max_new_tokens: int = 256,
     warmup: int = 1,
+    show_progress: bool | None = None,
 ) -> tuple[list[Sample], list[Summary]]:
     """Runs every method on every prompt at every temperature.
 
@@ -91,6 +94,7 @@ def run_benchmark(
         temperatures: 0 = greedy.
         max_new_tokens: budget per prompt.
         warmup: untimed runs of the first prompt per method and temperature.
+        show_progress: a tqdm bar over the timed runs; None: only on a terminal.
 
     Returns:
         `(samples, summaries)`.
@@ -100,26 +104,23 @@ def run_benchmark(
     for m in methods:
         if m.speculative and m.method not in drafts:
             raise ValueError(f"method {m.name!r} needs a {m.method!r} draft")
+    # AR first on every dataset: the other methods' greedy tokens are checked against it.
+    ordered = sorted(methods, key=lambda m: m.method != "ar")
     samples: list[Sample] = []
-    for temperature in temperatures:
-        for data in datasets:
-            ar_tokens: dict[str, list[int]] = {}
-            for m in methods:
-                if m.method == "ar":  # first: the others are checked against it
-                    _run(
-                        target,
-                        data,
-                        m,
-                        None,
-                        temperature,
-                        max_new_tokens,
-                        warmup,
-                        samples,
-                        ar_tokens,
-                    )
-            for m in methods:
-                if m.method != "ar":
-                    draft = drafts[m.method]
+    runs = len(temperatures) * len(methods) * sum(len(data.prompts) for data in datasets)
+    progress = tqdm.tqdm(
+        total=runs,
+        desc="bench",
+        unit="prompt",
+        disable=None if show_progress is None else not show_progress,
+    )
+    with progress:
+        for temperature in temperatures:
+            for data in datasets:
+                ar_tokens: dict[str, list[int]] = {}
+                for m in ordered:
+                    progress.set_postfix_str(f"{data.name} T={temperature:g} {m.name}")
+                    draft = drafts[m.method] if m.speculative else None
                     _run(
                         target,
                         data,
@@ -130,11 +131,12 @@ def run_benchmark(
                         warmup,
                         samples,
                         ar_tokens,
+                        progress,
                     )
     return samples, summarize(samples)
 
 
-def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, ar_tokens):
+def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, ar_tokens, progress):
     def one(i):
         return generate(
             target,
@@ -176,6 +178,7 @@ def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, a
                 foresight_hits=sum(result.foresight_hits[1:]) if m.options.foresight else None,
             )
         )
+        progress.update()
 
 
 def summarize(samples: Sequence[Sample]) -> list[Summary]:
