@@ -52,6 +52,8 @@ def test_shipped_checkpoint_is_a_small_bfloat16_jetspec_pp_bundle():
 def test_shipped_draft_fits_the_default_target(draft, target):
     assert draft.config.variant == "jetspec++"
     assert draft.adapter is not None and draft.calibration is not None
+    # Fitted (train.py calibrate): refinement acts on the adapter only where it is confident.
+    assert 0 < draft.calibration.replacement_confidence < 1
     assert draft.dtype == target.dtype == "float32"  # served in the target's dtype
     assert max(draft.config.target_layer_ids) < target.config.num_layers
 
