@@ -194,9 +194,12 @@ class RefiningProposer:
                 taps, logits = self.proxy.predict(
                     params["proxy"], target_params, state.proxy, block
                 )
-                probs = jax.nn.softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-                guess = jnp.argmax(probs, axis=-1).astype(jnp.int32)
-                trusted = jnp.max(probs, axis=-1) > self.replacement_confidence
+                logits = logits[:, :-1].astype(jnp.float32)
+                guess = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                trusted = None  # c = 0: the paper's rule, every position (no softmax needed)
+                if self.replacement_confidence > 0.0:
+                    top = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+                    trusted = top > jnp.log(self.replacement_confidence)
                 drafts, fixed = replace_first_disagreement(drafts, guess, fixed, trusted)
                 # Predicted rows of block positions 0 .. fixed-1 become context (from the true
                 # anchor position; rows past `fixed` are written but stay past the length).
