@@ -126,7 +126,7 @@ def _generate(args) -> int:
             **dataclasses.asdict(options),
             **request,
         )
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -180,38 +180,48 @@ def _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, resul
     )
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False) -> None:
+    """The model and decoding flags. They are accepted before and after `generate`: the
+    subcommand's copies default to SUPPRESS, as their defaults would overwrite the flags given
+    before it (argparse copies a subparser's whole namespace over the main one's)."""
+
+    def default(value):
+        return argparse.SUPPRESS if subcommand else value
+
     parser.add_argument(
         "--target",
-        default=None,
+        default=default(None),
         help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16"])
     parser.add_argument(
         "--method",
-        default=None,
+        default=default(None),
         help="decoding method: ar, dflash, jetspec or jetspec++ (the speculative ones need a "
         "draft of that variant); default: the draft's variant, else ar",
     )
     parser.add_argument(
         "--draft",
-        default=None,
+        default=default(None),
         help="draft head directory: DFlash/JetSpec layout or a JetSpec++ checkpoint (default: "
         "the draft shipped for the default model, when --target is not given)",
     )
     parser.add_argument(
-        "--refine-passes", type=int, default=0, help="jetspec++: Jacobi refinement passes J"
+        "--refine-passes",
+        type=int,
+        default=default(0),
+        help="jetspec++: Jacobi refinement passes J",
     )
     parser.add_argument(
         "--refreshes",
         type=int,
-        default=0,
+        default=default(0),
         help="jetspec++: context refreshes with anchor replacement R <= J (draft with adapter)",
     )
     parser.add_argument(
         "--replacement-confidence",
         type=float,
-        default=None,
+        default=default(None),
         metavar="C",
         help="jetspec++ with --refreshes: replace a draft token only where the decoder's "
         "probability of its own token exceeds C in [0, 1] (0: every disagreement, the paper's "
@@ -220,13 +230,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--foresight",
         type=int,
-        default=0,
+        default=default(0),
         help="jetspec++: draft the next block ahead for B likely outcomes (draft with adapter; "
         "default 0: off)",
     )
     parser.add_argument(
         "--foresight-rule",
-        default="calibrated",
+        default=default("calibrated"),
         help="how the B outcomes are chosen: calibrated (the draft's calibration; default), "
         "uncalibrated or geometric",
     )
@@ -234,7 +244,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         nargs="?",
         const="spmd",
-        default=None,
+        default=default(None),
         metavar="spmd|mpmd",
         help="jetspec++ with --foresight >= 1: verify on device 0 while device 1 drafts ahead "
         "(needs >= 2 devices); spmd (the default form): one program, each device holding both "
@@ -243,10 +253,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-steps",
         type=int,
-        default=8,
+        default=default(8),
         help="target forwards per streamed chunk (one host round trip each; default 8)",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log compilation and loading")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default(False),
+        help="log compilation and loading",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -285,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     gen = commands.add_parser("generate", help="stream a completion of one prompt")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt text")
-    _add_model_args(gen)
+    _add_model_args(gen, subcommand=True)
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pathlib
+import queue
 import signal
 import socket
 import subprocess
@@ -21,11 +22,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import jetspec_jax
+import serve as serve_py
 from jetspec_jax import DecodingOptions
 from jetspec_jax.bench.load import markdown, run_load
 from jetspec_jax.decoding.session import DecodeSession
-from jetspec_jax.serving import BackgroundServer, ServerConfig
+from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
+from jetspec_jax.serving import server as server_module
 from jetspec_jax.serving.app import SCHEDULER
+from jetspec_jax.serving.scheduler import Failed, Finished, Job, QueueFull, Scheduler, Tokens
 from tests.text_fixtures import with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -219,6 +224,85 @@ def test_full_queue_answers_503_and_then_serves_again(server, http):
     assert _complete(http).status_code == 200
 
 
+def test_a_client_that_disconnects_cancels_its_request(server, http):
+    """A non-streaming client that goes away while its request waits: the job is cancelled (it
+    leaves the queue count) and never decoded."""
+    scheduler = server.app[SCHEDULER]
+    batches = _sample(http, "jetspec_batch_size_count")
+    with scheduler.hold():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(base_url=server.url, headers=headers, timeout=0.5) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                _complete(impatient, max_tokens=16)
+        _wait_for(lambda: scheduler.queue_depth == 0, timeout=10)
+    assert _complete(http).status_code == 200
+    assert _sample(http, "jetspec_batch_size_count") - batches == 1  # only the last request
+    closed = _labelled(http, "jetspec_requests_total", endpoint="/v1/completions", status="499")
+    assert closed == 1  # counted as closed by the client, not as a server error
+
+
+def test_serve_cancels_the_handlers_of_disconnected_clients(target, monkeypatch):
+    calls = []
+    monkeypatch.setattr(server_module.web, "run_app", lambda app, **kw: calls.append(kw))
+    serve(target, None, CONFIG)
+    assert calls[0]["handler_cancellation"] is True
+
+
+def _job(events: queue.Queue | None = None) -> Job:
+    deliver = events.put if events is not None else (lambda event: None)
+    return Job([5, 6, 7], 4, SamplingParams(), deliver)
+
+
+def _last_event(events: queue.Queue):
+    while isinstance(event := events.get(timeout=120), Tokens):
+        pass
+    return event
+
+
+def test_jobs_cancelled_while_waiting_leave_their_place_in_the_queue(target):
+    scheduler = Scheduler(target, queue_size=1)  # not started: jobs only wait
+    gone = _job()
+    scheduler.submit(gone)
+    gone.cancel()
+    scheduler.submit(_job())  # takes the cancelled job's place
+    assert scheduler.queue_depth == 1
+    with pytest.raises(QueueFull):
+        scheduler.submit(_job())
+
+
+def test_a_failure_after_decoding_fails_the_batch_and_the_worker_lives_on(target, monkeypatch):
+    class Broken:
+        def inc(self, amount=1):
+            raise RuntimeError("metrics broke")
+
+    scheduler = Scheduler(target, max_batch_size=BATCH, chunk_steps=3, pad_batch=True)
+    scheduler.start()
+    try:
+        events = queue.Queue()
+        with monkeypatch.context() as patch:
+            patch.setattr(scheduler.metrics, "generated_tokens", Broken())
+            scheduler.submit(_job(events))
+            failed = _last_event(events)
+        assert isinstance(failed, Failed) and failed.status == 500
+        assert "metrics broke" in failed.message
+        scheduler.submit(_job(events))
+        assert isinstance(_last_event(events), Finished)
+    finally:
+        scheduler.stop()
+
+
+def test_a_prompt_the_scheduler_refuses_names_the_request_field(server, http, monkeypatch):
+    def refuse(prompt_ids, max_new_tokens):
+        raise ValueError("prompt holds token id 99, outside the vocabulary [0, 97)")
+
+    monkeypatch.setattr(server.app[SCHEDULER], "check", refuse)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = http.post("/v1/chat/completions", json=dict(model=MODEL, messages=messages))
+    assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages")
+    completion = _complete(http)
+    assert (completion.status_code, completion.json()["error"]["param"]) == (400, "prompt")
+
+
 BAD = [
     # (path, body (dict) or raw bytes, status, what the message or param names)
     ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
@@ -402,10 +486,42 @@ def test_serve_py_server_answers_and_stops_on_sigterm(target_dir):
             proc.wait()
 
 
+def test_serve_py_takes_the_model_flags_before_or_after_generate():
+    def parse(*argv):
+        return vars(serve_py._parser().parse_args(argv))
+
+    before = parse("--method", "ar", "--chunk-steps", "3", "-v", "generate", "P")
+    assert (before["method"], before["chunk_steps"], before["verbose"]) == ("ar", 3, True)
+    assert parse("generate", "P", "--method", "ar", "--chunk-steps", "3", "-v") == before
+    assert parse("--method", "jetspec", "generate", "--method", "ar")["method"] == "ar"
+    defaults = parse() | {"command": "generate"}  # the server's defaults, without a subcommand
+    generate = parse("generate")
+    assert {name: generate[name] for name in defaults} == defaults
+
+
+def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):
+    def unreadable(path, dtype):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(jetspec_jax, "load_target", unreadable)
+    assert serve_py.main(["generate", "--target", "/locked/model"]) == 2
+    err = capsys.readouterr().err
+    assert "error: [Errno 13] Permission denied: '/locked/model'" in err
+    assert "Traceback" not in err
+
+
 def _sample(http, name: str) -> float:
     for family in text_string_to_metric_families(http.get("/metrics").text):
         for sample in family.samples:
             if sample.name == name:
+                return sample.value
+    return 0.0
+
+
+def _labelled(http, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
                 return sample.value
     return 0.0
 

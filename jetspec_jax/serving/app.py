@@ -90,7 +90,8 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
 
 @web.middleware
 async def _count(request: web.Request, handler):
-    """Counts every answer by route and status (`jetspec_requests_total`)."""
+    """Counts every answer by route and status (`jetspec_requests_total`); a request whose client
+    went away (its handler cancelled) counts as 499, nginx's "client closed request"."""
     endpoint = request.path if request.path in _ROUTES else "other"
     status = 500
     try:
@@ -99,6 +100,9 @@ async def _count(request: web.Request, handler):
         return response
     except web.HTTPException as e:
         status = e.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499
         raise
     finally:
         request.app[SCHEDULER].metrics.requests.labels(endpoint, str(status)).inc()
@@ -210,7 +214,8 @@ async def _generate(request: web.Request, req: GenerationRequest) -> web.StreamR
         prompt_ids = scheduler.check(req.prompt_ids, req.max_tokens)
     except ValueError as e:
         code = "context_length_exceeded" if "context" in str(e) else None
-        raise RequestError(400, str(e), param="prompt", code=code) from None
+        param = "messages" if req.chat else "prompt"
+        raise RequestError(400, str(e), param=param, code=code) from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 

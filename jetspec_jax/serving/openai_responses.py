@@ -99,17 +99,15 @@ def usage_chunk(
     model: str,
     prompt_tokens: int,
     completion_tokens: int,
-    result: GenerationResult | None,
+    result: GenerationResult,
 ) -> dict[str, Any]:
     """The last streamed chunk when `stream_options.include_usage` is set: no choices."""
-    body = {
+    return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [],
         "usage": usage(prompt_tokens, completion_tokens),
+        "jetspec": stats(result),
     }
-    if result is not None:
-        body["jetspec"] = stats(result)
-    return body

@@ -61,7 +61,7 @@ class Failed:
     """Event: the job was not (fully) served. Last event of a job.
 
     Attributes:
-        status: the HTTP status that describes it (503: shutting down; 500: a decoding error).
+        status: the HTTP status that describes it (503: shutting down; 500: serving failed).
         message: what went wrong.
     """
 
@@ -80,7 +80,7 @@ class Job:
         prompt_ids: the prompt's token ids (validated by `Scheduler.check`).
         max_new_tokens: the token budget.
         sampling: the request's sampling parameters.
-        deliver: called on the worker thread with each `Event`; must not block.
+        deliver: called on the worker thread with each `Event`; must not block or raise.
     """
 
     prompt_ids: list[int]
@@ -172,6 +172,9 @@ class Scheduler:
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
+            # Jobs cancelled while waiting leave the queue only when a batch is taken: drop them
+            # now, or clients that went away would count against the limit.
+            self._waiting = deque(job for job in self._waiting if not job.cancelled)
             if len(self._waiting) >= self.queue_size:
                 raise QueueFull(
                     f"the request queue is full ({self.queue_size} waiting); retry later"
@@ -182,7 +185,9 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        """Jobs waiting (not counting cancelled ones)."""
+        with self._cond:  # the worker pops from the queue meanwhile
+            return sum(not job.cancelled for job in self._waiting)
 
     @property
     def running(self) -> int:
@@ -258,50 +263,56 @@ class Scheduler:
                 self._running = []
 
     def _serve(self, batch: list[Job]) -> None:
+        """Decodes `batch` and gives each job its last event. A failure anywhere (decoding,
+        recording metrics) fails the batch's jobs with a 500, never the worker thread."""
         m = self.metrics
         m.running.set(len(batch))
-        m.batch_size.observe(len(batch))
-        started = time.perf_counter()
-        for job in batch:
-            m.phase_seconds.labels("queue").observe(started - job.submitted_at)
         try:
-            session = DecodeSession(
-                self.target,
-                [job.prompt_ids for job in batch],
-                draft=self.draft,
-                options=self.options,
-                max_new_tokens=[job.max_new_tokens for job in batch],
-                sampling=[job.sampling for job in batch],
-                pad_batch_to=self._pad_to,
-            )
-            session.start()
-            self._deliver(batch, session.poll())
-            while not session.done:
-                for row, job in enumerate(batch):
-                    if job.cancelled and not session.row_done[row]:
-                        session.cancel(row)
-                if session.done:
-                    break
-                session.advance(self.chunk_steps)
-                self._deliver(batch, session.poll())
-            results = session.results()
-        except Exception as e:  # a decoding failure fails its batch, not the server
-            logger.exception("decoding a batch of %d requests failed", len(batch))
+            m.batch_size.observe(len(batch))
+            started = time.perf_counter()
             for job in batch:
-                job.deliver(Failed(500, f"decoding failed: {type(e).__name__}: {e}"))
-            return
+                m.phase_seconds.labels("queue").observe(started - job.submitted_at)
+            results = self._decode(batch)
+            timing = results[0].timing
+            m.phase_seconds.labels("compile").observe(timing.compile_seconds)
+            m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
+            m.phase_seconds.labels("decode").observe(timing.decode_seconds)
+            for result in results:
+                m.prompt_tokens.inc(result.prompt_length)
+                m.generated_tokens.inc(len(result.tokens))
+                if len(result.acceptance_lengths) > 1:
+                    m.tau.observe(result.tau)
+            last: list[Event] = [Finished(result) for result in results]
+        except Exception as e:
+            logger.exception("serving a batch of %d requests failed", len(batch))
+            last = [Failed(500, f"serving the batch failed: {type(e).__name__}: {e}")] * len(batch)
         finally:
             m.running.set(0)
-        timing = results[0].timing
-        m.phase_seconds.labels("compile").observe(timing.compile_seconds)
-        m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
-        m.phase_seconds.labels("decode").observe(timing.decode_seconds)
-        for job, result in zip(batch, results, strict=True):
-            m.prompt_tokens.inc(result.prompt_length)
-            m.generated_tokens.inc(len(result.tokens))
-            if len(result.acceptance_lengths) > 1:
-                m.tau.observe(result.tau)
-            job.deliver(Finished(result))
+        for job, event in zip(batch, last, strict=True):
+            job.deliver(event)
+
+    def _decode(self, batch: list[Job]) -> list[GenerationResult]:
+        """Decodes `batch` as one session, delivering new tokens every `chunk_steps` forwards."""
+        session = DecodeSession(
+            self.target,
+            [job.prompt_ids for job in batch],
+            draft=self.draft,
+            options=self.options,
+            max_new_tokens=[job.max_new_tokens for job in batch],
+            sampling=[job.sampling for job in batch],
+            pad_batch_to=self._pad_to,
+        )
+        session.start()
+        self._deliver(batch, session.poll())
+        while not session.done:
+            for row, job in enumerate(batch):
+                if job.cancelled and not session.row_done[row]:
+                    session.cancel(row)
+            if session.done:
+                break
+            session.advance(self.chunk_steps)
+            self._deliver(batch, session.poll())
+        return session.results()
 
     @staticmethod
     def _deliver(batch: list[Job], new_tokens: list[list[int]]) -> None:

@@ -90,6 +90,9 @@ def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port:
         shutdown_timeout=config.shutdown_timeout,
         print=lambda msg: logger.warning("%s", msg),
         access_log=None,
+        # A client that disconnects cancels its handler, whose `finally` cancels the job (else a
+        # non-streaming request would decode to its max_tokens for nobody, holding a batch row).
+        handler_cancellation=True,
     )
 
 
@@ -123,7 +126,10 @@ class BackgroundServer:
 
     async def _start(self) -> None:
         self._runner = web.AppRunner(
-            self.app, shutdown_timeout=self._config.shutdown_timeout, access_log=None
+            self.app,
+            shutdown_timeout=self._config.shutdown_timeout,
+            access_log=None,
+            handler_cancellation=True,  # see serve()
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
