@@ -28,6 +28,7 @@ __all__ = [
     "Timing",
     "generate",
     "generate_batch",
+    "stream",
 ]
 
 

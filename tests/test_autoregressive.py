@@ -111,6 +111,7 @@ def test_max_new_tokens_is_respected(target, prompts):
         (dict(method="medusa"), "unknown method"),
         (dict(draft=object()), "takes no draft"),
         (dict(stop_token_ids=[1000]), "outside the vocabulary"),
+        (dict(stop_token_ids=2), "stop_token_ids must be a list of token ids, got 2"),
     ],
 )
 def test_invalid_arguments_are_refused(target, kwargs, message):
@@ -125,6 +126,13 @@ def test_invalid_arguments_are_refused(target, kwargs, message):
 def test_invalid_prompts_are_refused(target, prompt, message):
     with pytest.raises(ValueError, match=message):
         jetspec_jax.generate(target, prompt)
+
+
+def test_invalid_batches_are_refused(target):
+    with pytest.raises(ValueError, match="prompt must be a list of token ids, got 1"):
+        jetspec_jax.generate_batch(target, [1, 2, 3])  # one prompt, not a batch of prompts
+    with pytest.raises(ValueError, match="sampling must hold SamplingParams, got dict"):
+        jetspec_jax.generate_batch(target, [[1, 2]], sampling=[dict(temperature=1.0)])
 
 
 def test_prompt_longer_than_the_context_is_refused(target):

@@ -82,7 +82,7 @@ def test_calibrated_selection_hits_at_least_as_often():
     rates = {}
     for num in (2, 4, 8):
         for rule in ("calibrated", "uncalibrated", "geometric"):
-            k, a = select_for_rule(rule, logits, drafts, num, fitted)
+            k, a, _ = select_for_rule(rule, logits, drafts, num, fitted)
             rates[rule, num] = hit_rate(k, a, k_true, a_true)
         assert rates["calibrated", num] >= rates["uncalibrated", num], rates
     assert rates["calibrated", 8] > rates["calibrated", 2]

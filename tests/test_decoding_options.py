@@ -22,6 +22,8 @@ from jetspec_jax import DecodingOptions
         (dict(method="ar", pipeline="spmd"), "pipeline apply to method 'jetspec\\+\\+' only"),
         (dict(method="jetspec++", refine_passes=1, refreshes=2), "refine_passes=1\\]"),
         (dict(method="jetspec++", pipeline="mpmd"), "set foresight >= 1"),
+        (dict(method="jetspec++", foresight_rule="geometric"), "set foresight >= 1"),
+        (dict(method="ar", foresight_rule="uncalibrated"), "set foresight >= 1"),
         (dict(method="jetspec++", replacement_confidence=0.5), "set refreshes >= 1"),
         (
             dict(method="jetspec++", refine_passes=1, refreshes=1, replacement_confidence=1.5),
@@ -38,6 +40,7 @@ def test_good_options():
     assert DecodingOptions() == DecodingOptions(method="ar")
     options = DecodingOptions("jetspec++", np.int64(3), 3, 4, "geometric", "mpmd")
     assert (options.refine_passes, options.foresight, options.pipeline) == (3, 4, "mpmd")
+    assert type(options.refine_passes) is int  # NumPy counts become plain ints
     assert hash(options) == hash(DecodingOptions("jetspec++", 3, 3, 4, "geometric", "mpmd"))
     assert options.replacement_confidence is None  # the draft's calibration decides
     options = DecodingOptions("jetspec++", 1, 1, replacement_confidence=np.float32(0.5))

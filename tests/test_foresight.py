@@ -21,6 +21,7 @@ from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy
 
 N_NEW = 24
@@ -191,3 +192,20 @@ def test_foresight_requests_are_validated(target, draft):
     )
     assert isinstance(session._proposer, ForesightProposer)
     assert session._proposer.num_candidates == 2
+
+
+def test_greedy_rows_select_on_the_raw_proxy_logits(target, draft):
+    """Top-k / top-p shape the scores of sampled rows only: a greedy row's outcomes (its argmax's
+    uncertainty) do not depend on filters it never samples with."""
+    refiner, _ = ScaledOracleDraft(draft, 1.0).proposer(target, method="jetspec++")
+    proposer = ForesightProposer(refiner, 8, rule="uncalibrated")
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(1, BLOCK, 97)), jnp.float32)
+    logits, drafts = jnp.tile(logits, (3, 1, 1)), jnp.tile(jnp.argmax(logits[:, :-1], -1), (3, 1))
+    rows = [SamplingParams(), SamplingParams(top_k=1), SamplingParams(temperature=1.0, top_k=1)]
+    k, a, valid = proposer.select(logits, drafts, RowSampling.from_params(rows))
+    np.testing.assert_array_equal(k[1], k[0])
+    np.testing.assert_array_equal(a[1], a[0])
+    assert bool(valid[0].all()) and bool(valid[1].all())
+    # Top-k = 1 leaves the sampled row only the argmax, which the drafts are: one possible
+    # outcome, every draft accepted.
+    assert int(valid[2].sum()) == 1 and int(k[2, 0]) == BLOCK - 1

@@ -162,12 +162,13 @@ def test_hit_and_rules():
     cal = Calibration(1.7, 0.6)
     for rule in SELECTION_RULES:
         fn = jax.jit(select_for_rule, static_argnums=(0, 3, 4))
-        k, a = fn(rule, logits, drafts, 6, cal)
-        assert k.shape == a.shape == (3, 6)
-    k, a = select_for_rule("calibrated", logits, drafts, 6, cal)
-    k2, a2, _ = select_outcomes(outcome_log_scores(logits, drafts, cal), 6)
+        k, a, valid = fn(rule, logits, drafts, 6, cal)
+        assert k.shape == a.shape == valid.shape == (3, 6)
+    k, a, valid = select_for_rule("calibrated", logits, drafts, 6, cal)
+    k2, a2, top = select_outcomes(outcome_log_scores(logits, drafts, cal), 6)
     np.testing.assert_array_equal(k, k2)
     np.testing.assert_array_equal(a, a2)
+    np.testing.assert_array_equal(valid, np.isfinite(top))
     with pytest.raises(ValueError, match="'nearest'"):
         select_for_rule("nearest", logits, drafts, 6, cal)
 

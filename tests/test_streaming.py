@@ -145,6 +145,17 @@ def test_cancelled_row_stops_while_the_others_go_on(target, prompts):
     assert results[0].tokens == _ar(target, prompts[0]).tokens
 
 
+def test_cancelling_a_row_that_finished_since_the_last_poll_keeps_its_reason(target, prompts):
+    session = DecodeSession(target, prompts, max_new_tokens=[N_NEW, 2, N_NEW], stop_token_ids=[])
+    session.start()
+    session.poll()
+    session.advance(4)  # row 1 reaches its budget of 2 here, unseen by `poll`
+    session.cancel(1)
+    session.advance()
+    session.poll()
+    assert [r.finish_reason for r in session.results()] == ["length", "length", "length"]
+
+
 def _byte_level_tokenizer():
     """Byte-level BPE over the 256 byte symbols, no merges: a non-ASCII character spans tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()

@@ -46,14 +46,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.decoding.outcomes import (
-    SELECTION_RULES,
-    Calibration,
-    geometric_fanout,
-    outcome_log_scores,
-    select_outcomes,
-)
-from jetspec_jax.decoding.proposers import NOISE_KEY, DraftProposer
+from jetspec_jax.decoding.outcomes import SELECTION_RULES, Calibration, select_for_rule
+from jetspec_jax.decoding.proposers import DraftProposer, noise_positions
 from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
 from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
@@ -212,16 +206,14 @@ class ForesightProposer:
     def select(self, logits_hat, drafts, sampling):
         """`(k, a, valid)` `[B, C]` each: the candidate outcomes of a block under `self.rule`.
 
-        Scores use `p̂` shaped by each row's sampling (temperature, top-k, top-p; greedy rows
-        score the raw logits, whose softmax stands for the uncertainty of the argmax)."""
-        count = self.num_candidates
-        if self.rule == "geometric":
-            k, a = geometric_fanout(logits_hat, drafts, count)
-            return k, a, jnp.ones(k.shape, bool)
-        calibration = self.calibration if self.rule == "calibrated" else Calibration()
-        scores = outcome_log_scores(sampling_logits(logits_hat, sampling), drafts, calibration)
-        k, a, top = select_outcomes(scores, count)
-        return k, a, jnp.isfinite(top)
+        Sampled rows score `p̂` shaped as their tokens are drawn (temperature, top-k, top-p);
+        greedy rows score the raw logits, whose softmax stands for the uncertainty of the
+        argmax. The geometric fan-out ranks the raw logits for every row."""
+        if self.rule != "geometric":
+            shaped = sampling_logits(logits_hat, sampling)
+            greedy = (sampling.temperature <= 0)[:, None, None]
+            logits_hat = jnp.where(greedy, logits_hat, shaped)
+        return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates, self.calibration)
 
     def draft_ahead(self, params, target_params, state, block, sequence, sampling):
         """Drafts the next block for the top-C outcomes of `block` (not yet verified).
@@ -294,8 +286,7 @@ def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):
     count = block.shape[1] - 1
 
     def one(tokens, block_row, start, anchor, a):
-        key = jax.random.fold_in(jax.random.key(NOISE_KEY), anchor)
-        idx = jax.random.randint(key, (count,), 0, anchor + 1)
+        idx = noise_positions(anchor, count)
         picked = tokens[idx]
         in_block = (idx >= start) & (idx < anchor)
         picked = jnp.where(in_block, block_row[jnp.clip(idx - start, 0, count)], picked)

@@ -70,6 +70,7 @@ class DecodingOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            object.__setattr__(self, name, int(value))  # NumPy integers: plain ints downstream
         if self.pipeline is not None and self.pipeline not in PIPELINES:
             raise ValueError(
                 f"pipeline must be None or one of {', '.join(map(repr, PIPELINES))}, got "
@@ -97,6 +98,11 @@ class DecodingOptions:
                 )
             confidence = check_replacement_confidence(self.replacement_confidence)
             object.__setattr__(self, "replacement_confidence", confidence)
+        if self.foresight_rule != "calibrated" and not self.foresight:
+            raise ValueError(
+                f"foresight_rule={self.foresight_rule!r} chooses foresight's candidate blocks: "
+                "set foresight >= 1"
+            )
         if self.pipeline is not None and not self.foresight:
             raise ValueError(
                 "a pipeline drafts ahead on the second device: set foresight >= 1 (candidate "

@@ -273,21 +273,27 @@ def select_for_rule(
     calibration: Calibration = Calibration(),
     *,
     ratio: float = 0.5,
-) -> tuple[jax.Array, jax.Array]:
-    """The `num` outcomes `(k, a)` (`[B, num]` int32 each) a selection rule drafts ahead for.
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The `num` outcomes a selection rule drafts ahead for (foresight and its calibration both
+    select through here).
 
     Args:
         rule: one of `SELECTION_RULES` (static). `calibrated` scores with `calibration`,
             `uncalibrated` with temperatures 1, `geometric` ignores `calibration` and uses `ratio`.
         logits_hat: `[B, K, V]` decoder logits; drafts: `[B, K-1]`; num: static.
+
+    Returns:
+        `(k, a, valid)`, each `[B, num]`: the outcomes, and which of them have a finite score
+        (fewer than `num` outcomes can be possible, e.g. under top-k; geometric: all valid).
     """
     if rule == "calibrated":
         scores = outcome_log_scores(logits_hat, drafts, calibration)
     elif rule == "uncalibrated":
         scores = outcome_log_scores(logits_hat, drafts)
     elif rule == "geometric":
-        return geometric_fanout(logits_hat, drafts, num, ratio)
+        k, a = geometric_fanout(logits_hat, drafts, num, ratio)
+        return k, a, jnp.ones(k.shape, bool)
     else:
         raise ValueError(f"unknown selection rule {rule!r}; expected one of {SELECTION_RULES}")
-    k, a, _ = select_outcomes(scores, num)
-    return k, a
+    k, a, top = select_outcomes(scores, num)
+    return k, a, jnp.isfinite(top)

@@ -116,11 +116,17 @@ def _first_pass_noise(sequence, anchor_positions, count):
     """
 
     def row(tokens, anchor_pos):
-        key = jax.random.fold_in(jax.random.key(NOISE_KEY), anchor_pos)
-        idx = jax.random.randint(key, (count,), 0, anchor_pos + 1)
-        return tokens[idx]
+        return tokens[noise_positions(anchor_pos, count)]
 
     return jax.vmap(row)(sequence, anchor_positions)
+
+
+def noise_positions(anchor_pos: jax.Array, count: int) -> jax.Array:
+    """`[count]` the positions in `[0, anchor_pos]` whose tokens are the first-pass noise of the
+    block anchored at `anchor_pos` (scalar). The one rule for plain drafting and for foresight's
+    candidates: a hit equals the fallback's block only while both draw the same positions."""
+    key = jax.random.fold_in(jax.random.key(NOISE_KEY), anchor_pos)
+    return jax.random.randint(key, (count,), 0, anchor_pos + 1)
 
 
 def draft_proposer(

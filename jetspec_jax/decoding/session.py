@@ -96,7 +96,8 @@ class GenerationResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verification round (the prefill's first token excluded)."""
+        """Mean tokens committed per verification round (the prefill's first token excluded;
+        1.0 when that token is the only one, 0.0 with none)."""
         rounds = self.acceptance_lengths[1:] or self.acceptance_lengths
         return float(np.mean(rounds)) if rounds else 0.0
 
@@ -172,7 +173,10 @@ class DecodeSession:
         sampling = list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        stops = target.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+        for params in sampling:
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling must hold SamplingParams, got {type(params).__name__}")
+        stops = target.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_token_ids = tuple(
             check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
         )
@@ -275,7 +279,8 @@ class DecodeSession:
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
-        self._state = jax.block_until_ready(run(*args))  # the old state is donated
+        # The old state is donated (by every loop but the SPMD pipeline's): never reuse it.
+        self._state = jax.block_until_ready(run(*args))
         self._decode_seconds += time.perf_counter() - start
 
     def _start_two_programs(self) -> None:
@@ -331,7 +336,8 @@ class DecodeSession:
         if not 0 <= row < self.num_rows:
             raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
         decode = self._decode_state()
-        if not self._row_done[row]:
+        # The device's flag, not `_row_done`: the row may have finished since the last poll.
+        if not bool(decode.done[row]):
             self._cancelled.add(row)
         decode = decode.replace(done=decode.done.at[row].set(True))
         if isinstance(self._state, SpecState):
@@ -415,6 +421,8 @@ def check_token_ids(
     """A list of ints in [0, vocab_size), or a ValueError saying what is wrong."""
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
+    if isinstance(ids, (int, np.integer)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
     ids = list(ids)
     if not ids and not allow_empty:
         raise ValueError(f"{what} is empty: at least one token id is needed")

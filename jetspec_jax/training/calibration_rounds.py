@@ -339,7 +339,7 @@ def _hit_counts(logits_hat, drafts, k_true, a_true, *, rules, budgets, calibrati
     counts = []
     for rule in rules:
         for num in budgets:
-            k, a = select_for_rule(rule, logits_hat, drafts, num, calibration)
+            k, a, _ = select_for_rule(rule, logits_hat, drafts, num, calibration)
             counts.append(jnp.sum(hit(k, a, k_true, a_true)))
     return jnp.stack(counts).reshape(len(rules), len(budgets))
 
