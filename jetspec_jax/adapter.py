@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 
+from jetspec_jax import random_streams
 from jetspec_jax.checkpoint.adapter_files import adapter_tensor_specs
 from jetspec_jax.checkpoint.hf_params import tree_from_tensors
 from jetspec_jax.draft import Draft, _draft_layers, _random_tensor
@@ -56,7 +57,7 @@ def init_adapter(
         layers_per_module=per_module,
     )
     specs = adapter_tensor_specs(config)
-    keys = jax.random.split(jax.random.key(seed), len(specs))
+    keys = jax.random.split(random_streams.stream(seed, random_streams.INIT), len(specs))
     tensors = {
         spec.hf_name: _random_tensor(spec, key, init_std)
         for spec, key in zip(specs, keys, strict=True)

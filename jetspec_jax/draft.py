@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax import random_streams
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.draft_hf import (
     check_draft_matches_target,
@@ -206,7 +207,7 @@ def init_draft(
     )
     check_draft_matches_target(config, target.config)
     specs = draft_tensor_specs(config)
-    keys = jax.random.split(jax.random.key(seed), len(specs))
+    keys = jax.random.split(random_streams.stream(seed, random_streams.INIT), len(specs))
     tensors = {
         spec.hf_name: _random_tensor(spec, key, init_std)
         for spec, key in zip(specs, keys, strict=True)

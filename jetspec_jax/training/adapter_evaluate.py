@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
+from jetspec_jax.random_streams import EVAL_BATCH, stream
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_eval_metrics
 from jetspec_jax.training.evaluate import evaluate_tau
 
@@ -34,7 +35,7 @@ def adapter_state_metrics(
     totals: dict[str, np.ndarray] = {}
     count = 0
     for i, batch in enumerate(batches):
-        key = jax.random.fold_in(jax.random.key(seed), i)
+        key = jax.random.fold_in(stream(seed, EVAL_BATCH), i)
         metrics = jax.device_get(
             adapter_eval_metrics(params, target_params, batch, key, config=config)
         )

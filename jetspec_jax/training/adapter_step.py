@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.random_streams import TRAIN_STEP, stream
 from jetspec_jax.training.adapter_loss import adapter_loss, sample_blocks, teacher_levels
 from jetspec_jax.training.config import OptimConfig
 from jetspec_jax.training.step import DTYPES, TrainState, apply_gradients
@@ -72,7 +73,7 @@ def adapter_train_step(
     Returns:
         The new state and metrics (`adapter_loss`'s, plus loss, grad_norm, learning_rate).
     """
-    key = jax.random.fold_in(jax.random.key(config.optim.seed), state.step)
+    key = jax.random.fold_in(stream(config.optim.seed, TRAIN_STEP), state.step)
     grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, target_params, batch, key, config)
     return apply_gradients(state, grads, dict(metrics, loss=loss), config.optim, mesh)

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
+from jetspec_jax.random_streams import TRAIN_STEP, stream
 from jetspec_jax.training.blocks import build_blocks
 from jetspec_jax.training.config import OptimConfig
 from jetspec_jax.training.loss import draft_loss, teacher_forward
@@ -90,7 +91,7 @@ def train_step(
         The new state and metrics (loss, accuracy, accuracy_by_row, grad_norm, learning_rate,
         supervised).
     """
-    key = jax.random.fold_in(jax.random.key(config.optim.seed), state.step)
+    key = jax.random.fold_in(stream(config.optim.seed, TRAIN_STEP), state.step)
     teacher = teacher_forward(target_params, config.target, config.draft, batch["tokens"])
     blocks = build_blocks(
         key,
