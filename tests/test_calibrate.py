@@ -137,7 +137,8 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     report = tmp_path / "report.json"
     argv = ["calibrate", "--target", str(target_dir), "--draft", str(bundle), "--data", str(data)]
     argv += ["--num-rounds", "48", "--anchors-per-sequence", "8", "--report", str(report)]
-    assert train.main(argv) == 0
+    # Two grid points keep this fast; the fit over the default grid is the same code path.
+    assert train.main([*argv, "--confidence-grid", "1,0"]) == 0
     out = capsys.readouterr().out
     assert "held-out hit rate" in out and "geometric" in out
 
@@ -145,9 +146,9 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     summary = json.loads(report.read_text())
     assert loaded.calibration is not None
     assert loaded.calibration.to_dict() == summary["calibration"]
-    # The replacement confidence: fitted over the default grid (J1-R1), the best score stored.
+    # The replacement confidence: fitted over the grid (J1-R1), the best score stored.
     scores = {float(c): tau for c, tau in summary["replacement_confidence_tau"].items()}
-    assert len(scores) == 7 and "<- fitted" in out
+    assert sorted(scores) == [0.0, 1.0] and "<- fitted" in out
     assert scores[loaded.calibration.replacement_confidence] == max(scores.values())
     assert summary["rounds"] == 48 and summary["dropped"] == 0
     assert set(summary["held_out_hit_rate"]) == {"calibrated", "uncalibrated", "geometric"}
