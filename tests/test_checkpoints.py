@@ -191,3 +191,30 @@ def test_tied_checkpoint_with_a_copied_head_loads(checkpoints, tmp_path):
 def test_bad_dtype_is_refused(checkpoints):
     with pytest.raises(ValueError, match="dtype must be one of"):
         jetspec_jax.load_target(checkpoints.get("qwen3")[0], dtype="float8")
+
+
+def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeypatch):
+    """`atomic_directory(overwrite=True)`: if moving the new copy in fails after the old one was
+    moved aside, the old one is restored (not left hidden) and nothing else remains."""
+    import os
+
+    from jetspec_jax.checkpoint import atomic
+
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "weights").write_text("old")
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # the new copy into place
+            raise OSError("disk trouble")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(OSError, match="disk trouble"):
+        with atomic.atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "weights").write_text("new")
+    assert len(calls) == 3  # aside, in (failed), back
+    assert (out / "weights").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

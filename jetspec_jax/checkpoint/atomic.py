@@ -20,6 +20,11 @@ def atomic_directory(
     half-written `out_dir`, so readers can trust that `out_dir` existing means it is complete. On an
     exception the temporary directory is removed and the exception propagates.
 
+    Replacing an existing `out_dir` takes two renames (the old one aside, the new one in), so for
+    that moment `out_dir` is absent (a reader then finds nothing, never a mix); a crash exactly
+    there leaves the previous copy in a hidden `.{name}.old-*` sibling. If the second rename fails,
+    the previous copy is put back before the error propagates.
+
     Args:
         out_dir: the directory to create.
         overwrite: replace an existing `out_dir` (removed only after the new one is complete).
@@ -37,7 +42,12 @@ def atomic_directory(
         if overwrite and out.exists():
             old = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
             os.replace(out, old / out.name)
-            os.replace(tmp, out)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old / out.name, out)  # the previous copy back, not left hidden
+                shutil.rmtree(old, ignore_errors=True)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             try:
