@@ -8,7 +8,8 @@
     python train.py --config configs/smollm2_135m.yaml       # = train.py draft --config ...
     python train.py draft --config CFG --coordinator HOST:PORT --num-processes 2 --process-id 0
 
-    # 3. Train the adapter for that draft (resumable; exports <run.dir>/adapter).
+    # 3. Train the adapter for that draft (resumable; exports draft + adapter, a JetSpec++
+    #    checkpoint, to <run.dir>/jetspec_pp).
     python train.py adapter --config configs/smollm2_135m.yaml [--draft DIR] [--stop-after N]
 
     # 4. Tau of a draft through the inference path.

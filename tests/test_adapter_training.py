@@ -17,6 +17,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.checkpoint.adapter_files import load_adapter
+from jetspec_jax.training import adapter_trainer
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics
 from jetspec_jax.training.adapter_loss import (
     adapter_loss,
@@ -41,6 +42,7 @@ from jetspec_jax.training.config import (
     TrainConfig,
     load_train_config,
 )
+from jetspec_jax.training.data import to_example
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
 from jetspec_jax.training.trainer import batch_sizes
 
@@ -199,8 +201,13 @@ def test_training_lowers_the_loss_and_a_resumed_run_equals_a_straight_one(
 
     resumed_config = _tiny_config("runs/tiny/resumed")
     assert train_adapter(resumed_config, target=target, draft=draft, stop_after=2) is None
+    with open("runs/tiny/resumed/adapter_run/metrics.jsonl", "a") as f:  # logged, not saved
+        f.write('{"step": 3, "loss": 9.0}\n')
     resumed = train_adapter(resumed_config, target=target, draft=draft)
     assert resumed.steps == 4
+    lines = [json.loads(x) for x in open("runs/tiny/resumed/adapter_run/metrics.jsonl")]
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 3, 4]  # step 3 once, the rerun's
+    assert lines[2]["loss"] != 9.0
     for a, b in zip(
         jax.tree.leaves(straight.adapter.params),
         jax.tree.leaves(resumed.adapter.params),
@@ -209,6 +216,51 @@ def test_training_lowers_the_loss_and_a_resumed_run_equals_a_straight_one(
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     loaded = jetspec_jax.load_draft(resumed.export_dir, target).adapter  # the bundle loads back
     assert loaded.config == resumed.adapter.config
+
+
+def test_the_bundle_is_exported_before_the_final_evaluation(target, workdir, monkeypatch):
+    """A failing final evaluation (here the tau one) must not cost the trained adapter."""
+    monkeypatch.chdir(workdir)
+    draft = jetspec_jax.load_draft("runs/tiny/run/draft", target)
+    config = _tiny_config("runs/tiny/failing_eval")
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, eval_prompts="runs/tiny/data.jsonl")
+    )
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(adapter_trainer, "evaluate_refinement_tau", failing)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train_adapter(config, target=target, draft=draft)
+    exported = jetspec_jax.load_draft("runs/tiny/failing_eval/jetspec_pp", target)
+    assert exported.adapter.config.layers_per_module == (1,)
+
+
+def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_file, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 5}\n')
+    config = _config(data_file, tmp_path / "run")
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, eval_prompts=str(bad))
+    )
+    with pytest.raises(ValueError, match="bad.jsonl:1 has neither"):
+        train_adapter(config, target=target, draft=draft)
+    assert not (tmp_path / "run" / "adapter_run" / "checkpoints").exists()
+
+
+def test_eval_batches_pad_only_the_records_they_use(data_file, tmp_path, monkeypatch):
+    calls = []
+
+    def counting(record, max_length):
+        calls.append(record)
+        return to_example(record, max_length)
+
+    monkeypatch.setattr(adapter_trainer, "to_example", counting)
+    config = _config(data_file, tmp_path, eval_batches=1)
+    mesh = make_mesh(config.mesh)
+    batches = _eval_batches(config, 2, batch_sharding(mesh))
+    assert len(batches) == 1 and len(calls) == 2  # of the file's 8 records
 
 
 def _load_train_py():
@@ -245,6 +297,9 @@ def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, t
         "adapter: {kapa: 0.5}": "unknown key.*adapter.kapa",
         "adapter: {layers_per_module: [1, 0]}": "adapter.layers_per_module",
         "adapter: {optim: {steps: 0}}": "adapter.optim.steps",
+        "adapter: {optim: {anchors_per_sequence: 2000}}": (
+            r"adapter.optim.anchors_per_sequence \(<= data.max_length 1024\)"
+        ),
         "draft: {target_layer_ids: [0, 1]}\nadapter: {layers_per_module: [1]}": (
             "one entry per tap layer"
         ),

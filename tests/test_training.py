@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.models.draft import DraftConfig
+from jetspec_jax.training import trainer
 from jetspec_jax.training.blocks import build_blocks
 from jetspec_jax.training.config import (
     DataConfig,
@@ -21,7 +24,8 @@ from jetspec_jax.training.config import (
     TrainConfig,
 )
 from jetspec_jax.training.data import training_dataset
-from jetspec_jax.training.evaluate import evaluate_tau
+from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
+from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 from jetspec_jax.training.trainer import train
@@ -109,6 +113,10 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(
     straight, _ = straight_run
     config = _config(data_files, tmp_path / "resumed")
     assert train(config, target=target, stop_after=37) is None  # "killed" after 37 steps
+    # As if the killed run had logged steps past its last checkpoint (37), then died mid-line:
+    # the resumed run logs those steps again, so the file must not keep the stale rows.
+    with (tmp_path / "resumed" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 40, "loss": 9.0}\n{"step": 45, "loss": 9.0}\n{"step": 5')
     resumed = train(config, target=target)
     assert resumed.steps == straight.steps == 80
     pairs = zip(
@@ -117,6 +125,9 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(
     for a, b in pairs:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert resumed.metrics["loss"] == straight.metrics["loss"]
+    rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").open()]
+    assert [x["step"] for x in rows if "loss" in x] == list(range(5, 81, 5))
+    assert [x["step"] for x in rows if "eval_tau" in x] == [80]
 
 
 def _toy_config(variant, block_size=16):
@@ -208,6 +219,23 @@ def test_bad_configs_are_refused_by_key(tmp_path):
     path.write_text("data: {files: [a.jsonl]}\ndraft: {variant: medusa}\n")
     with pytest.raises(ValueError, match="draft.variant"):
         load_train_config(path)
+    # Values that would fail late (a division by zero, a top_k shape error) fail at load.
+    for text, field in {
+        "run: {log_every: 0}": "run.log_every",
+        "run: {checkpoint_every: 0}": "run.checkpoint_every",
+        "run: {keep_checkpoints: 0}": "run.keep_checkpoints",
+        "run: {eval_every: -1}": "run.eval_every",
+        "data: {files: [a.jsonl], eval_num_prompts: 0}": "data.eval_num_prompts",
+        "data: {files: [a.jsonl], eval_max_new_tokens: 0}": "data.eval_max_new_tokens",
+        "data: {files: [a.jsonl], max_length: 64}\noptim: {anchors_per_sequence: 65}": (
+            r"optim.anchors_per_sequence \(<= data.max_length 64\): 65"
+        ),
+    }.items():
+        if not text.startswith("data:"):
+            text = "data: {files: [a.jsonl]}\n" + text
+        path.write_text(text + "\n")
+        with pytest.raises(ValueError, match=f"invalid value for {field}"):
+            load_train_config(path)
 
 
 def test_command_line_overrides_are_typed_and_validated(tmp_path):
@@ -287,3 +315,76 @@ def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
     with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):
         initial_draft(config, target)
+
+
+def test_throughput_counts_the_steps_since_the_last_log_and_not_the_pauses():
+    now = [0.0]
+    throughput = Throughput(3, tokens_per_step=100, clock=lambda: now[0])  # resumed at step 3
+    now[0] = 2.0
+    assert throughput.rate(10) == pytest.approx(7 * 100 / 2.0)  # 7 steps, not log_every
+    now[0] = 3.0
+    with throughput.paused():  # a checkpoint or evaluation: 5 s not counted
+        now[0] = 8.0
+    now[0] = 8.5
+    assert throughput.rate(13) == pytest.approx(3 * 100 / 1.5)  # a short last interval
+
+
+def test_host_params_reassembles_sharded_leaves_in_the_dtype():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2), jax.devices()[:2])
+    tree = {"w": jnp.arange(12.0).reshape(4, 3), "b": jnp.ones((3,))}
+    sharded = jax.device_put(tree, param_shardings(tree, mesh))
+    assert not sharded["w"].sharding.is_fully_replicated
+    out = host_params(sharded, jnp.bfloat16)
+    assert out["w"].dtype == jnp.bfloat16 and out["w"].shape == (4, 3)
+    np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.asarray(tree["w"]))
+
+
+def test_a_bad_evaluation_prompt_file_fails_before_training(target, data_files, tmp_path):
+    config = _config(data_files, tmp_path / "run")
+    missing = tmp_path / "missing.jsonl"
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, eval_prompts=str(missing))
+    )
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        train(config, target=target)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_ids": [1, 2]}\n{"id": "x"}\n')
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, eval_prompts=str(bad))
+    )
+    with pytest.raises(ValueError, match="bad.jsonl:2 has neither 'prompt_ids' nor a string"):
+        train(config, target=target)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
+
+
+def test_the_draft_is_exported_before_the_final_evaluation(
+    target, data_files, straight_run, tmp_path, monkeypatch
+):
+    """A final evaluation that fails must not cost the trained draft."""
+    _, straight_dir = straight_run
+    shutil.copytree(straight_dir / "checkpoints", tmp_path / "checkpoints")  # all 80 steps done
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(trainer, "evaluate_tau", failing)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(_config(data_files, tmp_path), target=target)
+    assert jetspec_jax.load_draft(tmp_path / "draft", target).config.block_size == 4
+
+
+def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
+    path = tmp_path / "p.jsonl"
+    cases = {
+        '{"id": "a"}': "p.jsonl:2 has neither 'prompt_ids' nor a string 'prompt'",
+        '{"prompt_ids": "1 2 3"}': "p.jsonl:2: 'prompt_ids' must be a non-empty list of integers",
+        '{"prompt_ids": [1, 2.5]}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
+        '{"prompt_ids": []}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
+        '{"prompt": 7}': "p.jsonl:2 has neither",
+    }
+    for line, message in cases.items():
+        path.write_text('{"prompt_ids": [1, 2]}\n' + line + "\n")
+        with pytest.raises(ValueError, match=message):
+            eval_prompt_ids(target, path, num_prompts=4)
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n{"id": "unread"}\n')
+    assert eval_prompt_ids(target, path, num_prompts=2) == [[1, 2], [3]]

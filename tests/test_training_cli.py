@@ -42,6 +42,8 @@ def _free_port() -> int:
 
 
 def test_two_process_distributed_training_completes_and_exports(workdir):
+    """One CPU device per process, the fsdp axis across both: every process holds only half of
+    the sharded parameters, so evaluation and export must gather the other process's shards."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     procs = [
@@ -52,6 +54,10 @@ def test_two_process_distributed_training_completes_and_exports(workdir):
                 "draft",
                 "--config",
                 "tiny_cpu.yaml",
+                "--set",
+                "mesh.data=1",
+                "--set",
+                "mesh.fsdp=2",
                 "--coordinator",
                 f"127.0.0.1:{port}",
                 "--num-processes",
@@ -75,7 +81,7 @@ def test_two_process_distributed_training_completes_and_exports(workdir):
             proc.kill()
     for proc, (_, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-3000:]
-    assert "trained 6 steps" in outputs[0][0]
+    assert "trained 6 steps" in outputs[0][0] and "eval tau n/a" not in outputs[0][0]
     target = jetspec_jax.load_target(workdir / "runs" / "tiny" / "target")
     draft = jetspec_jax.load_draft(workdir / "runs" / "tiny" / "run" / "draft", target)
     assert draft.config.variant == "jetspec++"

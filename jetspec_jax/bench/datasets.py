@@ -6,11 +6,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts
+from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
 from jetspec_jax.prompting import encode_prompt
-
-# Sources (the `source` field of ../shared/data/eval files) that are math problems.
-MATH_SOURCES = ("gsm8k", "math", "math500")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@ from jetspec_jax.data.jsonl import read_jsonl
 
 # The field's convention for math benchmarks (appended to the raw question).
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+# Record `source`s that are math problems, so get `MATH_SUFFIX` (regeneration, evaluation, bench).
+MATH_SOURCES = ("gsm8k", "math", "math500")
 
 
 def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[dict]:

@@ -33,7 +33,7 @@ import numpy as np
 import tqdm
 
 from jetspec_jax.data.jsonl import read_jsonl
-from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts
+from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
 from jetspec_jax.generate import generate_batch
 from jetspec_jax.prompting import encode_prompt
 from jetspec_jax.sampling import SamplingParams
@@ -41,7 +41,6 @@ from jetspec_jax.target import Target
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MATH_SUFFIX_SOURCES = ("gsm8k", "math")
 GREEDY = SamplingParams()
 
 
@@ -84,7 +83,7 @@ class PromptRecord:
 def read_records(
     prompt_files: Sequence[str | os.PathLike],
     *,
-    math_suffix_sources: Sequence[str] = DEFAULT_MATH_SUFFIX_SOURCES,
+    math_suffix_sources: Sequence[str] = MATH_SOURCES,
     limit: int | None = None,
 ) -> list[PromptRecord]:
     """The records of all prompt files, in order, ids checked for uniqueness across files.
@@ -139,7 +138,7 @@ def regenerate(
     chat: bool = True,
     system: str | None = None,
     thinking: bool = False,
-    math_suffix_sources: Sequence[str] = DEFAULT_MATH_SUFFIX_SOURCES,
+    math_suffix_sources: Sequence[str] = MATH_SOURCES,
     limit: int | None = None,
     sampling: SamplingParams = GREEDY,
     show_progress: bool | None = None,

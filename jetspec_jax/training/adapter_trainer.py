@@ -1,11 +1,12 @@
 """The adapter-training run (`train.py adapter`): the draft's run machinery, the adapter's step.
 
     train_adapter(config) ->
-        load the frozen target and the trained draft (default `<run.dir>/draft`); init (or
-        restore) the adapter for the draft's taps, the optimizer and the data iterator;
+        load the frozen target and the trained draft (default `<run.dir>/draft`); check the
+        evaluation prompts; init (or restore) the adapter for the draft's taps, the optimizer and
+        the data iterator;
         loop: next batch -> sharded global array -> jitted `adapter_train_step` -> metrics /
         checkpoint / evaluation; export draft + adapter as a JetSpec++ checkpoint to
-        `<run.dir>/jetspec_pp` (`checkpoint/bundle.py`).
+        `<run.dir>/jetspec_pp` (`checkpoint/bundle.py`); the final evaluation.
 
 The run lives in `<run.dir>/adapter_run` (orbax checkpoints of train state + grain iterator,
 `metrics.jsonl`, TensorBoard), apart from the draft's run, so both resume independently. The data
@@ -18,7 +19,6 @@ import dataclasses
 import functools
 import logging
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +33,13 @@ from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluat
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
+from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
 from jetspec_jax.training.trainer import (
     MetricsLog,
     batch_sizes,
+    check_eval_prompts,
     checkpoint_manager,
     host_floats,
     restore_latest,
@@ -112,6 +114,8 @@ def train_adapter(
     if not isinstance(draft, Draft):
         path = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
         draft = load_draft(path, target)
+    if config.adapter.eval_tau:
+        check_eval_prompts(config, target)
     records = read_regenerated(config.data.files)
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft)
@@ -147,11 +151,11 @@ def train_adapter(
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding)
 
-    def evaluate(step: int, tau: bool) -> dict:
+    def evaluate(step: int) -> dict:
         result = adapter_state_metrics(
             state.params, target_params, eval_batches, config=step_config, seed=optim.seed
         )
-        if tau and config.adapter.eval_tau and config.data.eval_prompts:
+        if config.adapter.eval_tau and config.data.eval_prompts:
             result.update(
                 evaluate_refinement_tau(
                     target,
@@ -166,8 +170,8 @@ def train_adapter(
         metrics_log.write(step, result)
         return result
 
-    metrics_log = MetricsLog(run_dir, config.run.tensorboard)
     start_step, metrics = int(state.step), {}
+    metrics_log = MetricsLog(run_dir, config.run.tensorboard, start_step=start_step)
     end_step = optim.steps if stop_after is None else min(optim.steps, start_step + stop_after)
     progress = tqdm.tqdm(
         range(start_step, end_step),
@@ -176,7 +180,7 @@ def train_adapter(
         desc="training adapter",
         disable=None if show_progress is None else not show_progress,
     )
-    clock = time.perf_counter()
+    throughput = Throughput(start_step, global_batch * config.data.max_length)
     for step in progress:
         batch = next(iterator)
         batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
@@ -184,30 +188,29 @@ def train_adapter(
         done = step + 1
         if done % config.run.log_every == 0 or done == optim.steps:
             metrics = host_floats(jax.device_get(step_metrics))
-            elapsed, clock = time.perf_counter() - clock, time.perf_counter()
-            steps_run = done - max(start_step, done - config.run.log_every)
-            metrics["tokens_per_second"] = (
-                steps_run * global_batch * config.data.max_length / max(elapsed, 1e-9)
-            )
+            metrics["tokens_per_second"] = throughput.rate(done)
             metrics_log.write(done, metrics)
             progress.set_postfix(
                 loss=f"{metrics['loss']:.3f}", gap=f"{metrics['gap_closed_mean']:.3f}"
             )
         if done % config.run.checkpoint_every == 0 or done in (end_step, optim.steps):
-            save_checkpoint(manager, done, state, iterator)
+            with throughput.paused(state):
+                save_checkpoint(manager, done, state, iterator)
         if config.run.eval_every and done % config.run.eval_every == 0 and done < optim.steps:
-            evaluate(done, tau=True)
+            with throughput.paused(state):
+                evaluate(done)
     manager.wait_until_finished()
     progress.close()
     if int(state.step) < optim.steps:
         metrics_log.close()
         return None
 
+    # Export before the final evaluation: a failing evaluation must not cost the trained adapter.
     trained = _as_adapter(adapter, state)
-    evaluation = evaluate(int(state.step), tau=True)
     export_dir = adapter_export_dir(config)
     if jax.process_index() == 0:
         save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
+    evaluation = evaluate(int(state.step))
     metrics_log.close()
     return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
 
@@ -245,6 +248,7 @@ def _eval_batches(config: TrainConfig, local_batch: int, sharding) -> list[dict]
     `adapter.eval_files` (else of the training files; then the figures are not held out)."""
     files = config.adapter.eval_files or config.data.files
     records = read_regenerated(files)[jax.process_index() :: jax.process_count()]
+    records = records[: config.adapter.eval_batches * local_batch]  # only these are padded
     examples = [to_example(r, config.data.max_length) for r in records]
     batches = []
     for i in range(config.adapter.eval_batches):
@@ -263,7 +267,8 @@ def _eval_batches(config: TrainConfig, local_batch: int, sharding) -> list[dict]
 
 
 def _as_adapter(adapter: Adapter, state) -> Adapter:
-    """The trained weights as an `Adapter` in its dtype (on the host's default device)."""
+    """The trained weights as an `Adapter` in its dtype (on the host's default device). Every
+    process must call it (gathers fsdp shards held by other processes)."""
     dtype = jnp.bfloat16 if adapter.dtype == "bfloat16" else jnp.float32
-    params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), state.params)
+    params = host_params(state.params, dtype)
     return dataclasses.replace(adapter, params=params)

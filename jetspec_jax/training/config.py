@@ -132,6 +132,19 @@ class TrainConfig:
             self.data.max_length,
         )
         _check(bool(self.data.files), "data.files", self.data.files)
+        for name in ("eval_num_prompts", "eval_max_new_tokens"):
+            _check(getattr(self.data, name) >= 1, f"data.{name}", getattr(self.data, name))
+        for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
+            _check(getattr(self.run, name) >= 1, f"run.{name}", getattr(self.run, name))
+        _check(self.run.eval_every >= 0, "run.eval_every", self.run.eval_every)
+        # Anchors are distinct positions of a sequence (`lax.top_k` over its max_length).
+        for where, optim in (("optim", self.optim), ("adapter.optim", self.adapter.optim)):
+            if optim is not None:
+                _check(
+                    optim.anchors_per_sequence <= self.data.max_length,
+                    f"{where}.anchors_per_sequence (<= data.max_length {self.data.max_length})",
+                    optim.anchors_per_sequence,
+                )
 
 
 def _check_optim(optim: OptimConfig, where: str) -> None:

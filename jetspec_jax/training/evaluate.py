@@ -12,13 +12,11 @@ import pathlib
 import numpy as np
 
 from jetspec_jax.data.jsonl import read_jsonl
-from jetspec_jax.data.prompts import MATH_SUFFIX
+from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX
 from jetspec_jax.draft import Draft
 from jetspec_jax.generate import generate_batch
 from jetspec_jax.prompting import encode_prompt
 from jetspec_jax.target import Target
-
-_MATH_SOURCES = ("gsm8k", "math", "math500")
 
 
 def evaluate_tau(
@@ -34,16 +32,10 @@ def evaluate_tau(
 ) -> float:
     """Mean tau (greedy) of `draft` on the first `num_prompts` prompts of `prompt_file`.
 
-    Records with `prompt_ids` (e.g. held-out `train.py regenerate` output) are used as they are;
-    records with a text `prompt` are encoded with the target's chat template (thinking off), math
-    sources getting the field's suffix.
-
     Raises:
-        ValueError: a text prompt but the target has no tokenizer, or no usable record.
+        FileNotFoundError, ValueError: as `eval_prompt_ids`.
     """
-    prompts = [_prompt_ids(r, target, math_suffix) for r in _records(prompt_file, num_prompts)]
-    if not prompts:
-        raise ValueError(f"{prompt_file} holds no prompts")
+    prompts = eval_prompt_ids(target, prompt_file, num_prompts=num_prompts, math_suffix=math_suffix)
     results = generate_batch(
         target,
         prompts,
@@ -57,22 +49,47 @@ def evaluate_tau(
     return float(np.mean(rounds)) if rounds else 1.0
 
 
-def _records(path, limit: int) -> list[dict]:
-    records = []
-    for _, record in read_jsonl(path, what="evaluation prompt file"):
-        if len(records) == limit:
+def eval_prompt_ids(
+    target: Target, prompt_file: str | pathlib.Path, *, num_prompts: int, math_suffix: bool = True
+) -> list[list[int]]:
+    """The token ids of the first `num_prompts` prompts of `prompt_file`.
+
+    Records with `prompt_ids` (e.g. held-out `train.py regenerate` output) are used as they are;
+    records with a text `prompt` are encoded with the target's chat template (thinking off), math
+    sources (`MATH_SOURCES`) getting the field's suffix when `math_suffix`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a record (named by `file:line`) with neither a non-empty integer list
+            `prompt_ids` nor a string `prompt`, a text prompt but the target has no tokenizer, or
+            no record at all.
+    """
+    prompts = []
+    for where, record in read_jsonl(prompt_file, what="evaluation prompt file"):
+        if len(prompts) == num_prompts:
             break
-        records.append(record)
-    return records
+        prompts.append(_prompt_ids(where, record, target, math_suffix))
+    if not prompts:
+        raise ValueError(f"{prompt_file} holds no prompts")
+    return prompts
 
 
-def _prompt_ids(record: dict, target: Target, math_suffix: bool) -> list[int]:
+def _prompt_ids(where: str, record: dict, target: Target, math_suffix: bool) -> list[int]:
     if "prompt_ids" in record:
-        return list(record["prompt_ids"])
+        ids = record["prompt_ids"]
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
+        return list(ids)
+    if not isinstance(record.get("prompt"), str):
+        raise ValueError(f"{where} has neither 'prompt_ids' nor a string 'prompt'")
     if target.tokenizer is None:
-        raise ValueError("text evaluation prompts need a target with a tokenizer")
+        raise ValueError(f"{where}: text evaluation prompts need a target with a tokenizer")
     text = record["prompt"]
-    if math_suffix and record.get("source") in _MATH_SOURCES:
+    if math_suffix and record.get("source") in MATH_SOURCES:
         text += MATH_SUFFIX
     chat = bool(getattr(target.tokenizer, "chat_template", None))
     return encode_prompt(target.tokenizer, text, chat=chat)

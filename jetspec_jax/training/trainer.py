@@ -1,9 +1,10 @@
 """The draft-training run: mesh, data, steps, checkpoints, metrics, evaluation and export.
 
     train(config) ->
-        load the frozen target; init (or restore) the draft, optimizer and data iterator;
+        load the frozen target; check the evaluation prompts; init (or restore) the draft,
+        optimizer and data iterator;
         loop: next batch -> sharded global array -> jitted step -> metrics / checkpoint / eval;
-        export the draft in the DFlash/JetSpec HF layout.
+        export the draft in the DFlash/JetSpec HF layout; the final evaluation.
 
 Checkpoints (orbax `CheckpointManager` under `<run.dir>/checkpoints`) hold the train state and the
 grain iterator state; a restarted run resumes at the latest one and continues exactly as an
@@ -17,8 +18,8 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import pathlib
-import time
 
 import grain
 import jax
@@ -31,7 +32,8 @@ from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, training_dataset
-from jetspec_jax.training.evaluate import evaluate_tau
+from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
+from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 
@@ -81,6 +83,7 @@ def train(
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
+    check_eval_prompts(config, target)
     records = read_regenerated(config.data.files)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target)
@@ -109,8 +112,8 @@ def train(
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
     step_fn = functools.partial(train_step, config=step_config, mesh=mesh)
     sharding = batch_sharding(mesh)
-    metrics_log = MetricsLog(run_dir, config.run.tensorboard)
     start_step, metrics, eval_tau = int(state.step), {}, None
+    metrics_log = MetricsLog(run_dir, config.run.tensorboard, start_step=start_step)
     end_step = config.optim.steps
     if stop_after is not None:
         end_step = min(end_step, start_step + stop_after)
@@ -121,7 +124,7 @@ def train(
         desc="training",
         disable=None if show_progress is None else not show_progress,
     )
-    clock = time.perf_counter()
+    throughput = Throughput(start_step, global_batch * config.data.max_length)
     for step in progress:
         batch = next(iterator)
         batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
@@ -129,32 +132,33 @@ def train(
         done = step + 1
         if done % config.run.log_every == 0 or done == config.optim.steps:
             metrics = host_floats(jax.device_get(step_metrics))
-            elapsed, clock = time.perf_counter() - clock, time.perf_counter()
-            steps_run = done - max(start_step, done - config.run.log_every)
-            metrics["tokens_per_second"] = (
-                steps_run * global_batch * config.data.max_length / max(elapsed, 1e-9)
-            )
+            metrics["tokens_per_second"] = throughput.rate(done)
             metrics_log.write(done, metrics)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
         if done % config.run.checkpoint_every == 0 or done in (end_step, config.optim.steps):
-            save_checkpoint(manager, done, state, iterator)
+            with throughput.paused(state):
+                save_checkpoint(manager, done, state, iterator)
         if (
             config.run.eval_every
+            and config.data.eval_prompts
             and done % config.run.eval_every == 0
             and done < config.optim.steps
         ):
-            eval_tau = _evaluate(config, target, draft, state, metrics_log, done)
+            with throughput.paused(state):
+                now = _as_draft(draft, state, target)
+                eval_tau = _evaluate(config, target, now, metrics_log, done)
     manager.wait_until_finished()
     progress.close()
     if int(state.step) < config.optim.steps:
         metrics_log.close()
         return None
 
+    # Export before the final evaluation: a failing evaluation must not cost the trained draft.
     trained = _as_draft(draft, state, target)
-    eval_tau = _evaluate(config, target, draft, state, metrics_log, int(state.step))
     export_dir = run_dir / "draft"
     if jax.process_index() == 0:
         trained.save(export_dir, overwrite=True)
+    eval_tau = _evaluate(config, target, trained, metrics_log, int(state.step))
     metrics_log.close()
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
@@ -233,20 +237,37 @@ def restore_latest(manager: ocp.CheckpointManager, state, iterator):
     return restored["state"]
 
 
+def check_eval_prompts(config: TrainConfig, target: Target) -> None:
+    """Reads and encodes the evaluation prompts `config.data` names, if any, so that a missing or
+    malformed file fails the run before any training rather than after it.
+
+    Raises:
+        FileNotFoundError, ValueError: as `eval_prompt_ids`.
+    """
+    if config.data.eval_prompts:
+        eval_prompt_ids(
+            target,
+            config.data.eval_prompts,
+            num_prompts=config.data.eval_num_prompts,
+            math_suffix=config.data.eval_math_suffix,
+        )
+
+
 def _as_draft(draft: Draft, state, target: Target) -> Draft:
-    """The trained weights as a `Draft` in the target's dtype (on the host's default device)."""
+    """The trained weights as a `Draft` in the target's dtype (on the host's default device).
+    Every process must call it (gathers fsdp shards held by other processes)."""
     dtype = jnp.dtype(target.params["embed_tokens"]["embedding"].dtype)
-    params = jax.tree.map(lambda x: jnp.asarray(np.asarray(x), dtype), state.params)
+    params = host_params(state.params, dtype)
     return dataclasses.replace(draft, params=params, dtype=target.dtype, path=None)
 
 
-def _evaluate(config, target, draft, state, metrics_log, step) -> float | None:
+def _evaluate(config, target, trained: Draft, metrics_log, step) -> float | None:
     """Mean tau of the inference code path on held-out prompts (None when none are configured)."""
     if not config.data.eval_prompts:
         return None
     tau = evaluate_tau(
         target,
-        _as_draft(draft, state, target),
+        trained,
         config.data.eval_prompts,
         num_prompts=config.data.eval_num_prompts,
         max_new_tokens=config.data.eval_max_new_tokens,
@@ -265,11 +286,20 @@ def host_floats(tree) -> dict:
 
 
 class MetricsLog:
-    """Metrics to `<run>/metrics.jsonl` and, optionally, TensorBoard (`<run>/tensorboard`)."""
+    """Metrics to `<run>/metrics.jsonl` and, optionally, TensorBoard (`<run>/tensorboard`).
 
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool):
+    `start_step`: the step the run starts (or resumes) from. Rows of later steps already in the
+    file were logged by an earlier attempt after its last checkpoint; the run logs those steps
+    again, so they are dropped first (no duplicate steps in the file).
+    """
+
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool, *, start_step: int):
         self._primary = jax.process_index() == 0
-        self._jsonl = (run_dir / "metrics.jsonl").open("a") if self._primary else None
+        self._jsonl = None
+        if self._primary:
+            path = run_dir / "metrics.jsonl"
+            drop_rows_after(path, start_step)
+            self._jsonl = path.open("a")
         self._tb = None
         if tensorboard and self._primary:
             from tensorboardX import SummaryWriter  # deferred: optional at import time
@@ -294,3 +324,35 @@ class MetricsLog:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def drop_rows_after(path: pathlib.Path, step: int) -> None:
+    """Rewrites the metrics file `path` (atomically) without its rows of steps after `step`, and
+    without a torn last line (a kill mid-write); leaves it alone when there are none.
+
+    Raises:
+        ValueError: a complete line is not a JSON object with an integer `step` (names the line).
+    """
+    if not path.exists():
+        return
+    *lines, torn = path.read_text(encoding="utf-8").split("\n")  # torn: "" after a full last line
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} is not valid JSON: {e}") from e
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number} is not a metrics row (no integer 'step')")
+        if row["step"] <= step:
+            kept.append(line)
+    if len(kept) == len([x for x in lines if x.strip()]) and not torn:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

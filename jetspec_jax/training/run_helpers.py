@@ -1,0 +1,70 @@
+"""Pieces both training runs (`trainer.py`, `adapter_trainer.py`) share beyond trainer.py's data,
+checkpoint and metrics helpers: trained weights back on the host, and the logged throughput.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def host_params(tree, dtype):
+    """`tree`'s arrays, whole, as `dtype` arrays on this process's default device.
+
+    A leaf sharded over devices of other processes (fsdp spanning hosts) cannot be read by
+    `np.asarray`; it is gathered first (`process_allgather`: a collective, so every process must
+    call this with the same tree). Leaves this process holds whole are read directly.
+    """
+
+    def leaf(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        return jnp.asarray(np.asarray(x), dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
+class Throughput:
+    """Training tokens per second between logs, not counting checkpoint or evaluation time.
+
+    `rate(step)` covers the steps since the previous `rate` call (or the run's start step in this
+    process), whatever `run.log_every` is and however many steps that was; time spent inside
+    `paused()` is left out.
+    """
+
+    def __init__(
+        self, step: int, tokens_per_step: int, clock: Callable[[], float] = time.perf_counter
+    ):
+        self._clock = clock
+        self._tokens_per_step = tokens_per_step
+        self._step, self._start, self._excluded = step, clock(), 0.0
+
+    @contextlib.contextmanager
+    def paused(self, *pending) -> Iterator[None]:
+        """Leaves the body's time out of the current interval.
+
+        Args:
+            pending: arrays of steps still running (dispatch is asynchronous): waited for before
+                the pause starts, so their compute counts as training time.
+        """
+        jax.block_until_ready(pending)
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._excluded += self._clock() - start
+
+    def rate(self, step: int) -> float:
+        """Tokens per second over the steps up to `step` since the last call; starts the next
+        interval."""
+        now = self._clock()
+        elapsed = now - self._start - self._excluded
+        tokens = (step - self._step) * self._tokens_per_step
+        self._step, self._start, self._excluded = step, now, 0.0
+        return tokens / max(elapsed, 1e-9)
