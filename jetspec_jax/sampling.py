@@ -103,7 +103,10 @@ def filter_logits(
         keep = jnp.where(k > 0, rank < k, True)
         probs = jax.nn.softmax(jnp.where(keep, sorted_desc, -jnp.inf), axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep &= (mass_before < expand(top_p)) | (rank == 0)
+        # Rows without top-p keep every token whatever the float32 cumsum's rounding, so a row's
+        # tokens never depend on its batch-mates turning filtering on.
+        p = expand(top_p)
+        keep &= (p >= 1.0) | (mass_before < p) | (rank == 0)
         cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(scaled >= cutoff, scaled, -jnp.inf)
 

@@ -233,6 +233,19 @@ def test_kernel_gradients_match_the_reference_and_layers_attention():
         assert float(jnp.abs(grad[:, :20]).min()) > 0.0
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(block_q=48), "block_q must be a power of two"),
+        (dict(block_q=8), "block_q must be >= min_rows=16"),
+        (dict(kv_splits=0), "kv_splits must be >= 1"),
+    ],
+)
+def test_bad_tilings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Tiling(**kwargs)
+
+
 def test_impl_selection():
     args = _operands((1, 1, 2, 2, 2, 16, 4))
     with pytest.raises(ValueError, match="attention impl must be one of"):

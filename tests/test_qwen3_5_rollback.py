@@ -13,6 +13,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jetspec_jax  # noqa: E402
+from jetspec_jax.models.hybrid_cache import ROLLBACK_WINDOW  # noqa: E402
 from jetspec_jax.models.transformer import init_cache  # noqa: E402
 from tests.oracles import OracleDraft, OracleProposer  # noqa: E402
 from tests.test_qwen3_5_parity import append  # noqa: E402
@@ -142,3 +143,14 @@ def test_rollback_before_the_window_poisons_the_row(target):
     rolled = _rolled_back(verified, jnp.asarray([2, 5, 9]))  # row 0 before its block start (3)
     assert np.isnan(np.asarray(rolled.state[:, 0])).all()
     assert np.isfinite(np.asarray(rolled.state[:, 1:])).all()
+
+
+def test_a_draft_block_longer_than_the_rollback_window_is_refused(target):
+    """A verified block longer than the hybrid cache's window would be taken for a prefill and
+    leave rejecting rows with unreachable (NaN) recurrent states: refused where draft meets
+    target."""
+    jetspec_jax.init_draft(target, variant="jetspec", num_layers=1, block_size=ROLLBACK_WINDOW)
+    with pytest.raises(jetspec_jax.CheckpointError, match="exceeds the 32 positions"):
+        jetspec_jax.init_draft(
+            target, variant="jetspec", num_layers=1, block_size=ROLLBACK_WINDOW + 1
+        )

@@ -42,6 +42,7 @@ from jetspec_jax.checkpoint.hf_params import (
 )
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
+from jetspec_jax.models.hybrid_cache import ROLLBACK_WINDOW
 
 Params = dict
 ARCHITECTURE = "DFlashDraftModel"
@@ -99,6 +100,12 @@ def check_draft_matches_target(
     """
     _check_layers_match_target(config.layers, target_config, num_target_layers)
     _check_taps(config.target_layer_ids, target_config)
+    if target_config.is_hybrid and config.block_size > ROLLBACK_WINDOW:
+        # A longer verified block would be taken for a prefill and could not be rolled back.
+        raise CheckpointError(
+            f"draft block_size {config.block_size} exceeds the {ROLLBACK_WINDOW} positions a "
+            f"hybrid target's cache can roll back"
+        )
 
 
 def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -> DraftConfig:

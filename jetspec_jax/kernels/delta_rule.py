@@ -25,7 +25,8 @@ from jetspec_jax.kernels.select import select_launch, triton_head_dim_problem
 from jetspec_jax.models import gated_deltanet
 
 HARDWARE_VERIFIED: frozenset[str] = frozenset()
-MAX_CHUNK = 64  # the XLA form's chunk; 64 x 64 float32 tiles fit a GPU program's registers
+# The XLA form's chunk; 64 x 64 float32 tiles fit a GPU program's registers.
+MAX_CHUNK = gated_deltanet.DEFAULT_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)

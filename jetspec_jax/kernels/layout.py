@@ -61,6 +61,8 @@ class Tiling:
             value = getattr(self, name)
             if value < 1 or value != next_pow2(value):
                 raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.block_q < self.min_rows:  # a query tile is a matmul operand too
+            raise ValueError(f"block_q must be >= min_rows={self.min_rows}, got {self.block_q}")
         if self.kv_splits is not None and self.kv_splits < 1:
             raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
 

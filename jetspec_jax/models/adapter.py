@@ -27,7 +27,12 @@ import jax.numpy as jnp
 
 from jetspec_jax.kernels import check_impl
 from jetspec_jax.models import layers
-from jetspec_jax.models.block_stack import ContextCache, block_layers, keys_values
+from jetspec_jax.models.block_stack import (
+    ContextCache,
+    block_layers,
+    cached_context,
+    keys_values,
+)
 from jetspec_jax.models.config import TransformerConfig
 
 Params = dict
@@ -137,8 +142,7 @@ def predict_states(
     x = jnp.take(embedding, block_tokens, axis=0).astype(cache.k.dtype)[:, None]
 
     def cached(m):
-        first = config.module_layers(m).start
-        return lambda i, layer: (cache.k[first + i], cache.v[first + i])
+        return cached_context(cache, config.module_layers(m).start)
 
     states = _chain(params, config, x, positions[:, None], cache.lengths[:, None], cached)
     return states[:, :, 0]
@@ -189,7 +193,7 @@ def _chain(params, config, x, positions, context_lengths, module_context):
     outputs = []
     for m in range(len(config.target_layer_ids)):
         layer_ids = config.module_layers(m)
-        x, _ = block_layers(
+        x = block_layers(
             [params["layers"][i] for i in layer_ids],
             config.layers,
             x,

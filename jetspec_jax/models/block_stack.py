@@ -88,7 +88,7 @@ def block_layers(
     *,
     causal: bool,
     impl: str,
-) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+) -> jax.Array:
     """Pre-norm decoder layers (attention + SwiGLU) over C candidate blocks per row.
 
     Args:
@@ -102,8 +102,7 @@ def block_layers(
         impl: refinement-attention implementation (`jetspec_jax.kernels.IMPLS`).
 
     Returns:
-        `(x, block_kv)`: the `[B, C, K, H]` output residual stream (not normed), and per layer the
-        blocks' own `(k, v)` `[B, C*K, N_kv, D]` (for callers that append them to a cache).
+        `[B, C, K, H]` the output residual stream (not normed).
     """
     c = config
     batch, cands, k_len, hidden = x.shape
@@ -114,7 +113,6 @@ def block_layers(
     def split(y):
         return y.reshape(batch, cands, k_len, *y.shape[2:])
 
-    block_kv = []
     for i, layer in enumerate(layer_params):
         attn = layer["self_attn"]
         h = layers.rms_norm(layer["input_layernorm"], x, c.rms_norm_eps)
@@ -129,7 +127,6 @@ def block_layers(
             c.rms_norm_eps,
         )
         block_k, block_v = keys_values(attn, c, h, flat_pos)
-        block_kv.append((block_k, block_v))
         context_k, context_v = context_kv(i, layer)
         out = refinement_attention(
             split(q),
@@ -144,7 +141,7 @@ def block_layers(
         x = x + layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1))
         h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
         x = x + layers.swiglu_mlp(layer["mlp"], h)
-    return split(x), block_kv
+    return split(x)
 
 
 def cached_context(cache: ContextCache, first_layer: int = 0) -> ContextKV:

@@ -166,20 +166,12 @@ def draft_hidden(
     Returns:
         `[B, K, H]` final-normed hidden states of the block rows (input to `draft_logits`).
     """
-    k_len = block_tokens.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(k_len, dtype=jnp.int32)[None]
     # One candidate block per row (C = 1) over the cache, valid below `cache.lengths` (slots at
     # or past a row's length are stale, so the target's position-only mask would not do).
-    hidden = _block_stack(
-        params,
-        config,
-        embedding,
-        block_tokens[:, None],
-        positions[:, None],
-        cache.lengths[:, None],
-        cached_context(cache),
-    )
-    return hidden[:, 0]
+    lengths = cache.lengths[:, None]
+    return draft_hidden_candidates(
+        params, config, cache, embedding, block_tokens[:, None], lengths
+    )[:, 0]
 
 
 def draft_logits(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> jax.Array:
@@ -246,7 +238,7 @@ def _block_stack(params, config, embedding, block_tokens, positions, context_len
     Returns `[B, C, K, H]` final-normed hidden states.
     """
     x = jnp.take(embedding, block_tokens, axis=0) * config.input_embedding_scale
-    x, _ = block_layers(
+    x = block_layers(
         params["layers"],
         config.layers,
         x.astype(params["norm"]["scale"].dtype),

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.hybrid_cache import HybridCache
-from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.linear_attention import gated_deltanet_mixer
 from jetspec_jax.models.rope import apply_rope, inverse_frequencies
 
@@ -53,7 +52,7 @@ def forward(
     eps = config.rms_norm_eps
 
     kv = None if cache is None else (cache.k, cache.v)
-    convs, states, inputs, taps = [], [], [], {}
+    convs, states, block_inputs, taps = [], [], [], {}
     for i, layer in enumerate(params["layers"]):
         h = offset_rms_norm(layer["input_layernorm"], x, eps)
         if i in lin_slot:
@@ -64,7 +63,7 @@ def forward(
             )
             convs.append(conv)
             states.append(state)
-            inputs.append(block)
+            block_inputs.append(block)
         else:
             out, kv = _gated_attention(
                 layer["self_attn"], config, attn_slot[i], h, positions, inv_freq, kv
@@ -79,7 +78,7 @@ def forward(
         taps[config.num_layers - 1] = hidden
 
     if cache is not None:
-        cache = cache.appended(kv[0], kv[1], convs, states, inputs, real)
+        cache = cache.appended(kv[0], kv[1], convs, states, block_inputs, real)
     stacked = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None
     return hidden, stacked, cache
 
@@ -106,18 +105,7 @@ def _gated_attention(params, config, index, h, positions, inv_freq, kv):
     k = _partial_rope(offset_rms_norm(params["k_norm"], k, c.rms_norm_eps), positions, inv_freq)
     v = layers.value_heads(params["v_proj"], h, c.num_kv_heads, c.head_dim)
 
-    if kv is None:
-        out = layers.attention(q, k, v, layers.causal_mask(positions, positions))
-    else:
-        k_cache, v_cache = (
-            write_layer(cache, index, new, positions) for cache, new in zip(kv, (k, v), strict=True)
-        )
-        capacity = k_cache.shape[2]
-        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
-        out = layers.attention(
-            q, k_cache[index], v_cache[index], layers.causal_mask(positions, slots)
-        )
-        kv = (k_cache, v_cache)
+    out, kv = layers.causal_self_attention(q, k, v, positions, kv, index)
     out = out * jax.nn.sigmoid(gate.reshape(batch, length, c.num_heads * c.head_dim))
     return layers.linear(params["o_proj"], out), kv
 

@@ -47,7 +47,8 @@ class HybridCache:
         start_conv, start_state: `conv` and `state` at `start`.
         block_conv: `[Ll, B, W, C]` conv inputs of the positions from `start` on.
         block_k: `[Ll, B, W, Hk, Dk]`, block_v: `[Ll, B, W, Hv, Dv]`, block_g, block_beta:
-            `[Ll, B, W, Hv]`: float32 recurrence inputs of those positions (zero at padding).
+            `[Ll, B, W, Hv]`: float32 recurrence inputs of those positions (`g`, `beta` zero at
+            padding, so padded positions leave the state unchanged).
     """
 
     k: jax.Array
@@ -63,11 +64,6 @@ class HybridCache:
     block_v: jax.Array
     block_g: jax.Array
     block_beta: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        """S, the number of positions a row can hold."""
-        return self.k.shape[2]
 
     @property
     def rollback_window(self) -> int:

@@ -28,11 +28,6 @@ class KVCache:
     v: jax.Array
     lengths: jax.Array
 
-    @property
-    def capacity(self) -> int:
-        """S, the number of positions a row can hold."""
-        return self.k.shape[2]
-
     @classmethod
     def zeros(
         cls, config: TransformerConfig, batch_size: int, capacity: int, dtype: jnp.dtype

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.rope import apply_rope
 
 Params = dict
@@ -104,3 +105,33 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, length, num_heads * head_dim)
+
+
+def causal_self_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    index: int,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Causal GQA attention of T new tokens, over themselves or over a KV cache they join.
+
+    Args:
+        q: `[B, T, N, D]`; k, v: `[B, T, N_kv, D]` (RoPE applied) at `positions` `[B, T]`.
+        kv: None (a full forward over the T tokens), or the stacked `[L, B, S, N_kv, D]` cache
+            keys and values: layer `index` gets k, v written at their positions (slot =
+            position) and is attended to, slots past a row's length masked out by position.
+
+    Returns:
+        `(out [B, T, N * D], kv)`, kv updated (None without a cache).
+    """
+    if kv is None:
+        return attention(q, k, v, causal_mask(positions, positions)), None
+    k_cache, v_cache = (
+        write_layer(c, index, new, positions) for c, new in zip(kv, (k, v), strict=True)
+    )
+    batch, capacity = q.shape[0], k_cache.shape[2]
+    slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
+    out = attention(q, k_cache[index], v_cache[index], causal_mask(positions, slots))
+    return out, (k_cache, v_cache)

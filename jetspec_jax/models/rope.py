@@ -50,7 +50,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
         inv_freq: `[D // 2]` inverse frequencies.
 
     Returns:
-        `[B, T, N, D]`, same dtype as `x`; angles and products are computed in float32.
+        `[B, T, N, D]`, same dtype as `x`; angles in float32, cos/sin cast to `x.dtype` before the
+        products (as HF).
     """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
     cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.models import hybrid, layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.hybrid_cache import HybridCache
-from jetspec_jax.models.kv_cache import KVCache, write_layer
+from jetspec_jax.models.kv_cache import KVCache
 from jetspec_jax.models.rope import inverse_frequencies
 
 Params = dict
@@ -143,7 +143,6 @@ def _decoder_layer(params, config, index, x, positions, inv_freq, kv_cache):
 
 
 def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
-    batch = h.shape[0]
     c = config
     q_norm, k_norm = (params["q_norm"], params["k_norm"]) if c.qk_norm else (None, None)
     q = layers.rotary_heads(
@@ -154,15 +153,5 @@ def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
     )
     v = layers.value_heads(params["v_proj"], h, c.num_kv_heads, c.head_dim)
 
-    if kv_cache is None:
-        out = layers.attention(q, k, v, layers.causal_mask(positions, positions))
-    else:
-        k_cache, v_cache = (
-            write_layer(c, index, new, positions) for c, new in zip(kv_cache, (k, v), strict=True)
-        )
-        capacity = k_cache.shape[2]
-        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
-        mask = layers.causal_mask(positions, slots)
-        out = layers.attention(q, k_cache[index], v_cache[index], mask)
-        kv_cache = (k_cache, v_cache)
+    out, kv_cache = layers.causal_self_attention(q, k, v, positions, kv_cache, index)
     return layers.linear(params["o_proj"], out), kv_cache
