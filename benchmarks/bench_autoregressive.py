@@ -72,7 +72,9 @@ def main() -> None:
     hf_med = statistics.median(r["hf"] for r in rows)
     ratio_med = statistics.median(r["ours"] / r["hf"] for r in rows)
     same = sum(r["same_tokens"] for r in rows)
-    config_name = pathlib.Path(args.config).resolve().relative_to(ROOT)
+    config_path = pathlib.Path(args.config).resolve()
+    config_name = config_path.relative_to(ROOT) if config_path.is_relative_to(ROOT) else config_path
+    template = "with the chat template" if cfg["chat"] else "as raw text (no chat template)"
     body = "\n".join(
         [
             "## Autoregressive decoding: jetspec_jax vs transformers `generate`",
@@ -80,8 +82,8 @@ def main() -> None:
             f"- Machine: {machine_line()}",
             f"- Command: `python benchmarks/bench_autoregressive.py` (config `{config_name}`)",
             f"- Setup: SmolLM2-135M-Instruct ({cfg['dtype']}), batch 1, greedy, {n} new tokens "
-            f"per prompt (stop tokens off), {len(rows)} prompts from `{cfg['prompt_file']}` with "
-            "the chat template; time = prefill + decode per prompt, our compile time "
+            f"per prompt (stop tokens off), {len(rows)} prompts from `{cfg['prompt_file']}` "
+            f"{template}; time = prefill + decode per prompt, our compile time "
             f"({warm.timing.compile_seconds:.1f} s, once per shape bucket) excluded.",
             f"- Greedy outputs identical to transformers on {same}/{len(rows)} prompts.",
             "",

@@ -25,7 +25,7 @@ from benchmarks.report import machine_line, write_section  # noqa: E402
 from jetspec_jax.training.config import load_train_config  # noqa: E402
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step  # noqa: E402
-from jetspec_jax.training.trainer import _initial_draft  # noqa: E402
+from jetspec_jax.training.trainer import initial_draft  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     config = load_train_config(args.config)
     target = jetspec_jax.load_target(config.target, dtype=config.target_dtype)
-    draft = _initial_draft(config, target)
+    draft = initial_draft(config, target)
     mesh = make_mesh(config.mesh)
     state = init_state(draft.params, make_optimizer(config.optim))
     state = jax.device_put(state, param_shardings(state, mesh))

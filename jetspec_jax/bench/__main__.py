@@ -28,14 +28,17 @@ def main(argv: list[str] | None = None) -> int:
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
-        drafts = {}
+        drafts, sources = {}, {}  # variant -> draft, and where it came from (for errors)
         shipped = args.target is None and not args.draft and not args.random_draft
         for path in [default_draft_dir()] if shipped else args.draft:
             draft = jetspec_jax.load_draft(path, target)
-            drafts[draft.config.variant] = draft
+            _add_draft(drafts, sources, draft.config.variant, draft, f"--draft {path}")
         if args.random_draft:
-            drafts[args.random_draft] = jetspec_jax.init_draft(
+            draft = jetspec_jax.init_draft(
                 target, variant=args.random_draft, block_size=args.random_draft_block
+            )
+            _add_draft(
+                drafts, sources, args.random_draft, draft, f"--random-draft {args.random_draft}"
             )
         chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
         datasets = [
@@ -66,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _add_draft(drafts: dict, sources: dict, variant: str, draft, source: str) -> None:
+    """Each draft serves its own variant, so two of one variant would leave one unused."""
+    if variant in drafts:
+        raise ValueError(
+            f"{sources[variant]} and {source} are both {variant!r} drafts; a variant is served by "
+            "one draft per run (benchmark the other in a second run)"
+        )
+    drafts[variant] = draft
+    sources[variant] = source
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jetspec_jax.bench", description="Benchmark decoding methods side by side."
@@ -88,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
         "--draft",
         action="append",
         default=[],
-        help="draft directory (repeatable); serves its own variant (default with the default "
-        "target: its shipped JetSpec++ draft)",
+        help="draft directory (repeatable); serves its own variant, one draft per variant "
+        "(default with the default target: its shipped JetSpec++ draft)",
     )
     parser.add_argument(
         "--random-draft",

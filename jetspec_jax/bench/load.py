@@ -12,6 +12,7 @@ first token; totals give requests/s and generated tokens/s. The loop is bounded:
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -25,7 +26,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
-    """One concurrency level. Latencies in seconds; `errors` counts non-200 answers."""
+    """One concurrency level. Latencies in seconds; `errors` counts failed requests (a non-200
+    answer, an error event in the stream, or a network error: timeout, refused, dropped)."""
 
     concurrency: int
     requests: int
@@ -78,7 +80,14 @@ def run_load(
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             outcomes = list(pool.map(lambda b: _one(client, path, b), bodies))
         seconds = time.perf_counter() - start
-    ok = [o for o in outcomes if o is not None]
+    ok = [o for o in outcomes if not isinstance(o, str)]
+    failures = collections.Counter(o for o in outcomes if isinstance(o, str))
+    for reason, count in failures.most_common():
+        print(
+            f"warning: {count} of {requests} requests at concurrency {concurrency} failed: "
+            f"{reason}",
+            file=sys.stderr,
+        )
     latency = [o[0] for o in ok] or [float("nan")]
     ttft = [o[1] for o in ok] or [float("nan")]
     tokens = sum(o[2] for o in ok)
@@ -96,25 +105,34 @@ def run_load(
     )
 
 
-def _one(client, path: str, body: dict) -> tuple[float, float, int] | None:
-    """`(latency, time to first token, completion tokens)`, or None for an error answer."""
+def _one(client, path: str, body: dict) -> tuple[float, float, int] | str:
+    """`(latency, time to first token, completion tokens)`, or why the request failed.
+
+    A network error is a failed request like an error answer: one timeout or dropped stream under
+    load must not abort the level (and lose its other measurements).
+    """
+    import httpx
+
     sent = time.perf_counter()
     first = None
     tokens = 0
-    with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            return None
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                return None
-            if first is None and event.get("choices"):
-                first = time.perf_counter()
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+    try:
+        with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                return f"HTTP {response.status_code}"
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "an error event in the stream"
+                if first is None and event.get("choices"):
+                    first = time.perf_counter()
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
     done = time.perf_counter()
     return done - sent, (first or done) - sent, tokens
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 from collections.abc import Sequence
 
 from jetspec_jax.bench.runner import Sample, Summary
@@ -72,18 +73,30 @@ def plot(summaries: Sequence[Summary], metric: str, path: pathlib.Path) -> None:
 def write_report(
     out_dir: pathlib.Path, samples: Sequence[Sample], summaries: Sequence[Summary]
 ) -> dict[str, pathlib.Path]:
-    """Writes results.jsonl, samples.jsonl, results.md, tau.png and speedup.png into `out_dir`."""
+    """Writes results.jsonl, samples.jsonl, results.md, tau.png and speedup.png into `out_dir`.
+
+    The plots need matplotlib (the `bench` extra); without it they are skipped, with a note on
+    stderr. Returns the paths written, by kind.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         "results": out_dir / "results.jsonl",
         "samples": out_dir / "samples.jsonl",
         "table": out_dir / "results.md",
-        "tau": out_dir / "tau.png",
-        "speedup": out_dir / "speedup.png",
     }
     write_jsonl(paths["results"], summaries)
     write_jsonl(paths["samples"], samples)
     paths["table"].write_text(markdown_table(summaries), encoding="utf-8")
-    plot(summaries, "tau", paths["tau"])
-    plot(summaries, "speedup", paths["speedup"])
+    try:
+        import matplotlib  # noqa: F401  (the plots' only optional dependency)
+    except ImportError as e:
+        print(
+            f"note: no plots (tau.png, speedup.png): matplotlib is not importable ({e}); "
+            'pip install -e ".[bench]"',
+            file=sys.stderr,
+        )
+        return paths
+    for metric in ("tau", "speedup"):
+        paths[metric] = out_dir / f"{metric}.png"
+        plot(summaries, metric, paths[metric])
     return paths

@@ -17,6 +17,7 @@ import tqdm
 
 from jetspec_jax.bench.datasets import Dataset
 from jetspec_jax.bench.methods import MethodSpec
+from jetspec_jax.decoding.session import check_budget, resolve_proposer
 from jetspec_jax.generate import generate
 
 logger = logging.getLogger(__name__)
@@ -98,12 +99,29 @@ def run_benchmark(
 
     Returns:
         `(samples, summaries)`.
+
+    Raises:
+        ValueError: no "ar" among the methods, a method its draft cannot serve, or a prompt too
+            long for `max_new_tokens` more tokens (all checked before any run).
     """
     if not any(m.method == "ar" for m in methods):
         raise ValueError("the methods must include 'ar', the baseline of the speedups")
+    # Every pairing (an adapter for -R/-F, two devices for a pipeline, a draft that fits the
+    # target) and every prompt's budget is checked before any run: a bad one fails at once, not
+    # after hours of runs whose results would then go unwritten.
     for m in methods:
         if m.speculative and m.method not in drafts:
             raise ValueError(f"method {m.name!r} needs a {m.method!r} draft")
+        try:
+            resolve_proposer(target, drafts[m.method] if m.speculative else None, m.options)
+        except ValueError as e:
+            raise ValueError(f"method {m.name!r}: {e}") from None
+    for data in datasets:
+        for prompt_id, prompt in zip(data.ids, data.prompts, strict=True):
+            try:
+                check_budget(target.config, len(prompt), max_new_tokens)
+            except ValueError as e:
+                raise ValueError(f"{data.name} prompt {prompt_id!r}: {e}") from None
     # AR first on every dataset: the other methods' greedy tokens are checked against it.
     ordered = sorted(methods, key=lambda m: m.method != "ar")
     samples: list[Sample] = []

@@ -53,7 +53,7 @@ def convert_gguf_to_hf(
     gguf_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    show_progress: bool = True,
+    show_progress: bool | None = True,
 ) -> pathlib.Path:
     """Convert ``gguf_path`` into an HF Llama checkpoint directory at ``out_dir``.
 
@@ -63,10 +63,12 @@ def convert_gguf_to_hf(
     process may leave a ``.<name>.tmp-*`` directory behind but never a
     half-written ``out_dir``. An existing ``out_dir`` is an error; if another
     process creates it while this one converts, theirs is kept and returned.
+    ``show_progress``: a progress bar over the tensors (None: only on a terminal).
 
     Raises:
         CheckpointError (a ``ValueError``): the architecture is not ``llama``,
             a required metadata key is missing, or a tensor is unknown or missing.
+        FileExistsError: ``out_dir`` exists already.
     """
     gguf_path = pathlib.Path(gguf_path)
     out = pathlib.Path(out_dir)
@@ -83,7 +85,9 @@ def convert_gguf_to_hf(
     return out
 
 
-def _write_checkpoint(reader: gguf.GGUFReader, out: pathlib.Path, *, show_progress: bool) -> None:
+def _write_checkpoint(
+    reader: gguf.GGUFReader, out: pathlib.Path, *, show_progress: bool | None
+) -> None:
     """Write config, generation config, weights and tokenizer into ``out``."""
     config = _llama_config(reader)
     tensors = _convert_tensors(reader, config, show_progress=show_progress)
@@ -140,13 +144,14 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def _convert_tensors(
-    reader: gguf.GGUFReader, config: dict[str, Any], *, show_progress: bool
+    reader: gguf.GGUFReader, config: dict[str, Any], *, show_progress: bool | None
 ) -> dict[str, np.ndarray]:
     """Dequantize every tensor to float32 under its HF name."""
     n_heads = config["num_attention_heads"]
     rope_heads = {"attn_q": n_heads, "attn_k": config["num_key_value_heads"]}
     tensors: dict[str, np.ndarray] = {}
-    for tensor in tqdm(reader.tensors, desc="Converting GGUF tensors", disable=not show_progress):
+    disable = None if show_progress is None else not show_progress  # None: tqdm's TTY check
+    for tensor in tqdm(reader.tensors, desc="Converting GGUF tensors", disable=disable):
         hf_name = _hf_name(tensor.name)
         # GGUF lists dimensions fastest-first; numpy/PyTorch is row-major.
         shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -229,6 +234,10 @@ def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
         for group, renames in GGUF_TOKENIZER_MAPPING.items()
     }
     tokenizer_dict, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        # As get_gguf_tokenizer: llama.cpp adds BOS to a SentencePiece vocabulary whose file
+        # does not say otherwise (older files have no flag).
+        tokenizer_config.setdefault("add_bos_token", True)
     tokens = tokenizer_dict["tokens"]
     for name, key in [("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")]:
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
