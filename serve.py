@@ -71,26 +71,35 @@ def _decoding_options(args, draft):
 
 
 def _serve(args) -> int:
-    from jetspec_jax.serving import ServerConfig, serve  # deferred: --help answers at once
+    from jetspec_jax.serving import serve  # deferred: --help answers at once
 
     try:
         target, draft = _load_models(args)
-        config = ServerConfig(
-            model_name=args.model_name,
-            decoding=_decoding_options(args, draft),
-            api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
-            max_batch_size=args.max_batch_size,
-            queue_size=args.queue_size,
-            chunk_steps=args.chunk_steps,
-            default_max_tokens=args.default_max_tokens,
-            pad_batch=args.pad_batch,
-            shutdown_timeout=args.shutdown_timeout,
-        )
-        serve(target, draft, config, host=args.host, port=args.port)
+        serve(target, draft, _server_config(args, draft), host=args.host, port=args.port)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _server_config(args, draft):
+    """The `ServerConfig` of the server flags. The default model is served as
+    "SmolLM2-135M-Instruct", not by its cache directory's name; another `--target` by its
+    directory's name, unless `--model-name` says otherwise."""
+    from jetspec_jax.default_model import DEFAULT_MODEL_NAME
+    from jetspec_jax.serving import ServerConfig
+
+    return ServerConfig(
+        model_name=args.model_name or (DEFAULT_MODEL_NAME if args.target is None else None),
+        decoding=_decoding_options(args, draft),
+        api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
+        max_batch_size=args.max_batch_size,
+        queue_size=args.queue_size,
+        chunk_steps=args.chunk_steps,
+        default_max_tokens=args.default_max_tokens,
+        pad_batch=args.pad_batch,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 def _generate(args) -> int:
@@ -273,7 +282,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--model-name", default=None, help="the model id clients send (default: target dir name)"
+        "--model-name",
+        default=None,
+        help="the model id clients send (default: SmolLM2-135M-Instruct for the default model, "
+        "else the target directory's name)",
     )
     parser.add_argument(
         "--api-key",

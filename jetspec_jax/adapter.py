@@ -57,7 +57,7 @@ def init_adapter(
         layers_per_module=per_module,
     )
     specs = adapter_tensor_specs(config)
-    keys = jax.random.split(random_streams.stream(seed, random_streams.INIT), len(specs))
+    keys = jax.random.split(random_streams.stream(seed, random_streams.ADAPTER_INIT), len(specs))
     tensors = {
         spec.hf_name: _random_tensor(spec, key, init_std)
         for spec, key in zip(specs, keys, strict=True)

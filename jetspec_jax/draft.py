@@ -207,7 +207,7 @@ def init_draft(
     )
     check_draft_matches_target(config, target.config)
     specs = draft_tensor_specs(config)
-    keys = jax.random.split(random_streams.stream(seed, random_streams.INIT), len(specs))
+    keys = jax.random.split(random_streams.stream(seed, random_streams.DRAFT_INIT), len(specs))
     tensors = {
         spec.hf_name: _random_tensor(spec, key, init_std)
         for spec, key in zip(specs, keys, strict=True)

@@ -16,7 +16,7 @@ import pytest
 import jetspec_jax
 import serve
 from jetspec_jax.checkpoint.bundle import read_manifest
-from jetspec_jax.default_model import default_draft_dir
+from jetspec_jax.default_model import DEFAULT_MODEL_NAME, default_draft_dir
 from jetspec_jax.prompting import encode_prompt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -130,3 +130,15 @@ def test_bench_harness_serves_jetspec_pp_with_the_shipped_draft(default_model_di
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["ar", "jetspec++"]
     assert rows[1]["greedy_matches_ar"] == 1
+
+
+def test_the_server_serves_the_default_model_by_its_name(tmp_path, monkeypatch):
+    """Clients ask for "SmolLM2-135M-Instruct", not for the cache directory's name."""
+    monkeypatch.delenv("JETSPEC_API_KEY", raising=False)
+
+    def config(*flags):
+        return serve._server_config(serve._parser().parse_args([*flags, "--method", "ar"]), None)
+
+    assert config().model_name == DEFAULT_MODEL_NAME
+    assert config("--model-name", "mine").model_name == "mine"
+    assert config("--target", str(tmp_path)).model_name is None  # the directory's name

@@ -1,25 +1,51 @@
-"""One seed, independent streams: no consumer draws with another's key."""
+"""One seed, independent streams: no consumer of a run's seed draws with another's key."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 
-from jetspec_jax.random_streams import EVAL_BATCH, INIT, TRAIN_STEP, stream
+import jetspec_jax
+import jetspec_jax.adapter
+import jetspec_jax.draft
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.random_streams import EVAL_BATCH, TRAIN_STEP, stream
+
+SEED = 0
 
 
-def _key_bits(keys) -> set[tuple[int, ...]]:
+def _bits(keys) -> set[tuple[int, ...]]:
     return {tuple(row) for row in np.asarray(jax.random.key_data(keys)).reshape(-1, 2).tolist()}
 
 
-def test_init_step_and_eval_keys_never_coincide():
-    seed, n = 0, 64
-    init = _key_bits(jax.random.split(stream(seed, INIT), n))
-    steps = _key_bits(
-        jax.vmap(lambda i: jax.random.fold_in(stream(seed, TRAIN_STEP), i))(np.arange(n))
-    )
-    evals = _key_bits(
-        jax.vmap(lambda i: jax.random.fold_in(stream(seed, EVAL_BATCH), i))(np.arange(n))
-    )
-    assert len(init) == len(steps) == len(evals) == n
-    assert not init & steps and not init & evals and not steps & evals
+def _folded(purpose: int, n: int) -> set[tuple[int, ...]]:
+    return _bits(jax.vmap(lambda i: jax.random.fold_in(stream(SEED, purpose), i))(np.arange(n)))
+
+
+def test_init_step_and_eval_keys_never_coincide(checkpoints, monkeypatch):
+    """The keys the initialisers really use (recorded), against the training and evaluation
+    streams the step functions fold their counters into."""
+    used = {"draft": [], "adapter": []}
+
+    def recording(into):
+        def random_tensor(spec, key, init_std):
+            used[into].append(key)
+            return original(spec, key, init_std)
+
+        return random_tensor
+
+    original = jetspec_jax.draft._random_tensor
+    monkeypatch.setattr(jetspec_jax.draft, "_random_tensor", recording("draft"))
+    monkeypatch.setattr(jetspec_jax.adapter, "_random_tensor", recording("adapter"))
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, seed=SEED)
+    init_adapter(draft, seed=SEED)
+
+    draft_keys = _bits(jax.numpy.stack(used["draft"]))
+    adapter_keys = _bits(jax.numpy.stack(used["adapter"]))
+    steps, evals = _folded(TRAIN_STEP, 256), _folded(EVAL_BATCH, 256)
+    assert len(draft_keys) == len(used["draft"]) and len(adapter_keys) == len(used["adapter"])
+    groups = [draft_keys, adapter_keys, steps, evals]
+    for i, a in enumerate(groups):
+        for b in groups[i + 1 :]:
+            assert not a & b
