@@ -1,8 +1,9 @@
 """Train a draft head for a target with jetspec_jax.
 
-    # 1. The target's own responses to training prompts (resumable: rerun the same command).
+    # 1. The target's own responses to training prompts (resumable: rerun the same command), once
+    #    per file the config's data.files lists (runs/data/<set>.jsonl for ../shared/data/train/).
     python train.py regenerate --prompts ../shared/data/train/gsm8k_train.jsonl \\
-        --out runs/data/gsm8k.jsonl [--target DIR] [--batch-size 16] [--max-new-tokens 1024]
+        --out runs/data/gsm8k_train.jsonl [--target DIR] [--batch-size 8] [--max-new-tokens 512]
 
     # 2. Train the draft (resumes from the run's latest checkpoint; exports <run.dir>/draft).
     python train.py --config configs/smollm2_135m.yaml       # = train.py draft --config ...
@@ -13,18 +14,19 @@
     python train.py adapter --config configs/smollm2_135m.yaml [--draft DIR] [--stop-after N]
 
     # 4. Tau of a draft through the inference path.
-    python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl
+    python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl \\
+        [--num-prompts 50] [--max-new-tokens 256] [--refine-passes J]
 
     # 5. Fit the calibration of a JetSpec++ checkpoint (draft + adapter) on held-out regenerated
     #    sequences: refinement's replacement confidence, then the outcome-score temperatures;
     #    writes its calibration.json (the bundle is rewritten atomically).
-    python train.py calibrate --target DIR --draft runs/x/jetspec_pp --data held_out.jsonl \
-        [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--confidence-grid 0,0.5,0.9,1] \
+    python train.py calibrate --target DIR --draft runs/x/jetspec_pp --data held_out.jsonl \\
+        [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--confidence-grid 0,0.5,0.9,1] \\
         [--replacement-confidence C] [--out DIR] [--report FILE.json]
 
     # 6. Re-save a draft or JetSpec++ checkpoint in another dtype (e.g. bfloat16 to ship it);
     #    --adapter-from pairs a plain draft with another checkpoint's adapter (same taps).
-    python train.py export --draft runs/x/draft --adapter-from runs/y/jetspec_pp --out DIR \
+    python train.py export --draft runs/x/draft --adapter-from runs/y/jetspec_pp --out DIR \\
         [--dtype bfloat16]
 
 Errors (bad arguments, configs, files, checkpoints) print `error: ...` and exit with status 2.
