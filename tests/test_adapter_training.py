@@ -17,6 +17,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.checkpoint.adapter_files import load_adapter
+from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.training import adapter_trainer
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics
 from jetspec_jax.training.adapter_loss import (
@@ -43,6 +44,7 @@ from jetspec_jax.training.config import (
     load_train_config,
 )
 from jetspec_jax.training.data import to_example
+from jetspec_jax.training.evaluate import evaluate_tau
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
 from jetspec_jax.training.trainer import batch_sizes
 
@@ -282,12 +284,19 @@ def test_cli_trains_resumes_evaluates_tau_and_exports(target, workdir, monkeypat
     out = capsys.readouterr().out
     assert "trained the adapter 4 steps" in out and "J1-R1 tau" in out, out
     evaluation = [json.loads(x) for x in open("runs/tiny/run/adapter_run/metrics.jsonl")][-1]
-    assert evaluation["tau_true"] >= 1.0 and evaluation["tau_predicted"] >= 1.0
-    assert evaluation["tau_ratio"] == pytest.approx(
-        evaluation["tau_predicted"] / evaluation["tau_true"]
-    )
     draft = jetspec_jax.load_draft("runs/tiny/run/draft", target)
-    assert load_adapter("runs/tiny/run/jetspec_pp/adapter", draft).config.layers_per_module == (1,)
+    adapter = load_adapter("runs/tiny/run/jetspec_pp/adapter", draft)
+    assert adapter.config.layers_per_module == (1,)
+    # The logged taus are J1-R1's with the target's true states and with the exported adapter's
+    # predictions, on the config's 2 evaluation prompts of 16 new tokens (same shapes as the
+    # CLI's run, so no new compiles).
+    kwargs = dict(num_prompts=2, max_new_tokens=16, refine_passes=1, refreshes=1)
+    prompts = "runs/tiny/data.jsonl"
+    tau_true = evaluate_tau(target, TargetProxyDraft(draft), prompts, **kwargs)
+    tau_predicted = evaluate_tau(target, draft.with_adapter(adapter), prompts, **kwargs)
+    assert evaluation["tau_true"] == pytest.approx(tau_true)
+    assert evaluation["tau_predicted"] == pytest.approx(tau_predicted)
+    assert evaluation["tau_ratio"] == pytest.approx(tau_predicted / tau_true)
 
 
 def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, target, draft):

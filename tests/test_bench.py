@@ -99,6 +99,9 @@ def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
         assert r["dataset"] == "tiny" and r["prompts"] == 3
         assert r["tau"] >= 1.0 and r["decode_tokens_per_second"] > 0
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[0]["tau"] == pytest.approx(1.0)
+    for ar, spec in (rows[0], rows[1]), (rows[2], rows[3]):  # over AR's at the same temperature
+        rate = spec["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
+        assert spec["speedup"] == pytest.approx(rate)
     assert rows[1]["greedy_matches_ar"] == 3  # the field's correctness check
     assert rows[3]["greedy_matches_ar"] is None  # not checked when sampling
     samples = (out / "samples.jsonl").read_text().splitlines()
@@ -217,10 +220,10 @@ def test_load_test_counts_network_errors(capsys):
     pytest.importorskip("httpx")
     from jetspec_jax.bench.load import run_load
 
-    with socket.socket() as s:  # a port with nothing listening
+    with socket.socket() as s:  # a port held, bound but not listening: connections are refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = run_load(f"http://127.0.0.1:{port}", "m", ["Hi"], concurrency=2, requests=3)
+        result = run_load(f"http://127.0.0.1:{port}", "m", ["Hi"], concurrency=2, requests=3)
     assert (result.requests, result.errors, result.requests_per_second) == (3, 3, 0.0)
     assert "3 of 3 requests at concurrency 2 failed: ConnectError" in capsys.readouterr().err
 

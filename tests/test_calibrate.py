@@ -15,7 +15,8 @@ import train
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.refinement import LearnedProxy
 from jetspec_jax.models.transformer import forward
-from jetspec_jax.training.calibration_rounds import collect_rounds, split_rounds
+from jetspec_jax.training.calibration import fit_calibration
+from jetspec_jax.training.calibration_rounds import collect_rounds, evaluate_rounds, split_rounds
 from jetspec_jax.training.replacement_fit import fit_replacement_confidence
 
 K = 6
@@ -155,6 +156,25 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     assert set(summary["held_out_hit_rate"]["calibrated"]) == {"1", "4", "16"}
     ll = summary["held_out_log_likelihood"]
     assert np.isfinite(ll["calibrated"]) and np.isfinite(ll["uncalibrated"])
+    # The stored temperatures are the fit on the CLI's rounds (J1-R1 with the stored confidence,
+    # the default 0.2 of the sequences held out by seed 0), and the report scores them on the rest.
+    # (This untrained pair's fit sits at the lowest temperature, whichever rounds it sees: the
+    # held-out log-likelihood is what tells the rounds, split and confidence apart.)
+    stored = loaded.calibration
+    rounds = collect_rounds(
+        target,
+        draft,
+        records,
+        num_rounds=48,
+        anchors_per_sequence=8,
+        replacement_confidence=stored.replacement_confidence,
+    )
+    fit, held_out = split_rounds(rounds, 0.2)
+    expected = fit_calibration(*fit.fit_arrays)
+    assert stored.acceptance_temperature == pytest.approx(expected.acceptance_temperature)
+    assert stored.bonus_temperature == pytest.approx(expected.bonus_temperature)
+    assert summary["fit_rounds"] == len(fit)
+    assert ll == pytest.approx(evaluate_rounds(held_out, stored)["log_likelihood"])
     jax.tree.map(np.testing.assert_array_equal, loaded.params, draft.params)
 
     # A given confidence is stored as it is; giving a grid too is ambiguous.

@@ -3,8 +3,11 @@
 Hits and misses are forced with an oracle outcome predictor: the target itself as the proxy, its
 logits scaled by a dynamic factor (one compilation for every mode): x1000 makes `p̂` a point mass
 on the target's argmax (greedy: every outcome predicted, every lookup after the first a hit),
-x-1000 a point mass on its least likely token (every guess wrong), x0.5 a blurred guess (a natural
-mix). Outcome selection itself (true top-B) is tested in test_outcomes.py.
+x-1000 a point mass on its least likely token (every guess wrong). MIXED switches between the two
+by the parity of each block's first token (the last committed one), so hits and misses interleave
+within a row. (A blurred guess, e.g. x0.5, would not mix: the random draft's drafts are all
+rejected, and then the exact proxy's most likely outcome is always the true one.) Outcome
+selection itself (true top-B) is tested in test_outcomes.py.
 """
 
 from __future__ import annotations
@@ -26,25 +29,28 @@ from tests.oracles import TargetProxy
 
 N_NEW = 24
 BLOCK = 5
-HITS, MISSES, MIXED = 1000.0, -1000.0, 0.5
+# The proxy's logit factors for blocks whose first token is (even, odd).
+HITS, MISSES, MIXED = (1000.0, 1000.0), (-1000.0, -1000.0), (1000.0, -1000.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ScaledTargetProxy(TargetProxy):
-    """The target as proxy, its logits multiplied by the proxy params (a scalar)."""
+    """The target as proxy, each block's logits multiplied by a factor of the proxy params `[2]`:
+    the first for blocks whose first token is even, the second for odd ones."""
 
     def predict(self, params, target_params, state, block):
         taps, logits = super().predict(params, target_params, state, block)
-        return taps, logits * params
+        return taps, logits * params[block[:, 0] % 2][:, None, None]
 
 
 @dataclasses.dataclass(eq=False)
 class ScaledOracleDraft:
     """A `draft=`: a real jetspec++ draft with the scaled oracle proxy (`calibration` None:
-    uncalibrated scores; the scale plays the temperature)."""
+    uncalibrated scores; the scale plays the temperature). `scale`: one factor for every block,
+    or (even, odd) as `ScaledTargetProxy` reads them."""
 
     draft: object
-    scale: float
+    scale: float | tuple[float, float]
     calibration = None
 
     def proposer(
@@ -59,7 +65,8 @@ class ScaledOracleDraft:
         drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
         proxy = ScaledTargetProxy(target.config, self.draft.config.target_layer_ids)
         proposer = RefiningProposer(drafter, proxy, refreshes, replacement_confidence or 0.0)
-        return proposer, {"draft": params, "proxy": jnp.float32(self.scale)}
+        scale = jnp.broadcast_to(jnp.asarray(self.scale, jnp.float32), (2,))
+        return proposer, {"draft": params, "proxy": scale}
 
 
 def make_draft(target):
@@ -145,11 +152,13 @@ def test_forced_misses_give_ar_tokens(target, draft, prompts):
         assert len(row["hits"]) == len(row["occupancy"]) > 1
 
 
-def test_natural_mix_gives_ar_tokens(target, draft, prompts):
+def test_interleaved_hits_and_misses_give_ar_tokens(target, draft, prompts):
     tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, MIXED))
     assert tokens == _ar(target, prompts)
     for row, rounds in zip(stats, outcomes, strict=True):
         assert len(row["hits"]) == len(rounds)
+        hits = row["hits"][1:]  # the first round cannot hit
+        assert any(hits) and not all(hits), hits  # both, in every row
 
 
 def test_learned_proxy_with_several_candidates_gives_ar_tokens(target, draft, prompts):
@@ -162,7 +171,7 @@ def test_learned_proxy_with_several_candidates_gives_ar_tokens(target, draft, pr
         assert row["occupancy"][0] == 0 and set(row["occupancy"][1:]) == {3}
 
 
-@pytest.mark.parametrize("scale", [HITS, MISSES])
+@pytest.mark.parametrize("scale", [HITS, MISSES], ids=["hits", "misses"])
 def test_sampled_tokens_do_not_depend_on_hits(target, draft, prompts, scale):
     for seed in (0, 3):
         sampling = dict(temperature=1.0, seed=seed)

@@ -160,15 +160,23 @@ def test_hit_and_rules():
 
     logits, drafts = _block(4)
     cal = Calibration(1.7, 0.6)
+    fn = jax.jit(select_for_rule, static_argnums=(0, 3, 4))
+    selected = {rule: fn(rule, logits, drafts, 6, cal) for rule in SELECTION_RULES}
+    # Each rule against its definition: calibrated scores with `cal`, uncalibrated with
+    # temperatures 1 (ignoring `cal`), geometric is the fan-out (every slot valid).
+    expected = {}
+    for rule, calibration in (("calibrated", cal), ("uncalibrated", Calibration())):
+        k, a, top = select_outcomes(outcome_log_scores(logits, drafts, calibration), 6)
+        expected[rule] = k, a, np.isfinite(top)
+    k, a = geometric_fanout(logits, drafts, 6, 0.5)
+    expected["geometric"] = k, a, np.ones((3, 6), bool)
+    assert sorted(selected) == sorted(expected) == sorted(SELECTION_RULES)
     for rule in SELECTION_RULES:
-        fn = jax.jit(select_for_rule, static_argnums=(0, 3, 4))
-        k, a, valid = fn(rule, logits, drafts, 6, cal)
-        assert k.shape == a.shape == valid.shape == (3, 6)
-    k, a, valid = select_for_rule("calibrated", logits, drafts, 6, cal)
-    k2, a2, top = select_outcomes(outcome_log_scores(logits, drafts, cal), 6)
-    np.testing.assert_array_equal(k, k2)
-    np.testing.assert_array_equal(a, a2)
-    np.testing.assert_array_equal(valid, np.isfinite(top))
+        for ours, reference in zip(selected[rule], expected[rule], strict=True):
+            assert ours.shape == (3, 6)
+            np.testing.assert_array_equal(ours, reference, err_msg=rule)
+    # `cal` changes the selection here, so a rule that used it wrongly would show.
+    assert not np.array_equal(np.asarray(selected["calibrated"][1]), selected["uncalibrated"][1])
     with pytest.raises(ValueError, match="'nearest'"):
         select_for_rule("nearest", logits, drafts, 6, cal)
 

@@ -2,10 +2,11 @@
 per device): the single-device round's results.
 
 Pipelined, single-device foresight and autoregressive decoding give the same tokens, and the
-foresight rounds the same outcomes and hit statistics, with forced hits, forced misses and natural
-mixes (the scaled oracle proxy of test_foresight.py), greedy and sampled. The MPMD form is also run
-with the learned proxy (adapter + decoder), whose placement leaves the target's lower layers off the
-draft device. On CPU the two virtual devices share the cores: correctness, not overlap.
+foresight rounds the same outcomes and hit statistics, with forced hits, forced misses and both
+interleaved (the scaled oracle proxy of test_foresight.py), greedy and sampled. The MPMD form is
+also run with the learned proxy (adapter + decoder), whose placement leaves the target's lower
+layers off the draft device. On CPU the two virtual devices share the cores: correctness, not
+overlap.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def run_with_candidates(target, prompts, draft, pipeline=None):
 
 
 @pytest.mark.parametrize("form", PIPELINES)
-@pytest.mark.parametrize("scale", [HITS, MISSES, MIXED])
+@pytest.mark.parametrize("scale", [HITS, MISSES, MIXED], ids=["hits", "misses", "mixed"])
 def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale, form):
     oracle = ScaledOracleDraft(draft, scale)
     piped = run_with_candidates(target, prompts, oracle, pipeline=form)
@@ -86,10 +87,13 @@ def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale, fo
         assert all(hits)
     if scale == MISSES:
         assert not any(hits)
+    if scale == MIXED:
+        for row_hits, _ in piped[2]:
+            assert any(row_hits[1:]) and not all(row_hits[1:]), row_hits
 
 
 @pytest.mark.parametrize("form", PIPELINES)
-@pytest.mark.parametrize("scale", [HITS, MISSES])
+@pytest.mark.parametrize("scale", [HITS, MISSES], ids=["hits", "misses"])
 def test_pipelined_sampled_tokens_equal_ar_with_the_same_seed(target, draft, prompts, scale, form):
     for seed in (1, 2):
         sampling = dict(temperature=1.0, top_p=0.9, seed=seed)

@@ -7,6 +7,8 @@ tokens, so all requests share one compiled bucket per method.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import math
 import os
 import pathlib
 import queue
@@ -17,6 +19,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +34,7 @@ from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
 from jetspec_jax.serving import server as server_module
 from jetspec_jax.serving.app import SCHEDULER
 from jetspec_jax.serving.scheduler import Failed, Finished, Job, QueueFull, Scheduler, Tokens
+from tests.oracles import OracleDraft
 from tests.text_fixtures import with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -226,19 +230,29 @@ def test_full_queue_answers_503_and_then_serves_again(server, http):
 
 def test_a_client_that_disconnects_cancels_its_request(server, http):
     """A non-streaming client that goes away while its request waits: the job is cancelled (it
-    leaves the queue count) and never decoded."""
+    leaves the queue count) and never decoded. The request goes over a raw socket, closed once
+    the job is seen waiting: no timing involved."""
     scheduler = server.app[SCHEDULER]
     batches = _sample(http, "jetspec_batch_size_count")
+    labels = dict(endpoint="/v1/completions", status="499")
+    closed = _labelled(http, "jetspec_requests_total", **labels)
+    body = json.dumps(dict(model=MODEL, prompt="Hi", max_tokens=16, temperature=0)).encode()
+    url = httpx.URL(server.url)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     with scheduler.hold():
-        headers = {"Authorization": f"Bearer {KEY}"}
-        with httpx.Client(base_url=server.url, headers=headers, timeout=0.5) as impatient:
-            with pytest.raises(httpx.ReadTimeout):
-                _complete(impatient, max_tokens=16)
-        _wait_for(lambda: scheduler.queue_depth == 0, timeout=10)
+        with socket.create_connection((url.host, url.port), timeout=60) as impatient:
+            impatient.sendall(head.encode() + body)
+            _wait_for(lambda: scheduler.queue_depth == 1)
+        # Held, the queue empties only by the job's cancellation.
+        _wait_for(lambda: scheduler.queue_depth == 0)
     assert _complete(http).status_code == 200
     assert _sample(http, "jetspec_batch_size_count") - batches == 1  # only the last request
-    closed = _labelled(http, "jetspec_requests_total", endpoint="/v1/completions", status="499")
-    assert closed == 1  # counted as closed by the client, not as a server error
+    # Counted as closed by the client, not as a server error.
+    assert _labelled(http, "jetspec_requests_total", **labels) - closed == 1
 
 
 def test_serve_cancels_the_handlers_of_disconnected_clients(target, monkeypatch):
@@ -370,9 +384,22 @@ def test_stop_strings_cut_the_output(target, http):
 
 
 def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_server(target, http):
-    """A random JetSpec draft behind the server: batched rows with ragged acceptance and budgets
+    """A speculative server whose draft is right for some rows of its batch and wrong for the
+    others: batched rows with ragged acceptance (all drafts accepted vs none) and budgets
     (finishing at different rounds) answer exactly as the autoregressive server does."""
-    draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4, seed=7)
+    greedy = [r for r in REQUESTS if r["temperature"] == 0][:BATCH]
+    expected = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in greedy]
+    # The oracle drafts each row's greedy continuation by position (rows in submission order);
+    # rows 1 and 3 get every token shifted by one, so all their drafts are rejected.
+    right = [True, False, True, False]
+    continuation = np.zeros((BATCH, 64), np.int32)
+    for row, r in enumerate(greedy):
+        ids = target.tokenizer.encode(r["prompt"])
+        sequence = np.asarray(ids + _library(target, ids, r["max_tokens"])[1].tokens)
+        if not right[row]:
+            sequence = (sequence + 1) % target.config.vocab_size
+        continuation[row, : len(sequence)] = sequence
+    draft = OracleDraft(continuation, 4, target.config.vocab_size)
     config = ServerConfig(
         model_name=MODEL,
         decoding=DecodingOptions("jetspec"),
@@ -380,26 +407,30 @@ def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_serve
         chunk_steps=2,
         pad_batch=True,
     )
-    greedy = [r for r in REQUESTS if r["temperature"] == 0][:BATCH]
-    expected = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in greedy]
     with (
         BackgroundServer(target, draft, config) as spec,
         httpx.Client(base_url=spec.url, timeout=120) as spec_http,
     ):
+        scheduler = spec.app[SCHEDULER]
         with concurrent.futures.ThreadPoolExecutor(len(greedy)) as pool:
-            with spec.app[SCHEDULER].hold():  # one batch
-                futures = [
-                    pool.submit(spec_http.post, "/v1/completions", json=dict(model=MODEL, **r))
-                    for r in greedy
-                ]
-                _wait_for(lambda: spec.app[SCHEDULER].queue_depth == len(greedy))
+            with scheduler.hold():  # one batch, its rows in the order submitted
+                futures = []
+                for n, r in enumerate(greedy, 1):
+                    body = dict(model=MODEL, **r)
+                    futures.append(pool.submit(spec_http.post, "/v1/completions", json=body))
+                    _wait_for(lambda n=n: scheduler.queue_depth == n)
             answers = [f.result().json() for f in futures]
         streamed = spec_http.post(
             "/v1/completions", json=dict(model=MODEL, stream=True, **greedy[0])
         )
-    for a, e in zip(answers, expected, strict=True):
+    for a, e, ok in zip(answers, expected, right, strict=True):
         assert a["choices"][0]["text"] == e.json()["choices"][0]["text"]
-        assert a["jetspec"]["tau"] >= 1.0
+        n = a["usage"]["completion_tokens"]
+        assert n >= 3, a  # two rounds or more after the prefill's token
+        if ok:  # every round accepts the whole block (the last one: what the budget leaves)
+            assert a["jetspec"]["tau"] == pytest.approx((n - 1) / math.ceil((n - 1) / 4)), a
+        else:
+            assert a["jetspec"]["tau"] == pytest.approx(1.0), a
     assert _sse_text(streamed.text) == expected[0].json()["choices"][0]["text"]
     assert len({a["usage"]["completion_tokens"] for a in answers}) > 1  # different lengths
 
@@ -417,19 +448,32 @@ def test_load_tool_measures_the_server(server):
 
 
 def test_metrics_parse(server, http):
-    _complete(http)
-    http.post("/v1/completions", json=dict(model="nope", prompt="x"))
-    text = httpx.get(server.url + "/metrics").text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    requests = {
-        (s.labels["endpoint"], s.labels["status"]): s.value
-        for s in families["jetspec_requests"].samples
-        if s.name == "jetspec_requests_total"
-    }
-    assert requests[("/v1/completions", "200")] >= 1
-    assert requests[("/v1/completions", "404")] >= 1
-    assert requests[("/v1/models", "401")] >= 1
-    assert families["jetspec_generated_tokens"].samples[0].value > 0
+    """The exposition parses, and the request counters count this test's own requests (before
+    vs after: other tests share the server)."""
+
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        requests = {
+            (s.labels["endpoint"], s.labels["status"]): s.value
+            for s in families["jetspec_requests"].samples
+            if s.name == "jetspec_requests_total"
+        }
+        return families, requests
+
+    before, before_requests = scrape()
+    answer = _complete(http)
+    assert answer.status_code == 200
+    assert http.post("/v1/completions", json=dict(model="nope", prompt="x")).status_code == 404
+    assert httpx.get(server.url + "/v1/models").status_code == 401  # no key
+    families, requests = scrape()
+    for key in (("/v1/completions", "200"), ("/v1/completions", "404"), ("/v1/models", "401")):
+        assert requests.get(key, 0) - before_requests.get(key, 0) == 1, key
+    generated = (
+        families["jetspec_generated_tokens"].samples[0].value
+        - before["jetspec_generated_tokens"].samples[0].value
+    )
+    assert generated == answer.json()["usage"]["completion_tokens"] > 0
     assert families["jetspec_tau"].type == "histogram"
     phases = {s.labels["phase"] for s in families["jetspec_phase_seconds"].samples}
     assert phases == {"queue", "compile", "prefill", "decode", "request"}
@@ -453,29 +497,49 @@ def test_shutdown_fails_waiting_requests_with_503_and_stops_listening(target):
         httpx.get(running.url + "/health")
 
 
-def test_serve_py_server_answers_and_stops_on_sigterm(target_dir):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "serve.py", "--port", str(port), "--target", str(target_dir)],
-        cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
+        return s.getsockname()[1]
+
+
+def _start_serve_py(target_dir, attempts: int = 2):
+    """`serve.py` on a free port, answering /health: `(process, url)`. The port is only found
+    free, then released for serve.py, so another process may take it meanwhile: a start that
+    fails to bind is retried on a new port."""
+    for attempt in range(1, attempts + 1):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "serve.py", "--port", str(port), "--target", str(target_dir)],
+            cwd=ROOT,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        try:
+            while proc.poll() is None:
+                assert time.monotonic() < deadline, "the server did not come up"
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        return proc, url
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            output = proc.stdout.read()
+            assert "address already in use" in output.lower() and attempt < attempts, output
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
+    raise AssertionError("unreachable")
+
+
+def test_serve_py_server_answers_and_stops_on_sigterm(target_dir):
+    proc, url = _start_serve_py(target_dir)
+    try:
         models = httpx.get(url + "/v1/models").json()
         assert models["data"][0]["id"] == target_dir.name
         proc.send_signal(signal.SIGTERM)
@@ -528,8 +592,6 @@ def _labelled(http, name: str, **labels: str) -> float:
 
 def _sse_text(body: str) -> str:
     """The text of a streamed completion: its `data:` events up to `[DONE]`."""
-    import json
-
     events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return "".join(
