@@ -12,6 +12,10 @@ and writes the table into docs/BENCHMARKS.md. Every setting is checked token-ide
 
     python benchmarks/bench_refinement.py --draft runs/smollm2_135m_cpu_budget/jetspec_pp \
         --sets gsm8k_test,math500 --num-prompts 8 --max-new-tokens 64
+
+`--settings J0,J3-R3 --foresight ""` runs a subset (e.g. at the full size, 50 prompts x 256
+tokens, where every setting costs minutes per set on a CPU); `--section` names the
+docs/BENCHMARKS.md section written (default: refinement_ablation).
 """
 
 from __future__ import annotations
@@ -60,14 +64,26 @@ def main() -> None:
     )
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--foresight", default="4,16", help="comma-separated B values")
+    parser.add_argument(
+        "--settings",
+        default=",".join(s[0] for s in SETTINGS + TRUE_STATE_SETTINGS),
+        help="comma-separated settings to run (J0, J1-R0, J1-R1, J3-R3, J1-R1*, J3-R3*)",
+    )
+    parser.add_argument(
+        "--foresight", default="4,16", help='comma-separated B values ("": no foresight)'
+    )
     parser.add_argument(
         "--rules", default="calibrated,uncalibrated,geometric", help="foresight selection rules"
     )
     parser.add_argument(
         "--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file to write"
     )
+    parser.add_argument("--section", default="refinement_ablation", help="section name to write")
     args = parser.parse_args()
+    known = {s[0]: s for s in SETTINGS + TRUE_STATE_SETTINGS}
+    settings = [known[label] for label in args.settings.split(",") if label]
+    if not settings:
+        parser.error(f"--settings: none of {args.settings!r}; known: {', '.join(known)}")
 
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
@@ -80,7 +96,7 @@ def main() -> None:
         ar = _run(target, prompts, args.max_new_tokens)
         want = [r.tokens for r in ar]
         taus = {}
-        for label, passes, refreshes in SETTINGS + TRUE_STATE_SETTINGS:
+        for label, passes, refreshes in settings:
             used = TargetProxyDraft(draft) if label.endswith("*") else draft
             results = _run(
                 target,
@@ -116,7 +132,7 @@ def main() -> None:
             hit_rows.append((name, b, hits))
         print(f"{name}: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
 
-    labels = [s[0] for s in SETTINGS + TRUE_STATE_SETTINGS]
+    labels = [s[0] for s in settings]
     lines = [
         "## Refinement ablation and foresight hit rates (`benchmarks/bench_refinement.py`)",
         "",
@@ -124,22 +140,26 @@ def main() -> None:
         f"{args.num_prompts} prompts per set, {args.max_new_tokens} new tokens; every setting "
         "token-identical to AR. `*`: the target itself as the proxy (true tap states).",
         "",
-        "| set | " + " | ".join(labels) + " | J1-R1 / J1-R1* |",
-        "|---|" + "---:|" * (len(labels) + 1),
+    ]
+    ratio = "J1-R1" in labels and "J1-R1*" in labels
+    lines += [
+        "| set | " + " | ".join(labels) + (" | J1-R1 / J1-R1* |" if ratio else " |"),
+        "|---|" + "---:|" * (len(labels) + ratio),
     ]
     for name, taus in rows:
-        ratio = taus["J1-R1"] / taus["J1-R1*"]
-        lines.append(
-            f"| {name} | " + " | ".join(f"{taus[x]:.2f}" for x in labels) + f" | {ratio:.2f} |"
-        )
-    lines += ["", "Foresight hit rate (J1-R1 fallback; rounds after the first):", ""]
-    rules = args.rules.split(",")
-    lines += ["| set | B | " + " | ".join(rules) + " |", "|---|---:|" + "---:|" * len(rules)]
-    for name, b, hits in hit_rows:
-        lines.append(f"| {name} | {b} | " + " | ".join(f"{hits[r]:.2f}" for r in rules) + " |")
+        cells = " | ".join(f"{taus[x]:.2f}" for x in labels)
+        tail = f" | {taus['J1-R1'] / taus['J1-R1*']:.2f} |" if ratio else " |"
+        lines.append(f"| {name} | {cells}{tail}")
+    if hit_rows:
+        lines += ["", "Foresight hit rate (J1-R1 fallback; rounds after the first):", ""]
+        rules = args.rules.split(",")
+        lines += ["| set | B | " + " | ".join(rules) + " |", "|---|---:|" + "---:|" * len(rules)]
+        for name, b, hits in hit_rows:
+            cells = " | ".join(f"{hits[r]:.2f}" for r in rules)
+            lines.append(f"| {name} | {b} | {cells} |")
     body = "\n".join(lines)
     print(body)
-    write_section("refinement_ablation", body, args.out)
+    write_section(args.section, body, args.out)
 
 
 if __name__ == "__main__":
