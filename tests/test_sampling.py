@@ -41,6 +41,53 @@ def test_filter_matches_transformers_warpers(temperature, top_k, top_p):
     np.testing.assert_allclose(np.asarray(ours)[kept], ref[kept], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "scale, top_k, top_p",
+    # Peaked logits put the top-p cut among the 256 candidates; flat ones (and top_k > 256) need
+    # the full sort.
+    [(4.0, 0, 0.9), (4.0, 40, 0.95), (1.0, 0, 0.9), (1.0, 300, 1.0), (1.0, 300, 0.5)],
+)
+def test_filter_over_a_large_vocabulary_matches_transformers(scale, top_k, top_p):
+    logits = np.random.default_rng(5).normal(size=(3, 2000)).astype(np.float32) * scale
+    ours = filter_logits(
+        jnp.asarray(logits),
+        jnp.full((3,), 0.9),
+        jnp.full((3,), top_k, jnp.int32),
+        jnp.full((3,), top_p),
+    )
+    ref = _hf_filtered(logits, 0.9, top_k, top_p)
+    np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(ref))
+    kept = np.isfinite(ref)
+    np.testing.assert_allclose(np.asarray(ours)[kept], ref[kept], rtol=1e-6)
+
+
+def test_rows_filter_alike_whether_found_among_candidates_or_sorted():
+    """A row's kept set is the same bit for bit alone (cut-off among the 8 candidates) and next to
+    a row whose cut-off needs the full sort, and with the sort forced for every row."""
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(6, 3, 97)).astype(np.float32) * 3)
+    temperature = jnp.asarray([1.0, 0.7, 1.3, 1.0, 0.9, 1.0])
+    top_k = jnp.asarray([0, 5, 0, 8, 3, 0], jnp.int32)
+    top_p = jnp.asarray([1.0, 1.0, 0.5, 0.9, 0.7, 0.999], jnp.float32)  # last row: sort needed
+
+    def run(rows, candidates):
+        return np.asarray(
+            filter_logits(
+                logits[rows],
+                temperature[rows],
+                top_k[rows],
+                top_p[rows],
+                candidates=candidates,
+            )
+        )
+
+    batched = run(slice(None), 8)
+    np.testing.assert_array_equal(batched, run(slice(None), 97))
+    for row in range(5):
+        np.testing.assert_array_equal(run(slice(row, row + 1), 8)[0], batched[row])
+    assert np.isfinite(batched[5]).sum() > 3 * 8  # the last row keeps more than the candidates
+
+
 def test_rows_keep_their_own_parameters():
     logits = np.random.default_rng(1).normal(size=(3, 30)).astype(np.float32)
     ours = np.asarray(
