@@ -52,9 +52,8 @@ from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, Refining
 from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import (
+    block_drafts,
     draft_hidden_candidates,
-    draft_logits,
-    drafts_from_logits,
     extend_context,
 )
 from jetspec_jax.models.transformer import output_kernel
@@ -262,9 +261,7 @@ class ForesightProposer:
         lm_head = output_kernel(target_params, self.drafter.target_config)
         tokens = jnp.concatenate([anchors[..., None], inputs], axis=-1)
         hidden = draft_hidden_candidates(draft_params, config, cache, embedding, tokens, context)
-        batch, count, k_len, _ = hidden.shape
-        logits = draft_logits(config, lm_head, hidden.reshape(batch * count, k_len, -1))
-        return drafts_from_logits(config, logits).reshape(batch, count, k_len - 1)
+        return block_drafts(config, lm_head, hidden)
 
     def record(self, state: ForesightState, hit, active) -> ForesightState:
         """Logs the round's hit and cache occupancy for the active rows."""

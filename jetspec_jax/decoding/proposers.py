@@ -25,9 +25,8 @@ from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import (
     DraftConfig,
+    block_drafts,
     draft_hidden,
-    draft_logits,
-    drafts_from_logits,
     empty_cache,
     extend_context,
 )
@@ -101,7 +100,7 @@ class DraftProposer:
         lm_head = output_kernel(target_params, self.target_config)
         block = jnp.concatenate([anchor[:, None], inputs], axis=1)
         hidden = draft_hidden(params, self.config, cache, embedding, block)
-        return drafts_from_logits(self.config, draft_logits(self.config, lm_head, hidden))
+        return block_drafts(self.config, lm_head, hidden)
 
     def observe(self, params, target_params, cache, block, block_taps, num_committed):
         """Extends the draft's context with the newly verified block positions."""

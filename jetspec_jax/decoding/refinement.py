@@ -51,7 +51,7 @@ from jetspec_jax.models import adapter, decoder
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.draft import draft_hidden, draft_logits, drafts_from_logits, extend_context
+from jetspec_jax.models.draft import block_drafts, draft_hidden, extend_context
 from jetspec_jax.models.transformer import output_kernel
 
 
@@ -218,7 +218,7 @@ class RefiningProposer:
         padded = jnp.concatenate([anchor[:, None], drafts, jnp.repeat(drafts[:, -1:], k_len, 1)], 1)
         block = jnp.take_along_axis(padded, fixed[:, None] + jnp.arange(k_len)[None], axis=1)
         hidden = draft_hidden(draft_params, config, cache, embedding, block)
-        new = drafts_from_logits(config, draft_logits(config, lm_head, hidden))
+        new = block_drafts(config, lm_head, hidden)
         index = jnp.arange(k_len - 1)[None]
         from_new = jnp.take_along_axis(new, jnp.clip(index - fixed[:, None], 0, k_len - 2), 1)
         return jnp.where(index < fixed[:, None], drafts, from_new)

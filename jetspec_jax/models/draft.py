@@ -185,10 +185,14 @@ def draft_logits(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> 
     return logits
 
 
-def drafts_from_logits(config: DraftConfig, logits: jax.Array) -> jax.Array:
-    """The K-1 drafts `[B, K-1]` (argmax) from one pass's block logits `[B, K, V]`."""
-    rows = logits[:, :-1] if config.shifted else logits[:, 1:]
-    return jnp.argmax(rows, axis=-1).astype(jnp.int32)
+def block_drafts(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> jax.Array:
+    """The K-1 drafts `[..., K-1]` (argmax) of one pass, from its block hidden states `[..., K, H]`.
+
+    Only the K-1 rows that predict drafts go through the LM head (the other row's logits would be
+    discarded: XLA does not push a slice of a matmul's output into the matmul).
+    """
+    rows = hidden[..., :-1, :] if config.shifted else hidden[..., 1:, :]
+    return jnp.argmax(draft_logits(config, lm_head, rows), axis=-1).astype(jnp.int32)
 
 
 def draft_hidden_for_training(
