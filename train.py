@@ -286,6 +286,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
         refine_passes=args.refine_passes,
+        show_progress=None,
     )
     print(
         f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {args.num_prompts} prompts)"

@@ -32,9 +32,7 @@ import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
-from jetspec_jax import DecodingOptions  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
-from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
 SETTINGS = [("J0", 0, 0), ("J1-R0", 1, 0), ("J1-R1", 1, 1), ("J3-R3", 3, 3)]
@@ -42,17 +40,15 @@ TRUE_STATE_SETTINGS = [("J1-R1*", 1, 1), ("J3-R3*", 3, 3)]
 
 
 def _run(target, prompts, max_new_tokens, *, draft=None, **options):
-    session = DecodeSession(
+    return jetspec_jax.generate_batch(
         target,
         prompts,
         draft=draft,
-        options=DecodingOptions(**options),
         max_new_tokens=max_new_tokens,
         stop_token_ids=None,
+        show_progress=None,
+        **options,
     )
-    session.start()
-    session.advance()
-    return session.results()
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import tqdm
+
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
 from jetspec_jax.decoding.session import (
     GREEDY,
@@ -30,6 +32,9 @@ __all__ = [
     "generate_batch",
     "stream",
 ]
+
+# Target forwards between progress-bar updates (one host round trip each).
+PROGRESS_CHUNK_STEPS = 8
 
 
 def generate(
@@ -104,6 +109,7 @@ def generate_batch(
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
+    show_progress: bool | None = False,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
@@ -117,6 +123,9 @@ def generate_batch(
             foresight_rule, pipeline, replacement_confidence: as in `generate`, shared by all
             rows.
         sampling: one `SamplingParams` for all rows, or one per row.
+        show_progress: a tqdm bar over the generated tokens (None: only on a terminal). With a
+            bar, the loop returns to the host every `PROGRESS_CHUNK_STEPS` target forwards to
+            update it; without one it runs to the end in one call.
 
     Returns:
         One `GenerationResult` per prompt, in order.
@@ -130,11 +139,16 @@ def generate_batch(
         pipeline,
         replacement_confidence,
     )
-    return _decode(target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids)
+    return _decode(
+        target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids, show_progress
+    )
 
 
-def _decode(target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids):
-    """The whole decode loop in one call: no host round trip until the results."""
+def _decode(
+    target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids, show_progress=False
+):
+    """The whole decode loop, in one call (no host round trip until the results) or, with a
+    progress bar, in chunks."""
     session = DecodeSession(
         target,
         prompts,
@@ -144,8 +158,20 @@ def _decode(target, prompts, draft, options, max_new_tokens, sampling, stop_toke
         sampling=sampling,
         stop_token_ids=stop_token_ids,
     )
-    session.start()
-    session.advance()  # to the end: every forward commits >= 1 token per unfinished row
+    bar = tqdm.tqdm(
+        total=len(prompts) * max_new_tokens,
+        unit="tok",
+        desc="generating",
+        disable=None if show_progress is None else not show_progress,
+    )
+    if bar.disable:
+        session.start()
+        session.advance()  # to the end: every forward commits >= 1 token per unfinished row
+        return session.results()
+    with bar:
+        for rows in session.chunks(PROGRESS_CHUNK_STEPS):
+            bar.update(sum(map(len, rows)))
+        bar.total = bar.n  # rows that stopped early leave their budget unused
     return session.results()
 
 

@@ -54,6 +54,16 @@ def test_stream_chunks_concatenate_to_generate(target, prompts, chunk_steps):
         assert stream.result.finish_reason == "length"
 
 
+def test_generate_batch_with_a_progress_bar_gives_the_same_tokens(target, prompts, capsys):
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=5)
+    kwargs = dict(draft=draft, method="jetspec++", max_new_tokens=N_NEW, stop_token_ids=[])
+    plain = jetspec_jax.generate_batch(target, prompts, **kwargs)
+    shown = jetspec_jax.generate_batch(target, prompts, show_progress=True, **kwargs)
+    assert [r.tokens for r in shown] == [r.tokens for r in plain]
+    total = len(prompts) * N_NEW
+    assert f"{total}/{total}" in capsys.readouterr().err  # every generated token counted
+
+
 def test_speculative_stream_equals_autoregressive(target, prompts):
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=5)
     stream = jetspec_jax.stream(

@@ -29,8 +29,10 @@ def evaluate_tau(
     math_suffix: bool = True,
     refine_passes: int = 0,
     refreshes: int = 0,
+    show_progress: bool | None = False,
 ) -> float:
-    """Mean tau (greedy) of `draft` on the first `num_prompts` prompts of `prompt_file`.
+    """Mean tau (greedy) of `draft` on the first `num_prompts` prompts of `prompt_file`
+    (`show_progress`: a bar over the generated tokens; None: only on a terminal).
 
     Raises:
         FileNotFoundError, ValueError: as `eval_prompt_ids`.
@@ -44,6 +46,7 @@ def evaluate_tau(
         max_new_tokens=max_new_tokens,
         refine_passes=refine_passes,
         refreshes=refreshes,
+        show_progress=show_progress,
     )
     rounds = [n for r in results for n in r.acceptance_lengths[1:]]
     return float(np.mean(rounds)) if rounds else 1.0
