@@ -77,9 +77,10 @@ def main() -> None:
     parser.add_argument("--section", default="refinement_ablation", help="section name to write")
     args = parser.parse_args()
     known = {s[0]: s for s in SETTINGS + TRUE_STATE_SETTINGS}
-    settings = [known[label] for label in args.settings.split(",") if label]
-    if not settings:
-        parser.error(f"--settings: none of {args.settings!r}; known: {', '.join(known)}")
+    labels = [label for label in args.settings.split(",") if label]
+    if not labels or any(label not in known for label in labels):
+        parser.error(f"--settings {args.settings!r}: use some of {', '.join(known)}")
+    settings = [known[label] for label in labels]
 
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
@@ -128,7 +129,6 @@ def main() -> None:
             hit_rows.append((name, b, hits))
         print(f"{name}: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)
 
-    labels = [s[0] for s in settings]
     lines = [
         "## Refinement ablation and foresight hit rates (`benchmarks/bench_refinement.py`)",
         "",
