@@ -32,10 +32,14 @@ from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts  # noqa: E402
 from jetspec_jax.prompting import encode_prompt  # noqa: E402
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "bench_autoregressive.json"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     cfg = json.loads(pathlib.Path(args.config).read_text())
 
     target = jetspec_jax.load_target(dtype=cfg["dtype"])

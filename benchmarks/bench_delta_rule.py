@@ -24,6 +24,7 @@ If the kernel is correct and faster at the decode shape, add "triton" to
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import sys
@@ -145,8 +146,12 @@ def report(rows, notes, check_lines, kernel_impl: str, smoke: bool) -> str:
     return "\n".join(head) + "\n"
 
 
+def _parser() -> argparse.ArgumentParser:
+    return kernel_bench.parser(__doc__.split("\n")[0])
+
+
 def main() -> int:
-    args = kernel_bench.parse_args(__doc__.split("\n")[0], platforms=("gpu",))
+    args = kernel_bench.parse_args(_parser(), platforms=("gpu",))
     impl = args.kernel_impl
     return kernel_bench.run(
         args,

@@ -26,6 +26,7 @@ over `REPEATS`; launch overhead is included (as in a decode step).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import sys
@@ -266,8 +267,12 @@ def report(rows, notes, check_lines, kernel_impl: str, smoke: bool) -> str:
     return "\n".join(head) + "\n"
 
 
+def _parser() -> argparse.ArgumentParser:
+    return kernel_bench.parser(__doc__.split("\n")[0])
+
+
 def main() -> int:
-    args = kernel_bench.parse_args(__doc__.split("\n")[0], platforms=("gpu", "tpu"))
+    args = kernel_bench.parse_args(_parser(), platforms=("gpu", "tpu"))
     impl, tilings = args.kernel_impl, SMOKE_TILINGS if args.smoke else TILINGS
     with_cudnn = jax.default_backend() == "gpu"
     return kernel_bench.run(

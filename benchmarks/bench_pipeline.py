@@ -93,7 +93,7 @@ def memory_rows(target, draft, foresight: int, batch: int, capacity: int, max_ou
     ]
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="JetSpec++ checkpoint (default: random)")
     parser.add_argument("--set", default="gsm8k_test", help="a name in ../shared/data/eval/")
@@ -101,7 +101,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--foresight", type=int, default=4)
     parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
 
     target = jetspec_jax.load_target(None)
     if args.draft:

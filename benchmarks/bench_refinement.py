@@ -57,7 +57,7 @@ def _run(target, prompts, max_new_tokens, temperature, *, draft=None, **options)
     )
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True, help="JetSpec++ checkpoint (draft + adapter)")
     parser.add_argument("--target", default=None, help="HF target (default: the embedded one)")
@@ -84,6 +84,11 @@ def main() -> None:
         "--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file to write"
     )
     parser.add_argument("--section", default="refinement_ablation", help="section name to write")
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     known = {s[0]: s for s in SETTINGS + TRUE_STATE_SETTINGS}
     labels = [label for label in args.settings.split(",") if label]

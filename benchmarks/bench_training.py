@@ -28,11 +28,15 @@ from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, tr
 from jetspec_jax.training.trainer import initial_draft  # noqa: E402
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.yaml"))
     parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     config = load_train_config(args.config)
     target = jetspec_jax.load_target(config.target, dtype=config.target_dtype)
     draft = initial_draft(config, target)

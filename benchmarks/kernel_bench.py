@@ -19,13 +19,18 @@ from benchmarks.report import BENCHMARKS_MD, machine_line, write_section
 ITERS, REPEATS = 20, 5
 
 
-def parse_args(description: str, platforms: tuple[str, ...]) -> argparse.Namespace:
-    """`--smoke` (CPU, tiny shapes, interpreted kernel), `--check` (correctness only), `--out`;
-    a full run is refused off `platforms`. `.kernel_impl` is the impl the run times."""
+def parser(description: str) -> argparse.ArgumentParser:
+    """`--smoke` (CPU, tiny shapes, interpreted kernel), `--check` (correctness only), `--out`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpreter")
     parser.add_argument("--check", action="store_true", help="correctness only")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="markdown file to write")
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, platforms: tuple[str, ...]) -> argparse.Namespace:
+    """The command line of `parser`; a full run is refused off `platforms`. `.kernel_impl` is the
+    impl the run times."""
     args = parser.parse_args()
     if not args.smoke and jax.default_backend() not in platforms:
         needs = " or ".join(p.upper() for p in platforms)

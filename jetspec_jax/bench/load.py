@@ -152,7 +152,7 @@ def markdown(results: Sequence[LoadResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jetspec_jax.bench.load", description=__doc__)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the served model id (GET /v1/models)")
@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int, default=0, help="untimed requests per level first (compilation)"
     )
     parser.add_argument("--out", default=None, help="also append the results to this JSONL file")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     from jetspec_jax.data.prompts import read_prompts
 
     try:
