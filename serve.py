@@ -189,6 +189,12 @@ def _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, resul
     )
 
 
+def _port(text: str) -> int:
+    if not (text.isdigit() and 0 <= int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
 def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False) -> None:
     """The model and decoding flags. They are accepted before and after `generate`: the
     subcommand's copies default to SUPPRESS, as their defaults would overwrite the flags given
@@ -280,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument(
         "--model-name",
         default=None,

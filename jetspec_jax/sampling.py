@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_TOP_K = 2**31 - 1  # top_k travels as int32 (any value >= the vocabulary keeps everything)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -43,8 +45,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):

@@ -106,6 +106,7 @@ def test_max_new_tokens_is_respected(target, prompts):
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),
+        (dict(top_k=2**31), "top_k"),  # top_k travels as int32
         (dict(seed=-1), "seed"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(method="medusa"), "unknown method"),

@@ -19,6 +19,7 @@ import sys
 import time
 
 import httpx
+import jinja2
 import numpy as np
 import openai
 import pytest
@@ -33,6 +34,12 @@ from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
 from jetspec_jax.serving import server as server_module
 from jetspec_jax.serving.app import SCHEDULER
+from jetspec_jax.serving.openai_requests import (
+    ModelInfo,
+    RequestError,
+    parse_chat,
+    parse_completion,
+)
 from jetspec_jax.serving.scheduler import Failed, Finished, Job, QueueFull, Scheduler, Tokens
 from tests.oracles import OracleDraft
 from tests.text_fixtures import with_tokenizer
@@ -336,6 +343,10 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=3), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=0), 400, "top_p"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k="5"), 400, "top_k"),
+    # Before the check, an int32 overflow on the device failed every request of the batch.
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k=2**31), 400, "top_k"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xff"}', 400, "malformed JSON"),
+    ("/v1/completions", dict(model=MODEL, prompt=[]), 400, "non-empty"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", seed=-1), 400, "seed"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=0), 400, "max_tokens"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", n=2), 400, "n"),
@@ -381,6 +392,24 @@ def test_stop_strings_cut_the_output(target, http):
     }
     streamed = _complete(http, prompt="The sky", max_tokens=16, stop=stop, stream=True)
     assert _sse_text(streamed.text) == expected
+    # usage counts the tokens up to the one completing the stop string, not those the row
+    # decoded before its cancellation landed.
+    _, result = _library(target, target.tokenizer.encode("The sky"), 16)
+    decode = target.tokenizer.decode
+    upto = next(
+        n for n in range(1, 17) if stop in decode(result.tokens[:n], skip_special_tokens=True)
+    )
+    assert answer["usage"]["completion_tokens"] == upto
+    usage = _complete(
+        http,
+        prompt="The sky",
+        max_tokens=16,
+        stop=stop,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [json.loads(line[6:]) for line in usage.text.splitlines() if line[6:7] == "{"]
+    assert chunks[-1]["usage"]["completion_tokens"] == upto
 
 
 def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_server(target, http):
@@ -561,6 +590,45 @@ def test_serve_py_takes_the_model_flags_before_or_after_generate():
     defaults = parse() | {"command": "generate"}  # the server's defaults, without a subcommand
     generate = parse("generate")
     assert {name: generate[name] for name in defaults} == defaults
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    class Refusing:  # HF templates refuse e.g. non-alternating roles with raise_exception
+        chat_template = "..."
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise jinja2.TemplateError("Conversation roles must alternate user/assistant")
+
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "a"}] * 2)
+    with pytest.raises(RequestError) as refused:
+        parse_chat(body, ModelInfo(MODEL, Refusing(), context_length=64))
+    assert (refused.value.status, refused.value.param) == (400, "messages")
+    assert "roles must alternate" in refused.value.message
+
+
+def test_an_unset_completion_budget_fits_the_context():
+    class Tokenizer:
+        def encode(self, text, add_special_tokens):
+            return [1] * len(text)
+
+    model = ModelInfo(MODEL, Tokenizer(), context_length=20)
+    assert parse_completion(dict(model=MODEL, prompt="x" * 15), model).max_tokens == 5
+    assert parse_completion(dict(model=MODEL, prompt="x" * 2), model).max_tokens == 16
+
+
+def test_server_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        ServerConfig(default_max_tokens=0)
+    with pytest.raises(ValueError, match="shutdown_timeout"):
+        ServerConfig(shutdown_timeout=-1.0)
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_serve_py_refuses_a_port_out_of_range(port, capsys):
+    with pytest.raises(SystemExit) as exited:
+        serve_py._parser().parse_args(["--port", port])
+    assert exited.value.code == 2
+    assert "is not a TCP port" in capsys.readouterr().err
 
 
 def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):

@@ -181,30 +181,42 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _json(request: web.Request) -> Any:
-    text = await request.text()
+    body = await request.read()
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
+        return json.loads(body)  # bytes: JSON's own encodings, whatever the charset header says
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise RequestError(400, f"malformed JSON body: {e}") from None
 
 
 class _Output:
-    """One request's text so far: incremental detokenization, stop strings, finish reason."""
+    """One request's text so far: incremental detokenization, stop strings, finish reason, and
+    the completion's token count."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = StopStrings(stop)
-        self.tokens = 0
+        self.tokens = 0  # fed so far, up to the one that completes a stop string
 
     def add(self, tokens: list[int]) -> str:
-        self.tokens += len(tokens)
-        return self.stops.feed(self.detokenizer.push(tokens))
+        """The text `tokens` add; fed one by one so that the count stops at a stop string (the
+        rows decode a few tokens past it before their cancellation lands)."""
+        text = []
+        for token in tokens:
+            if self.stops.hit:
+                break
+            self.tokens += 1
+            text.append(self.stops.feed(self.detokenizer.push([token])))
+        return "".join(text)
 
     def finish(self) -> str:
         return self.stops.feed(self.detokenizer.flush()) + self.stops.flush()
 
     def finish_reason(self, result) -> str:
         return "stop" if self.stops.hit or result.finish_reason == "stop" else "length"
+
+    def completion_tokens(self, result) -> int:
+        """usage's count: the tokens up to the stop string that ended the text, else all."""
+        return self.tokens if self.stops.hit else len(result.tokens)
 
 
 async def _generate(request: web.Request, req: GenerationRequest) -> web.StreamResponse:
@@ -272,7 +284,7 @@ async def _collect(req, job, events, model: ModelInfo, metrics, prompt_tokens: i
                 text="".join(parts),
                 finish_reason=output.finish_reason(result),
                 prompt_tokens=prompt_tokens,
-                completion_tokens=len(result.tokens),
+                completion_tokens=output.completion_tokens(result),
                 result=result,
             )
             return web.json_response(body)
@@ -335,7 +347,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
                     responses.usage_chunk(
                         **ids,
                         prompt_tokens=prompt_tokens,
-                        completion_tokens=len(result.tokens),
+                        completion_tokens=output.completion_tokens(result),
                         result=result,
                     )
                 )

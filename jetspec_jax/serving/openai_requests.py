@@ -17,7 +17,7 @@ import math
 import secrets
 from typing import Any
 
-from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.sampling import MAX_TOP_K, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -114,7 +114,8 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
     if body.get("best_of") not in (None, 1):
         raise RequestError(400, "best_of must be 1", param="best_of")
     prompt_ids = _prompt_ids(body["prompt"], model)
-    max_tokens = _max_tokens(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, prompt_ids, model)
+    default = _default_budget(COMPLETION_DEFAULT_MAX_TOKENS, prompt_ids, model)
+    max_tokens = _max_tokens(body, "max_tokens", default, prompt_ids, model)
     return _request(body, False, prompt_ids, max_tokens)
 
 
@@ -133,13 +134,17 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
-    rendered = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    except Exception as e:  # templates reject messages with jinja's raise_exception
+        raise RequestError(
+            400, f"the chat template refused the messages: {e}", param="messages"
+        ) from None
     # The template holds every special token already: no second BOS.
     prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
-    room = model.context_length - len(prompt_ids)
-    default = max(1, min(model.default_max_tokens, room))
+    default = _default_budget(model.default_max_tokens, prompt_ids, model)
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -202,8 +207,10 @@ def _sampling(body: dict) -> SamplingParams:
         raise RequestError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
     top_k = body.get("top_k")
     top_k = 0 if top_k in (None, -1) else top_k  # vLLM's -1 = disabled
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise RequestError(400, f"top_k must be an integer >= 0, got {top_k!r}", param="top_k")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise RequestError(
+            400, f"top_k must be an integer in [0, {MAX_TOP_K}], got {top_k!r}", param="top_k"
+        )
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbelow(2**32)  # OpenAI: unseeded requests are not reproducible
@@ -221,6 +228,12 @@ def _number(body: dict, name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(400, f"{name} must be a number, got {value!r}", param=name)
     return float(value)
+
+
+def _default_budget(default: int, prompt_ids: list[int], model: ModelInfo) -> int:
+    """A budget the client did not set: `default`, cut to the context left after the prompt (a
+    prompt that fills the context still gets 1, refused by `_max_tokens` as too long)."""
+    return max(1, min(default, model.context_length - len(prompt_ids)))
 
 
 def _max_tokens(body: dict, name: str, default: int, prompt_ids: list[int], model: ModelInfo):
@@ -249,7 +262,7 @@ def _prompt_ids(prompt: Any, model: ModelInfo) -> list[int]:
         return model.tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, list) and prompt and all(isinstance(i, list) for i in prompt):
         raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
-    if isinstance(prompt, list) and all(isinstance(i, str) for i in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(i, str) for i in prompt):
         raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
     if not isinstance(prompt, list) or not prompt:
         raise RequestError(

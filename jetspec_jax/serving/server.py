@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import threading
 
 from aiohttp import web
@@ -49,6 +50,16 @@ class ServerConfig:
     default_max_tokens: int = 256
     pad_batch: bool = False
     shutdown_timeout: float = 30.0
+
+    def __post_init__(self):
+        # The batch, queue and chunk sizes are checked by the `Scheduler` they configure.
+        value = self.default_max_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"default_max_tokens must be an integer >= 1, got {value!r}")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ValueError(
+                f"shutdown_timeout must be a finite number >= 0, got {self.shutdown_timeout!r}"
+            )
 
 
 def build_app(target, draft, config: ServerConfig) -> web.Application:
