@@ -230,12 +230,31 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "data: {files: [a.jsonl], max_length: 64}\noptim: {anchors_per_sequence: 65}": (
             r"optim.anchors_per_sequence \(<= data.max_length 64\): 65"
         ),
+        # Values that would train wrongly without an error: a negative clip norm flips the
+        # gradient's sign, a negative ratio makes the learning rate negative.
+        "optim: {grad_clip: -1.0}": "optim.grad_clip",
+        "optim: {end_learning_rate_ratio: -0.5}": "optim.end_learning_rate_ratio",
+        "optim: {weight_decay: -0.01}": "optim.weight_decay",
+        "adapter: {optim: {grad_clip: 0.0}}": "adapter.optim.grad_clip",
+        "optim: {epochs: 0}": "optim.epochs",
+        "optim: {epochs: .inf}": "optim.epochs",
+        "optim: {learning_rate: .inf}": "optim.learning_rate",
     }.items():
         if not text.startswith("data:"):
             text = "data: {files: [a.jsonl]}\n" + text
         path.write_text(text + "\n")
         with pytest.raises(ValueError, match=f"invalid value for {field}"):
             load_train_config(path)
+
+
+def test_with_epochs_the_warmup_is_not_checked_against_the_default_steps(tmp_path):
+    """`steps` is derived from the data when `epochs` is set (`resolve_steps` caps the warmup)."""
+    from jetspec_jax.training.config import load_train_config, resolve_steps
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {files: [a.jsonl]}\noptim: {epochs: 6, warmup_steps: 2000}\n")
+    config = resolve_steps(load_train_config(path), num_examples=100)
+    assert (config.optim.steps, config.optim.warmup_steps) == (75, 75)  # 6 * 100 / batch 8
 
 
 def test_command_line_overrides_are_typed_and_validated(tmp_path):
@@ -308,9 +327,13 @@ def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     path = saved.save(tmp_path / "saved")
     section = dict(variant="jetspec++", block_size=4, init_from=str(path))
     config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
-    start = initial_draft(config, target)
-    for got, want in zip(jax.tree.leaves(start.params), jax.tree.leaves(saved.params), strict=True):
-        np.testing.assert_array_equal(got, want)
+    # Read in float32 even for a bfloat16 target: the fp32 master weights are not rounded.
+    bf16_target = jetspec_jax.load_target(target.path, dtype="bfloat16")
+    for start in (initial_draft(config, target), initial_draft(config, bf16_target)):
+        leaves = zip(jax.tree.leaves(start.params), jax.tree.leaves(saved.params), strict=True)
+        for got, want in leaves:
+            assert got.dtype == want.dtype == np.float32
+            np.testing.assert_array_equal(got, want)
     section["block_size"] = 8
     config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
     with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):

@@ -150,8 +150,29 @@ class TrainConfig:
 def _check_optim(optim: OptimConfig, where: str) -> None:
     for name in ("batch_size", "anchors_per_sequence", "steps"):
         _check(getattr(optim, name) >= 1, f"{where}.{name}", getattr(optim, name))
-    _check(0 <= optim.warmup_steps <= optim.steps, f"{where}.warmup_steps", optim.warmup_steps)
-    _check(optim.learning_rate > 0, f"{where}.learning_rate", optim.learning_rate)
+    if optim.epochs is None:
+        _check(0 <= optim.warmup_steps <= optim.steps, f"{where}.warmup_steps", optim.warmup_steps)
+    else:  # steps come from the data (`resolve_steps`, which caps the warmup at them)
+        _check(math.isfinite(optim.epochs) and optim.epochs > 0, f"{where}.epochs", optim.epochs)
+        _check(optim.warmup_steps >= 0, f"{where}.warmup_steps", optim.warmup_steps)
+    _check(
+        math.isfinite(optim.learning_rate) and optim.learning_rate > 0,
+        f"{where}.learning_rate",
+        optim.learning_rate,
+    )
+    ratio = optim.end_learning_rate_ratio
+    _check(0.0 <= ratio <= 1.0, f"{where}.end_learning_rate_ratio (in [0, 1])", ratio)
+    _check(
+        math.isfinite(optim.weight_decay) and optim.weight_decay >= 0,
+        f"{where}.weight_decay",
+        optim.weight_decay,
+    )
+    # A negative clip norm flips the gradient's sign: training would climb the loss.
+    _check(
+        math.isfinite(optim.grad_clip) and optim.grad_clip > 0,
+        f"{where}.grad_clip",
+        optim.grad_clip,
+    )
     _check(0.0 <= optim.p_full_noise <= 1.0, f"{where}.p_full_noise", optim.p_full_noise)
     _check(
         optim.compute_dtype in ("float32", "bfloat16"),

@@ -164,9 +164,10 @@ def train(
 
 
 def initial_draft(config: TrainConfig, target: Target) -> Draft:
-    """The draft a run starts from: random as `config.draft` says, or the saved draft
-    `draft.init_from` names, which must have that architecture (its adapter, if any, is dropped:
-    it would not fit the retrained draft)."""
+    """The draft a run starts from: random as `config.draft` says (in the target's dtype), or the
+    saved draft `draft.init_from` names, which must have that architecture (its adapter, if any,
+    is dropped: it would not fit the retrained draft). A saved draft is read in float32, so the
+    float32 master weights start from it unrounded whatever the target's dtype."""
     d = config.draft
     draft = init_draft(
         target,
@@ -180,7 +181,7 @@ def initial_draft(config: TrainConfig, target: Target) -> Draft:
     )
     if d.init_from is None:
         return draft
-    start = load_draft(d.init_from, target, dtype=draft.dtype)
+    start = load_draft(d.init_from, target, dtype="float32")
     differ = [
         f"{f.name} {getattr(start.config, f.name)!r} (configured {getattr(draft.config, f.name)!r})"
         for f in dataclasses.fields(draft.config)
@@ -190,7 +191,7 @@ def initial_draft(config: TrainConfig, target: Target) -> Draft:
         raise ValueError(
             f"draft.init_from {d.init_from} is not the configured draft: {'; '.join(differ)}"
         )
-    return dataclasses.replace(draft, params=start.params)
+    return dataclasses.replace(draft, params=start.params, dtype=start.dtype)
 
 
 def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
