@@ -72,16 +72,7 @@ def _train(args: argparse.Namespace) -> int:
     config = load_train_config(args.config, args.overrides)  # validated before JAX starts
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
-    if args.coordinator:
-        import jax
-
-        if jax.config.jax_platforms in (None, "", "cpu"):
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-        )
+    _join_hosts(args)
     from jetspec_jax.training.trainer import train
 
     result = train(config, stop_after=args.stop_after)
@@ -96,6 +87,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_hosts(args: argparse.Namespace) -> None:
+    """Multi-host: joins the run's processes (`jax.distributed`) when `--coordinator` is given.
+    Without it the process counts are refused, not ignored: N single-host runs would otherwise
+    write one checkpoint directory."""
+    if not args.coordinator:
+        if args.num_processes is not None or args.process_id is not None:
+            raise ValueError("--num-processes and --process-id need --coordinator HOST:PORT")
+        return
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+
+
 def _train_adapter(args: argparse.Namespace) -> int:
     """Trains (or resumes) the adapter of the run a config describes, for its trained draft."""
     from jetspec_jax.training.config import load_train_config
@@ -103,6 +113,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
     config = load_train_config(args.config, args.overrides)  # validated before JAX starts
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    _join_hosts(args)
     from jetspec_jax.training.adapter_trainer import train_adapter
 
     result = train_adapter(config, draft=args.draft, stop_after=args.stop_after)
@@ -338,6 +349,12 @@ def _float_list(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
+def _add_multihost_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
+    parser.add_argument("--num-processes", type=int, default=None, help="with --coordinator")
+    parser.add_argument("--process-id", type=int, default=None, help="with --coordinator")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -385,9 +402,7 @@ def _parser() -> argparse.ArgumentParser:
         help="override a config value (repeatable), e.g. --set draft.variant=dflash",
     )
     draft.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
-    draft.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
-    draft.add_argument("--num-processes", type=int, default=None)
-    draft.add_argument("--process-id", type=int, default=None)
+    _add_multihost_args(draft)
     draft.add_argument("-v", "--verbose", action="store_true")
 
     adapter = commands.add_parser(
@@ -406,6 +421,7 @@ def _parser() -> argparse.ArgumentParser:
         "--draft", default=None, help="the trained draft's directory (default: <run.dir>/draft)"
     )
     adapter.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
+    _add_multihost_args(adapter)
     adapter.add_argument("-v", "--verbose", action="store_true")
 
     calibrate = commands.add_parser(

@@ -192,3 +192,13 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     argv[argv.index("--draft") + 1] = str(plain)
     assert train.main(argv) == 2
     assert "not a JetSpec++ checkpoint" in capsys.readouterr().err
+
+
+def test_a_hybrid_target_is_refused_before_any_round(checkpoints):
+    """Rounds cut caches back to each anchor, which a recurrent state does not allow."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
+    draft = jetspec_jax.init_draft(target, num_layers=1, block_size=K)
+    draft = draft.with_adapter(init_adapter(draft))
+    records = [{"prompt_ids": [1, 2, 3], "response_ids": list(range(4, 20))}]
+    with pytest.raises(ValueError, match="hybrid target"):
+        collect_rounds(target, draft, records, num_rounds=1)

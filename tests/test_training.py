@@ -411,3 +411,15 @@ def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
             eval_prompt_ids(target, path, num_prompts=4)
     path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n{"id": "unread"}\n')
     assert eval_prompt_ids(target, path, num_prompts=2) == [[1, 2], [3]]
+
+
+def test_every_process_refuses_too_few_examples_alike():
+    """7 examples over 2 processes with batch 4: process 0's share (4) would fit, process 1's (3)
+    not; refused by one process alone, the other would wait forever in its first collective."""
+    records = [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5]}] * 7
+    for index in (0, 1):
+        with pytest.raises(ValueError, match="fewer than one batch of 4"):
+            training_dataset(
+                records, batch_size=4, max_length=16, seed=0, process_index=index, process_count=2
+            )
+    assert training_dataset(records, batch_size=3, max_length=16, seed=0, process_count=2)

@@ -114,3 +114,13 @@ def test_bad_config_exits_with_a_clear_error(tmp_path):
     )
     assert proc.returncode == 2
     assert "error: unknown key(s) optim.stepz" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["draft", "adapter"])
+def test_process_counts_without_a_coordinator_are_refused(command, capsys):
+    """Ignored, they would start N single-host runs writing one checkpoint directory."""
+    import train
+
+    config = str(ROOT / "configs" / "tiny_cpu.yaml")
+    assert train.main([command, "--config", config, "--num-processes", "2"]) == 2
+    assert "need --coordinator" in capsys.readouterr().err

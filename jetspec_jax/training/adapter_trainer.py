@@ -247,21 +247,21 @@ def _eval_batches(config: TrainConfig, local_batch: int, sharding) -> list[dict]
     """`adapter.eval_batches` fixed batches: the first examples of this process's share of
     `adapter.eval_files` (else of the training files; then the figures are not held out)."""
     files = config.adapter.eval_files or config.data.files
-    records = read_regenerated(files)[jax.process_index() :: jax.process_count()]
-    records = records[: config.adapter.eval_batches * local_batch]  # only these are padded
-    examples = [to_example(r, config.data.max_length) for r in records]
+    records, count = read_regenerated(files), jax.process_count()
+    # From the smallest share: every process must make the same number of jitted calls.
+    num_batches = min(config.adapter.eval_batches, len(records) // count // local_batch)
+    if num_batches == 0:
+        raise ValueError(
+            f"adapter evaluation needs at least {local_batch} records per process in {list(files)}"
+        )
+    records = records[jax.process_index() :: count][: num_batches * local_batch]
+    examples = [to_example(r, config.data.max_length) for r in records]  # only these are padded
     batches = []
-    for i in range(config.adapter.eval_batches):
+    for i in range(num_batches):
         chunk = examples[i * local_batch : (i + 1) * local_batch]
-        if len(chunk) < local_batch:
-            break
         batch = {k: np.stack([e[k] for e in chunk]) for k in chunk[0]}
         batches.append(
             {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-        )
-    if not batches:
-        raise ValueError(
-            f"adapter evaluation needs at least {local_batch} records per process in {list(files)}"
         )
     return batches
 

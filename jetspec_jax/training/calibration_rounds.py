@@ -228,7 +228,7 @@ def collect_rounds(
         show_progress: tqdm bar; None: only on a terminal.
 
     Raises:
-        ValueError: no adapter, bad sizes, or not a single usable round.
+        ValueError: no adapter, bad sizes, a hybrid target, or not a single usable round.
     """
     if draft.adapter is None:
         raise ValueError(
@@ -239,6 +239,12 @@ def collect_rounds(
         raise ValueError(
             f"num_rounds and anchors_per_sequence must be >= 1, got {num_rounds}, "
             f"{anchors_per_sequence}"
+        )
+    if target.config.is_hybrid:  # refused now, not after the first jitted call (`_at_anchors`)
+        raise ValueError(
+            "calibration rounds start every anchor from one prefix by cutting the caches back, "
+            "which a hybrid target's recurrent state does not allow: calibrate needs a dense "
+            "target (Qwen3, Llama)"
         )
     proposer, proposer_params = draft.proposer(
         target,

@@ -65,12 +65,14 @@ def training_dataset(
     Each process reads a disjoint shard (`records[process_index::process_count]`) and makes
     batches of `batch_size` (its local batch).
     """
-    shard = grain.MapDataset.source(records)[process_index::process_count]
-    if len(shard) < batch_size:
+    # The smallest share decides, so that every process refuses alike (one refusing alone
+    # would leave the others waiting in their first collective).
+    if len(records) // process_count < batch_size:
         raise ValueError(
-            f"process {process_index} has {len(shard)} examples, "
-            f"fewer than one batch of {batch_size}"
+            f"{len(records)} examples over {process_count} process(es) leave some process "
+            f"{len(records) // process_count}, fewer than one batch of {batch_size}"
         )
+    shard = grain.MapDataset.source(records)[process_index::process_count]
     dataset = (
         shard.shuffle(seed=seed)
         .repeat(None)
