@@ -178,8 +178,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out or args.draft)
     if out.exists() and not is_bundle(out):
         raise ValueError(f"--out {out} exists and is not a JetSpec++ checkpoint; not replacing it")
-    records = read_regenerated(args.data)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    records = read_regenerated(args.data, vocab_size=target.config.vocab_size)
     draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
     round_args = dict(
         num_rounds=args.num_rounds,

@@ -187,7 +187,9 @@ def test_training_lowers_the_loss_and_a_resumed_run_equals_a_straight_one(
     assert straight.steps == 4
     # The trained adapter's evaluation metrics vs the same blocks at initialisation.
     mesh = make_mesh(config.mesh)
-    batches = _eval_batches(config, batch_sizes(4, mesh)[0], batch_sharding(mesh))
+    batches = _eval_batches(
+        config, batch_sizes(4, mesh)[0], batch_sharding(mesh), target.config.vocab_size
+    )
     step_config = AdapterStepConfig(
         target.config, straight.adapter.config, adapter_optim(config, 8), 4, 0.5
     )
@@ -251,7 +253,7 @@ def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_
     assert not (tmp_path / "run" / "adapter_run" / "checkpoints").exists()
 
 
-def test_eval_batches_pad_only_the_records_they_use(data_file, tmp_path, monkeypatch):
+def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path, monkeypatch):
     calls = []
 
     def counting(record, max_length):
@@ -261,7 +263,7 @@ def test_eval_batches_pad_only_the_records_they_use(data_file, tmp_path, monkeyp
     monkeypatch.setattr(adapter_trainer, "to_example", counting)
     config = _config(data_file, tmp_path, eval_batches=1)
     mesh = make_mesh(config.mesh)
-    batches = _eval_batches(config, 2, batch_sharding(mesh))
+    batches = _eval_batches(config, 2, batch_sharding(mesh), target.config.vocab_size)
     assert len(batches) == 1 and len(calls) == 2  # of the file's 8 records
 
 

@@ -23,7 +23,7 @@ from jetspec_jax.training.config import (
     RunConfig,
     TrainConfig,
 )
-from jetspec_jax.training.data import training_dataset
+from jetspec_jax.training.data import read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
 from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
@@ -423,3 +423,21 @@ def test_every_process_refuses_too_few_examples_alike():
                 records, batch_size=4, max_length=16, seed=0, process_index=index, process_count=2
             )
     assert training_dataset(records, batch_size=3, max_length=16, seed=0, process_count=2)
+
+
+def test_training_data_is_checked_against_the_target(tmp_path, caplog):
+    """Ids past the vocabulary (data of another tokenizer) are refused by line; a prompt that fills
+    max_length leaves nothing to supervise: skipped and counted."""
+    path = tmp_path / "data.jsonl"
+    rows = [
+        {"prompt_ids": [1, 2], "response_ids": [3, 4]},
+        {"prompt_ids": [1] * 8, "response_ids": [3]},  # fills max_length 8
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        records = read_regenerated([path], vocab_size=5, max_length=8)
+    assert records == [rows[0]] and "skipped 1 records" in caplog.text
+    with pytest.raises(ValueError, match=f"{path}:1 holds a token id outside .* vocabulary of 4"):
+        read_regenerated([path], vocab_size=4)
+    with pytest.raises(ValueError, match="no usable records"):
+        read_regenerated([path], max_length=2)

@@ -116,7 +116,9 @@ def train_adapter(
         draft = load_draft(path, target)
     if config.adapter.eval_tau:
         check_eval_prompts(config, target)
-    records = read_regenerated(config.data.files)
+    records = read_regenerated(
+        config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
+    )
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft)
     optimizer = make_optimizer(optim)
@@ -149,7 +151,7 @@ def train_adapter(
     )
     step_fn = functools.partial(adapter_train_step, config=step_config, mesh=mesh)
     sharding = batch_sharding(mesh)
-    eval_batches = _eval_batches(config, local_batch, sharding)
+    eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size)
 
     def evaluate(step: int) -> dict:
         result = adapter_state_metrics(
@@ -243,11 +245,12 @@ def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
     )
 
 
-def _eval_batches(config: TrainConfig, local_batch: int, sharding) -> list[dict]:
+def _eval_batches(config: TrainConfig, local_batch: int, sharding, vocab_size: int) -> list[dict]:
     """`adapter.eval_batches` fixed batches: the first examples of this process's share of
     `adapter.eval_files` (else of the training files; then the figures are not held out)."""
     files = config.adapter.eval_files or config.data.files
-    records, count = read_regenerated(files), jax.process_count()
+    records = read_regenerated(files, vocab_size=vocab_size, max_length=config.data.max_length)
+    count = jax.process_count()
     # From the smallest share: every process must make the same number of jitted calls.
     num_batches = min(config.adapter.eval_batches, len(records) // count // local_batch)
     if num_batches == 0:

@@ -12,31 +12,62 @@ exactly the batches an uninterrupted one would.
 from __future__ import annotations
 
 import functools
+import logging
 
 import grain
 import numpy as np
 
 from jetspec_jax.data.jsonl import read_jsonl
 
+logger = logging.getLogger(__name__)
 
-def read_regenerated(files) -> list[dict]:
+
+def read_regenerated(
+    files, *, vocab_size: int | None = None, max_length: int | None = None
+) -> list[dict]:
     """`{"prompt_ids": [...], "response_ids": [...]}` records of regenerated JSONL files.
+
+    Args:
+        files: JSONL paths.
+        vocab_size: the target's vocabulary: an id outside it is refused (data regenerated with
+            another tokenizer would otherwise train on clamped ids). None: not checked.
+        max_length: the training length: records whose prompt fills it have no supervised token
+            and are skipped (logged). None: kept.
 
     Raises:
         FileNotFoundError: a file is missing.
-        ValueError: a line is not JSON or lacks integer `prompt_ids` / `response_ids` (named by
-            file and line), or the files hold no usable record.
+        ValueError: a line is not JSON, lacks integer `prompt_ids` / `response_ids` or holds an
+            id outside the vocabulary (named by file and line), or the files hold no usable
+            record.
     """
-    records = []
+    records, too_long = [], 0
     for file in files:
         for where, row in read_jsonl(file, what="training data file"):
             ids = [row.get("prompt_ids"), row.get("response_ids")]
             if not all(isinstance(x, list) and all(isinstance(i, int) for i in x) for x in ids):
                 raise ValueError(f"{where} lacks integer prompt_ids / response_ids")
-            if ids[0] and ids[1]:
+            if vocab_size is not None and any(
+                x and not 0 <= min(x) <= max(x) < vocab_size for x in ids
+            ):
+                raise ValueError(
+                    f"{where} holds a token id outside the target's vocabulary of {vocab_size} "
+                    "(regenerated for another tokenizer?)"
+                )
+            if max_length is not None and len(ids[0]) >= max_length:
+                too_long += 1
+            elif ids[0] and ids[1]:
                 records.append({"prompt_ids": ids[0], "response_ids": ids[1]})
+    if too_long:
+        logger.warning(
+            "skipped %d records whose prompt fills max_length %d: nothing left to supervise",
+            too_long,
+            max_length,
+        )
     if not records:
-        raise ValueError(f"no usable records (non-empty prompt and response) in {list(files)}")
+        raise ValueError(
+            f"no usable records (non-empty prompt and response, prompt shorter than max_length "
+            f"{max_length}) in {list(files)}"
+        )
     return records
 
 

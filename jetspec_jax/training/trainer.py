@@ -84,7 +84,9 @@ def train(
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     check_eval_prompts(config, target)
-    records = read_regenerated(config.data.files)
+    records = read_regenerated(
+        config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
+    )
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target)
     optimizer = make_optimizer(config.optim)
