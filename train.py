@@ -167,6 +167,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if args.replacement_confidence is not None and args.confidence_grid is not None:
         raise ValueError("give --replacement-confidence (store it) or --confidence-grid (fit)")
+    if args.confidence_grid is not None and not args.refreshes:
+        raise ValueError(
+            "--confidence-grid fits the replacement confidence of refreshes: it needs "
+            "--refreshes >= 1"
+        )
     for value in [args.replacement_confidence or 0.0, *(args.confidence_grid or [])]:
         check_replacement_confidence(value)
     if not is_bundle(args.draft):

@@ -185,6 +185,9 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     assert stored.replacement_confidence == 0.25
     assert train.main(given[:-2] + ["--confidence-grid", "0,1"]) == 2
     assert "--replacement-confidence (store it) or --confidence-grid" in capsys.readouterr().err
+    # Without refreshes there is no replacement to fit: a grid would be ignored.
+    assert train.main([*argv, "--refreshes", "0", "--confidence-grid", "0,1"]) == 2
+    assert "needs --refreshes >= 1" in capsys.readouterr().err
 
     # A plain draft directory has no adapter to score outcomes with.
     plain = draft.with_adapter(draft.adapter)
