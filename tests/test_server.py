@@ -376,6 +376,7 @@ def test_unknown_routes_and_methods_answer_json_errors(http):
     assert http.get("/v1/nothing").status_code == 404
     wrong = http.get("/v1/completions")
     assert wrong.status_code == 405 and "error" in wrong.json()
+    assert "POST" in wrong.headers["Allow"]
 
 
 def test_stop_strings_cut_the_output(target, http):

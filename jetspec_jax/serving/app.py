@@ -119,7 +119,10 @@ async def _errors(request: web.Request, handler):
         if e.status < 400:
             raise
         error = RequestError(e.status, e.reason or "error", code=str(e.status))
-        return web.json_response(error.body(), status=e.status)
+        allow = e.headers.get("Allow")  # a 405 names the methods the route takes
+        return web.json_response(
+            error.body(), status=e.status, headers={"Allow": allow} if allow else None
+        )
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -222,12 +225,10 @@ class _Output:
 async def _generate(request: web.Request, req: GenerationRequest) -> web.StreamResponse:
     arrived = time.perf_counter()
     scheduler, model = request.app[SCHEDULER], request.app[MODEL]
-    try:
+    try:  # the token ids against the vocabulary (the budget was checked by the parser)
         prompt_ids = scheduler.check(req.prompt_ids, req.max_tokens)
     except ValueError as e:
-        code = "context_length_exceeded" if "context" in str(e) else None
-        param = "messages" if req.chat else "prompt"
-        raise RequestError(400, str(e), param=param, code=code) from None
+        raise RequestError(400, str(e), param="messages" if req.chat else "prompt") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
 
