@@ -97,6 +97,7 @@ def _server_config(args, draft):
         queue_size=args.queue_size,
         chunk_steps=args.chunk_steps,
         default_max_tokens=args.default_max_tokens,
+        max_model_len=args.max_model_len,
         pad_batch=args.pad_batch,
         shutdown_timeout=args.shutdown_timeout,
     )
@@ -304,6 +305,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--default-max-tokens", type=int, default=256, help="chat budget when a request has none"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + completion tokens per request at most (default: the model's context)",
     )
     parser.add_argument(
         "--pad-batch",

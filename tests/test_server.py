@@ -56,6 +56,7 @@ CONFIG = ServerConfig(
     chunk_steps=3,
     pad_batch=True,
     shutdown_timeout=10,
+    max_model_len=512,  # below the tiny model's 2048
 )
 
 
@@ -354,6 +355,7 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=2), 400, "logprobs"),
     ("/v1/completions", dict(model=MODEL, prompt="x" * 2100), 400, "context"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=4000), 400, "context"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=600), 400, "512"),
     ("/v1/completions", dict(model=MODEL, prompt=[5, 500]), 400, "500"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", stop=[1]), 400, "stop"),
 ]
@@ -622,6 +624,8 @@ def test_server_config_refuses_bad_values():
         ServerConfig(default_max_tokens=0)
     with pytest.raises(ValueError, match="shutdown_timeout"):
         ServerConfig(shutdown_timeout=-1.0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        ServerConfig(max_model_len=1)
 
 
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])

@@ -37,6 +37,9 @@ class ServerConfig:
         queue_size: requests waiting at most; one more is answered 503.
         chunk_steps: target forwards between token deliveries (streaming granularity).
         default_max_tokens: chat budget when a request sets none.
+        max_model_len: prompt plus completion tokens a request may ask for at most (None: the
+            model's context). A batch's caches are sized by its longest request, so one
+            request asking for the whole context costs its batch-mates memory and a compile.
         pad_batch: always decode `max_batch_size` rows (one compiled batch shape).
         shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
     """
@@ -48,6 +51,7 @@ class ServerConfig:
     queue_size: int = 64
     chunk_steps: int = 8
     default_max_tokens: int = 256
+    max_model_len: int | None = None
     pad_batch: bool = False
     shutdown_timeout: float = 30.0
 
@@ -56,6 +60,11 @@ class ServerConfig:
         value = self.default_max_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"default_max_tokens must be an integer >= 1, got {value!r}")
+        value = self.max_model_len
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 2
+        ):
+            raise ValueError(f"max_model_len must be None or an integer >= 2, got {value!r}")
         if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
             raise ValueError(
                 f"shutdown_timeout must be a finite number >= 0, got {self.shutdown_timeout!r}"
@@ -79,10 +88,11 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         pad_batch=config.pad_batch,
         metrics=ServerMetrics(),
     )
+    context = target.config.max_position_embeddings
     model = ModelInfo(
         name=name,
         tokenizer=target.tokenizer,
-        context_length=target.config.max_position_embeddings,
+        context_length=min(context, config.max_model_len or context),
         default_max_tokens=config.default_max_tokens,
     )
     return create_app(scheduler, model, api_key=config.api_key)
