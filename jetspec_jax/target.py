@@ -14,8 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.checkpoint.atomic import atomic_directory
+from jetspec_jax.checkpoint.bundle import MANIFEST
+from jetspec_jax.checkpoint.draft_hf import is_draft_config
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf, read_hf_config
 from jetspec_jax.checkpoint.hf_params import load_hf_params, save_hf_params
+from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward, unembed
 
@@ -102,8 +106,16 @@ def load_target(
 
         path = default_target_dir(show_progress=show_progress)
     path = pathlib.Path(path)
-    hf_config = read_hf_config(path)
-    config = config_from_hf(hf_config)
+    is_bundle = (path / MANIFEST).is_file()
+    hf_config = None if is_bundle else read_hf_config(path)
+    if is_bundle or is_draft_config(hf_config):
+        raise CheckpointError(
+            f"{path} is a draft checkpoint, not a target: load it with load_draft(path, target)"
+        )
+    try:
+        config = config_from_hf(hf_config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
     params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
     tokenizer = _load_tokenizer(path)
     return Target(
@@ -128,9 +140,10 @@ def _load_tokenizer(path: pathlib.Path):
 def _stop_token_ids(path: pathlib.Path, hf_config: dict, tokenizer) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's."""
     eos = None
-    gen_path = path / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if (path / "generation_config.json").is_file():
+        eos = read_json(path, "generation_config.json", "checkpoint directory", "").get(
+            "eos_token_id"
+        )
     if eos is None:
         eos = hf_config.get("eos_token_id")
     if eos is None and tokenizer is not None:

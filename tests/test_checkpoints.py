@@ -218,3 +218,68 @@ def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeyp
     assert len(calls) == 3  # aside, in (failed), back
     assert (out / "weights").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_config_json_that_is_not_an_object(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="must hold a JSON object, not a list"):
+        jetspec_jax.load_target(path)
+    (path / "config.json").write_bytes(b'{"model_type": "qwen3\xff"}')
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        jetspec_jax.load_target(path)
+
+
+def test_a_null_config_field_is_named_with_the_directory(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_config(path, rms_norm_eps="tiny")
+    with pytest.raises(CheckpointError, match=f"{path}: invalid config.json"):
+        jetspec_jax.load_target(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(
+        json.dumps({**config, "rms_norm_eps": 1e-6, "hidden_size": None})
+    )
+    with pytest.raises(CheckpointError, match="invalid config.json"):
+        jetspec_jax.load_target(path)
+
+
+def test_malformed_generation_config(checkpoints, tmp_path):
+    path, _ = _copy(checkpoints, tmp_path)
+    (path / "generation_config.json").write_text("{eos")
+    with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
+        jetspec_jax.load_target(path)
+
+
+def test_a_draft_directory_is_not_loaded_as_a_target(checkpoints, tmp_path):
+    from jetspec_jax.adapter import init_adapter
+
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    draft = jetspec_jax.init_draft(target, block_size=4)
+    plain = draft.save(tmp_path / "draft")
+    bundle = draft.with_adapter(init_adapter(draft)).save(tmp_path / "bundle")
+    for path in (plain, bundle):
+        with pytest.raises(CheckpointError, match="is a draft checkpoint.*load_draft"):
+            jetspec_jax.load_target(path)
+
+
+def test_a_tensor_in_two_shards_is_refused(checkpoints, tmp_path):
+    _, model = checkpoints.get("llama")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    first, second = sorted(tmp_path.glob("model-*.safetensors"))[:2]
+    tensors = safetensors.numpy.load_file(second)
+    name, tensor = next(iter(safetensors.numpy.load_file(first).items()))
+    safetensors.numpy.save_file({**tensors, name: tensor}, second, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {name} is in two shards"):
+        jetspec_jax.load_target(tmp_path)
+
+
+def test_a_hybrid_target_refuses_a_loaded_draft_block_it_cannot_roll_back(checkpoints):
+    """At load, not only when the draft is served or saved again."""
+    from jetspec_jax.checkpoint.draft_hf import draft_config_from_hf, draft_config_to_hf
+
+    target = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
+    draft = jetspec_jax.init_draft(target, num_layers=1, block_size=16)
+    hf = draft_config_to_hf(draft.config, target.config)
+    hf["block_size"] = 48
+    with pytest.raises(CheckpointError, match="block_size 48 exceeds the 32 positions"):
+        draft_config_from_hf(hf, target.config)

@@ -108,6 +108,14 @@ def check_draft_matches_target(
         )
 
 
+def is_draft_config(hf: dict[str, Any]) -> bool:
+    """Whether an HF `config.json` describes a DFlash/JetSpec draft (not a target)."""
+    architectures = hf.get("architectures") or []
+    return "dflash_config" in hf or any(
+        a in (ARCHITECTURE, _DFLASH2_ARCHITECTURE) for a in architectures
+    )
+
+
 def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -> DraftConfig:
     """Our draft config from a DFlash/JetSpec draft `config.json` paired with `target_config`.
 
@@ -160,7 +168,7 @@ def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"invalid draft config.json: {e}") from e
-    _check_taps(config.target_layer_ids, target_config)
+    check_draft_matches_target(config, target_config, num_target_layers)
     return config
 
 

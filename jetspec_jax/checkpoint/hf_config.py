@@ -102,7 +102,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from e
-    except ValueError as e:  # inconsistent sizes caught by TransformerConfig
+    except (TypeError, ValueError) as e:  # a null or non-number field; inconsistent sizes
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"invalid config.json: {e}") from e

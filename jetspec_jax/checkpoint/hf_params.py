@@ -275,9 +275,13 @@ def locate_tensors(
     index = checkpoint_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:  # bad JSON, no weight_map, not an object
             raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
         files = sorted(set(weight_map.values()))
     elif (checkpoint_dir / SINGLE_FILE).is_file():
         weight_map, files = None, [SINGLE_FILE]
@@ -292,6 +296,10 @@ def locate_tensors(
         try:
             with safetensors.safe_open(path, framework="numpy") as f:
                 for name in f.keys():
+                    if name in located:  # which copy is meant would be a guess
+                        raise CheckpointError(
+                            f"tensor {name} is in two shards: {located[name][0]} and {path}"
+                        )
                     located[name] = (path, tuple(f.get_slice(name).get_shape()))
         except safetensors.SafetensorError as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e

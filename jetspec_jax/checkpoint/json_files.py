@@ -10,7 +10,7 @@ from jetspec_jax.checkpoint.errors import CheckpointError
 
 
 def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str) -> Any:
-    """The parsed `directory/name`.
+    """The parsed `directory/name`: a JSON object (every checkpoint file here is one).
 
     Args:
         directory: the checkpoint directory.
@@ -19,7 +19,8 @@ def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str)
         missing: why the file matters, for the error when it is absent.
 
     Raises:
-        CheckpointError: the directory or the file is missing, or the file is not valid JSON.
+        CheckpointError: the directory or the file is missing, or the file is not UTF-8 JSON
+            holding an object.
     """
     directory = pathlib.Path(directory)
     file = directory / name
@@ -28,6 +29,9 @@ def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str)
     if not file.is_file():
         raise CheckpointError(f"{file} not found: {missing}")
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, not a {type(data).__name__}")
+    return data
