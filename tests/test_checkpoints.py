@@ -283,3 +283,12 @@ def test_a_hybrid_target_refuses_a_loaded_draft_block_it_cannot_roll_back(checkp
     hf["block_size"] = 48
     with pytest.raises(CheckpointError, match="block_size 48 exceeds the 32 positions"):
         draft_config_from_hf(hf, target.config)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_an_omitted_context_length_is_transformers_default(checkpoints, tmp_path, variant):
+    """The context caps every request (prompt + budget): Llama's default is 2048, not Qwen's."""
+    path, _ = _copy(checkpoints, tmp_path, variant)
+    _edit_config(path, max_position_embeddings=None)
+    expected = transformers.AutoConfig.from_pretrained(path).max_position_embeddings
+    assert jetspec_jax.load_target(path).config.max_position_embeddings == expected

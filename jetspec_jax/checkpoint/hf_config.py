@@ -38,6 +38,7 @@ _HF_MODEL_TYPES = {
 }
 # transformers' defaults for fields a config.json may omit.
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "llama": None, "qwen3_5": 256}  # None: hidden_size // heads
+_DEFAULT_CONTEXT = {"qwen3": 32768, "llama": 2048, "qwen3_5": 32768}  # max_position_embeddings
 _DEFAULT_ROPE_THETA = 10000.0
 # Qwen3_5TextConfig defaults.
 _QWEN3_5_DEFAULTS = dict(
@@ -93,7 +94,9 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf(hf, hybrid=model_type == "qwen3_5"),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            max_position_embeddings=int(
+                hf.get("max_position_embeddings", _DEFAULT_CONTEXT[model_type])
+            ),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=model_type in ("qwen3", "qwen3_5"),
             attention_bias=bool(hf.get("attention_bias", False)),
