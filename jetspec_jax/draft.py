@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import random_streams
+from jetspec_jax.checkpoint.adapter_files import check_adapter_matches_draft
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.draft_hf import (
     check_draft_matches_target,
@@ -63,17 +64,12 @@ class Draft:
 
         Raises:
             ValueError: the adapter predicts other tap layers than the draft reads, or states of
-                another width.
+                another width (a `CheckpointError`), or holds another dtype than the draft's.
         """
-        if adapter.config.target_layer_ids != self.config.target_layer_ids:
+        check_adapter_matches_draft(adapter.config, self)
+        if adapter.dtype != self.dtype:  # one dtype per checkpoint (its manifest names one)
             raise ValueError(
-                f"the adapter predicts tap layers {adapter.config.target_layer_ids}, the draft "
-                f"reads {self.config.target_layer_ids}"
-            )
-        if adapter.config.layers.hidden_size != self.config.layers.hidden_size:
-            raise ValueError(
-                f"the adapter predicts states of width {adapter.config.layers.hidden_size}, the "
-                f"target's hidden size is {self.config.layers.hidden_size}"
+                f"the adapter is {adapter.dtype} and the draft {self.dtype}: load both in one dtype"
             )
         return dataclasses.replace(self, adapter=adapter, calibration=calibration)
 

@@ -158,7 +158,7 @@ def test_an_oracle_proxy_never_lowers_tau(target, draft, prompts):
         assert np.mean([r.tau for r in refined]) > np.mean([p.tau for p in plain])
 
 
-def test_refusals(target, draft, prompts):
+def test_refusals(target, draft, prompts, tmp_path):
     bare = jetspec_jax.init_draft(target, num_layers=1, block_size=BLOCK)
     with pytest.raises(ValueError, match="needs a draft with an adapter"):
         _generate(target, prompts, bare, refine_passes=1, refreshes=1)
@@ -167,5 +167,9 @@ def test_refusals(target, draft, prompts):
     with pytest.raises(ValueError, match="apply to method 'jetspec\\+\\+' only"):
         _generate(target, prompts, refreshes=1)
     other = jetspec_jax.init_draft(target, num_layers=1, block_size=BLOCK, target_layer_ids=(0, 1))
-    with pytest.raises(ValueError, match="predicts tap layers"):
+    with pytest.raises(ValueError, match="adapter target_layer_ids .* != the draft's"):
         other.with_adapter(draft.adapter)
+    # One dtype per checkpoint: a float32 adapter on a bfloat16 draft would serve mixed params.
+    bf16 = jetspec_jax.load_draft(draft.save(tmp_path / "pp"), target, dtype="bfloat16")
+    with pytest.raises(ValueError, match="the adapter is float32 and the draft bfloat16"):
+        bf16.with_adapter(draft.adapter)
