@@ -9,7 +9,7 @@ from typing import Any
 from jetspec_jax.checkpoint.errors import CheckpointError
 
 
-def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str) -> Any:
+def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str) -> dict[str, Any]:
     """The parsed `directory/name`: a JSON object (every checkpoint file here is one).
 
     Args:

@@ -64,9 +64,9 @@ def read_regenerated(
             max_length,
         )
     if not records:
+        shorter = "" if max_length is None else f", the prompt shorter than {max_length}"
         raise ValueError(
-            f"no usable records (non-empty prompt and response, prompt shorter than max_length "
-            f"{max_length}) in {list(files)}"
+            f"no usable records (non-empty prompt and response{shorter}) in {list(files)}"
         )
     return records
 
