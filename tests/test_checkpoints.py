@@ -101,10 +101,11 @@ def test_missing_config(tmp_path):
         jetspec_jax.load_target(tmp_path)
 
 
-def test_malformed_config(checkpoints, tmp_path):
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json"])
+def test_malformed_json_file(checkpoints, tmp_path, name):
     path, _ = _copy(checkpoints, tmp_path)
-    (path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
+    (path / name).write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"{path / name} is not valid JSON"):
         jetspec_jax.load_target(path)
 
 
@@ -240,13 +241,6 @@ def test_a_null_config_field_is_named_with_the_directory(checkpoints, tmp_path):
         json.dumps({**config, "rms_norm_eps": 1e-6, "hidden_size": None})
     )
     with pytest.raises(CheckpointError, match="invalid config.json"):
-        jetspec_jax.load_target(path)
-
-
-def test_malformed_generation_config(checkpoints, tmp_path):
-    path, _ = _copy(checkpoints, tmp_path)
-    (path / "generation_config.json").write_text("{eos")
-    with pytest.raises(CheckpointError, match="generation_config.json is not valid JSON"):
         jetspec_jax.load_target(path)
 
 
