@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.checkpoint.atomic import atomic_directory
-from jetspec_jax.checkpoint.bundle import MANIFEST
+from jetspec_jax.checkpoint.bundle import is_bundle
 from jetspec_jax.checkpoint.draft_hf import is_draft_config
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf, read_hf_config
@@ -106,9 +106,7 @@ def load_target(
 
         path = default_target_dir(show_progress=show_progress)
     path = pathlib.Path(path)
-    is_bundle = (path / MANIFEST).is_file()
-    hf_config = None if is_bundle else read_hf_config(path)
-    if is_bundle or is_draft_config(hf_config):
+    if is_bundle(path) or is_draft_config(hf_config := read_hf_config(path)):
         raise CheckpointError(
             f"{path} is a draft checkpoint, not a target: load it with load_draft(path, target)"
         )
