@@ -21,7 +21,18 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # runs on the first.
 jax.config.update("jax_num_cpu_devices", 2)
 
+from jetspec_jax.decoding.session import COMPILED  # noqa: E402
 from tests import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """Frees every compiled program after each test module. XLA:CPU maps each program's code
+    into memory mappings of its own; a worker keeping all of the suite's programs reaches the
+    kernel's limit of 65530 mappings per process, and the next compilation aborts."""
+    yield
+    jax.clear_caches()
+    COMPILED.clear()
 
 
 @pytest.fixture(scope="session")

@@ -43,3 +43,10 @@ class CompiledCache:
         self._executables[key] = executable
         logger.info("compiled %s for a new shape bucket in %.1f s", fn.__name__, seconds)
         return executable, seconds
+
+    def clear(self) -> None:
+        """Drops every executable. Each one holds its JIT-compiled code in memory mappings of
+        its own (several per program on XLA:CPU), so a process compiling many distinct programs
+        (a test suite, a sweep over configs) runs into the kernel's per-process limit
+        (`vm.max_map_count`) unless it frees them; call with `jax.clear_caches()`."""
+        self._executables.clear()
