@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -394,6 +395,9 @@ def test_the_draft_is_exported_before_the_final_evaluation(
     with pytest.raises(RuntimeError, match="evaluation failed"):
         train(_config(data_files, tmp_path), target=target)
     assert jetspec_jax.load_draft(tmp_path / "draft", target).config.block_size == 4
+    # The failed run closed its TensorBoard writer: no writer thread outlives it.
+    writers = [t for t in threading.enumerate() if t.__module__.startswith("tensorboardX")]
+    assert not writers
 
 
 def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):

@@ -4,17 +4,18 @@
         load the frozen target and the trained draft (default `<run.dir>/draft`); check the
         evaluation prompts; init (or restore) the adapter for the draft's taps, the optimizer and
         the data iterator;
-        loop: next batch -> sharded global array -> jitted `adapter_train_step` -> metrics /
-        checkpoint / evaluation; export draft + adapter as a JetSpec++ checkpoint to
-        `<run.dir>/jetspec_pp` (`checkpoint/bundle.py`); the final evaluation.
+        `run_loop.run_steps` with the jitted `adapter_train_step`; export draft + adapter as a
+        JetSpec++ checkpoint to `<run.dir>/jetspec_pp` (`checkpoint/bundle.py`); the final
+        evaluation.
 
 The run lives in `<run.dir>/adapter_run` (orbax checkpoints of train state + grain iterator,
 `metrics.jsonl`, TensorBoard), apart from the draft's run, so both resume independently. The data
-pipeline, mesh, checkpointing and metrics log are `trainer.py`'s.
+pipeline and mesh are the draft run's; the loop, checkpointing and metrics log `run_loop.py`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -23,7 +24,6 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 
 from jetspec_jax.adapter import Adapter, init_adapter
 from jetspec_jax.checkpoint.bundle import save_bundle
@@ -33,18 +33,16 @@ from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluat
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
-from jetspec_jax.training.run_helpers import Throughput, host_params
+from jetspec_jax.training.run_helpers import host_params
+from jetspec_jax.training.run_loop import (
+    MetricsLog,
+    checkpoint_manager,
+    restore_latest,
+    run_steps,
+)
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
-from jetspec_jax.training.trainer import (
-    MetricsLog,
-    batch_sizes,
-    check_eval_prompts,
-    checkpoint_manager,
-    host_floats,
-    restore_latest,
-    save_checkpoint,
-)
+from jetspec_jax.training.trainer import batch_sizes, check_eval_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +135,6 @@ def train_adapter(
     state = jax.device_put(state, param_shardings(state, mesh))
     target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
 
-    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
-    if manager.latest_step() is not None:
-        state = restore_latest(manager, state, iterator)
-        logger.info("adapter: resumed from step %d", int(state.step))
-
     step_config = AdapterStepConfig(
         target=target.config,
         adapter=adapter.config,
@@ -149,71 +142,59 @@ def train_adapter(
         block_size=draft.config.block_size,
         kappa=config.adapter.kappa,
     )
-    step_fn = functools.partial(adapter_train_step, config=step_config, mesh=mesh)
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size)
+    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
+    with contextlib.closing(manager):
+        if manager.latest_step() is not None:
+            state = restore_latest(manager, state, iterator)
+            logger.info("adapter: resumed from step %d", int(state.step))
+        with MetricsLog(run_dir, config.run.tensorboard, start_step=int(state.step)) as log:
 
-    def evaluate(step: int) -> dict:
-        result = adapter_state_metrics(
-            state.params, target_params, eval_batches, config=step_config, seed=optim.seed
-        )
-        if config.adapter.eval_tau and config.data.eval_prompts:
-            result.update(
-                evaluate_refinement_tau(
-                    target,
-                    draft,
-                    _as_adapter(adapter, state),
-                    config.data.eval_prompts,
-                    num_prompts=config.data.eval_num_prompts,
-                    max_new_tokens=config.data.eval_max_new_tokens,
-                    math_suffix=config.data.eval_math_suffix,
+            def evaluate(step: int, state) -> dict:
+                result = adapter_state_metrics(
+                    state.params, target_params, eval_batches, config=step_config, seed=optim.seed
                 )
-            )
-        metrics_log.write(step, result)
-        return result
+                if config.adapter.eval_tau and config.data.eval_prompts:
+                    result.update(
+                        evaluate_refinement_tau(
+                            target,
+                            draft,
+                            _as_adapter(adapter, state),
+                            config.data.eval_prompts,
+                            num_prompts=config.data.eval_num_prompts,
+                            max_new_tokens=config.data.eval_max_new_tokens,
+                            math_suffix=config.data.eval_math_suffix,
+                        )
+                    )
+                log.write(step, result)
+                return result
 
-    start_step, metrics = int(state.step), {}
-    metrics_log = MetricsLog(run_dir, config.run.tensorboard, start_step=start_step)
-    end_step = optim.steps if stop_after is None else min(optim.steps, start_step + stop_after)
-    progress = tqdm.tqdm(
-        range(start_step, end_step),
-        initial=start_step,
-        total=optim.steps,
-        desc="training adapter",
-        disable=None if show_progress is None else not show_progress,
-    )
-    throughput = Throughput(start_step, global_batch * config.data.max_length)
-    for step in progress:
-        batch = next(iterator)
-        batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-        state, step_metrics = step_fn(state, target_params, batch)
-        done = step + 1
-        if done % config.run.log_every == 0 or done == optim.steps:
-            metrics = host_floats(jax.device_get(step_metrics))
-            metrics["tokens_per_second"] = throughput.rate(done)
-            metrics_log.write(done, metrics)
-            progress.set_postfix(
-                loss=f"{metrics['loss']:.3f}", gap=f"{metrics['gap_closed_mean']:.3f}"
+            state, metrics = run_steps(
+                state,
+                functools.partial(adapter_train_step, config=step_config, mesh=mesh),
+                target_params,
+                iterator,
+                sharding=sharding,
+                manager=manager,
+                metrics_log=log,
+                run=config.run,
+                total_steps=optim.steps,
+                stop_after=stop_after,
+                tokens_per_step=global_batch * config.data.max_length,
+                evaluate=evaluate,
+                postfix=lambda m: dict(loss=f"{m['loss']:.3f}", gap=f"{m['gap_closed_mean']:.3f}"),
+                desc="training adapter",
+                show_progress=show_progress,
             )
-        if done % config.run.checkpoint_every == 0 or done in (end_step, optim.steps):
-            with throughput.paused(state):
-                save_checkpoint(manager, done, state, iterator)
-        if config.run.eval_every and done % config.run.eval_every == 0 and done < optim.steps:
-            with throughput.paused(state):
-                evaluate(done)
-    manager.wait_until_finished()
-    progress.close()
-    if int(state.step) < optim.steps:
-        metrics_log.close()
-        return None
-
-    # Export before the final evaluation: a failing evaluation must not cost the trained adapter.
-    trained = _as_adapter(adapter, state)
-    export_dir = adapter_export_dir(config)
-    if jax.process_index() == 0:
-        save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
-    evaluation = evaluate(int(state.step))
-    metrics_log.close()
+            if int(state.step) < optim.steps:
+                return None
+            # Export before the final evaluation: a failing evaluation must not cost the adapter.
+            trained = _as_adapter(adapter, state)
+            export_dir = adapter_export_dir(config)
+            if jax.process_index() == 0:
+                save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
+            evaluation = evaluate(int(state.step), state)
     return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
 
 

@@ -3,7 +3,8 @@
     train(config) ->
         load the frozen target; check the evaluation prompts; init (or restore) the draft,
         optimizer and data iterator;
-        loop: next batch -> sharded global array -> jitted step -> metrics / checkpoint / eval;
+        `run_loop.run_steps`: next batch -> sharded global array -> jitted `train_step` ->
+        metrics / checkpoint / evaluation;
         export the draft in the DFlash/JetSpec HF layout; the final evaluation.
 
 Checkpoints (orbax `CheckpointManager` under `<run.dir>/checkpoints`) hold the train state and the
@@ -14,26 +15,27 @@ its flags); every process reads its own shard of the data.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import json
 import logging
-import os
 import pathlib
 
-import grain
 import jax
 import jax.numpy as jnp
-import numpy as np
-import orbax.checkpoint as ocp
-import tqdm
 
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
-from jetspec_jax.training.run_helpers import Throughput, host_params
+from jetspec_jax.training.run_helpers import host_params
+from jetspec_jax.training.run_loop import (
+    MetricsLog,
+    checkpoint_manager,
+    restore_latest,
+    run_steps,
+)
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 
@@ -106,62 +108,42 @@ def train(
     state = jax.device_put(state, state_shardings)
     target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
 
-    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
-    if manager.latest_step() is not None:
-        state = restore_latest(manager, state, iterator)
-        logger.info("resumed from step %d", int(state.step))
-
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
-    step_fn = functools.partial(train_step, config=step_config, mesh=mesh)
-    sharding = batch_sharding(mesh)
-    start_step, metrics, eval_tau = int(state.step), {}, None
-    metrics_log = MetricsLog(run_dir, config.run.tensorboard, start_step=start_step)
-    end_step = config.optim.steps
-    if stop_after is not None:
-        end_step = min(end_step, start_step + stop_after)
-    progress = tqdm.tqdm(
-        range(start_step, end_step),
-        initial=start_step,
-        total=config.optim.steps,
-        desc="training",
-        disable=None if show_progress is None else not show_progress,
-    )
-    throughput = Throughput(start_step, global_batch * config.data.max_length)
-    for step in progress:
-        batch = next(iterator)
-        batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
-        state, step_metrics = step_fn(state, target_params, batch)
-        done = step + 1
-        if done % config.run.log_every == 0 or done == config.optim.steps:
-            metrics = host_floats(jax.device_get(step_metrics))
-            metrics["tokens_per_second"] = throughput.rate(done)
-            metrics_log.write(done, metrics)
-            progress.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
-        if done % config.run.checkpoint_every == 0 or done in (end_step, config.optim.steps):
-            with throughput.paused(state):
-                save_checkpoint(manager, done, state, iterator)
-        if (
-            config.run.eval_every
-            and config.data.eval_prompts
-            and done % config.run.eval_every == 0
-            and done < config.optim.steps
-        ):
-            with throughput.paused(state):
-                now = _as_draft(draft, state, target)
-                eval_tau = _evaluate(config, target, now, metrics_log, done)
-    manager.wait_until_finished()
-    progress.close()
-    if int(state.step) < config.optim.steps:
-        metrics_log.close()
-        return None
+    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
+    with contextlib.closing(manager):
+        if manager.latest_step() is not None:
+            state = restore_latest(manager, state, iterator)
+            logger.info("resumed from step %d", int(state.step))
+        with MetricsLog(run_dir, config.run.tensorboard, start_step=int(state.step)) as log:
 
-    # Export before the final evaluation: a failing evaluation must not cost the trained draft.
-    trained = _as_draft(draft, state, target)
-    export_dir = run_dir / "draft"
-    if jax.process_index() == 0:
-        trained.save(export_dir, overwrite=True)
-    eval_tau = _evaluate(config, target, trained, metrics_log, int(state.step))
-    metrics_log.close()
+            def evaluate(step: int, state) -> float | None:
+                return _evaluate(config, target, _as_draft(draft, state, target), log, step)
+
+            state, metrics = run_steps(
+                state,
+                functools.partial(train_step, config=step_config, mesh=mesh),
+                target_params,
+                iterator,
+                sharding=batch_sharding(mesh),
+                manager=manager,
+                metrics_log=log,
+                run=config.run,
+                total_steps=config.optim.steps,
+                stop_after=stop_after,
+                tokens_per_step=global_batch * config.data.max_length,
+                evaluate=evaluate if config.data.eval_prompts else None,
+                postfix=lambda m: dict(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}"),
+                desc="training",
+                show_progress=show_progress,
+            )
+            if int(state.step) < config.optim.steps:
+                return None
+            # Export before the final evaluation: a failing evaluation must not cost the draft.
+            trained = _as_draft(draft, state, target)
+            export_dir = run_dir / "draft"
+            if jax.process_index() == 0:
+                trained.save(export_dir, overwrite=True)
+            eval_tau = _evaluate(config, target, trained, log, int(state.step))
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
 
@@ -207,39 +189,6 @@ def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
     return global_batch // processes, global_batch
 
 
-def checkpoint_manager(directory: pathlib.Path, keep: int) -> ocp.CheckpointManager:
-    """Orbax checkpoints of a train state and its data iterator under `directory`."""
-    return ocp.CheckpointManager(
-        directory.absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep),
-        item_names=("state", "data"),
-    )
-
-
-def save_checkpoint(manager: ocp.CheckpointManager, step: int, state, iterator) -> None:
-    """Saves `state` and the grain `iterator`'s position as checkpoint `step` (asynchronously)."""
-    manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)
-        ),
-    )
-
-
-def restore_latest(manager: ocp.CheckpointManager, state, iterator):
-    """The latest checkpoint's state (shaped and sharded like `state`); restores `iterator` in
-    place."""
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(
-        manager.latest_step(),
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract),
-            data=grain.checkpoint.CheckpointRestore(iterator),
-        ),
-    )
-    return restored["state"]
-
-
 def check_eval_prompts(config: TrainConfig, target: Target) -> None:
     """Reads and encodes the evaluation prompts `config.data` names, if any, so that a missing or
     malformed file fails the run before any training rather than after it.
@@ -278,84 +227,3 @@ def _evaluate(config, target, trained: Draft, metrics_log, step) -> float | None
     )
     metrics_log.write(step, {"eval_tau": tau})
     return tau
-
-
-def host_floats(tree) -> dict:
-    out = {}
-    for name, value in tree.items():
-        value = np.asarray(value)
-        out[name] = value.tolist() if value.ndim else float(value)
-    return out
-
-
-class MetricsLog:
-    """Metrics to `<run>/metrics.jsonl` and, optionally, TensorBoard (`<run>/tensorboard`).
-
-    `start_step`: the step the run starts (or resumes) from. Rows of later steps already in the
-    file were logged by an earlier attempt after its last checkpoint; the run logs those steps
-    again, so they are dropped first (no duplicate steps in the file).
-    """
-
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool, *, start_step: int):
-        self._primary = jax.process_index() == 0
-        self._jsonl = None
-        if self._primary:
-            path = run_dir / "metrics.jsonl"
-            drop_rows_after(path, start_step)
-            self._jsonl = path.open("a")
-        self._tb = None
-        if tensorboard and self._primary:
-            from tensorboardX import SummaryWriter  # deferred: optional at import time
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-
-    def write(self, step: int, metrics: dict) -> None:
-        if not self._primary:
-            return
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._jsonl.flush()
-        if self._tb is not None:
-            for name, value in metrics.items():
-                if isinstance(value, list):
-                    for i, v in enumerate(value):
-                        self._tb.add_scalar(f"{name}/{i}", v, step)
-                else:
-                    self._tb.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def drop_rows_after(path: pathlib.Path, step: int) -> None:
-    """Rewrites the metrics file `path` (atomically) without its rows of steps after `step`, and
-    without a torn last line (a kill mid-write); leaves it alone when there are none.
-
-    Raises:
-        ValueError: a complete line is not a JSON object with an integer `step` (names the line).
-    """
-    if not path.exists():
-        return
-    *lines, torn = path.read_text(encoding="utf-8").split("\n")  # torn: "" after a full last line
-    kept = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not valid JSON: {e}") from e
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ValueError(f"{path}:{number} is not a metrics row (no integer 'step')")
-        if row["step"] <= step:
-            kept.append(line)
-    if len(kept) == len([x for x in lines if x.strip()]) and not torn:
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -1,0 +1,228 @@
+"""The step loop both training runs (`trainer.py`, `adapter_trainer.py`) share, with its checkpoints
+and its metrics log.
+
+    run_steps: next batch -> sharded global array -> jitted step -> metrics (every `log_every`)
+               / checkpoint (every `checkpoint_every`, and the last step) / evaluation (every
+               `eval_every`, except the last step: the run evaluates once more after export).
+
+Checkpoints (orbax `CheckpointManager`) hold the train state and the grain iterator's position, so
+a restarted run resumes exactly where an uninterrupted one would be. The caller owns the manager
+and the `MetricsLog` and closes both (`contextlib.closing`, `with`), whether the run ends, stops
+early or fails: an unclosed manager leaves its async-save threads running, an unclosed log its
+TensorBoard writer thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tqdm
+
+from jetspec_jax.training.config import RunConfig
+from jetspec_jax.training.run_helpers import Throughput
+
+
+def run_steps(
+    state,
+    step_fn: Callable,
+    target_params,
+    iterator,
+    *,
+    sharding: jax.sharding.Sharding,
+    manager: ocp.CheckpointManager,
+    metrics_log: MetricsLog,
+    run: RunConfig,
+    total_steps: int,
+    stop_after: int | None,
+    tokens_per_step: int,
+    evaluate: Callable[[int, object], object] | None,
+    postfix: Callable[[dict], dict],
+    desc: str,
+    show_progress: bool | None,
+) -> tuple[object, dict]:
+    """Steps `state` from `state.step` to `total_steps`, or `stop_after` steps if fewer.
+
+    Args:
+        state: the train state (a `TrainState`: `.step` counts the steps done), sharded.
+        step_fn: `(state, target_params, batch) -> (state, metrics)`, jitted.
+        target_params: the frozen target's params, sharded.
+        iterator: the grain iterator of per-process batches (checkpointed with the state).
+        sharding: how a per-process batch is assembled into the global batch.
+        manager: where checkpoints go (saved asynchronously; waited for before returning).
+        metrics_log: receives the logged metrics.
+        run: `log_every`, `checkpoint_every` and `eval_every`.
+        total_steps: the run's steps in all.
+        stop_after: at most this many steps in this call (None: to the end).
+        tokens_per_step: global batch x sequence length (the logged `tokens_per_second`).
+        evaluate: `(step, state) -> anything`, called every `run.eval_every` steps before the
+            last; None: no evaluation during the run.
+        postfix: the progress bar's fields from a logged step's metrics.
+        desc: the progress bar's label.
+        show_progress: progress bar (None: only on a terminal).
+
+    Returns:
+        `(state, metrics)`: the state after the last step, and the last logged step's metrics
+        (floats; `{}` if no step was logged).
+    """
+    start_step, metrics = int(state.step), {}
+    end_step = total_steps if stop_after is None else min(total_steps, start_step + stop_after)
+    progress = tqdm.tqdm(
+        range(start_step, end_step),
+        initial=start_step,
+        total=total_steps,
+        desc=desc,
+        disable=None if show_progress is None else not show_progress,
+    )
+    throughput = Throughput(start_step, tokens_per_step)
+    for step in progress:
+        batch = next(iterator)
+        batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+        state, step_metrics = step_fn(state, target_params, batch)
+        done = step + 1
+        if done % run.log_every == 0 or done == total_steps:
+            metrics = host_floats(jax.device_get(step_metrics))
+            metrics["tokens_per_second"] = throughput.rate(done)
+            metrics_log.write(done, metrics)
+            progress.set_postfix(postfix(metrics))
+        if done % run.checkpoint_every == 0 or done in (end_step, total_steps):
+            with throughput.paused(state):
+                save_checkpoint(manager, done, state, iterator)
+        evaluation_due = run.eval_every and done % run.eval_every == 0 and done < total_steps
+        if evaluate is not None and evaluation_due:
+            with throughput.paused(state):
+                evaluate(done, state)
+    manager.wait_until_finished()
+    progress.close()
+    return state, metrics
+
+
+def checkpoint_manager(directory: pathlib.Path, keep: int) -> ocp.CheckpointManager:
+    """Orbax checkpoints of a train state and its data iterator under `directory`."""
+    return ocp.CheckpointManager(
+        directory.absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep),
+        item_names=("state", "data"),
+    )
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, state, iterator) -> None:
+    """Saves `state` and the grain `iterator`'s position as checkpoint `step` (asynchronously)."""
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator)
+        ),
+    )
+
+
+def restore_latest(manager: ocp.CheckpointManager, state, iterator):
+    """The latest checkpoint's state (shaped and sharded like `state`); restores `iterator` in
+    place."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = manager.restore(
+        manager.latest_step(),
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract),
+            data=grain.checkpoint.CheckpointRestore(iterator),
+        ),
+    )
+    return restored["state"]
+
+
+def host_floats(tree) -> dict:
+    """A step's metrics as Python floats (lists for per-tap vectors), for the log."""
+    out = {}
+    for name, value in tree.items():
+        value = np.asarray(value)
+        out[name] = value.tolist() if value.ndim else float(value)
+    return out
+
+
+class MetricsLog:
+    """Metrics to `<run>/metrics.jsonl` and, optionally, TensorBoard (`<run>/tensorboard`); a
+    context manager (closing it stops the TensorBoard writer's thread).
+
+    `start_step`: the step the run starts (or resumes) from. Rows of later steps already in the
+    file were logged by an earlier attempt after its last checkpoint; the run logs those steps
+    again, so they are dropped first (no duplicate steps in the file).
+    """
+
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool, *, start_step: int):
+        self._primary = jax.process_index() == 0
+        self._jsonl = None
+        if self._primary:
+            path = run_dir / "metrics.jsonl"
+            drop_rows_after(path, start_step)
+            self._jsonl = path.open("a")
+        self._tb = None
+        if tensorboard and self._primary:
+            from tensorboardX import SummaryWriter  # deferred: optional at import time
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self._primary:
+            return
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in metrics.items():
+                if isinstance(value, list):
+                    for i, v in enumerate(value):
+                        self._tb.add_scalar(f"{name}/{i}", v, step)
+                else:
+                    self._tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        """Flushes and closes both outputs; idempotent."""
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def drop_rows_after(path: pathlib.Path, step: int) -> None:
+    """Rewrites the metrics file `path` (atomically) without its rows of steps after `step`, and
+    without a torn last line (a kill mid-write); leaves it alone when there are none.
+
+    Raises:
+        ValueError: a complete line is not a JSON object with an integer `step` (names the line).
+    """
+    if not path.exists():
+        return
+    *lines, torn = path.read_text(encoding="utf-8").split("\n")  # torn: "" after a full last line
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} is not valid JSON: {e}") from e
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number} is not a metrics row (no integer 'step')")
+        if row["step"] <= step:
+            kept.append(line)
+    if len(kept) == len([x for x in lines if x.strip()]) and not torn:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
