@@ -15,10 +15,8 @@ pipeline and mesh are the draft run's; the loop, checkpointing and metrics log `
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
 import pathlib
 
 import jax
@@ -34,17 +32,10 @@ from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_s
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
 from jetspec_jax.training.run_helpers import host_params
-from jetspec_jax.training.run_loop import (
-    MetricsLog,
-    checkpoint_manager,
-    restore_latest,
-    run_steps,
-)
+from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
 from jetspec_jax.training.trainer import batch_sizes, check_eval_prompts
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,57 +135,52 @@ def train_adapter(
     )
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size)
-    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
-    with contextlib.closing(manager):
-        if manager.latest_step() is not None:
-            state = restore_latest(manager, state, iterator)
-            logger.info("adapter: resumed from step %d", int(state.step))
-        with MetricsLog(run_dir, config.run.tensorboard, start_step=int(state.step)) as log:
+    with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
 
-            def evaluate(step: int, state) -> dict:
-                result = adapter_state_metrics(
-                    state.params, target_params, eval_batches, config=step_config, seed=optim.seed
-                )
-                if config.adapter.eval_tau and config.data.eval_prompts:
-                    result.update(
-                        evaluate_refinement_tau(
-                            target,
-                            draft,
-                            _as_adapter(adapter, state),
-                            config.data.eval_prompts,
-                            num_prompts=config.data.eval_num_prompts,
-                            max_new_tokens=config.data.eval_max_new_tokens,
-                            math_suffix=config.data.eval_math_suffix,
-                        )
-                    )
-                log.write(step, result)
-                return result
-
-            state, metrics = run_steps(
-                state,
-                functools.partial(adapter_train_step, config=step_config, mesh=mesh),
-                target_params,
-                iterator,
-                sharding=sharding,
-                manager=manager,
-                metrics_log=log,
-                run=config.run,
-                total_steps=optim.steps,
-                stop_after=stop_after,
-                tokens_per_step=global_batch * config.data.max_length,
-                evaluate=evaluate,
-                postfix=lambda m: dict(loss=f"{m['loss']:.3f}", gap=f"{m['gap_closed_mean']:.3f}"),
-                desc="training adapter",
-                show_progress=show_progress,
+        def evaluate(step: int, state) -> dict:
+            result = adapter_state_metrics(
+                state.params, target_params, eval_batches, config=step_config, seed=optim.seed
             )
-            if int(state.step) < optim.steps:
-                return None
-            # Export before the final evaluation: a failing evaluation must not cost the adapter.
-            trained = _as_adapter(adapter, state)
-            export_dir = adapter_export_dir(config)
-            if jax.process_index() == 0:
-                save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
-            evaluation = evaluate(int(state.step), state)
+            if config.adapter.eval_tau and config.data.eval_prompts:
+                result.update(
+                    evaluate_refinement_tau(
+                        target,
+                        draft,
+                        _as_adapter(adapter, state),
+                        config.data.eval_prompts,
+                        num_prompts=config.data.eval_num_prompts,
+                        max_new_tokens=config.data.eval_max_new_tokens,
+                        math_suffix=config.data.eval_math_suffix,
+                    )
+                )
+            log.write(step, result)
+            return result
+
+        state, metrics = run_steps(
+            state,
+            functools.partial(adapter_train_step, config=step_config, mesh=mesh),
+            target_params,
+            iterator,
+            sharding=sharding,
+            manager=manager,
+            metrics_log=log,
+            run=config.run,
+            total_steps=optim.steps,
+            stop_after=stop_after,
+            tokens_per_step=global_batch * config.data.max_length,
+            evaluate=evaluate,
+            postfix=lambda m: dict(loss=f"{m['loss']:.3f}", gap=f"{m['gap_closed_mean']:.3f}"),
+            desc="training adapter",
+            show_progress=show_progress,
+        )
+        if int(state.step) < optim.steps:
+            return None
+        # Export before the final evaluation: a failing evaluation must not cost the adapter.
+        trained = _as_adapter(adapter, state)
+        export_dir = adapter_export_dir(config)
+        if jax.process_index() == 0:
+            save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
+        evaluation = evaluate(int(state.step), state)
     return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
 
 

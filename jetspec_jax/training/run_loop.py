@@ -6,18 +6,20 @@ and its metrics log.
                `eval_every`, except the last step: the run evaluates once more after export).
 
 Checkpoints (orbax `CheckpointManager`) hold the train state and the grain iterator's position, so
-a restarted run resumes exactly where an uninterrupted one would be. The caller owns the manager
-and the `MetricsLog` and closes both (`contextlib.closing`, `with`), whether the run ends, stops
-early or fails: an unclosed manager leaves its async-save threads running, an unclosed log its
-TensorBoard writer thread.
+a restarted run resumes exactly where an uninterrupted one would be. `opened_run` opens the
+checkpoint manager and the `MetricsLog` and closes both whether the run ends, stops early or fails:
+an unclosed manager leaves its async-save threads running, an unclosed log its TensorBoard writer
+thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grain
 import jax
@@ -27,6 +29,8 @@ import tqdm
 
 from jetspec_jax.training.config import RunConfig
 from jetspec_jax.training.run_helpers import Throughput
+
+logger = logging.getLogger(__name__)
 
 
 def run_steps(
@@ -101,6 +105,25 @@ def run_steps(
     manager.wait_until_finished()
     progress.close()
     return state, metrics
+
+
+@contextlib.contextmanager
+def opened_run(
+    run_dir: pathlib.Path, run: RunConfig, state, iterator
+) -> Iterator[tuple[object, ocp.CheckpointManager, MetricsLog]]:
+    """A run's checkpoints (`<run_dir>/checkpoints`) and metrics log, opened for the loop.
+
+    Restores the latest checkpoint, if any, into a copy of `state` (returned) and into `iterator`
+    (in place). Yields `(state, manager, metrics_log)`; both are closed on leaving, however the
+    run ends.
+    """
+    manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
+    with contextlib.closing(manager):
+        if manager.latest_step() is not None:
+            state = restore_latest(manager, state, iterator)
+            logger.info("%s: resumed from step %d", run_dir, int(state.step))
+        with MetricsLog(run_dir, run.tensorboard, start_step=int(state.step)) as metrics_log:
+            yield state, manager, metrics_log
 
 
 def checkpoint_manager(directory: pathlib.Path, keep: int) -> ocp.CheckpointManager:

@@ -15,10 +15,8 @@ its flags); every process reads its own shard of the data.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import logging
 import pathlib
 
 import jax
@@ -30,16 +28,9 @@ from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
 from jetspec_jax.training.run_helpers import host_params
-from jetspec_jax.training.run_loop import (
-    MetricsLog,
-    checkpoint_manager,
-    restore_latest,
-    run_steps,
-)
+from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,41 +100,36 @@ def train(
     target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
-    manager = checkpoint_manager(run_dir / "checkpoints", config.run.keep_checkpoints)
-    with contextlib.closing(manager):
-        if manager.latest_step() is not None:
-            state = restore_latest(manager, state, iterator)
-            logger.info("resumed from step %d", int(state.step))
-        with MetricsLog(run_dir, config.run.tensorboard, start_step=int(state.step)) as log:
+    with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
 
-            def evaluate(step: int, state) -> float | None:
-                return _evaluate(config, target, _as_draft(draft, state, target), log, step)
+        def evaluate(step: int, state) -> float | None:
+            return _evaluate(config, target, _as_draft(draft, state, target), log, step)
 
-            state, metrics = run_steps(
-                state,
-                functools.partial(train_step, config=step_config, mesh=mesh),
-                target_params,
-                iterator,
-                sharding=batch_sharding(mesh),
-                manager=manager,
-                metrics_log=log,
-                run=config.run,
-                total_steps=config.optim.steps,
-                stop_after=stop_after,
-                tokens_per_step=global_batch * config.data.max_length,
-                evaluate=evaluate if config.data.eval_prompts else None,
-                postfix=lambda m: dict(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}"),
-                desc="training",
-                show_progress=show_progress,
-            )
-            if int(state.step) < config.optim.steps:
-                return None
-            # Export before the final evaluation: a failing evaluation must not cost the draft.
-            trained = _as_draft(draft, state, target)
-            export_dir = run_dir / "draft"
-            if jax.process_index() == 0:
-                trained.save(export_dir, overwrite=True)
-            eval_tau = _evaluate(config, target, trained, log, int(state.step))
+        state, metrics = run_steps(
+            state,
+            functools.partial(train_step, config=step_config, mesh=mesh),
+            target_params,
+            iterator,
+            sharding=batch_sharding(mesh),
+            manager=manager,
+            metrics_log=log,
+            run=config.run,
+            total_steps=config.optim.steps,
+            stop_after=stop_after,
+            tokens_per_step=global_batch * config.data.max_length,
+            evaluate=evaluate if config.data.eval_prompts else None,
+            postfix=lambda m: dict(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}"),
+            desc="training",
+            show_progress=show_progress,
+        )
+        if int(state.step) < config.optim.steps:
+            return None
+        # Export before the final evaluation: a failing evaluation must not cost the draft.
+        trained = _as_draft(draft, state, target)
+        export_dir = run_dir / "draft"
+        if jax.process_index() == 0:
+            trained.save(export_dir, overwrite=True)
+        eval_tau = _evaluate(config, target, trained, log, int(state.step))
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
 
