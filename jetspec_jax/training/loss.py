@@ -51,8 +51,9 @@ def draft_loss(
     """Mean forward KL over supervised block rows, and metrics.
 
     Returns:
-        `(loss, metrics)`; metrics hold `kl`, `accuracy` (draft argmax == target argmax over
-        supervised rows), `accuracy_by_row` `[K]` and `supervised` (row count).
+        `(loss, metrics)`: the loss is the mean KL(target || draft) per supervised row (rows
+        weigh alike); metrics hold `accuracy` (draft argmax == target argmax over supervised
+        rows), `accuracy_by_row` `[K]` and `supervised` (row count).
     """
     embedding = target_params["embed_tokens"]["embedding"]
     lm_head = output_kernel(target_params, target_config)
@@ -72,7 +73,6 @@ def draft_loss(
     correct = (jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)).astype(jnp.float32)
     row_total = jnp.maximum(jnp.sum(w, axis=(0, 1)), 1.0)
     metrics = {
-        "kl": loss,
         "accuracy": jnp.sum(correct * w) / total,
         "accuracy_by_row": jnp.sum(correct * w, axis=(0, 1)) / row_total,
         "supervised": jnp.sum(w),
