@@ -280,6 +280,58 @@ def test_command_line_overrides_are_typed_and_validated(tmp_path):
         load_train_config(path, ["optim.steps=many"])
 
 
+def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
+    """Chunks of 3 of 8 anchors (the last padded), of 1, and all at once equal the loss written
+    out whole: the `[B, A, K, V]` logits of both models in one piece (the oracle)."""
+    from jetspec_jax.models.draft import draft_hidden_for_training, draft_logits
+    from jetspec_jax.models.transformer import output_kernel, unembed
+    from jetspec_jax.training.loss import draft_loss, teacher_forward
+
+    draft = jetspec_jax.init_draft(
+        target, variant="jetspec++", block_size=4, num_layers=1, init_std=0.2, seed=1
+    )
+    cfg, params = draft.config, target.params
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 24)), jnp.int32)
+    loss_mask = jnp.arange(24)[None, :] >= jnp.asarray([[6], [9]])
+    blocks = build_blocks(jax.random.key(0), tokens, loss_mask, cfg, num_anchors=8)
+    teacher = teacher_forward(params, target.config, cfg, tokens)
+
+    def whole(draft_params):
+        hidden = draft_hidden_for_training(
+            draft_params,
+            cfg,
+            params["embed_tokens"]["embedding"],
+            teacher.taps,
+            blocks.tokens,
+            blocks.anchors,
+        )
+        logits = draft_logits(cfg, output_kernel(params, target.config), hidden)
+        rows = teacher.hidden[jnp.arange(2)[:, None, None], blocks.predicted - 1]
+        teacher_logp = jax.nn.log_softmax(unembed(params, target.config, rows), axis=-1)
+        kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - jax.nn.log_softmax(logits)), -1)
+        return jnp.sum(kl * blocks.weights) / jnp.sum(blocks.weights)
+
+    expected, expected_grad = jax.jit(jax.value_and_grad(whole))(draft.params)
+    assert float(jnp.sum(blocks.weights)) > 20  # enough supervised rows to mean something
+    accuracies = []
+    for chunk in (3, 1, 8, 64):
+
+        def chunked(draft_params, chunk=chunk):
+            return draft_loss(
+                draft_params, cfg, params, target.config, teacher, blocks, anchors_per_chunk=chunk
+            )
+
+        (loss, metrics), grad = jax.jit(jax.value_and_grad(chunked, has_aux=True))(draft.params)
+        np.testing.assert_allclose(loss, expected, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(expected_grad), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+        assert metrics["supervised"] == jnp.sum(blocks.weights)
+        accuracies.append(np.asarray(metrics["accuracy_by_row"]))
+    for by_row in accuracies[1:]:
+        np.testing.assert_allclose(by_row, accuracies[0], rtol=1e-6)
+
+
 @pytest.mark.parametrize("variant", ["dflash", "jetspec++"])
 def test_training_forward_equals_the_inference_forward_block_by_block(target, variant):
     # (jitted pieces: op-by-op execution of a forward is slow on CPU)

@@ -54,6 +54,8 @@ class OptimConfig:
 
     batch_size: int = 8
     anchors_per_sequence: int = 512
+    # The draft loss forms both models' [B, chunk, K, V] logits a chunk of anchors at a time.
+    anchors_per_loss_chunk: int = 32
     p_full_noise: float = 0.25
     steps: int = 1000
     epochs: float | None = None  # when set: steps = ceil(epochs * examples / batch_size)
@@ -148,7 +150,7 @@ class TrainConfig:
 
 
 def _check_optim(optim: OptimConfig, where: str) -> None:
-    for name in ("batch_size", "anchors_per_sequence", "steps"):
+    for name in ("batch_size", "anchors_per_sequence", "anchors_per_loss_chunk", "steps"):
         _check(getattr(optim, name) >= 1, f"{where}.{name}", getattr(optim, name))
     if optim.epochs is None:
         _check(0 <= optim.warmup_steps <= optim.steps, f"{where}.warmup_steps", optim.warmup_steps)

@@ -105,7 +105,15 @@ def train_step(
 
     def loss_fn(params):
         params = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-        return draft_loss(params, config.draft, target_params, config.target, teacher, blocks)
+        return draft_loss(
+            params,
+            config.draft,
+            target_params,
+            config.target,
+            teacher,
+            blocks,
+            anchors_per_chunk=config.optim.anchors_per_loss_chunk,
+        )
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     return apply_gradients(state, grads, dict(metrics, loss=loss), config.optim, mesh)
