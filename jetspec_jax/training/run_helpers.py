@@ -1,5 +1,5 @@
-"""Pieces both training runs (`trainer.py`, `adapter_trainer.py`) share beyond trainer.py's data,
-checkpoint and metrics helpers: trained weights back on the host, and the logged throughput.
+"""Pieces both training runs (`trainer.py`, `adapter_trainer.py`) share besides `run_loop.py`:
+trained weights back on the host, and the logged throughput.
 """
 
 from __future__ import annotations

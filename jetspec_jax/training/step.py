@@ -1,7 +1,8 @@
 """One optimisation step of draft training, as a pure jitted function.
 
-    batch -> frozen target (taps + teacher logits) -> blocks (keyed by the step) -> draft forward
-    in the compute dtype -> forward KL -> grads (fp32 master weights) -> clip -> AdamW
+    batch -> frozen target (taps + final hidden states) -> blocks (keyed by the step) -> draft
+    forward in the compute dtype -> forward KL (by anchor chunks) -> grads (fp32 master weights)
+    -> clip -> AdamW
 
 Blocks are drawn from `fold_in(key(seed), step)`, so a resumed run draws exactly the blocks an
 uninterrupted one would.
