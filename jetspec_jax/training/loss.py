@@ -55,9 +55,9 @@ def draft_loss(
     """Mean forward KL over supervised block rows, and metrics.
 
     The `[B, A, K, V]` logits of both models exist only `anchors_per_chunk` anchors at a time
-    (`lax.map` over chunks, each rematerialised in the backward pass), so a step's memory grows
-    with the chunk, not with `A x V`. The result does not depend on the chunking (up to float
-    summation order).
+    (`lax.map` over chunks; with more than one, each is recomputed in the backward pass rather
+    than kept), so a step's memory grows with the chunk, not with `A x V`. The result does not
+    depend on the chunking (up to float summation order).
 
     Returns:
         `(loss, metrics)`: the loss is the mean KL(target || draft) per supervised row (rows
