@@ -4,10 +4,12 @@ the CLI and config refusals, on the tiny target."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import json
 import pathlib
 import shutil
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -239,6 +241,44 @@ def test_the_bundle_is_exported_before_the_final_evaluation(target, workdir, mon
         train_adapter(config, target=target, draft=draft)
     exported = jetspec_jax.load_draft("runs/tiny/failing_eval/jetspec_pp", target)
     assert exported.adapter.config.layers_per_module == (1,)
+
+
+def test_no_device_keeps_the_loaded_target_while_the_steps_run(workdir, monkeypatch):
+    """The steps read the target sharded over the mesh (fsdp here); the whole copy the run loaded
+    must leave the device, and come back only while the tau evaluation decodes."""
+    monkeypatch.chdir(workdir)
+    loaded, seen = [], {}
+    load_target, run_steps = adapter_trainer.load_target, adapter_trainer.run_steps
+    evaluate = adapter_trainer.evaluate_refinement_tau
+
+    def spy_load(*args, **kwargs):
+        target = load_target(*args, **kwargs)
+        loaded.append(weakref.ref(target.params["embed_tokens"]["embedding"]))
+        return target
+
+    def spy_steps(*args, **kwargs):
+        gc.collect()
+        seen["loaded copy alive"] = loaded[0]() is not None
+        return run_steps(*args, **kwargs)
+
+    def spy_evaluate(target, draft, *args, **kwargs):
+        seen["evaluated on"] = {type(m.params["embed_tokens"]["embedding"]) for m in (target,)}
+        seen["evaluated on"] |= {type(x) for x in jax.tree.leaves(draft.params)}
+        return evaluate(target, draft, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_trainer, "load_target", spy_load)
+    monkeypatch.setattr(adapter_trainer, "run_steps", spy_steps)
+    monkeypatch.setattr(adapter_trainer, "evaluate_refinement_tau", spy_evaluate)
+    config = _tiny_config("runs/tiny/fsdp")
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, eval_prompts="runs/tiny/data.jsonl"),
+        mesh=MeshConfig(data=1, fsdp=2),
+    )
+    result = train_adapter(config, draft="runs/tiny/run/draft")
+    assert seen["loaded copy alive"] is False
+    assert all(issubclass(t, jax.Array) for t in seen["evaluated on"]), seen
+    assert result.evaluation["tau_predicted"] > 0
 
 
 def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_file, tmp_path):

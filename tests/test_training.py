@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import shutil
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -450,6 +452,43 @@ def test_the_draft_is_exported_before_the_final_evaluation(
     # The failed run closed its TensorBoard writer: no writer thread outlives it.
     writers = [t for t in threading.enumerate() if t.__module__.startswith("tensorboardX")]
     assert not writers
+
+
+def test_no_device_keeps_the_loaded_target_while_the_steps_run(
+    checkpoints, data_files, tmp_path, monkeypatch
+):
+    """The steps read the target sharded over the mesh (fsdp here); the whole copy the run loaded
+    must leave the device, and come back only while an evaluation decodes."""
+    loaded, seen = [], {}
+    load_target, run_steps, evaluate_tau = trainer.load_target, trainer.run_steps, trainer.evaluate_tau
+
+    def spy_load(*args, **kwargs):
+        target = load_target(*args, **kwargs)
+        loaded.append(weakref.ref(target.params["embed_tokens"]["embedding"]))
+        return target
+
+    def spy_steps(*args, **kwargs):
+        gc.collect()
+        seen["loaded copy alive"] = loaded[0]() is not None
+        return run_steps(*args, **kwargs)
+
+    def spy_evaluate(target, *args, **kwargs):
+        seen["evaluated on"] = type(target.params["embed_tokens"]["embedding"])
+        return evaluate_tau(target, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "load_target", spy_load)
+    monkeypatch.setattr(trainer, "run_steps", spy_steps)
+    monkeypatch.setattr(trainer, "evaluate_tau", spy_evaluate)
+    config = dataclasses.replace(
+        _config(data_files, tmp_path, steps=2, warmup_steps=1),
+        target=str(checkpoints.get("qwen3")[0]),
+        target_dtype="float32",
+        mesh=MeshConfig(data=1, fsdp=2),
+    )
+    result = train(config)
+    assert seen["loaded copy alive"] is False
+    assert issubclass(seen["evaluated on"], jax.Array)  # not host arrays copied on every call
+    assert result.eval_tau is not None
 
 
 def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):

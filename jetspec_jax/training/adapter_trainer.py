@@ -31,7 +31,7 @@ from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluat
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
-from jetspec_jax.training.run_helpers import host_params
+from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
 from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
@@ -125,6 +125,10 @@ def train_adapter(
     state = init_state(adapter.params, optimizer)
     state = jax.device_put(state, param_shardings(state, mesh))
     target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
+    # The steps read `state` and `target_params`; the frozen target and draft serve evaluation
+    # and export only, so they wait in host memory (moved to the device while an evaluation runs).
+    target, draft = with_host_params(target), with_host_params(draft)
+    adapter = with_host_params(adapter)
 
     step_config = AdapterStepConfig(
         target=target.config,
@@ -144,8 +148,8 @@ def train_adapter(
             if config.adapter.eval_tau and config.data.eval_prompts:
                 result.update(
                     evaluate_refinement_tau(
-                        target,
-                        draft,
+                        with_device_params(target),
+                        with_device_params(draft),
                         _as_adapter(adapter, state),
                         config.data.eval_prompts,
                         num_prompts=config.data.eval_num_prompts,

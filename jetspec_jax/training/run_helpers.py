@@ -1,10 +1,12 @@
 """Pieces both training runs (`trainer.py`, `adapter_trainer.py`) share besides `run_loop.py`:
-trained weights back on the host, and the logged throughput.
+trained weights back on the host, frozen models kept in host memory for evaluation, and the logged
+throughput.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -28,6 +30,22 @@ def host_params(tree, dtype):
         return jnp.asarray(np.asarray(x), dtype)
 
     return jax.tree.map(leaf, tree)
+
+
+def with_host_params(model):
+    """`model` (a `Target`, `Draft` or `Adapter`) with its params copied to host memory (NumPy).
+
+    A run's steps read the frozen models' params sharded over the mesh; evaluation decodes on one
+    device per process. Keeping the evaluation copy on a device as well would cost that device the
+    whole model for the whole run (for an fsdp-sharded target, more than its shard), so the run
+    keeps it here and `with_device_params` moves it to the device only while an evaluation runs.
+    """
+    return dataclasses.replace(model, params=jax.device_get(model.params))
+
+
+def with_device_params(model):
+    """`model` with its params on this process's default device (freed with the returned copy)."""
+    return dataclasses.replace(model, params=jax.device_put(model.params))
 
 
 class Throughput:

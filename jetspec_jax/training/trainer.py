@@ -27,7 +27,7 @@ from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
-from jetspec_jax.training.run_helpers import host_params
+from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
 from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
@@ -98,6 +98,9 @@ def train(
     state_shardings = param_shardings(state, mesh)
     state = jax.device_put(state, state_shardings)
     target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
+    # From here the steps read `state` and `target_params`: no device keeps the whole target or
+    # the initial draft besides them (evaluation moves the target back while it runs).
+    target, draft = with_host_params(target), with_host_params(draft)
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
     with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
@@ -200,11 +203,12 @@ def _as_draft(draft: Draft, state, target: Target) -> Draft:
 
 
 def _evaluate(config, target, trained: Draft, metrics_log, step) -> float | None:
-    """Mean tau of the inference code path on held-out prompts (None when none are configured)."""
+    """Mean tau of the inference code path on held-out prompts (None when none are configured);
+    `target` may hold host params (`with_host_params`)."""
     if not config.data.eval_prompts:
         return None
     tau = evaluate_tau(
-        target,
+        with_device_params(target),
         trained,
         config.data.eval_prompts,
         num_prompts=config.data.eval_num_prompts,
