@@ -262,8 +262,8 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(workdir, monkeypa
         return run_steps(*args, **kwargs)
 
     def spy_evaluate(target, draft, *args, **kwargs):
-        seen["evaluated on"] = {type(m.params["embed_tokens"]["embedding"]) for m in (target,)}
-        seen["evaluated on"] |= {type(x) for x in jax.tree.leaves(draft.params)}
+        leaves = [target.params["embed_tokens"]["embedding"], *jax.tree.leaves(draft.params)]
+        seen["evaluated on"] = {type(x) for x in leaves}
         return evaluate(target, draft, *args, **kwargs)
 
     monkeypatch.setattr(adapter_trainer, "load_target", spy_load)

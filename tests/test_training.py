@@ -460,7 +460,8 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(
     """The steps read the target sharded over the mesh (fsdp here); the whole copy the run loaded
     must leave the device, and come back only while an evaluation decodes."""
     loaded, seen = [], {}
-    load_target, run_steps, evaluate_tau = trainer.load_target, trainer.run_steps, trainer.evaluate_tau
+    load_target, run_steps = trainer.load_target, trainer.run_steps
+    evaluate_tau = trainer.evaluate_tau
 
     def spy_load(*args, **kwargs):
         target = load_target(*args, **kwargs)
