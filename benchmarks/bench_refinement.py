@@ -101,7 +101,7 @@ def main() -> None:
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
     budgets = [int(b) for b in args.foresight.split(",") if b]
-    rows, hit_rows, mismatches = [], [], []
+    rows, hit_rows, mismatches, times = [], [], [], []
     run = functools.partial(
         _run, target, max_new_tokens=args.max_new_tokens, temperature=args.temperature
     )
@@ -118,8 +118,8 @@ def main() -> None:
         start = time.perf_counter()
         ar = run(prompts)
         want = [r.tokens for r in ar]
-        taus = {}
-        print(f"{name} AR: {time.perf_counter() - start:.0f} s", flush=True)
+        taus, seconds = {}, {"AR": time.perf_counter() - start}
+        print(f"{name} AR: {seconds['AR']:.0f} s", flush=True)
         for label, passes, refreshes in settings:
             setting_start = time.perf_counter()
             used = TargetProxyDraft(draft) if label.endswith("*") else draft
@@ -132,9 +132,10 @@ def main() -> None:
             )
             check(results, want, f"{name} {label}")
             taus[label] = float(np.mean([r.tau for r in results]))
-            seconds = time.perf_counter() - setting_start
-            print(f"{name} {label}: tau {taus[label]:.2f} ({seconds:.0f} s)", flush=True)
+            seconds[label] = time.perf_counter() - setting_start
+            print(f"{name} {label}: tau {taus[label]:.2f} ({seconds[label]:.0f} s)", flush=True)
         rows.append((name, taus))
+        times.append((name, seconds))
         for b in budgets:
             hits = {}
             for rule in args.rules.split(","):
@@ -179,6 +180,18 @@ def main() -> None:
         cells = " | ".join(f"{taus[x]:.2f}" for x in labels)
         tail = f" | {taus['J1-R1'] / taus['J1-R1*']:.2f} |" if ratio else " |"
         lines.append(f"| {name} | {cells}{tail}")
+    lines += [
+        "",
+        "Wall time of each batch (all prompts in one decode loop, compile included) and AR's time "
+        "over it (its speedup), measured one after the other in this run:",
+        "",
+        "| set | AR | " + " | ".join(labels) + " |",
+        "|---|" + "---:|" * (len(labels) + 1),
+    ]
+    for name, seconds in times:
+        ar = seconds["AR"]
+        cells = " | ".join(f"{seconds[x]:.0f} s ({ar / seconds[x]:.2f}x)" for x in labels)
+        lines.append(f"| {name} | {ar:.0f} s | {cells} |")
     if hit_rows:
         lines += ["", "Foresight hit rate (J1-R1 fallback; rounds after the first):", ""]
         rules = args.rules.split(",")
