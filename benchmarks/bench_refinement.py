@@ -24,7 +24,9 @@ docs/BENCHMARKS.md section written (default: refinement_ablation).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
+import json
 import pathlib
 import sys
 import time
@@ -84,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file to write"
     )
     parser.add_argument("--section", default="refinement_ablation", help="section name to write")
+    parser.add_argument(
+        "--results",
+        type=pathlib.Path,
+        default=None,
+        help="JSONL file to append one row per set and setting to (benchmarks/full_size_table.py "
+        "tabulates and plots such rows across runs)",
+    )
     return parser
 
 
@@ -106,11 +115,12 @@ def main() -> None:
         _run, target, max_new_tokens=args.max_new_tokens, temperature=args.temperature
     )
 
-    def check(results, want, what):
+    def check(results, want, what) -> int:
         same = sum(r.tokens == w for r, w in zip(results, want, strict=True))
         if same < len(want):
             mismatches.append(f"{what} {same}/{len(want)}")
             print(f"{what}: only {same}/{len(want)} outputs equal AR's", flush=True)
+        return same
 
     for name in args.sets.split(","):
         path = ROOT.parent / "shared" / "data" / "eval" / f"{name}.jsonl"
@@ -130,10 +140,27 @@ def main() -> None:
                 refine_passes=passes,
                 refreshes=refreshes,
             )
-            check(results, want, f"{name} {label}")
+            same = check(results, want, f"{name} {label}")
             taus[label] = float(np.mean([r.tau for r in results]))
             seconds[label] = time.perf_counter() - setting_start
             print(f"{name} {label}: tau {taus[label]:.2f} ({seconds[label]:.0f} s)", flush=True)
+            if args.results is not None:
+                row = dict(
+                    date=datetime.date.today().isoformat(),
+                    draft=str(args.draft),
+                    set=name,
+                    setting=label,
+                    temperature=args.temperature,
+                    prompts=len(prompts),
+                    max_new_tokens=args.max_new_tokens,
+                    tau=taus[label],
+                    new_tokens=sum(len(r.tokens) for r in results),
+                    seconds=seconds[label],
+                    ar_seconds=seconds["AR"],
+                    identical_to_ar=same,
+                )
+                with args.results.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
         rows.append((name, taus))
         times.append((name, seconds))
         for b in budgets:

@@ -266,3 +266,30 @@ def test_benchmark_scripts_import_without_running():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == ""  # a script that ran would have printed its figures
+
+
+def test_the_full_size_table_keeps_the_latest_row_and_averages_only_complete_columns(tmp_path):
+    from benchmarks.full_size_table import SETS, read_rows, tau_table, time_table
+
+    def row(name, setting, tau, prompts=50, **extra):
+        return dict(set=name, setting=setting, temperature=0.0, prompts=prompts,
+                    max_new_tokens=256, tau=tau, **extra)  # fmt: skip
+
+    rows = [row(s, "J0", 1.0 + i / 10) for i, s in enumerate(SETS)]
+    rows += [row("gsm8k_test", "J0", 9.0), row("gsm8k_test", "J0", 2.0, seconds=40, ar_seconds=10)]
+    rows += [row("math500", "J3-R3", 3.0), row("math500", "J1-R1", 7.0, prompts=8)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    latest = read_rows(path, prompts=50, max_new_tokens=256)
+    assert latest[0.0, "gsm8k_test", "J0"]["tau"] == 2.0  # a rerun supersedes
+    assert (0.0, "math500", "J1-R1") not in latest  # another size
+    lines = tau_table(latest, 0.0)
+    assert lines[0] == "| set | J0 | J3-R3 |"
+    assert lines[3] == "| math500 | 1.10 | 3.00 |" and lines[4] == "| humaneval | 1.20 |  |"
+    # J0's mean over the five sets; J3-R3 has one set, so no mean.
+    assert lines[-1] == f"| mean of the five | {(2.0 + 1.1 + 1.2 + 1.3 + 1.4) / 5:.2f} |  |"
+    assert time_table(latest, 0.0)[2] == "| gsm8k_test | J0 | 10 s | 40 s | 0.25x |  |  |"
+
+    path.write_text(json.dumps(row("gsm8k_test", "J0", 1.0)) + "\n" + '{"set": "x"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: missing setting, temperature"):
+        read_rows(path, prompts=50, max_new_tokens=256)

@@ -1,0 +1,172 @@
+"""Tables and a plot of the refinement settings at one size, from rows gathered across runs.
+
+At the issue's size (50 prompts x 256 tokens per eval set) one setting on one set costs 20-50
+minutes on a CPU, so the table is filled by many `bench_refinement.py --results FILE` runs. This
+script reads their rows, keeps the latest row per (temperature, set, setting) at the chosen size,
+and writes tau per set and setting (with the mean over the five sets where a setting has them
+all), wall time and speedup against AR where a row timed them, and a grouped bar plot:
+
+    python benchmarks/full_size_table.py                 # docs/data/full_size_results.jsonl
+    python benchmarks/full_size_table.py --results rows.jsonl --num-prompts 8 --max-new-tokens 64
+
+Rows (JSON objects, one per line): set, setting, temperature, prompts, max_new_tokens, tau, and
+optionally seconds, ar_seconds, new_tokens, identical_to_ar, date, draft, note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_refinement import SETTINGS, TRUE_STATE_SETTINGS  # noqa: E402
+from benchmarks.report import BENCHMARKS_MD, write_section  # noqa: E402
+
+SETS = ("gsm8k_test", "math500", "humaneval", "mbpp_test", "mtbench")
+ORDER = [s[0] for s in SETTINGS + TRUE_STATE_SETTINGS]
+REQUIRED = ("set", "setting", "temperature", "prompts", "max_new_tokens", "tau")
+
+
+def read_rows(path: pathlib.Path, prompts: int, max_new_tokens: int) -> dict[tuple, dict]:
+    """`{(temperature, set, setting): row}` of the rows at this size; a later row replaces an
+    earlier one (a rerun supersedes).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line (named by number) that is not a JSON object with the required keys.
+    """
+    latest = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+        missing = [k for k in REQUIRED if not isinstance(row, dict) or k not in row]
+        if missing:
+            raise ValueError(f"{path}:{number}: missing {', '.join(missing)}")
+        if row["prompts"] == prompts and row["max_new_tokens"] == max_new_tokens:
+            latest[(float(row["temperature"]), row["set"], row["setting"])] = row
+    return latest
+
+
+def tau_table(rows: dict[tuple, dict], temperature: float) -> list[str]:
+    """Markdown: sets down, settings across, and the mean of each complete column."""
+    at = {(s, x): r for (t, s, x), r in rows.items() if t == temperature}
+    sets = [s for s in SETS if any(k[0] == s for k in at)]
+    sets += sorted({k[0] for k in at} - set(sets))
+    labels = [x for x in ORDER if any(k[1] == x for k in at)]
+    lines = ["| set | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for name in sets:
+        cells = [f"{at[name, x]['tau']:.2f}" if (name, x) in at else "" for x in labels]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if set(SETS) <= set(sets):
+        means = [
+            f"{sum(at[s, x]['tau'] for s in SETS) / len(SETS):.2f}"
+            if all((s, x) in at for s in SETS)
+            else ""
+            for x in labels
+        ]
+        lines.append("| mean of the five | " + " | ".join(means) + " |")
+    return lines
+
+
+def time_table(rows: dict[tuple, dict], temperature: float) -> list[str]:
+    """Markdown: every timed row's wall time, AR's in the same run, and their ratio."""
+    timed = [
+        r
+        for (t, s, x), r in sorted(rows.items(), key=lambda kv: _sort_key(kv[0]))
+        if t == temperature and r.get("seconds") and r.get("ar_seconds")
+    ]
+    if not timed:
+        return []
+    lines = [
+        "| set | setting | AR | setting | speedup vs AR | setting tokens/s | run |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in timed:
+        rate = f"{r['new_tokens'] / r['seconds']:.1f}" if r.get("new_tokens") else ""
+        lines.append(
+            f"| {r['set']} | {r['setting']} | {r['ar_seconds']:.0f} s | {r['seconds']:.0f} s "
+            f"| {r['ar_seconds'] / r['seconds']:.2f}x | {rate} | {r.get('note', '')} |"
+        )
+    return lines
+
+
+def _sort_key(key: tuple) -> tuple:
+    t, name, label = key
+    return (t, SETS.index(name) if name in SETS else len(SETS), name, ORDER.index(label))
+
+
+def plot_tau(rows: dict[tuple, dict], path: pathlib.Path) -> None:
+    """Grouped bars: sets on x, one bar per setting, one panel per temperature."""
+    from jetspec_jax.bench.report import plot
+
+    summaries = [
+        types.SimpleNamespace(dataset=s, temperature=t, method=x, tau=r["tau"])
+        for (t, s, x), r in sorted(rows.items(), key=lambda kv: _sort_key(kv[0]))
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plot(summaries, "tau", path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--results", type=pathlib.Path, default=ROOT / "docs" / "data" / "full_size_results.jsonl"
+    )
+    parser.add_argument("--num-prompts", type=int, default=50)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--plot", type=pathlib.Path, default=ROOT / "docs" / "img" / "full_size_tau.png"
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
+    parser.add_argument("--section", default="full_size_table")
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    if not args.results.is_file():
+        parser.error(f"--results {args.results}: no such file")
+    rows = read_rows(args.results, args.num_prompts, args.max_new_tokens)
+    if not rows:
+        size = f"{args.num_prompts} prompts x {args.max_new_tokens} tokens"
+        parser.error(f"{args.results} has no rows of {size}")
+    lines = [
+        f"## tau by set and setting, {args.num_prompts} prompts x {args.max_new_tokens} tokens "
+        "(`benchmarks/full_size_table.py`)",
+        "",
+        f"Generated from `{os.path.relpath(args.results, ROOT)}` "
+        "(one row per `bench_refinement.py --results` run and setting; the latest row of a set "
+        "and setting counts). Mean of per-prompt tau.",
+    ]
+    for temperature in sorted({k[0] for k in rows}):
+        decoding = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+        lines += ["", f"tau, {decoding}:", "", *tau_table(rows, temperature)]
+        timed = time_table(rows, temperature)
+        if timed:
+            lines += [
+                "",
+                f"Wall time, {decoding}: each batch of all prompts in one decode loop (compile "
+                "included), and AR's in the same run before it:",
+                "",
+                *timed,
+            ]
+    plot_tau(rows, args.plot)
+    lines += ["", f"![tau by set and setting]({os.path.relpath(args.plot, args.out.parent)})"]
+    body = "\n".join(lines)
+    print(body)
+    write_section(args.section, body, args.out)
+
+
+if __name__ == "__main__":
+    main()
