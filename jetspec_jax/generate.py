@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import tqdm
 
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
@@ -80,13 +81,13 @@ def generate(
     """
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     options = DecodingOptions(
-        method,
-        refine_passes,
-        refreshes,
-        foresight,
-        foresight_rule,
-        pipeline,
-        replacement_confidence,
+        method=method,
+        refine_passes=refine_passes,
+        refreshes=refreshes,
+        foresight=foresight,
+        foresight_rule=foresight_rule,
+        pipeline=pipeline,
+        replacement_confidence=replacement_confidence,
     )
     (result,) = _decode(
         target, [prompt_ids], draft, options, max_new_tokens, sampling, stop_token_ids
@@ -100,7 +101,7 @@ def generate_batch(
     *,
     draft=None,
     method: str = "ar",
-    max_new_tokens: int = 128,
+    max_new_tokens: int | Sequence[int] = 128,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     stop_token_ids: Sequence[int] | None = None,
     refine_passes: int = 0,
@@ -114,14 +115,15 @@ def generate_batch(
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
     Each row's tokens equal those of generating it alone (greedy, and sampled with its seed), and
-    for every method equal those of "ar".
+    for every method equal those of "ar" (up to floating-point differences between block and
+    single-token forwards, see `DecodingOptions.method`).
 
     Args:
         target: a loaded target.
         prompts: token-id lists, one per request.
-        draft, method, max_new_tokens, stop_token_ids, refine_passes, refreshes, foresight,
-            foresight_rule, pipeline, replacement_confidence: as in `generate`, shared by all
-            rows.
+        draft, method, stop_token_ids, refine_passes, refreshes, foresight, foresight_rule,
+            pipeline, replacement_confidence: as in `generate`, shared by all rows.
+        max_new_tokens: one budget for all rows, or one per row (each >= 1).
         sampling: one `SamplingParams` for all rows, or one per row.
         show_progress: a tqdm bar over the generated tokens (None: only on a terminal). With a
             bar, the loop returns to the host every `PROGRESS_CHUNK_STEPS` target forwards to
@@ -131,13 +133,13 @@ def generate_batch(
         One `GenerationResult` per prompt, in order.
     """
     options = DecodingOptions(
-        method,
-        refine_passes,
-        refreshes,
-        foresight,
-        foresight_rule,
-        pipeline,
-        replacement_confidence,
+        method=method,
+        refine_passes=refine_passes,
+        refreshes=refreshes,
+        foresight=foresight,
+        foresight_rule=foresight_rule,
+        pipeline=pipeline,
+        replacement_confidence=replacement_confidence,
     )
     return _decode(
         target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids, show_progress
@@ -159,7 +161,7 @@ def _decode(
         stop_token_ids=stop_token_ids,
     )
     bar = tqdm.tqdm(
-        total=len(prompts) * max_new_tokens,
+        total=sum(session.max_new_tokens),
         unit="tok",
         desc="generating",
         disable=None if show_progress is None else not show_progress,
@@ -241,7 +243,11 @@ def stream(
     Returns:
         A `TokenStream`; after it is exhausted, `.result` is the `GenerationResult`.
     """
-    if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+    if (
+        isinstance(chunk_steps, bool)
+        or not isinstance(chunk_steps, (int, np.integer))
+        or chunk_steps < 1
+    ):
         raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     session = DecodeSession(
@@ -249,13 +255,13 @@ def stream(
         [prompt_ids],
         draft=draft,
         options=DecodingOptions(
-            method,
-            refine_passes,
-            refreshes,
-            foresight,
-            foresight_rule,
-            pipeline,
-            replacement_confidence,
+            method=method,
+            refine_passes=refine_passes,
+            refreshes=refreshes,
+            foresight=foresight,
+            foresight_rule=foresight_rule,
+            pipeline=pipeline,
+            replacement_confidence=replacement_confidence,
         ),
         max_new_tokens=max_new_tokens,
         sampling=sampling,

@@ -166,6 +166,50 @@ def test_cancelling_a_row_that_finished_since_the_last_poll_keeps_its_reason(tar
     assert [r.finish_reason for r in session.results()] == ["length", "length", "length"]
 
 
+def test_results_read_mid_decode_name_unfinished_rows_and_bad_calls_are_refused(target, prompts):
+    session = DecodeSession(target, prompts, max_new_tokens=[N_NEW, 2, N_NEW], stop_token_ids=[])
+    session.start()
+    for bad in (2.7, True, "3"):
+        with pytest.raises(ValueError, match="max_steps must be an integer"):
+            session.advance(bad)
+    session.advance(np.int64(2))
+    session.poll()
+    assert [r.finish_reason for r in session.results()] == [None, "length", None]
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="row must be an integer"):
+            session.cancel(bad)
+    session.cancel(np.int64(0))
+    assert session.results()[0].finish_reason == "cancelled"
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams or one per prompt"):
+        DecodeSession(target, prompts, sampling=None)
+
+
+def test_per_row_budgets_with_a_progress_bar_and_a_generator_of_prompts(target, prompts, capsys):
+    budgets = [3, N_NEW, 1]
+    results = jetspec_jax.generate_batch(
+        target,
+        (p for p in prompts),
+        max_new_tokens=budgets,
+        stop_token_ids=[],
+        show_progress=True,
+    )
+    assert [len(r.tokens) for r in results] == budgets
+    assert f"{sum(budgets)}/{sum(budgets)}" in capsys.readouterr().err
+    chunks = jetspec_jax.stream(
+        target, prompts[0], chunk_steps=np.int64(4), max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    assert sum(chunks, []) == _ar(target, prompts[0]).tokens
+
+
+def test_a_budget_of_one_token_decodes_nothing_after_the_prefill(target, prompts):
+    session = DecodeSession(target, prompts, max_new_tokens=1, stop_token_ids=[])
+    session.start()
+    compiled = session.timing.compile_seconds
+    session.advance()
+    assert session.timing == session.timing.__class__(session.timing.prefill_seconds, 0.0, compiled)
+    assert [r.tokens for r in session.results()] == [_ar(target, p, n=1).tokens for p in prompts]
+
+
 def _byte_level_tokenizer():
     """Byte-level BPE over the 256 byte symbols, no merges: a non-ASCII character spans tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()

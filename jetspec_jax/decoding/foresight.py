@@ -29,7 +29,7 @@ predicted rows and differ only by their context length (`models.draft.draft_hidd
 would need a proxy call per candidate); the fallback path keeps the full `Jj-Rr` refinement.
 The first-pass noise of a candidate is the fallback's (copied tokens keyed by the candidate's
 anchor position, read from the candidate's own token sequence), so with an exact proxy a hit gives
-the block the fallback would have drafted.
+the block the fallback would have drafted when the fallback refreshes nothing (r = 0).
 
 The sequential round here (`decode_foresight`) is the single-device reference; `pipeline.py` (one
 SPMD program) and `pipeline_mpmd.py` (one program per device) run the same pieces with the verify

@@ -34,7 +34,8 @@ from jetspec_jax.models.transformer import output_kernel
 
 # Fixed key of the first-pass noise of token-input drafts: not the request's seed, so that greedy
 # drafts (and hence the number of target forwards) do not depend on it. Foresight's candidate
-# blocks draw the same noise, so a hit equals the fallback's block under an exact proxy.
+# blocks draw the same noise, so a hit equals the fallback's block under an exact proxy
+# when the fallback refreshes nothing (r = 0; candidates are never refreshed).
 NOISE_KEY = 0x5EED
 
 

@@ -74,12 +74,14 @@ class GenerationResult:
         tokens: the generated token ids (a final stop token included).
         acceptance_lengths: tokens committed by each target forward that produced tokens for this
             prompt, the prefill's first token included; sums to `len(tokens)`. All 1 for "ar".
-        finish_reason: "stop" (a stop token was generated), "length" (max_new_tokens reached) or
-            "cancelled" (`DecodeSession.cancel` stopped it early).
+        finish_reason: "stop" (a stop token was generated), "length" (max_new_tokens reached),
+            "cancelled" (`DecodeSession.cancel` stopped it early), or None while the row is still
+            decoding (`DecodeSession.results` read before it finished).
         prompt_length: number of prompt tokens.
         timing: wall-clock times of the batch this prompt ran in.
         outcomes: speculative methods: `(k, a)` of every verification round (k drafts accepted,
-            bonus token a); empty for "ar".
+            bonus token a); empty for "ar". The last round's, when a stop token or the budget cut
+            it, may name more tokens than were committed.
         foresight_hits: with foresight, whether each verification round's block came from the
             foresight cache (the first round never does); empty without foresight.
         foresight_occupancy: with foresight, the candidate blocks cached when each round began.
@@ -87,7 +89,7 @@ class GenerationResult:
 
     tokens: list[int]
     acceptance_lengths: list[int]
-    finish_reason: str
+    finish_reason: str | None
     prompt_length: int
     timing: Timing
     outcomes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -118,8 +120,9 @@ class DecodeSession:
     """A batch of prompts of any lengths decoded together, in chunks.
 
     Each row's tokens equal those of decoding it alone (greedy, and sampled with its seed), for
-    every method, however the decode is split into chunks: the loop state is resumable and
-    randomness is keyed by (seed, position).
+    every method (up to floating-point differences between block and single-token forwards, see
+    `DecodingOptions.method`), however the decode is split into chunks: the loop state is
+    resumable and randomness is keyed by (seed, position).
 
     Not thread-safe: one thread drives a session.
     """
@@ -170,6 +173,9 @@ class DecodeSession:
             check_budget(config, len(p), n)
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
+        if not isinstance(sampling, Sequence):
+            kind = type(sampling).__name__
+            raise ValueError(f"sampling must be a SamplingParams or one per prompt, got {kind}")
         sampling = list(sampling)
         if len(sampling) != len(prompts):
             raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
@@ -205,6 +211,7 @@ class DecodeSession:
             sampling=RowSampling.from_params(sampling + [GREEDY] * pad_rows),
         )
         self._inputs = (jnp.asarray(padded), jnp.asarray(lengths))
+        self._budgets = budgets
         self._max_budget = max(budgets)
         self._state = None
         self._polled = [0] * len(prompts)
@@ -216,6 +223,11 @@ class DecodeSession:
     def num_rows(self) -> int:
         """The number of requests (batch padding excluded)."""
         return len(self.prompt_lengths)
+
+    @property
+    def max_new_tokens(self) -> list[int]:
+        """Each request's token budget (batch padding excluded)."""
+        return list(self._budgets)
 
     @property
     def started(self) -> bool:
@@ -260,9 +272,15 @@ class DecodeSession:
         done; each forward commits >= 1 token per unfinished row)."""
         if self._state is None:
             raise RuntimeError("start() the session before advancing it")
+        if max_steps is not None and (
+            isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer))
+        ):
+            raise ValueError(f"max_steps must be an integer or None, got {max_steps!r}")
         steps = self._max_budget if max_steps is None else int(max_steps)
         if steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {steps}")
+        if self._max_budget == 1:
+            return  # every row committed its one token at the prefill: nothing to compile or run
         target, proposer = self._target, self._proposer
         if self._pipeline == "mpmd":
             self._advance_two_programs(steps)
@@ -333,6 +351,8 @@ class DecodeSession:
     def cancel(self, row: int) -> None:
         """Stops `row` from decoding further; its tokens so far stay (finish_reason
         "cancelled" unless it had finished already)."""
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise ValueError(f"row must be an integer, got {row!r}")
         if not 0 <= row < self.num_rows:
             raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
         decode = self._decode_state()
@@ -461,8 +481,10 @@ def _result(state, row, prompt_length, stops, timing, cancelled) -> GenerationRe
         )
     if tokens and tokens[-1] in stops:
         reason = "stop"
+    elif cancelled:
+        reason = "cancelled"
     else:
-        reason = "cancelled" if cancelled else "length"
+        reason = "length" if bool(decode.done[row]) else None
     return GenerationResult(
         tokens=tokens,
         acceptance_lengths=decode.round_lengths[row, : int(decode.num_rounds[row])].tolist(),

@@ -6,7 +6,7 @@ Each round, for every row of the batch:
     verify  one target forward over [anchor, d_1 .. d_(K-1)], which also yields tap states
     accept  `verify_chain`: the target's own draws a_j, accepted while they match the drafts
     commit  a_0 .. a_k (k accepted drafts + the bonus), cut at stop tokens and budgets
-    rollback the target cache to the committed length (lowering lengths; nothing is copied)
+    rollback the target cache to the accepted length (lowering lengths; nothing is copied)
     observe the proposer extends its context with the verified positions
 
 Rows accept different numbers of tokens and finish at different rounds; finished rows ride along

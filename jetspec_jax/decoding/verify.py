@@ -6,7 +6,8 @@ probability `p_j(d_j)` and otherwise resampling from `p_j` without `d_j` is the 
 the bonus token. We draw `a_j` with the request's (seed, position) key, exactly the draw
 autoregressive decoding would make there, so every committed token is the one AR would commit:
 speculative output equals autoregressive output for the same seed, token for token, at any
-temperature (and equals it in distribution a fortiori).
+temperature (and equals it in distribution a fortiori), given the same logits: a block forward and
+single-token forwards may differ in floating-point rounding, which can flip a near-tie.
 """
 
 from __future__ import annotations
