@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOP_K = 2**31 - 1  # top_k travels as int32 (any value >= the vocabulary keeps everything)
+# Below this, logits / T overflow float32 (or T flushes to zero) and the softmax turns NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,8 @@ class SamplingParams:
     """How one request picks tokens.
 
     Attributes:
-        temperature: 0 selects greedy (argmax) decoding; > 0 samples from softmax(logits / T).
+        temperature: 0 selects greedy (argmax) decoding; >= `MIN_TEMPERATURE` samples from
+            softmax(logits / T).
         top_k: keep the k most likely tokens (ties with the k-th kept); 0 disables.
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p;
             1.0 disables.
@@ -43,6 +46,11 @@ class SamplingParams:
     def __post_init__(self):
         if not (np.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
+                f"{self.temperature:g}: smaller values overflow the scaled logits"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 <= self.top_k <= MAX_TOP_K:

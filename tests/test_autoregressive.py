@@ -102,6 +102,7 @@ def test_max_new_tokens_is_respected(target, prompts):
     [
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1e-39), "0 \\(greedy\\) or >= 1e-05"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),

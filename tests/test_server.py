@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -342,6 +343,7 @@ BAD = [
     ("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user"}]), 400, "content"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=-1), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=3), 400, "temperature"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=1e-39), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=0), 400, "top_p"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k="5"), 400, "top_k"),
     # Before the check, an int32 overflow on the device failed every request of the batch.
@@ -358,6 +360,28 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=600), 400, "512"),
     ("/v1/completions", dict(model=MODEL, prompt=[5, 500]), 400, "500"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", stop=[1]), 400, "stop"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    # vLLM's extensions away from their neutral values would change the output: refused.
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", min_p=0.1), 400, "min_p"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", repetition_penalty=1.2), 400, "1.2"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", ignore_eos=True), 400, "ignore_eos"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", min_tokens=4), 400, "min_tokens"),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=[{"role": "user", "content": "x"}], guided_regex="a+"),
+        400,
+        "guided_regex",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_object"},
+        ),
+        400,
+        "response_format",
+    ),
 ]
 
 
@@ -372,6 +396,22 @@ def test_invalid_requests_get_4xx_and_the_next_request_works(http, path, body, s
     assert names in error["message"] or names == error["param"], error
     assert error["type"] == "invalid_request_error"
     assert _complete(http).status_code == 200
+
+
+def test_extensions_at_their_neutral_values_are_accepted(http):
+    neutral = dict(
+        min_p=0.0,
+        repetition_penalty=1,
+        ignore_eos=False,
+        stop_token_ids=[],
+        skip_special_tokens=True,
+        response_format={"type": "text"},
+        guided_json=None,
+    )
+    plain = _complete(http, prompt="The sky", max_tokens=4).json()
+    same = _complete(http, prompt="The sky", max_tokens=4, **neutral)
+    assert same.status_code == 200, same.text
+    assert same.json()["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
 def test_unknown_routes_and_methods_answer_json_errors(http):
@@ -510,6 +550,16 @@ def test_metrics_parse(server, http):
     phases = {s.labels["phase"] for s in families["jetspec_phase_seconds"].samples}
     assert phases == {"queue", "compile", "prefill", "decode", "request"}
     assert families["jetspec_queue_depth"].samples[0].value == 0
+
+
+def test_a_server_that_cannot_bind_its_port_leaves_no_thread_behind(target, server):
+    """The scheduler starts before the listener: a taken port must shut it down again."""
+    before = set(threading.enumerate())
+    taken = int(server.url.rsplit(":", 1)[1])
+    with pytest.raises(OSError):
+        BackgroundServer(target, None, CONFIG, port=taken).start()
+    assert _wait_for(lambda: set(threading.enumerate()) <= before) is None
+    BackgroundServer(target, None, CONFIG).stop()  # never started: nothing to stop, no error
 
 
 def test_shutdown_fails_waiting_requests_with_503_and_stops_listening(target):

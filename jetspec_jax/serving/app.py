@@ -189,6 +189,8 @@ async def _json(request: web.Request) -> Any:
         return json.loads(body)  # bytes: JSON's own encodings, whatever the charset header says
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise RequestError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:  # nesting deeper than the parser's recursion limit
+        raise RequestError(400, "malformed JSON body: nested too deeply") from None
 
 
 class _Output:

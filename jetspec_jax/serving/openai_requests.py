@@ -6,8 +6,9 @@ text-part content), with `model`, `max_tokens` (chat: also `max_completion_token
 `temperature` (0..2), `top_p`, `top_k` (an extension, as in vLLM), `seed`, `stop` (up to 4
 strings), `stream` and `stream_options.include_usage`. Fields that would change the output in ways
 this server does not implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`,
-`tools`, `suffix`, `best_of` > 1) are refused with 400 rather than silently ignored; other unknown
-fields are ignored, as clients send many.
+`tools`, `suffix`, `best_of` > 1, a `response_format` other than text, and vLLM's sampling
+extensions away from their neutral values: `EXTENSIONS_AT_NEUTRAL`) are refused with 400 rather than
+silently ignored; other unknown fields are ignored, as clients send many.
 """
 
 from __future__ import annotations
@@ -17,9 +18,29 @@ import math
 import secrets
 from typing import Any
 
-from jetspec_jax.sampling import MAX_TOP_K, SamplingParams
+from jetspec_jax.sampling import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# vLLM's request extensions that change the output, and the values at which they change nothing
+# (what this server does): any other value is refused, never silently ignored. Absent or null is
+# always neutral.
+EXTENSIONS_AT_NEUTRAL = {
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "use_beam_search": (False,),
+    "stop_token_ids": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "prompt_logprobs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
 
 
 class RequestError(Exception):
@@ -173,6 +194,18 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
             raise RequestError(400, f"{name} is not supported (must be 0)", param=name)
     if body.get("logit_bias"):
         raise RequestError(400, "logit_bias is not supported", param="logit_bias")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise RequestError(
+            400, "response_format other than text is not supported", param="response_format"
+        )
+    for name, neutral in EXTENSIONS_AT_NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            allowed = " or ".join(repr(v) for v in neutral) or "absent"
+            raise RequestError(
+                400, f"{name}={value!r} is not supported (must be {allowed})", param=name
+            )
     return body
 
 
@@ -198,9 +231,11 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
 
 def _sampling(body: dict) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0)
-    if not 0.0 <= temperature <= 2.0:
+    if not 0.0 <= temperature <= 2.0 or 0 < temperature < MIN_TEMPERATURE:
         raise RequestError(
-            400, f"temperature must be in [0, 2], got {temperature}", param="temperature"
+            400,
+            f"temperature must be 0 or in [{MIN_TEMPERATURE:g}, 2], got {temperature}",
+            param="temperature",
         )
     top_p = _number(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:

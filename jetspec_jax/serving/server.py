@@ -141,8 +141,14 @@ class BackgroundServer:
         self.url = ""
 
     def start(self) -> BackgroundServer:
+        """Starts the loop thread, the scheduler and the listener; a failed start (e.g. the port
+        is taken) shuts down whatever had started before re-raising."""
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=60)
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=60)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     async def _start(self) -> None:
@@ -164,9 +170,11 @@ class BackgroundServer:
             future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
             future.result(timeout=self._config.shutdown_timeout + 60)
             self._runner = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
