@@ -76,6 +76,12 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path
     )
     again = jetspec_jax.load_target(out)
     assert again.config == target.config
+    # The older layout alone (what transformers 4 reads) describes the same model too.
+    hf = json.loads((out / "config.json").read_text())
+    del hf["rope_parameters"], hf["dtype"]
+    (out / "config.json").write_text(json.dumps(hf))
+    assert jetspec_jax.load_target(out).config == target.config
+    assert hf["torch_dtype"] == target.dtype
 
 
 def test_export_refuses_to_overwrite(checkpoints, tmp_path):

@@ -186,7 +186,12 @@ def _rope_from_hf(hf: dict[str, Any], hybrid: bool = False) -> RopeConfig:
 
 
 def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
-    """An HF config dict (transformers-5 layout) that transformers loads as the same model."""
+    """An HF config dict that transformers loads as the same model.
+
+    Written in the transformers-5 layout (`rope_parameters`, `dtype`) and, for loaders that predate
+    it (transformers 4, which would otherwise fall back to rope theta 10000), the same values in
+    the older one (`rope_theta`, `rope_scaling`, `torch_dtype`).
+    """
     rope: dict[str, Any] = {"rope_type": config.rope.rope_type, "rope_theta": config.rope.theta}
     if config.rope.rope_type != "default":
         rope["factor"] = config.rope.factor
@@ -209,16 +214,22 @@ def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "rope_parameters": rope,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}
+        if config.rope.rope_type != "default"
+        else None,
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": config.attention_bias,
         "dtype": dtype,
+        "torch_dtype": dtype,
     }
     if config.model_type == "llama":
         hf["mlp_bias"] = config.mlp_bias
     if config.is_hybrid:
         rope["partial_rotary_factor"] = config.partial_rotary_factor
         hf.update(
+            partial_rotary_factor=config.partial_rotary_factor,
             layer_types=list(config.layer_types),
             linear_conv_kernel_dim=config.linear_conv_kernel_dim,
             linear_key_head_dim=config.linear_key_head_dim,
