@@ -53,12 +53,13 @@ def _load_models(args):
     return target, draft
 
 
-def _decoding_options(args, draft):
+def _decoding_options(args, draft, *, method: str | None = None):
     """The `DecodingOptions` of the command line (validated: a ValueError names the bad flag).
-    No --method: the draft's own variant, or autoregressive decoding without a draft."""
+    No --method: the draft's own variant, or autoregressive decoding without a draft; `method`
+    overrides both (`_check_before_loading`)."""
     from jetspec_jax import DecodingOptions
 
-    method = args.method or (draft.config.variant if draft is not None else "ar")
+    method = method or args.method or (draft.config.variant if draft is not None else "ar")
     return DecodingOptions(
         method=method,
         refine_passes=args.refine_passes,
@@ -74,15 +75,28 @@ def _serve(args) -> int:
     from jetspec_jax.serving import serve  # deferred: --help answers at once
 
     try:
+        _check_before_loading(args, server=True)
         target, draft = _load_models(args)
         serve(target, draft, _server_config(args, draft), host=args.host, port=args.port)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-def _server_config(args, draft):
+def _check_before_loading(args, *, server: bool) -> None:
+    """Builds what the flags describe before the (possibly minutes-long) model load, so that a
+    bad flag fails at once. Without --method the draft's variant is not known yet; "jetspec++",
+    which accepts every decoding flag another method does, stands in for it (the options are
+    built again, exactly, after the load)."""
+    method = args.method or "jetspec++"
+    if server:
+        _server_config(args, None, method=method)
+    else:
+        _decoding_options(args, None, method=method)
+
+
+def _server_config(args, draft, *, method: str | None = None):
     """The `ServerConfig` of the server flags. The default model is served as
     "SmolLM2-135M-Instruct", not by its cache directory's name; another `--target` by its
     directory's name, unless `--model-name` says otherwise."""
@@ -91,7 +105,7 @@ def _server_config(args, draft):
 
     return ServerConfig(
         model_name=args.model_name or (DEFAULT_MODEL_NAME if args.target is None else None),
-        decoding=_decoding_options(args, draft),
+        decoding=_decoding_options(args, draft, method=method),
         api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
         max_batch_size=args.max_batch_size,
         queue_size=args.queue_size,
@@ -115,6 +129,7 @@ def _generate(args) -> int:
         )
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        _check_before_loading(args, server=False)
         target, draft = _load_models(args)
         options = _decoding_options(args, draft)
         if target.tokenizer is None:
@@ -136,7 +151,7 @@ def _generate(args) -> int:
             **dataclasses.asdict(options),
             **request,
         )
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -180,13 +195,17 @@ def _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, resul
             f"real speedup is tau x (AR step time / round time), lower by the draft's and the "
             f"block verification's cost. Measure it with --compare-ar."
         )
-    ar = jetspec_jax.generate(target, prompt_ids, **request)
+    # Streamed in the same chunks as the speculative run: both pay the same host round trips.
+    ar_stream = jetspec_jax.stream(target, prompt_ids, chunk_steps=args.chunk_steps, **request)
+    for _ in ar_stream:
+        pass
+    ar = ar_stream.result
     same = "identical" if ar.tokens == result.tokens else "DIFFERENT"
     ar_rate, rate = ar.decode_tokens_per_second, result.decode_tokens_per_second
     speedup = rate / ar_rate if ar_rate > 0 else float("nan")
     return (
         f"speedup {speedup:.2f}x measured: {rate:.1f} vs {ar_rate:.1f} AR tokens/s decode "
-        f"(same prompt, this run; AR output {same})"
+        f"(same prompt and streaming chunks, this run; AR output {same})"
     )
 
 

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             "export": _export,
         }
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, CheckpointError) as e:
+    except (ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

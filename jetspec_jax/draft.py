@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import random_streams
+from jetspec_jax.checkpoint.adapter_files import ARCHITECTURE as ADAPTER_ARCHITECTURE
 from jetspec_jax.checkpoint.adapter_files import check_adapter_matches_draft
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.draft_hf import (
@@ -20,9 +21,11 @@ from jetspec_jax.checkpoint.draft_hf import (
     draft_config_from_hf,
     draft_config_to_hf,
     draft_tensor_specs,
+    is_draft_config,
     load_draft_params,
     save_draft_params,
 )
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import read_hf_config
 from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.decoding.outcomes import Calibration
@@ -139,9 +142,10 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
         dtype: "float32" or "bfloat16"; None: the target's.
 
     Raises:
-        CheckpointError: the directory is missing or malformed, or the draft does not fit the
-            target (hidden size, vocabulary, target depth, tap layers, mask token), or a
-            JetSpec++ checkpoint is malformed (`checkpoint.bundle.load_bundle`).
+        CheckpointError: the directory is missing or malformed, holds a target or an adapter
+            instead, or the draft does not fit the target (hidden size, vocabulary, target depth,
+            tap layers, mask token), or a JetSpec++ checkpoint is malformed
+            (`checkpoint.bundle.load_bundle`).
     """
     from jetspec_jax.checkpoint.bundle import is_bundle, load_bundle  # imports this module
 
@@ -150,7 +154,18 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
     path = pathlib.Path(path)
     if is_bundle(path):
         return load_bundle(path, target, dtype=dtype)
-    config = draft_config_from_hf(read_hf_config(path), target.config)
+    hf = read_hf_config(path)
+    if hf.get("architecture") == ADAPTER_ARCHITECTURE:
+        raise CheckpointError(
+            f"{path} is an adapter, not a draft: load the JetSpec++ checkpoint that holds it (the "
+            "directory with jetspec_pp.json), or pair it with its draft via Draft.with_adapter"
+        )
+    if not is_draft_config(hf):
+        raise CheckpointError(
+            f"{path} is a target model checkpoint (architectures {hf.get('architectures')}), not "
+            "a draft: pass it as the target; a draft's config.json names DFlashDraftModel"
+        )
+    config = draft_config_from_hf(hf, target.config)
     params = load_draft_params(path, config, DTYPES[dtype])
     return Draft(config=config, params=params, dtype=dtype, target_config=target.config, path=path)
 

@@ -51,11 +51,13 @@ class Target:
 
     def logits(self, token_ids) -> jax.Array:
         """Full causal forward without a cache: int `[B, T]` -> float32 logits `[B, T, V]`."""
-        tokens = jnp.asarray(token_ids, jnp.int32)
-        if tokens.ndim != 2:
-            raise ValueError(f"token_ids must be [batch, length], got shape {tokens.shape}")
-        _check_token_range(np.asarray(tokens), self.config.vocab_size)
-        return _full_logits(self.params, self.config, tokens)
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2:
+            raise ValueError(f"token_ids must be [batch, length], got shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+        _check_token_range(ids, self.config.vocab_size)  # before int32 could wrap a large id
+        return _full_logits(self.params, self.config, jnp.asarray(ids, jnp.int32))
 
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
         """Exports an HF checkpoint directory (config, safetensors, tokenizer) transformers loads.

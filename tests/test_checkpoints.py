@@ -292,3 +292,16 @@ def test_an_omitted_context_length_is_transformers_default(checkpoints, tmp_path
     _edit_config(path, max_position_embeddings=None)
     expected = transformers.AutoConfig.from_pretrained(path).max_position_embeddings
     assert jetspec_jax.load_target(path).config.max_position_embeddings == expected
+
+
+def test_logits_refuse_ids_outside_the_vocabulary_before_any_int32_wrap(checkpoints):
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    for ids, message in (
+        (np.array([[1, 2**32 + 5]], np.int64), r"must be in \[0, 97\)"),  # int32 would read 5
+        ([[1, -1]], r"must be in \[0, 97\)"),
+        ([[1.0, 2.0]], "must be integers"),
+        ([1, 2], r"\[batch, length\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            target.logits(ids)
+    assert target.logits([[1, 96]]).shape == (1, 2, 97)

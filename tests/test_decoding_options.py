@@ -71,3 +71,24 @@ def test_serve_replacement_confidence_flag():
     assert serve._decoding_options(args, None).replacement_confidence is None
     args = serve._parser().parse_args(argv + ["--replacement-confidence", "0.7"])
     assert serve._decoding_options(args, None).replacement_confidence == 0.7
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "hi", "--refine-passes", "1", "--refreshes", "2"], "refreshes"),
+        (["generate", "hi", "--method", "ar", "--foresight", "4"], "foresight"),
+        (["--max-batch-size", "0"], "max_batch_size"),
+        (["--refine-passes", "1", "--refreshes", "2"], "refreshes"),
+    ],
+)
+def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, capsys):
+    import jetspec_jax
+    import serve
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(jetspec_jax, "load_target", no_load)
+    assert serve.main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -386,3 +386,16 @@ def test_init_mask_token_prefers_the_tokenizers(target):
 def test_init_refuses_taps_outside_the_target(target):
     with pytest.raises(CheckpointError, match=r"\[3\] outside the target's layers \[0, 3\)"):
         init_draft(target, target_layer_ids=(0, 3))
+
+
+def test_a_target_or_an_adapter_directory_is_refused_as_a_draft(checkpoints, target, tmp_path):
+    from jetspec_jax.adapter import init_adapter
+    from jetspec_jax.checkpoint.adapter_files import save_adapter
+
+    with pytest.raises(CheckpointError, match="is a target model checkpoint .* not a draft"):
+        load_draft(checkpoints.get("qwen3")[0], target)
+    draft = init_draft(target, variant="jetspec++", block_size=4)
+    adapter = init_adapter(draft, layers_per_module=(1,), intermediate_size=32)
+    save_adapter(adapter, tmp_path / "adapter")
+    with pytest.raises(CheckpointError, match="is an adapter, not a draft"):
+        load_draft(tmp_path / "adapter", target)

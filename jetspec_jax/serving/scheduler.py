@@ -99,6 +99,13 @@ class Job:
         return self._cancelled.is_set()
 
 
+def check_sizes(**sizes) -> None:
+    """Raises a ValueError naming the first of `sizes` that is not an integer >= 1."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 class Scheduler:
     """Serves `Job`s of one target (and draft) in batches on a worker thread.
 
@@ -127,13 +134,7 @@ class Scheduler:
         pad_batch: bool = False,
         metrics: ServerMetrics | None = None,
     ):
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("queue_size", queue_size),
-            ("chunk_steps", chunk_steps),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_sizes(max_batch_size=max_batch_size, queue_size=queue_size, chunk_steps=chunk_steps)
         self.target = target
         self.draft = draft
         self.options = DecodingOptions() if options is None else options

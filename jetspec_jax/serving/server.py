@@ -19,7 +19,7 @@ from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.serving.app import create_app
 from jetspec_jax.serving.metrics import ServerMetrics
 from jetspec_jax.serving.openai_requests import ModelInfo
-from jetspec_jax.serving.scheduler import Scheduler
+from jetspec_jax.serving.scheduler import Scheduler, check_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,11 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
 
     def __post_init__(self):
-        # The batch, queue and chunk sizes are checked by the `Scheduler` they configure.
+        check_sizes(
+            max_batch_size=self.max_batch_size,
+            queue_size=self.queue_size,
+            chunk_steps=self.chunk_steps,
+        )
         value = self.default_max_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"default_max_tokens must be an integer >= 1, got {value!r}")
