@@ -31,6 +31,7 @@ import safetensors.numpy
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
+    TensorReader,
     TensorSpec,
     decoder_layer_specs,
     locate_tensors,
@@ -184,11 +185,8 @@ def load_adapter(path: str | pathlib.Path, draft):
         validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
     except CheckpointError as e:
         raise CheckpointError(f"adapter {path}: {e}") from e
-    tensors = {}
-    for name, (file, _) in sorted(located.items()):
-        with safetensors.safe_open(file, framework="numpy") as f:
-            tensors[name] = f.get_tensor(name)
-    params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
+    with TensorReader(located) as tensors:
+        params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
     return Adapter(config=config, params=params, dtype=draft.dtype)
 
 

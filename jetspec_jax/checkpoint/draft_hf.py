@@ -20,7 +20,6 @@ There is no embedding or LM head: the draft shares the target's. The reference i
 from __future__ import annotations
 
 import pathlib
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
+    TensorReader,
     TensorSpec,
     decoder_layer_specs,
     linear_specs,
@@ -211,14 +211,8 @@ def load_draft_params(checkpoint_dir: str | pathlib.Path, config: DraftConfig, d
     located = locate_tensors(pathlib.Path(checkpoint_dir))
     specs = draft_tensor_specs(config)
     validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
-    names_by_file = defaultdict(list)
-    for name, (file, _) in located.items():
-        names_by_file[file].append(name)
-    tensors = {}
-    for file, names in sorted(names_by_file.items()):
-        with safetensors.safe_open(file, framework="numpy") as f:
-            tensors.update({name: f.get_tensor(name) for name in names})
-    return tree_from_tensors(specs, tensors, dtype)
+    with TensorReader(located) as tensors:
+        return tree_from_tensors(specs, tensors, dtype)
 
 
 def save_draft_params(params: Params, config: DraftConfig, out_dir: pathlib.Path) -> None:

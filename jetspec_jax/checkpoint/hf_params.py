@@ -32,10 +32,12 @@ its vision tower (`model.visual.*`) and multi-token-prediction head (`mtp.*`) ar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -192,22 +194,6 @@ def norm_spec(hf_prefix: str, path: tuple[str | int, ...], dim: int) -> TensorSp
     return TensorSpec(f"{hf_prefix}.weight", (*path, "scale"), (dim,))
 
 
-def params_from_hf(
-    tensors: Mapping[str, np.ndarray], config: TransformerConfig, dtype=jnp.float32
-) -> Params:
-    """Builds the parameter pytree from HF-named arrays, after validating names and shapes.
-
-    Raises:
-        CheckpointError: listing every missing, unexpected and mis-shaped tensor by name.
-    """
-    specs = tensor_specs(config)
-    validate_names_and_shapes(
-        specs, {name: tuple(a.shape) for name, a in tensors.items()}, _ignorable(config)
-    )
-    _check_tied_head(tensors, config)
-    return tree_from_tensors(specs, tensors, dtype)
-
-
 def params_to_hf(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
     """The HF-named arrays of `params` (numpy, in the parameters' dtype)."""
     return tensors_from_tree(specs=tensor_specs(config), params=params)
@@ -245,20 +231,57 @@ def load_hf_params(
     files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
     if config.is_hybrid:
         files_by_name = _text_model_tensors(files_by_name)
+    specs = tensor_specs(config)
     validate_names_and_shapes(
-        tensor_specs(config), {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
+        specs, {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
     )
-    tensors = {}
     progress = tqdm.tqdm(
-        sorted(files_by_name.items()),
+        total=len(specs),
         desc="loading weights",
         unit="tensor",
         disable=None if show_progress is None else not show_progress,  # None: only on a terminal
     )
-    for name, (file, _) in progress:
-        with safetensors.safe_open(file, framework="numpy") as f:
-            tensors[name] = f.get_tensor(_stored_name(name, f.keys()))
-    return params_from_hf(tensors, config, dtype)
+    with progress, TensorReader(files_by_name, on_read=progress.update) as tensors:
+        _check_tied_head(tensors, config)
+        return tree_from_tensors(specs, tensors, dtype)
+
+
+class TensorReader(Mapping):
+    """The tensors `locate_tensors` found, each read from its file when accessed.
+
+    A context manager holding one open handle per file. Building a pytree through it keeps one
+    tensor on the host at a time, not a host copy of the whole checkpoint beside the device one.
+    A name may be stored in its multimodal spelling (`_stored_name`).
+    """
+
+    def __init__(self, located: Mapping[str, tuple[pathlib.Path, tuple[int, ...]]], on_read=None):
+        self._located = located
+        self._on_read = on_read
+        self._handles: dict[pathlib.Path, tuple[Any, set[str]]] = {}
+        self._files = contextlib.ExitStack()
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.close()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        file = self._located[name][0]
+        if file not in self._handles:
+            handle = self._files.enter_context(safetensors.safe_open(file, framework="numpy"))
+            self._handles[file] = (handle, set(handle.keys()))
+        handle, stored = self._handles[file]
+        array = handle.get_tensor(_stored_name(name, stored))
+        if self._on_read is not None:
+            self._on_read(1)
+        return array
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._located)
+
+    def __len__(self) -> int:
+        return len(self._located)
 
 
 def save_hf_params(params: Params, config: TransformerConfig, out_dir: pathlib.Path) -> None:
