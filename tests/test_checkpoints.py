@@ -227,6 +227,26 @@ def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@pytest.mark.parametrize(
+    "umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)]
+)
+def test_a_published_directory_has_the_modes_the_umask_gives(tmp_path, umask, file_mode, dir_mode):
+    import os
+
+    from jetspec_jax.checkpoint.atomic import atomic_directory
+
+    previous = os.umask(umask)
+    try:
+        with atomic_directory(tmp_path / "ckpt") as tmp:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "weights").write_text("w")
+    finally:
+        os.umask(previous)
+    out = tmp_path / "ckpt"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes == {"ckpt": dir_mode, "sub": dir_mode, "weights": file_mode}
+
+
 def test_config_json_that_is_not_an_object(checkpoints, tmp_path):
     path, _ = _copy(checkpoints, tmp_path)
     (path / "config.json").write_text("[1, 2]")

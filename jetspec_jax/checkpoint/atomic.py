@@ -6,6 +6,7 @@ import contextlib
 import os
 import pathlib
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 
@@ -27,7 +28,8 @@ def atomic_directory(
 
     Args:
         out_dir: the directory to create.
-        overwrite: replace an existing `out_dir` (removed only after the new one is complete).
+        overwrite: replace an existing `out_dir` (removed only after the new one is complete;
+            if another writer creates `out_dir` while the body runs, ours replaces theirs).
             Without it an existing `out_dir` is an error raised before any work; and if another
             writer creates `out_dir` while the body runs, theirs is kept and ours discarded.
     """
@@ -63,20 +65,28 @@ def atomic_directory(
 
 
 def _finalize_tree(root: pathlib.Path) -> None:
-    """Makes `root` world-readable and flushes it, so the rename never publishes unwritten data.
+    """Gives `root` the permissions of an ordinary new directory and flushes it, so the rename
+    never publishes unwritten data.
 
-    `mkdtemp` (and safetensors) create owner-only entries; a checkpoint is ordinary shared data.
+    `mkdtemp` (and safetensors) create owner-only entries; a checkpoint is ordinary data, so its
+    entries get what `mkdir` / `open` would have given them under the process's umask.
     """
+    # The umask, read without setting it (os.umask would, process-wide): a new directory's mode.
+    probe = root / ".mode-probe"
+    probe.mkdir()
+    dir_mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.rmdir()
+    file_mode = dir_mode & 0o666
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             path = os.path.join(dirpath, name)
-            os.chmod(path, 0o644)
+            os.chmod(path, file_mode)
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        os.chmod(dirpath, 0o755)
+        os.chmod(dirpath, dir_mode)
         _fsync_dir(pathlib.Path(dirpath))
 
 
