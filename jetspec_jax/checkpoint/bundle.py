@@ -129,8 +129,6 @@ def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
     """
     file = pathlib.Path(path) / MANIFEST
     data = read_json(path, MANIFEST, "checkpoint directory", "not a JetSpec++ checkpoint")
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
     if data.get("format") != FORMAT:
         raise CheckpointError(f"{file}: format must be {FORMAT!r}, got {data.get('format')!r}")
     version = data.get("format_version")
