@@ -325,3 +325,24 @@ def test_logits_refuse_ids_outside_the_vocabulary_before_any_int32_wrap(checkpoi
         with pytest.raises(ValueError, match=message):
             target.logits(ids)
     assert target.logits([[1, 96]]).shape == (1, 2, 97)
+
+
+def test_the_tensor_reader_opens_each_file_once_and_reads_only_what_is_asked(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    from jetspec_jax.checkpoint import hf_params
+
+    for shard, names in (("s1.safetensors", "ab"), ("s2.safetensors", "c")):
+        arrays = {n: np.full(2, ord(n), np.float32) for n in names}
+        safetensors.numpy.save_file(arrays, str(tmp_path / shard))
+    located = {n: (tmp_path / f"{'s2' if n == 'c' else 's1'}.safetensors", (2,)) for n in "abc"}
+    opened, reads = [], []
+    real_open = hf_params.safetensors.safe_open
+    monkeypatch.setattr(
+        hf_params.safetensors, "safe_open", lambda f, **kw: opened.append(f) or real_open(f, **kw)
+    )
+    with hf_params.TensorReader(located, on_read=reads.append) as tensors:
+        assert "a" in tensors and "z" not in tensors and not reads  # membership reads nothing
+        assert [tensors[n][0] for n in "cab"] == [ord("c"), ord("a"), ord("b")]
+    assert sorted(opened) == [tmp_path / "s1.safetensors", tmp_path / "s2.safetensors"]
+    assert len(reads) == 3

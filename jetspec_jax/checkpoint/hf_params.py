@@ -226,7 +226,8 @@ def load_hf_params(
     """Reads and validates the safetensors weights of an HF checkpoint directory.
 
     Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`.
-    Tensors are validated (names and shapes, from the file headers) before any is read.
+    Tensors are validated (names and shapes, from the file headers) before any is read, then read
+    and converted one at a time (`TensorReader`).
     """
     files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
     if config.is_hybrid:
@@ -276,6 +277,9 @@ class TensorReader(Mapping):
         if self._on_read is not None:
             self._on_read(1)
         return array
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._located
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._located)
