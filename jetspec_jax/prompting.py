@@ -28,6 +28,17 @@ def encode_prompt(
         raise ValueError("this tokenizer has no chat template; use a raw prompt (chat=False)")
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": text})
+    return encode_chat(tokenizer, messages, thinking=thinking)
+
+
+def encode_chat(tokenizer, messages: list[dict], *, thinking: bool = False) -> list[int]:
+    """Token ids of `messages` (`{"role", "content"}` dicts) rendered by the tokenizer's chat
+    template, with the generation prompt for the assistant's turn; the one rendering the CLI,
+    the benchmarks and the server's chat endpoint share.
+
+    Raises:
+        whatever the template raises for messages it refuses (jinja's `raise_exception`).
+    """
     rendered = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
     )

@@ -18,6 +18,7 @@ import math
 import secrets
 from typing import Any
 
+from jetspec_jax.prompting import encode_chat
 from jetspec_jax.sampling import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -147,24 +148,16 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
         raise RequestError(400, "missing required parameter: 'messages'", param="messages")
     if body.get("tools") or body.get("functions"):
         raise RequestError(400, "tools / function calling are not supported", param="tools")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise RequestError(
-            400, "only the text response_format is supported", param="response_format"
-        )
     messages = _messages(body["messages"])
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
     try:
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
+        prompt_ids = encode_chat(tokenizer, messages)
     except Exception as e:  # templates reject messages with jinja's raise_exception
         raise RequestError(
             400, f"the chat template refused the messages: {e}", param="messages"
         ) from None
-    # The template holds every special token already: no second BOS.
-    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
     default = _default_budget(model.default_max_tokens, prompt_ids, model)
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
