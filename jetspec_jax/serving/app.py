@@ -201,6 +201,7 @@ class _Output:
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stops = StopStrings(stop)
         self.tokens = 0  # fed so far, up to the one that completes a stop string
+        self.result = None  # the `GenerationResult`, once `_decoded` has seen it finish
 
     def add(self, tokens: list[int]) -> str:
         """The text `tokens` add; fed one by one so that the count stops at a stop string (the
@@ -259,38 +260,18 @@ async def _generate(request: web.Request, req: GenerationRequest) -> web.StreamR
 
 async def _collect(req, job, events, model: ModelInfo, metrics, prompt_tokens: int, arrived):
     output = _Output(model.tokenizer, req.stop)
-    parts: list[str] = []
-    first = True
-    while True:
-        event = await events.get()
-        if isinstance(event, Tokens):
-            if first:
-                metrics.time_to_first_token.observe(time.perf_counter() - arrived)
-                first = False
-            if not output.stops.hit:
-                parts.append(output.add(event.tokens))
-                if output.stops.hit:
-                    job.cancel()
-        elif isinstance(event, Failed):
-            raise RequestError(event.status, event.message, type="server_error")
-        elif isinstance(event, Finished):
-            result = event.result
-            if result.finish_reason == "cancelled" and not output.stops.hit:
-                raise RequestError(
-                    503, "the server shut down before the request finished", type="server_error"
-                )
-            parts.append(output.finish())
-            body = responses.full_response(
-                chat=req.chat,
-                request_id=responses.new_id(req.chat),
-                model=model.name,
-                text="".join(parts),
-                finish_reason=output.finish_reason(result),
-                prompt_tokens=prompt_tokens,
-                completion_tokens=output.completion_tokens(result),
-                result=result,
-            )
-            return web.json_response(body)
+    text = "".join([piece async for piece in _decoded(job, events, output, metrics, arrived)])
+    body = responses.full_response(
+        chat=req.chat,
+        request_id=responses.new_id(req.chat),
+        model=model.name,
+        text=text,
+        finish_reason=output.finish_reason(output.result),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=output.completion_tokens(output.result),
+        result=output.result,
+    )
+    return web.json_response(body)
 
 
 async def _stream(request, req, job, events, prompt_tokens: int, arrived: float):
@@ -311,6 +292,38 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
                 await _sse(response, responses.chunk(**ids, text="", role=True))
         await _sse(response, payload)
 
+    try:
+        async for piece in _decoded(job, events, output, metrics, arrived):
+            await send(responses.chunk(**ids, text=piece))
+    except RequestError as error:
+        if response is None:  # nothing sent yet: an ordinary error answer
+            raise
+        await send(error.body())
+    else:
+        result = output.result
+        await send(responses.chunk(**ids, finish_reason=output.finish_reason(result)))
+        if req.include_usage:
+            await send(
+                responses.usage_chunk(
+                    **ids,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=output.completion_tokens(result),
+                    result=result,
+                )
+            )
+    await send("[DONE]")
+    await response.write_eof()
+    return response
+
+
+async def _decoded(job, events: asyncio.Queue, output: _Output, metrics, arrived: float):
+    """The request's text as its tokens arrive, in non-empty pieces (stop strings applied; the
+    job is cancelled at the first hit), the detokenizer's tail last; `output.result` then holds
+    the `GenerationResult`. Observes the time to the first token.
+
+    Raises:
+        RequestError: the job failed, or the server shut down before it finished (503).
+    """
     first = True
     while True:
         event = await events.get()
@@ -324,40 +337,19 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
             if output.stops.hit:
                 job.cancel()
             if text:
-                await send(responses.chunk(**ids, text=text))
+                yield text
         elif isinstance(event, Failed):
-            error = RequestError(event.status, event.message, type="server_error")
-            if response is None:
-                raise error
-            await send(error.body())
-            break
+            raise RequestError(event.status, event.message, type="server_error")
         elif isinstance(event, Finished):
-            result = event.result
-            if result.finish_reason == "cancelled" and not output.stops.hit:
-                error = RequestError(
+            if event.result.finish_reason == "cancelled" and not output.stops.hit:
+                raise RequestError(
                     503, "the server shut down before the request finished", type="server_error"
                 )
-                if response is None:
-                    raise error
-                await send(error.body())
-                break
             tail = output.finish()
             if tail:
-                await send(responses.chunk(**ids, text=tail))
-            await send(responses.chunk(**ids, finish_reason=output.finish_reason(result)))
-            if req.include_usage:
-                await send(
-                    responses.usage_chunk(
-                        **ids,
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=output.completion_tokens(result),
-                        result=result,
-                    )
-                )
-            break
-    await send("[DONE]")
-    await response.write_eof()
-    return response
+                yield tail
+            output.result = event.result
+            return
 
 
 async def _sse(response: web.StreamResponse, payload: dict | str) -> None:
