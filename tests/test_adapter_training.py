@@ -281,6 +281,34 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(workdir, monkeypa
     assert result.evaluation["tau_predicted"] > 0
 
 
+def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(target, workdir, monkeypatch):
+    """`train.py calibrate` writes into the export; rerunning the finished stage (as the README's
+    resumable commands invite) must not export again over it, nor evaluate again."""
+    from jetspec_jax.decoding.outcomes import Calibration
+
+    monkeypatch.chdir(workdir)
+    draft = jetspec_jax.load_draft("runs/tiny/run/draft", target)
+    config = _tiny_config("runs/tiny/rerun")
+    first = train_adapter(config, target=target, draft=draft)
+    calibrated = jetspec_jax.load_draft(first.export_dir, target)
+    calibration = Calibration(replacement_confidence=0.5)
+    calibrated.with_adapter(calibrated.adapter, calibration).save(first.export_dir, overwrite=True)
+    evaluations = []
+    monkeypatch.setattr(
+        adapter_trainer, "adapter_state_metrics", lambda *a, **k: evaluations.append(1)
+    )
+    again = train_adapter(config, target=target, draft=draft)
+    assert again.steps == first.steps and again.evaluation == {} and not evaluations
+    assert jetspec_jax.load_draft(first.export_dir, target).calibration == calibration
+
+
+def test_a_mask_input_draft_is_refused_before_training(target, data_file, tmp_path):
+    dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
+    with pytest.raises(ValueError, match="token-input .* this draft is 'dflash'"):
+        train_adapter(_config(data_file, tmp_path / "run"), target=target, draft=dflash)
+    assert not (tmp_path / "run" / "adapter_run" / "checkpoints").exists()
+
+
 def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_file, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 5}\n')

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.adapter import Adapter, init_adapter
-from jetspec_jax.checkpoint.bundle import save_bundle
+from jetspec_jax.checkpoint.bundle import is_bundle, save_bundle
 from jetspec_jax.draft import Draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
@@ -48,7 +48,9 @@ class AdapterTrainResult:
         metrics: the last logged step's metrics (floats; lists per tap).
         evaluation: the final evaluation: `eval_nmse`, `eval_stale_nmse`, `eval_gap_closed` (per
             tap), `eval_gap_closed_mean`, `eval_loss`, and with evaluation prompts `tau_predicted`,
-            `tau_true`, `tau_ratio` (J1-R1).
+            `tau_true`, `tau_ratio` (J1-R1). Empty when the run had finished before this call
+            (its export is then left as it is, calibration included; its final evaluation is in
+            the metrics log).
         export_dir: the exported JetSpec++ checkpoint (draft + adapter; `load_draft` reads it).
     """
 
@@ -92,7 +94,8 @@ def train_adapter(
         The `AdapterTrainResult` once all steps are done; None after `stop_after` steps.
 
     Raises:
-        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft.
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft, or
+            the draft is not a token-input (jetspec++) draft.
         CheckpointError: the draft directory is missing or does not fit the target.
     """
     run_dir = adapter_run_dir(config)
@@ -103,6 +106,11 @@ def train_adapter(
     if not isinstance(draft, Draft):
         path = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
         draft = load_draft(path, target)
+    if not draft.config.token_inputs:  # refreshes feed the draft tokens, not mask embeddings
+        raise ValueError(
+            f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "
+            f"{draft.config.variant!r}"
+        )
     if config.adapter.eval_tau:
         check_eval_prompts(config, target)
     records = read_regenerated(
@@ -140,6 +148,7 @@ def train_adapter(
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size)
     with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
+        finished_before = int(state.step) >= optim.steps
 
         def evaluate(step: int, state) -> dict:
             result = adapter_state_metrics(
@@ -179,9 +188,13 @@ def train_adapter(
         )
         if int(state.step) < optim.steps:
             return None
-        # Export before the final evaluation: a failing evaluation must not cost the adapter.
         trained = _as_adapter(adapter, state)
         export_dir = adapter_export_dir(config)
+        if finished_before and is_bundle(export_dir):
+            # A rerun of a finished run: exporting again would drop the calibration that
+            # `train.py calibrate` may have fitted into the export since.
+            return AdapterTrainResult(trained, int(state.step), metrics, {}, export_dir)
+        # Export before the final evaluation: a failing evaluation must not cost the adapter.
         if jax.process_index() == 0:
             save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
         evaluation = evaluate(int(state.step), state)
@@ -198,7 +211,8 @@ def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
     """A fresh adapter for `draft`'s taps as `config.adapter` describes.
 
     Raises:
-        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft.
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft, or
+            the draft is not a token-input (jetspec++) draft.
     """
     a, taps = config.adapter, tuple(draft.config.target_layer_ids)
     if a.layers_per_module is not None and len(a.layers_per_module) != len(taps):

@@ -41,7 +41,8 @@ class TrainResult:
         draft: the trained draft (params in the target's dtype).
         steps: optimisation steps done in total (including those of resumed checkpoints).
         metrics: the last step's metrics (floats).
-        eval_tau: the final evaluation's mean tau, or None without evaluation prompts.
+        eval_tau: the final evaluation's mean tau; None without evaluation prompts, or when the
+            run had finished before this call (its export and evaluation are left as they are).
         export_dir: where the draft was exported.
     """
 
@@ -104,6 +105,7 @@ def train(
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
     with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
+        finished_before = int(state.step) >= config.optim.steps
 
         def evaluate(step: int, state) -> float | None:
             return _evaluate(config, target, _as_draft(draft, state, target), log, step)
@@ -127,9 +129,11 @@ def train(
         )
         if int(state.step) < config.optim.steps:
             return None
-        # Export before the final evaluation: a failing evaluation must not cost the draft.
         trained = _as_draft(draft, state, target)
         export_dir = run_dir / "draft"
+        if finished_before and (export_dir / "config.json").is_file():
+            return TrainResult(trained, int(state.step), metrics, None, export_dir)  # a rerun
+        # Export before the final evaluation: a failing evaluation must not cost the draft.
         if jax.process_index() == 0:
             trained.save(export_dir, overwrite=True)
         eval_tau = _evaluate(config, target, trained, log, int(state.step))
