@@ -225,6 +225,10 @@ def test_bad_configs_are_refused_by_key(tmp_path):
     # Values that would fail late (a division by zero, a top_k shape error) fail at load.
     for text, field in {
         "run: {log_every: 0}": "run.log_every",
+        "draft: {init_std: .nan}": "draft.init_std",
+        "draft: {block_size: 1}": "draft.block_size",
+        "draft: {num_layers: 0}": "draft.num_layers",
+        "adapter: {init_std: .inf}": "adapter.init_std",
         "run: {checkpoint_every: 0}": "run.checkpoint_every",
         "run: {keep_checkpoints: 0}": "run.keep_checkpoints",
         "run: {eval_every: -1}": "run.eval_every",
@@ -492,6 +496,15 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(
     assert result.eval_tau is not None
 
 
+def test_sequences_longer_than_the_targets_context_are_refused(target, data_files, tmp_path):
+    config = _config(data_files, tmp_path)
+    context = target.config.max_position_embeddings
+    data = dataclasses.replace(config.data, max_length=context + 1)
+    with pytest.raises(ValueError, match=f"data.max_length {context + 1} exceeds .* {context}"):
+        train(dataclasses.replace(config, data=data), target=target)
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
     path = tmp_path / "p.jsonl"
     cases = {
@@ -500,6 +513,7 @@ def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
         '{"prompt_ids": [1, 2.5]}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
         '{"prompt_ids": []}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
         '{"prompt": 7}': "p.jsonl:2 has neither",
+        '{"prompt_ids": [1, 97]}': r"p.jsonl:2: 'prompt_ids' holds ids outside .* \[0, 97\)",
     }
     for line, message in cases.items():
         path.write_text('{"prompt_ids": [1, 2]}\n' + line + "\n")

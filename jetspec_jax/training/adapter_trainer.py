@@ -35,7 +35,7 @@ from jetspec_jax.training.run_helpers import host_params, with_device_params, wi
 from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
-from jetspec_jax.training.trainer import batch_sizes, check_eval_prompts
+from jetspec_jax.training.trainer import batch_sizes, check_eval_prompts, check_fits_context
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,8 @@ def train_adapter(
     checkpoint of `<run.dir>/adapter_run`.
 
     Args:
-        config: the run's config (`adapter` section; its `optim`, else the top-level `optim`).
+        config: the run's config (`adapter` section; its `optim`, else the top-level `optim`;
+            `AdapterTrainConfig.optim` says how the two combine).
         target: an already loaded target (tests); None loads `config.target`.
         draft: the trained draft, or its directory; None: `<run.dir>/draft` (the draft stage's
             export).
@@ -111,6 +112,7 @@ def train_adapter(
             f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "
             f"{draft.config.variant!r}"
         )
+    check_fits_context(config, target)
     if config.adapter.eval_tau:
         check_eval_prompts(config, target)
     records = read_regenerated(

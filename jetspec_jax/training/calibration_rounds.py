@@ -149,7 +149,7 @@ def sequence_rounds(
             the proposer refreshes, its own proxy state is reused.
         tokens: `[B, S]` int32 right-padded sequences (S >= T + 1 of every row).
         lengths: `[B]` int32 real tokens T per row.
-        anchors: `[B, A]` int32 anchor positions t, `1 <= t <= T - K`.
+        anchors: `[B, A]` int32 anchor positions t, `P <= t <= T - K` (P prompt tokens).
         config: the target config (static).
 
     Returns:

@@ -1,7 +1,7 @@
 """Typed, validated training configs, read from YAML.
 
 Every section is a frozen dataclass; `load_train_config` refuses unknown keys and wrong types by
-their dotted path (`train.learning_rate must be a number, got 'fast'`), so a typo never silently
+their dotted path (`optim.learning_rate must be a number, got 'fast'`), so a typo never silently
 falls back to a default.
 """
 
@@ -80,7 +80,9 @@ class AdapterTrainConfig:
     intermediate_size: int | None = None  # None: the target's
     init_std: float = 0.02
     kappa: float = 0.5
-    optim: OptimConfig | None = None  # None: the top-level `optim`
+    # None: the top-level `optim`. Given, a whole section: unset fields take OptimConfig's
+    # defaults, not the top-level values.
+    optim: OptimConfig | None = None
     eval_files: tuple[str, ...] = ()  # held-out regenerated JSONL; empty: the training files
     eval_batches: int = 2  # batches of the state metrics (normalised MSE, gap closed) per eval
     eval_tau: bool = True  # tau with J1-R1, predicted vs true states, on data.eval_prompts
@@ -126,6 +128,19 @@ class TrainConfig:
             "draft.variant",
             self.draft.variant,
         )
+        _check(self.draft.num_layers >= 1, "draft.num_layers", self.draft.num_layers)
+        _check(self.draft.block_size >= 2, "draft.block_size", self.draft.block_size)
+        _check(
+            math.isfinite(self.draft.init_std) and self.draft.init_std >= 0,
+            "draft.init_std",
+            self.draft.init_std,
+        )
+        if self.draft.intermediate_size is not None:
+            _check(
+                self.draft.intermediate_size >= 1,
+                "draft.intermediate_size",
+                self.draft.intermediate_size,
+            )
         _check_optim(self.optim, "optim")
         _check_adapter(self.adapter, self.draft)
         _check(
@@ -204,7 +219,11 @@ def _check_adapter(adapter: AdapterTrainConfig, draft: DraftArchConfig) -> None:
             adapter.intermediate_size >= 1, "adapter.intermediate_size", adapter.intermediate_size
         )
     _check(0.0 < adapter.kappa <= 1.0, "adapter.kappa (in (0, 1])", adapter.kappa)
-    _check(adapter.init_std >= 0.0, "adapter.init_std", adapter.init_std)
+    _check(
+        math.isfinite(adapter.init_std) and adapter.init_std >= 0.0,
+        "adapter.init_std",
+        adapter.init_std,
+    )
     _check(adapter.eval_batches >= 1, "adapter.eval_batches", adapter.eval_batches)
     if adapter.optim is not None:
         _check_optim(adapter.optim, "adapter.optim")

@@ -64,8 +64,8 @@ def eval_prompt_ids(
     Raises:
         FileNotFoundError: no such file.
         ValueError: a record (named by `file:line`) with neither a non-empty integer list
-            `prompt_ids` nor a string `prompt`, a text prompt but the target has no tokenizer, or
-            no record at all.
+            `prompt_ids` (ids in the target's vocabulary) nor a string `prompt`, a text prompt
+            but the target has no tokenizer, or no record at all.
     """
     prompts = []
     for where, record in read_jsonl(prompt_file, what="evaluation prompt file"):
@@ -86,6 +86,9 @@ def _prompt_ids(where: str, record: dict, target: Target, math_suffix: bool) -> 
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
             raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
+        vocab = target.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):  # ids past the table would be clamped silently
+            raise ValueError(f"{where}: 'prompt_ids' holds ids outside the vocabulary [0, {vocab})")
         return list(ids)
     if not isinstance(record.get("prompt"), str):
         raise ValueError(f"{where} has neither 'prompt_ids' nor a string 'prompt'")

@@ -77,6 +77,7 @@ def train(
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
+    check_fits_context(config, target)
     check_eval_prompts(config, target)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
@@ -180,6 +181,17 @@ def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
             f"({mesh.size}) and of the process count ({processes})"
         )
     return global_batch // processes, global_batch
+
+
+def check_fits_context(config: TrainConfig, target: Target) -> None:
+    """Refuses `data.max_length` beyond the target's context: positions past it would run the
+    target's rotary embedding where it was never trained."""
+    context = target.config.max_position_embeddings
+    if config.data.max_length > context:
+        raise ValueError(
+            f"data.max_length {config.data.max_length} exceeds the target's context of "
+            f"{context} tokens"
+        )
 
 
 def check_eval_prompts(config: TrainConfig, target: Target) -> None:
