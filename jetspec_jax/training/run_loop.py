@@ -175,7 +175,7 @@ class MetricsLog:
     `start_step`: the step the run starts (or resumes) from. Rows of later steps already in the
     file were logged by an earlier attempt after its last checkpoint; the run logs those steps
     again, so they are dropped first (no duplicate steps in the file; TensorBoard's event files
-    keep both, and its viewer shows the later one).
+    are not rewritten and keep both).
     """
 
     def __init__(self, run_dir: pathlib.Path, tensorboard: bool, *, start_step: int):
