@@ -33,8 +33,8 @@ class SamplingParams:
         temperature: 0 selects greedy (argmax) decoding; >= `MIN_TEMPERATURE` samples from
             softmax(logits / T).
         top_k: keep the k most likely tokens (ties with the k-th kept); 0 disables.
-        top_p: keep the smallest set of most likely tokens whose probability reaches top_p;
-            1.0 disables.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p
+            (tokens whose logit ties the last kept one's are kept too); 1.0 disables.
         seed: the request's random seed; the same seed gives the same tokens.
     """
 

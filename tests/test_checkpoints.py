@@ -127,6 +127,7 @@ def test_malformed_json_file(checkpoints, tmp_path, name):
         (dict(use_sliding_window=True), "sliding-window"),
         (dict(hidden_size=None), "'hidden_size'"),
         (dict(num_key_value_heads=3), "not a multiple"),
+        (dict(partial_rotary_factor=0.5), "partial rotary"),  # the transformers-4 spelling
     ],
 )
 def test_unsupported_or_invalid_config(checkpoints, tmp_path, changes, message):

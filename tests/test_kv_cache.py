@@ -75,3 +75,17 @@ def test_rollback_by_length_then_new_tokens_equals_full_forward(target):
         logits, np.asarray(target.logits(sequence))[:, -4:], atol=TOL, rtol=0
     )
     assert int(cache.lengths[0]) == 14
+
+
+def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):
+    from jetspec_jax.models.transformer import init_cache
+
+    dense = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
+    tokens = jnp.ones((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="hybrid model's cache is a HybridCache, got KVCache"):
+        forward(hybrid.params, hybrid.config, tokens, init_cache(dense.config, 1, 8, jnp.float32))
+    hybrid_cache = init_cache(hybrid.config, 1, 8, jnp.float32)
+    with pytest.raises(ValueError, match="dense model's cache is a KVCache, got HybridCache"):
+        forward(dense.params, dense.config, tokens, hybrid_cache)
+    assert isinstance(init_cache(dense.config, 1, 8, jnp.float32), KVCache)

@@ -166,7 +166,8 @@ def _rope_from_hf(hf: dict[str, Any], hybrid: bool = False) -> RopeConfig:
             f"unsupported rope scaling type {rope_type!r}; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if not hybrid and params.get("partial_rotary_factor", 1.0) != 1.0:
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not hybrid and partial != 1.0:  # in either layout: transformers 4 kept it at the top level
         raise CheckpointError(
             "partial rotary embeddings (partial_rotary_factor != 1) are not supported"
         )

@@ -77,7 +77,8 @@ def refinement_attention(
         context_k, context_v: `[B, S, N_kv, D]` the shared context, e.g. one layer of the draft
             cache; `N % N_kv == 0` (grouped-query attention).
         context_lengths: `[B, C]` int; candidate c sees context slots `< context_lengths[b, c]`
-            (0 is allowed: the block only). Slots past it may hold anything.
+            (0 is allowed: the block only). Slots past it may hold any finite values (a NaN there
+            would reach the output through a zero weight: 0 * NaN).
         block_k, block_v: `[B, C, K, N_kv, D]` each candidate's own keys/values.
         causal: within the block, row i sees rows `<= i` (True) or all K rows (False).
         impl: see the module docstring.

@@ -160,8 +160,3 @@ class TransformerConfig:
             2 * self.linear_num_key_heads * self.linear_key_head_dim
             + self.linear_num_value_heads * self.linear_value_head_dim
         )
-
-    @property
-    def q_per_kv(self) -> int:
-        """Query heads that share one key/value head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads

@@ -94,7 +94,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
         mask: `[B, T, S]` bool, True where a query may attend to a key.
 
     Returns:
-        `[B, T, N * D]` in the dtype of `q`; scores and softmax are float32.
+        `[B, T, N * D]` in the dtype of `v`; scores and softmax are float32.
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]

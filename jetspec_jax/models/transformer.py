@@ -73,6 +73,12 @@ def forward(
     """
     if any(not 0 <= i < config.num_layers for i in tap_layers):
         raise ValueError(f"tap_layers {tap_layers} out of range for {config.num_layers} layers")
+    wanted = HybridCache if config.is_hybrid else KVCache
+    if cache is not None and not isinstance(cache, wanted):
+        raise ValueError(
+            f"a {'hybrid' if config.is_hybrid else 'dense'} model's cache is a {wanted.__name__}, "
+            f"got {type(cache).__name__} (`init_cache` makes the right one)"
+        )
     if config.is_hybrid:
         hidden, taps, cache = hybrid.forward(
             params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers, inputs=inputs
