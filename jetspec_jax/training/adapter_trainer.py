@@ -149,7 +149,14 @@ def train_adapter(
     )
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size)
-    with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
+    setup = dict(
+        data_files=config.data.files,
+        records=len(records),
+        max_length=config.data.max_length,
+        draft=str(draft.path) if draft.path else None,
+        adapter=dataclasses.asdict(dataclasses.replace(config.adapter, optim=optim)),
+    )
+    with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
         finished_before = int(state.step) >= optim.steps
 
         def evaluate(step: int, state) -> dict:

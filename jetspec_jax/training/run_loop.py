@@ -32,6 +32,8 @@ from jetspec_jax.training.run_helpers import Throughput
 
 logger = logging.getLogger(__name__)
 
+SETUP_FILE = "run_setup.json"  # what the run's checkpoints were written with (`opened_run`)
+
 
 def run_steps(
     state,
@@ -109,21 +111,53 @@ def run_steps(
 
 @contextlib.contextmanager
 def opened_run(
-    run_dir: pathlib.Path, run: RunConfig, state, iterator
+    run_dir: pathlib.Path, run: RunConfig, state, iterator, *, setup: dict
 ) -> Iterator[tuple[object, ocp.CheckpointManager, MetricsLog]]:
     """A run's checkpoints (`<run_dir>/checkpoints`) and metrics log, opened for the loop.
 
     Restores the latest checkpoint, if any, into a copy of `state` (returned) and into `iterator`
     (in place). Yields `(state, manager, metrics_log)`; both are closed on leaving, however the
     run ends.
+
+    `setup`: what a resumed run should share with the run that wrote its checkpoints (JSON-ready:
+    the data files and record count, the optimisation and model sections). The first start
+    records it in `<run_dir>/run_setup.json`; a resume whose setup differs logs each difference
+    as a warning (the restored data position and schedule assume the recorded setup), which a
+    deliberate change, e.g. more steps, may ignore.
     """
     manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
     with contextlib.closing(manager):
         if manager.latest_step() is not None:
             state = restore_latest(manager, state, iterator)
             logger.info("%s: resumed from step %d", run_dir, int(state.step))
+            _warn_on_changed_setup(run_dir / SETUP_FILE, setup)
+        elif jax.process_index() == 0:
+            _write_json_atomically(run_dir / SETUP_FILE, setup)
         with MetricsLog(run_dir, run.tensorboard, start_step=int(state.step)) as metrics_log:
             yield state, manager, metrics_log
+
+
+def _write_json_atomically(path: pathlib.Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)  # a crash leaves the old file or none, never half of one
+
+
+def _warn_on_changed_setup(path: pathlib.Path, setup: dict) -> None:
+    if not path.is_file():  # checkpoints from before setups were recorded
+        return
+    recorded = json.loads(path.read_text(encoding="utf-8"))
+    current = json.loads(json.dumps(setup))  # tuples as lists, as they were recorded
+    for key in sorted(set(recorded) | set(current)):
+        was, now = recorded.get(key), current.get(key)
+        if was != now:
+            logger.warning(
+                "%s: resuming with %s %r, but the checkpoints were written with %r",
+                path.parent,
+                key,
+                now,
+                was,
+            )
 
 
 def checkpoint_manager(directory: pathlib.Path, keep: int) -> ocp.CheckpointManager:

@@ -105,7 +105,14 @@ def train(
     target, draft = with_host_params(target), with_host_params(draft)
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
-    with opened_run(run_dir, config.run, state, iterator) as (state, manager, log):
+    setup = dict(
+        data_files=config.data.files,
+        records=len(records),
+        max_length=config.data.max_length,
+        draft=dataclasses.asdict(config.draft),
+        optim=dataclasses.asdict(config.optim),
+    )
+    with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
         finished_before = int(state.step) >= config.optim.steps
 
         def evaluate(step: int, state) -> float | None:
