@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import pathlib
 
 import jax
@@ -36,6 +37,8 @@ from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
 from jetspec_jax.training.trainer import batch_sizes, check_eval_prompts, check_fits_context
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +246,11 @@ def _eval_batches(config: TrainConfig, local_batch: int, sharding, vocab_size: i
     """`adapter.eval_batches` fixed batches: the first examples of this process's share of
     `adapter.eval_files` (else of the training files; then the figures are not held out)."""
     files = config.adapter.eval_files or config.data.files
+    if not config.adapter.eval_files:
+        logger.warning(
+            "adapter.eval_files is empty: the adapter's state metrics are measured on training "
+            "records, not held-out ones"
+        )
     records = read_regenerated(files, vocab_size=vocab_size, max_length=config.data.max_length)
     count = jax.process_count()
     # From the smallest share: every process must make the same number of jitted calls.
