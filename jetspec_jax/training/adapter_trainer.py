@@ -223,8 +223,7 @@ def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
     """A fresh adapter for `draft`'s taps as `config.adapter` describes.
 
     Raises:
-        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft, or
-            the draft is not a token-input (jetspec++) draft.
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft.
     """
     a, taps = config.adapter, tuple(draft.config.target_layer_ids)
     if a.layers_per_module is not None and len(a.layers_per_module) != len(taps):
