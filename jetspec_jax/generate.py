@@ -79,18 +79,20 @@ def generate(
     Returns:
         A `GenerationResult`.
     """
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    options = DecodingOptions(
+    (result,) = generate_batch(
+        target,
+        [prompt_ids],
+        draft=draft,
         method=method,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        stop_token_ids=stop_token_ids,
         refine_passes=refine_passes,
         refreshes=refreshes,
         foresight=foresight,
         foresight_rule=foresight_rule,
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
-    )
-    (result,) = _decode(
-        target, [prompt_ids], draft, options, max_new_tokens, sampling, stop_token_ids
     )
     return result
 
