@@ -97,14 +97,12 @@ def _check_before_loading(args, *, server: bool) -> None:
 
 
 def _server_config(args, draft, *, method: str | None = None):
-    """The `ServerConfig` of the server flags. The default model is served as
-    "SmolLM2-135M-Instruct", not by its cache directory's name; another `--target` by its
-    directory's name, unless `--model-name` says otherwise."""
-    from jetspec_jax.default_model import DEFAULT_MODEL_NAME
+    """The `ServerConfig` of the server flags (without `--model-name`, the server names the
+    model: `default_model.served_model_name`)."""
     from jetspec_jax.serving import ServerConfig
 
     return ServerConfig(
-        model_name=args.model_name or (DEFAULT_MODEL_NAME if args.target is None else None),
+        model_name=args.model_name,
         decoding=_decoding_options(args, draft, method=method),
         api_key=args.api_key or os.environ.get("JETSPEC_API_KEY") or None,
         max_batch_size=args.max_batch_size,

@@ -25,6 +25,7 @@ __all__ = [
     "default_draft_dir",
     "default_gguf_path",
     "default_target_dir",
+    "served_model_name",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -116,6 +117,17 @@ def default_draft_dir() -> Path:
             f"package data; reinstall it (pip install -e . from the repository)"
         )
     return _DRAFT_DIR
+
+
+def served_model_name(target_path: Path | None) -> str:
+    """The id a server announces for a target loaded from `target_path`: "SmolLM2-135M-Instruct"
+    for the default model's cache directory, else the directory's name ("jetspec" for a target
+    built in memory)."""
+    if target_path is None:
+        return "jetspec"
+    if Path(target_path).resolve() == (cache_root() / _CACHE_SUBDIR).resolve():
+        return DEFAULT_MODEL_NAME
+    return Path(target_path).name
 
 
 def _is_complete(path: Path) -> bool:

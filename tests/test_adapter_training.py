@@ -45,7 +45,7 @@ from jetspec_jax.training.config import (
     TrainConfig,
     load_train_config,
 )
-from jetspec_jax.training.data import to_example
+from jetspec_jax.training.data import read_regenerated, to_example
 from jetspec_jax.training.evaluate import evaluate_tau
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
 from jetspec_jax.training.trainer import batch_sizes
@@ -189,8 +189,9 @@ def test_training_lowers_the_loss_and_a_resumed_run_equals_a_straight_one(
     assert straight.steps == 4
     # The trained adapter's evaluation metrics vs the same blocks at initialisation.
     mesh = make_mesh(config.mesh)
+    records = read_regenerated(config.data.files, max_length=config.data.max_length)
     batches = _eval_batches(
-        config, batch_sizes(4, mesh)[0], batch_sharding(mesh), target.config.vocab_size
+        config, batch_sizes(4, mesh)[0], batch_sharding(mesh), target.config.vocab_size, records
     )
     step_config = AdapterStepConfig(
         target.config, straight.adapter.config, adapter_optim(config, 8), 4, 0.5
@@ -330,9 +331,38 @@ def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path,
 
     monkeypatch.setattr(adapter_trainer, "to_example", counting)
     config = _config(data_file, tmp_path, eval_batches=1)
-    mesh = make_mesh(config.mesh)
-    batches = _eval_batches(config, 2, batch_sharding(mesh), target.config.vocab_size)
+    records = read_regenerated([data_file])
+    batches = _eval_batches(config, 2, _batch_sharding(config), target.config.vocab_size, records)
     assert len(batches) == 1 and len(calls) == 2  # of the file's 8 records
+
+
+def _batch_sharding(config):
+    return batch_sharding(make_mesh(config.mesh))
+
+
+def test_held_out_records_that_repeat_training_prompts_are_warned_about(
+    target, data_file, tmp_path, caplog
+):
+    records = read_regenerated([data_file])
+    held_out = tmp_path / "held_out.jsonl"
+    fresh = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in [*records[:3], fresh]))
+
+    def warnings(eval_files, train_records):
+        config = _config(data_file, tmp_path, eval_batches=1, eval_files=eval_files)
+        sharding = _batch_sharding(config)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            _eval_batches(config, 2, sharding, target.config.vocab_size, train_records)
+        return [r.getMessage() for r in caplog.records if r.name == adapter_trainer.__name__]
+
+    assert warnings((str(held_out),), records) == [
+        "3 of the 4 records of adapter.eval_files have a training prompt: the adapter's state "
+        "metrics on them are not held out"
+    ]
+    assert warnings((str(held_out),), records[3:]) == []
+    (empty,) = warnings((), records)
+    assert "adapter.eval_files is empty" in empty
 
 
 def _load_train_py():

@@ -16,8 +16,11 @@ import pytest
 import jetspec_jax
 import serve
 from jetspec_jax.checkpoint.bundle import read_manifest
-from jetspec_jax.default_model import DEFAULT_MODEL_NAME, default_draft_dir
+from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.default_model import DEFAULT_MODEL_NAME, default_draft_dir, served_model_name
 from jetspec_jax.prompting import encode_prompt
+from jetspec_jax.serving import ServerConfig, build_app
+from jetspec_jax.serving.app import MODEL
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = (
@@ -132,13 +135,13 @@ def test_bench_harness_serves_jetspec_pp_with_the_shipped_draft(default_model_di
     assert rows[1]["greedy_matches_ar"] == 1
 
 
-def test_the_server_serves_the_default_model_by_its_name(tmp_path, monkeypatch):
-    """Clients ask for "SmolLM2-135M-Instruct", not for the cache directory's name."""
-    monkeypatch.delenv("JETSPEC_API_KEY", raising=False)
-
-    def config(*flags):
-        return serve._server_config(serve._parser().parse_args([*flags, "--method", "ar"]), None)
-
-    assert config().model_name == DEFAULT_MODEL_NAME
-    assert config("--model-name", "mine").model_name == "mine"
-    assert config("--target", str(tmp_path)).model_name is None  # the directory's name
+def test_the_server_serves_the_default_model_by_its_name(target, tmp_path):
+    """Clients ask for "SmolLM2-135M-Instruct", not for the cache directory's name, whether the
+    server is `serve.py`'s or a `BackgroundServer`."""
+    assert served_model_name(target.path) == DEFAULT_MODEL_NAME
+    assert served_model_name(tmp_path / "Llama-3.2-1B") == "Llama-3.2-1B"
+    assert served_model_name(None) == "jetspec"
+    app = build_app(target, None, ServerConfig(decoding=DecodingOptions(method="ar")))
+    assert app[MODEL].name == DEFAULT_MODEL_NAME
+    args = serve._parser().parse_args(["--method", "ar", "--model-name", "mine"])
+    assert serve._server_config(args, None).model_name == "mine"

@@ -33,6 +33,7 @@ from jetspec_jax.bench.load import markdown, run_load
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
+from jetspec_jax.serving import app as app_module
 from jetspec_jax.serving import server as server_module
 from jetspec_jax.serving.app import SCHEDULER
 from jetspec_jax.serving.openai_requests import (
@@ -159,6 +160,24 @@ def test_completion_equals_the_library_and_its_stream(target, client):
     assert "".join(texts) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].usage.completion_tokens == len(result.tokens)
+
+
+def test_prompts_are_templated_and_tokenized_off_the_event_loop(http, monkeypatch):
+    threads = []
+
+    def recording(parse):
+        def parse_and_record(body, model):
+            threads.append(threading.current_thread().name)
+            return parse(body, model)
+
+        return parse_and_record
+
+    monkeypatch.setattr(app_module, "parse_completion", recording(parse_completion))
+    monkeypatch.setattr(app_module, "parse_chat", recording(parse_chat))
+    assert _complete(http).status_code == 200
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert len(threads) == 2 and all(name.startswith("tokenize") for name in threads)
 
 
 def test_chat_streaming_and_not(target, client):

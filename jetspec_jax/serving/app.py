@@ -15,6 +15,7 @@ object (`{"error": {"message", "type", "param", "code"}}`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 MODEL = web.AppKey("model", ModelInfo)
 API_KEY = web.AppKey("api_key", str)
+TOKENIZING = web.AppKey("tokenizing", concurrent.futures.ThreadPoolExecutor)
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -63,6 +65,8 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
     app[SCHEDULER] = scheduler
     app[MODEL] = model
     app[API_KEY] = api_key or ""
+    # One thread: HF fast tokenizers are not safe to call from several threads at once.
+    app[TOKENIZING] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
@@ -78,6 +82,7 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
 
     async def stop(app):
         await asyncio.get_running_loop().run_in_executor(None, app[SCHEDULER].stop)
+        app[TOKENIZING].shutdown(wait=False)
 
     app.on_startup.append(start)
     app.on_shutdown.append(drain)
@@ -176,11 +181,19 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion(await _json(request), request.app[MODEL]))
+    return await _generate(request, await _parsed(request, parse_completion))
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat(await _json(request), request.app[MODEL]))
+    return await _generate(request, await _parsed(request, parse_chat))
+
+
+async def _parsed(request: web.Request, parse) -> GenerationRequest:
+    """The body `parse`d on the tokenizing thread: templating and tokenizing a long prompt would
+    otherwise hold up every other request's stream on the event loop."""
+    body = await _json(request)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[TOKENIZING], parse, body, request.app[MODEL])
 
 
 async def _json(request: web.Request) -> Any:

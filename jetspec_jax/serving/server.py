@@ -16,6 +16,7 @@ import threading
 from aiohttp import web
 
 from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.default_model import served_model_name
 from jetspec_jax.serving.app import create_app
 from jetspec_jax.serving.metrics import ServerMetrics
 from jetspec_jax.serving.openai_requests import ModelInfo
@@ -29,7 +30,8 @@ class ServerConfig:
     """How to serve.
 
     Attributes:
-        model_name: the id clients send as `model` (None: the target directory's name).
+        model_name: the id clients send as `model` (None: the target directory's name, or
+            "SmolLM2-135M-Instruct" for the default model; `default_model.served_model_name`).
         decoding: the method ("ar" or the draft's variant), its `Jj-Rr` refinement and foresight
             drafting (`DecodingOptions`).
         api_key: required as a bearer token on /v1/* when set.
@@ -81,7 +83,7 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         raise ValueError(
             f"{target.path} has no tokenizer; the server needs one to read and write text"
         )
-    name = config.model_name or (target.path.name if target.path else "jetspec")
+    name = config.model_name or served_model_name(target.path)
     scheduler = Scheduler(
         target,
         draft=draft,

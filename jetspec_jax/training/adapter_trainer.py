@@ -151,7 +151,7 @@ def train_adapter(
         kappa=config.adapter.kappa,
     )
     sharding = batch_sharding(mesh)
-    eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size)
+    eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size, records)
     setup = dict(
         data_files=config.data.files,
         records=len(records),
@@ -241,16 +241,30 @@ def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
     )
 
 
-def _eval_batches(config: TrainConfig, local_batch: int, sharding, vocab_size: int) -> list[dict]:
-    """`adapter.eval_batches` fixed batches: the first examples of this process's share of
-    `adapter.eval_files` (else of the training files; then the figures are not held out)."""
-    files = config.adapter.eval_files or config.data.files
-    if not config.adapter.eval_files:
+def _eval_batches(
+    config: TrainConfig, local_batch: int, sharding, vocab_size: int, train_records: list[dict]
+) -> list[dict]:
+    """`adapter.eval_batches` fixed batches: the first examples of this process's share of the
+    records of `adapter.eval_files` (else of `train_records`; then the figures are not held out).
+    Held-out records whose prompt is also a training prompt are counted in a warning."""
+    files = config.adapter.eval_files
+    if files:
+        records = read_regenerated(files, vocab_size=vocab_size, max_length=config.data.max_length)
+        seen = {tuple(r["prompt_ids"]) for r in train_records}
+        repeated = sum(tuple(r["prompt_ids"]) in seen for r in records)
+        if repeated:
+            logger.warning(
+                "%d of the %d records of adapter.eval_files have a training prompt: the "
+                "adapter's state metrics on them are not held out",
+                repeated,
+                len(records),
+            )
+    else:
         logger.warning(
             "adapter.eval_files is empty: the adapter's state metrics are measured on training "
             "records, not held-out ones"
         )
-    records = read_regenerated(files, vocab_size=vocab_size, max_length=config.data.max_length)
+        files, records = config.data.files, train_records
     count = jax.process_count()
     # From the smallest share: every process must make the same number of jitted calls.
     num_batches = min(config.adapter.eval_batches, len(records) // count // local_batch)
