@@ -69,7 +69,7 @@ def generate(
             "jetspec++" give the same tokens with fewer target forwards; the rest are
             JetSpec++'s `Jj-Rr` refinement and foresight).
         max_new_tokens: at most this many new tokens (>= 1).
-        temperature: 0 for greedy decoding, > 0 to sample.
+        temperature: 0 for greedy decoding, >= `sampling.MIN_TEMPERATURE` (1e-5) to sample.
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 disables.
         seed: random seed of the request; the same seed gives the same tokens.
@@ -203,7 +203,8 @@ class TokenStream:
         raise StopIteration
 
     def close(self) -> None:
-        """Stops decoding early; `result` then holds the tokens so far ("cancelled")."""
+        """Stops decoding early; `result` then holds the tokens so far ("cancelled"), or stays
+        None if no chunk was requested (decoding never started)."""
         if self.result is None and self._session.started:
             self._session.cancel(0)
             self.result = self._session.results()[0]

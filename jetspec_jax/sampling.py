@@ -21,8 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOP_K = 2**31 - 1  # top_k travels as int32 (any value >= the vocabulary keeps everything)
-# Below this, logits / T overflow float32 (or T flushes to zero) and the softmax turns NaN.
+# Far below this (T ~ 1e-36) logits / T overflow float32, or T flushes to zero as a subnormal, and
+# the softmax turns NaN. 1e-5 leaves a wide margin; there, any logit gap above ~1e-3 is one-hot.
 MIN_TEMPERATURE = 1e-5
+_MAX_FLOAT32 = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +34,11 @@ class SamplingParams:
     Attributes:
         temperature: 0 selects greedy (argmax) decoding; >= `MIN_TEMPERATURE` samples from
             softmax(logits / T).
-        top_k: keep the k most likely tokens (ties with the k-th kept); 0 disables.
-        top_p: keep the smallest set of most likely tokens whose probability reaches top_p
-            (tokens whose logit ties the last kept one's are kept too); 1.0 disables.
+        top_k: keep the k most likely tokens (ties with the k-th kept); 0 (or any value >= the
+            vocabulary) disables.
+        top_p: keep the smallest set of most likely tokens whose probability, renormalised over
+            the top-k set, reaches top_p (tokens whose logit ties the last kept one's are kept
+            too); 1.0 disables.
         seed: the request's random seed; the same seed gives the same tokens.
     """
 
@@ -44,12 +48,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not 0 <= self.temperature <= _MAX_FLOAT32:  # NaN fails too; travels as float32
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
-                f"{self.temperature:g}: smaller values overflow the scaled logits"
+                f"{self.temperature:g}: far smaller values overflow the scaled logits"
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
@@ -117,8 +125,10 @@ def filter_logits(
     """
     expand = lambda a: a.reshape(a.shape + (1,) * (logits.ndim - 1))  # noqa: E731
     scaled = logits / expand(temperature)
+    vocab = scaled.shape[-1]
+    top_k = jnp.where(top_k >= vocab, 0, top_k)  # keeps everything: no reason to sort
     k, p = expand(top_k), expand(top_p)
-    num_candidates = min(candidates, scaled.shape[-1])
+    num_candidates = min(candidates, vocab)
 
     def filtered(scaled):
         full_log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
@@ -156,7 +166,15 @@ def _cutoff(parts, full_log_norm, k, p):
     for part in parts:
         ranks.append(offset + jnp.arange(part.shape[-1]))
         offset += part.shape[-1]
-    in_top_k = [jnp.where(k > 0, rank < k, True) for rank in ranks]
+    # Top-k keeps every token tied with the k-th largest logit (as transformers' warper does).
+    kth = functools.reduce(
+        jnp.minimum,
+        [
+            jnp.min(jnp.where(rank < k, part, jnp.inf), axis=-1, keepdims=True)
+            for part, rank in zip(parts, ranks, strict=True)
+        ],
+    )
+    in_top_k = [jnp.where(k > 0, part >= kth, True) for part in parts]
     # Top-p measures mass under the top-k distribution where top-k is on, else the full softmax.
     top_k_log_norm = functools.reduce(
         jnp.logaddexp,
@@ -176,7 +194,10 @@ def _cutoff(parts, full_log_norm, k, p):
         cutoff = jnp.minimum(cutoff, jnp.min(jnp.where(kept, part, jnp.inf), -1, keepdims=True))
         mass = cumulative[..., -1:]
     cutoff = jnp.where((k <= 0) & (p >= 1.0), -jnp.inf, cutoff)
-    complete = jnp.where(k > 0, k <= parts[0].shape[-1], (p >= 1.0) | (mass >= p))[..., 0]
+    # With top-k, the first part holds the kept set when the k-th logit's ties end inside it.
+    first = parts[0]
+    top_k_inside = (k <= first.shape[-1]) & (first[..., -1:] < kth)
+    complete = jnp.where(k > 0, top_k_inside, (p >= 1.0) | (mass >= p))[..., 0]
     return cutoff, complete
 
 

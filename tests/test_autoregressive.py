@@ -103,6 +103,10 @@ def test_max_new_tokens_is_respected(target, prompts):
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=1e-39), "0 \\(greedy\\) or >= 1e-05"),
+        (dict(temperature=1e39), "temperature must be a finite number"),  # inf as float32
+        (dict(temperature=True), "temperature must be a number"),
+        (dict(temperature="1"), "temperature must be a number"),
+        (dict(top_p=True), "top_p must be a number"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),

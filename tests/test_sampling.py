@@ -61,6 +61,33 @@ def test_filter_over_a_large_vocabulary_matches_transformers(scale, top_k, top_p
     np.testing.assert_allclose(np.asarray(ours)[kept], ref[kept], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "logits, top_k, top_p",
+    [
+        ([[1.0, 1.0, 1.0, 0.0]], 2, 0.6),
+        # Top-p measures mass over the k-th logit's ties too: over only the first 2 ranks, token
+        # 0 alone would reach 0.7.
+        ([[2.0, 1.0, 1.0, 1.0, 1.0]], 2, 0.7),
+        ([[0.5, 2.0, 1.0, -1.0]], 9, 0.7),  # top_k beyond the vocabulary: off
+    ],
+)
+def test_top_k_ties_and_top_p_together_match_transformers_keeping_ties(logits, top_k, top_p):
+    """transformers' kept set, plus the tokens tied with its smallest kept logit (its top-p
+    breaks such ties by index; ours keeps them all, so no token depends on its index)."""
+    logits = np.asarray(logits, np.float32)
+    hf_kept = np.isfinite(_hf_filtered(logits, 1.0, top_k, top_p))
+    expected = logits >= logits[hf_kept].min()
+    for candidates in (2, logits.shape[-1]):  # cut-off among the candidates, or after a sort
+        ours = filter_logits(
+            jnp.asarray(logits),
+            jnp.ones((1,)),
+            jnp.full((1,), top_k, jnp.int32),
+            jnp.full((1,), top_p),
+            candidates=candidates,
+        )
+        np.testing.assert_array_equal(np.isfinite(ours), expected)
+
+
 def test_rows_filter_alike_whether_found_among_candidates_or_sorted():
     """A row's kept set is the same bit for bit alone (cut-off among the 8 candidates) and next to
     a row whose cut-off needs the full sort, and with the sort forced for every row."""

@@ -167,7 +167,9 @@ def test_cancelling_a_row_that_finished_since_the_last_poll_keeps_its_reason(tar
 
 
 def test_results_read_mid_decode_name_unfinished_rows_and_bad_calls_are_refused(target, prompts):
-    session = DecodeSession(target, prompts, max_new_tokens=[N_NEW, 2, N_NEW], stop_token_ids=[])
+    session = DecodeSession(
+        target, prompts, max_new_tokens=np.asarray([N_NEW, 2, N_NEW]), stop_token_ids=[]
+    )
     session.start()
     for bad in (2.7, True, "3"):
         with pytest.raises(ValueError, match="max_steps must be an integer"):

@@ -455,7 +455,9 @@ def check_token_ids(
 
 
 def _per_row(value, rows: int, name: str) -> list:
-    if isinstance(value, (list, tuple)):
+    """`value` per row: its items when it is a sequence (or 1-D array), else `value` repeated."""
+    is_array = isinstance(value, np.ndarray) and value.ndim == 1
+    if is_array or (isinstance(value, Sequence) and not isinstance(value, str)):
         if len(value) != rows:
             raise ValueError(f"got {len(value)} values of {name} for {rows} prompts")
         return list(value)
