@@ -504,7 +504,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("-v", "--verbose", action="store_true")
 
     evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
-    evaluate.add_argument("--draft", required=True, help="draft directory (DFlash/JetSpec layout)")
+    evaluate.add_argument(
+        "--draft", required=True, help="draft directory, or a JetSpec++ checkpoint"
+    )
     evaluate.add_argument("--prompts", required=True, help="JSONL prompt file")
     evaluate.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -302,6 +302,28 @@ def test_command_line_overrides_are_typed_and_validated(tmp_path):
         load_train_config(path, ["optim.steps=many"])
 
 
+def test_a_steps_override_replaces_the_configs_epochs(tmp_path):
+    """`--set optim.steps=N` on a config that gives epochs trains N steps (epochs used to win
+    silently); a config giving both is refused."""
+    from jetspec_jax.training.config import load_train_config, resolve_steps
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data: {files: [a.jsonl]}\noptim: {epochs: 2, batch_size: 4}\n"
+        "adapter: {optim: {epochs: 1}}\n"
+    )
+    assert resolve_steps(load_train_config(path), 100).optim.steps == 50
+    config = load_train_config(path, ["optim.steps=700", "adapter.optim.steps=300"])
+    assert resolve_steps(config, 100).optim.steps == 700
+    assert config.adapter.optim.epochs is None and config.adapter.optim.steps == 300
+    config = load_train_config(path, ["optim.steps=700", "optim.epochs=1"])  # the last one wins
+    assert resolve_steps(config, 100).optim.steps == 25
+    both = tmp_path / "both.yaml"
+    both.write_text("data: {files: [a.jsonl]}\nadapter: {optim: {epochs: 1, steps: 900}}\n")
+    with pytest.raises(ValueError, match="adapter.optim gives both steps and epochs"):
+        load_train_config(both)
+
+
 def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
     """Chunks of 3 of 8 anchors (the last padded), of 1, and all at once equal the loss written
     out whole: the `[B, A, K, V]` logits of both models in one piece (the oracle)."""

@@ -246,11 +246,13 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
         path: the YAML file.
         overrides: `"dotted.key=value"` strings, applied in order before validation; the value is
             parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`).
+            `steps` and `epochs` give one budget two ways: overriding one drops the other.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: malformed YAML or override, an unknown key, a missing required key, a wrong
-            type or an invalid value, named by its dotted path.
+            type or an invalid value, named by its dotted path; an `optim` section with both
+            `steps` and `epochs` (epochs would silently win).
     """
     path = pathlib.Path(path)
     if not path.is_file():
@@ -262,7 +264,21 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     data = data or {}
     for override in overrides:
         _apply_override(data, override)
+    for where, section in (("optim", data.get("optim")), ("adapter.optim", _adapter_optim(data))):
+        if isinstance(section, dict) and all(k in section for k in _BUDGET_KEYS):
+            raise ValueError(
+                f"{where} gives both steps and epochs; give one (epochs: steps = ceil(epochs * "
+                "examples / batch_size))"
+            )
     return from_dict(TrainConfig, data, "")
+
+
+_BUDGET_KEYS = ("steps", "epochs")
+
+
+def _adapter_optim(data: dict) -> Any:
+    adapter = data.get("adapter")
+    return adapter.get("optim") if isinstance(adapter, dict) else None
 
 
 def _apply_override(data: dict, override: str) -> None:
@@ -282,6 +298,11 @@ def _apply_override(data: dict, override: str) -> None:
         if not isinstance(node, dict):
             raise ValueError(f"override {override!r}: {'.'.join(keys[: i + 1])} is not a section")
     node[keys[-1]] = value
+    if value is not None and keys[-2:-1] == ["optim"] and keys[-1] in _BUDGET_KEYS:
+        # One budget given two ways: the override replaces the config's.
+        for other in _BUDGET_KEYS:
+            if other != keys[-1]:
+                node.pop(other, None)
 
 
 def from_dict(cls, data: Any, where: str):
