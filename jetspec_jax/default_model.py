@@ -94,10 +94,11 @@ def default_target_dir(*, show_progress: bool | None = True) -> Path:
         gguf_path = default_gguf_path()
         print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
         try:
-            return convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
+            convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
         except FileExistsError:
             pass  # another process's conversion landed after our check: judged below
-    if _is_complete(target):  # e.g. another process's, renamed in since our first check
+    # Ours, or another process's that landed since our first check (kept over ours): judged alike.
+    if _is_complete(target):
         return target
     raise CheckpointError(f"{target} exists but is not a complete checkpoint; delete it")
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import shutil
 
 import numpy as np
@@ -145,10 +147,13 @@ def test_missing_weights_file(checkpoints, tmp_path):
 
 
 def test_missing_tensor_is_named(checkpoints, tmp_path):
+    """After the checkpoint's directory: several may be loaded together (target, draft)."""
     path, _ = _copy(checkpoints, tmp_path)
     _edit_tensors(path, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
     with pytest.raises(
-        CheckpointError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_norm"
+        CheckpointError,
+        match=rf"^{re.escape(str(path))}: checkpoint does not match its config\.json — "
+        r"missing tensors: model\.layers\.1\.self_attn\.k_norm",
     ):
         jetspec_jax.load_target(path)
 
@@ -183,7 +188,9 @@ def test_shard_listed_in_index_but_absent(checkpoints, tmp_path):
 def test_tied_checkpoint_with_a_different_head_is_refused(checkpoints, tmp_path):
     path, _ = _copy(checkpoints, tmp_path, "qwen3_tied")
     _edit_tensors(path, lambda t: t.update({"lm_head.weight": np.ones((97, 64), np.float32)}))
-    with pytest.raises(CheckpointError, match="differs from model.embed_tokens"):
+    with pytest.raises(
+        CheckpointError, match=rf"^{re.escape(str(path))}: .*differs from model.embed_tokens"
+    ):
         jetspec_jax.load_target(path)
 
 
@@ -226,6 +233,44 @@ def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeyp
     assert len(calls) == 3  # aside, in (failed), back
     assert (out / "weights").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("theirs", ["empty", "filled", "filled during our rename", "a file"])
+def test_a_directory_that_appears_meanwhile_is_kept(tmp_path, monkeypatch, theirs):
+    """`atomic_directory()`: another writer's `out` that appears while ours is written is kept
+    and ours discarded, also when it is empty (which `rename` alone would replace); something
+    that is not a directory is an error."""
+    import os
+
+    from jetspec_jax.checkpoint import atomic
+
+    out = tmp_path / "ckpt"
+
+    def create_theirs():
+        if theirs == "a file":
+            out.write_text("theirs")
+            return
+        out.mkdir()
+        if theirs != "empty":
+            (out / "weights").write_text("theirs")
+
+    if theirs == "filled during our rename":  # after our last check: `rename` itself fails
+        real_rename = os.rename
+
+        def rename(src, dst):
+            create_theirs()
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(atomic.os, "rename", rename)
+    failure = pytest.raises(FileExistsError, match="is not a directory")
+    with failure if theirs == "a file" else contextlib.nullcontext():
+        with atomic.atomic_directory(out) as tmp:
+            (tmp / "weights").write_text("ours")
+            if theirs != "filled during our rename":
+                create_theirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing of ours left
+    if theirs != "a file":
+        assert [p.read_text() for p in out.iterdir()] == ([] if theirs == "empty" else ["theirs"])
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import types
 
@@ -282,7 +283,11 @@ def test_mismatched_or_unsupported_draft_config_is_refused(
 def test_missing_tensor_is_named(reference_drafts, target, tmp_path):
     path = _copy(reference_drafts, tmp_path)
     _edit_tensors(path, lambda t: t.pop("layers.1.self_attn.k_norm.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensors: layers\.1\.self_attn\.k_norm"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^draft {re.escape(str(path))}: checkpoint does not match its config\.json — "
+        r"missing tensors: layers\.1\.self_attn\.k_norm",
+    ):
         load_draft(path, target)
 
 

@@ -32,6 +32,17 @@ def atomic_directory(
             if another writer creates `out_dir` while the body runs, ours replaces theirs).
             Without it an existing `out_dir` is an error raised before any work; and if another
             writer creates `out_dir` while the body runs, theirs is kept and ours discarded.
+
+    `out_dir` is checked again just before the final rename, since POSIX `rename` would silently
+    replace an *empty* directory there (it fails on anything else). What remains unguarded (the
+    standard library has no rename that refuses to replace) is an empty directory created in the
+    instant between that check and the rename: ours replaces it. And with `overwrite`, a
+    directory created in the instant between the check for an old copy and the rename is kept
+    like another writer's without it.
+
+    Raises:
+        FileExistsError: without `overwrite`, `out_dir` exists before the body runs; or a
+            non-directory appears at `out_dir` while it runs (there is no copy to keep).
     """
     out = pathlib.Path(out_dir)
     if out.exists() and not overwrite:
@@ -51,17 +62,27 @@ def atomic_directory(
                 shutil.rmtree(old, ignore_errors=True)
                 raise
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.rename(tmp, out)  # atomic; fails if `out` appeared meanwhile
-            except OSError:
-                if not out.is_dir():
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)  # another writer finished first
+        elif not _rename_to_new(tmp, out):
+            shutil.rmtree(tmp, ignore_errors=True)  # another writer finished first: theirs kept
         _fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _rename_to_new(tmp: pathlib.Path, out: pathlib.Path) -> bool:
+    """Renames `tmp` to `out` unless `out` exists; False (`out` untouched) if another writer's
+    directory is there. `FileExistsError` if something else is."""
+    if not os.path.lexists(out):  # `rename` would replace an empty directory
+        try:
+            os.rename(tmp, out)  # atomic; fails if a non-empty `out` appeared since the check
+            return True
+        except OSError:
+            if not os.path.lexists(out):
+                raise
+    if out.is_dir():
+        return False
+    raise FileExistsError(f"{out} appeared while it was being written and is not a directory")
 
 
 def _finalize_tree(root: pathlib.Path) -> None:

@@ -206,11 +206,15 @@ def load_draft_params(checkpoint_dir: str | pathlib.Path, config: DraftConfig, d
     Names and shapes are validated from the file headers before any tensor is read.
 
     Raises:
-        CheckpointError: listing every missing, unexpected and mis-shaped tensor by name.
+        CheckpointError: listing every missing, unexpected and mis-shaped tensor by name, after
+            the draft directory (a bundle's draft is its `draft/` subdirectory).
     """
     located = locate_tensors(pathlib.Path(checkpoint_dir))
     specs = draft_tensor_specs(config)
-    validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
+    try:
+        validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
+    except CheckpointError as e:  # its message names tensors, not the directory they are in
+        raise CheckpointError(f"draft {checkpoint_dir}: {e}") from e
     with TensorReader(located) as tensors:
         return tree_from_tensors(specs, tensors, dtype)
 

@@ -1,8 +1,9 @@
 """HF `config.json` <-> `TransformerConfig`, for both the transformers-4 and -5 layouts.
 
 transformers 4 writes `rope_theta` and `rope_scaling` at the top level; transformers 5 writes a
-`rope_parameters` dict holding both. Everything we do not implement is refused here, by field name,
-before any weight is read.
+`rope_parameters` dict holding both. A config.json holding both is read as transformers 5 reads it
+(`_rope_params`). Everything we do not implement (quantization included) is refused here, by field
+name, before any weight is read.
 
 Qwen3.5 hybrids come in two layouts: a text-only `Qwen3_5ForCausalLM` (`model_type: qwen3_5_text`,
 flat) and the released multimodal `Qwen3_5ForConditionalGeneration` (`model_type: qwen3_5`, the
@@ -71,8 +72,10 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         )
     model_type = _HF_MODEL_TYPES[hf_type]
     assert model_type in SUPPORTED_MODEL_TYPES
+    _refuse_quantization(hf)
     if hf_type == "qwen3_5":
         hf = _text_config(hf)
+        _refuse_quantization(hf, "text_config.")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(
             f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported"
@@ -82,7 +85,12 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
 
     try:
         hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        if heads < 1:  # else a ZeroDivisionError below, or in TransformerConfig
+            raise CheckpointError(
+                f"config.json field 'num_attention_heads' must be positive, got {heads}"
+            )
         head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM[model_type] or hidden // heads
+        context = int(hf.get("max_position_embeddings", _DEFAULT_CONTEXT[model_type]))
         return TransformerConfig(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -93,10 +101,8 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(hf, hybrid=model_type == "qwen3_5"),
-            max_position_embeddings=int(
-                hf.get("max_position_embeddings", _DEFAULT_CONTEXT[model_type])
-            ),
+            rope=_rope_from_hf(hf, context, hybrid=model_type == "qwen3_5"),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=model_type in ("qwen3", "qwen3_5"),
             attention_bias=bool(hf.get("attention_bias", False)),
@@ -122,40 +128,88 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
+def _refuse_quantization(hf: dict[str, Any], where: str = "") -> None:
+    """A quantized checkpoint's weights are not the float tensors our specs read (and may carry
+    extra scale tensors), so it is refused by name before any weight is read."""
+    quantization = hf.get("quantization_config")
+    if quantization is not None:  # null: transformers loads it unquantized
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(
+            f"config.json has {where}quantization_config (quant_method {method!r}): quantized "
+            "checkpoints are not supported; give the original (or dequantized) float weights"
+        )
+
+
 def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3.5-only `TransformerConfig` fields; refuses options we do not implement."""
     if hf.get("attn_output_gate", True) is not True:
         raise CheckpointError("attn_output_gate=false is not supported (Qwen3.5 gates attention)")
     layer_types = hf.get("layer_types")
     if layer_types is None:  # transformers derives them from full_attention_interval
-        interval = int(hf.get("full_attention_interval", _QWEN3_5_FULL_ATTENTION_INTERVAL))
+        interval = _integer(
+            hf.get("full_attention_interval", _QWEN3_5_FULL_ATTENTION_INTERVAL),
+            "full_attention_interval",
+        )
+        if interval < 1:
+            raise CheckpointError(
+                f"config.json field 'full_attention_interval' must be positive, got {interval}"
+            )
         layer_types = [
             "linear_attention" if (i + 1) % interval else "full_attention"
             for i in range(int(hf["num_hidden_layers"]))
         ]
-    fields = {k: int(hf.get(k, default)) for k, default in _QWEN3_5_DEFAULTS.items()}
+    fields = {k: _integer(hf.get(k, default), k) for k, default in _QWEN3_5_DEFAULTS.items()}
     return dict(
         layer_types=tuple(layer_types),
-        partial_rotary_factor=float(
-            _rope_params(hf)[0].get(
-                "partial_rotary_factor", hf.get("partial_rotary_factor", _QWEN3_5_PARTIAL_ROTARY)
-            )
-        ),
+        partial_rotary_factor=_partial_rotary_factor(hf, hybrid=True),
         **fields,
     )
 
 
-def _rope_params(hf: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """`(rope parameters, theta)` from either layout."""
-    if "rope_parameters" in hf and hf["rope_parameters"] is not None:
-        params = dict(hf["rope_parameters"])  # transformers 5
-        return params, params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
-    params = dict(hf.get("rope_scaling") or {})  # transformers 4
-    return params, hf.get("rope_theta", _DEFAULT_ROPE_THETA)
+def _rope_params(hf: dict[str, Any]) -> tuple[dict[str, Any], str, Any]:
+    """`(rope parameters, the field they came from, theta)`, chosen as transformers 5 does.
+
+    `PreTrainedConfig.convert_rope_params_to_dict` takes a non-empty `rope_scaling` over
+    `rope_parameters` (so a config.json carrying both is read from `rope_scaling`), then fills a
+    missing `rope_theta` from the top-level `rope_theta`, else 10000 -- never from the dict it
+    did not choose.
+    """
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(source) or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json field {source!r} must be an object, got {params!r}")
+    params = dict(params)
+    return params, source, params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
 
 
-def _rope_from_hf(hf: dict[str, Any], hybrid: bool = False) -> RopeConfig:
-    params, theta = _rope_params(hf)
+def _partial_rotary_factor(hf: dict[str, Any], hybrid: bool) -> float:
+    """The rotary fraction of each head, as transformers 5 reads it.
+
+    The rope dict's value, else the top-level one. A top-level null is dropped
+    (`convert_rope_params_to_dict` copies only a non-None value), so the modeling code's default,
+    1, applies; Qwen3_5TextConfig's default of 0.25 stands only for an absent key (it is a
+    `kwargs.setdefault`). A null in the rope dict is taken as absent too (transformers would fail
+    on it).
+    """
+    params, source, _ = _rope_params(hf)
+    if params.get("partial_rotary_factor") is not None:
+        return _number(params["partial_rotary_factor"], f"{source}.partial_rotary_factor")
+    value = hf.get("partial_rotary_factor", _QWEN3_5_PARTIAL_ROTARY if hybrid else None)
+    return 1.0 if value is None else _number(value, "partial_rotary_factor")
+
+
+# The fields transformers 5 requires of each scaled rope type (`_validate_{type}_rope_parameters`;
+# `original_max_position_embeddings` is filled in before that, `_rope_from_hf`).
+_REQUIRED_ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def _rope_from_hf(hf: dict[str, Any], context: int, hybrid: bool = False) -> RopeConfig:
+    """Our rope config; `context` is the model's `max_position_embeddings` (with its default)."""
+    params, source, theta = _rope_params(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if hybrid and rope_type == "mrope":
         # Qwen3.5's M-RoPE: with text-only inputs its three position grids are equal, which is
@@ -166,24 +220,57 @@ def _rope_from_hf(hf: dict[str, Any], hybrid: bool = False) -> RopeConfig:
             f"unsupported rope scaling type {rope_type!r}; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if not hybrid and partial != 1.0:  # in either layout: transformers 4 kept it at the top level
+    if not hybrid and _partial_rotary_factor(hf, hybrid=False) != 1.0:
+        # In either layout: transformers 4 kept it at the top level.
         raise CheckpointError(
             "partial rotary embeddings (partial_rotary_factor != 1) are not supported"
         )
-    defaults = RopeConfig()
+    # Required fields are required, as transformers 5 requires them (a KeyError there): a
+    # made-up default would load a model other than the one the checkpoint was trained as.
+    missing = [k for k in _REQUIRED_ROPE_FIELDS[rope_type] if k not in params]
+    if missing:
+        raise CheckpointError(
+            f"config.json {source} of rope_type {rope_type!r} lacks the required field(s) "
+            f"{', '.join(missing)}"
+        )
+    defaults = RopeConfig()  # unused by the types that do not require the field
+
+    def field(name: str, default: float) -> float:
+        return _number(params[name], f"{source}.{name}") if name in params else default
+
     return RopeConfig(
-        theta=float(theta),
+        theta=_number(theta, f"{source}.rope_theta" if "rope_theta" in params else "rope_theta"),
         rope_type=rope_type,
-        factor=float(params.get("factor", defaults.factor)),
-        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
+        factor=field("factor", defaults.factor),
+        low_freq_factor=field("low_freq_factor", defaults.low_freq_factor),
+        high_freq_factor=field("high_freq_factor", defaults.high_freq_factor),
+        # transformers 5 (`standardize_rope_params`) defaults it, for llama3, to the model's
+        # max_position_embeddings (a top-level original_max_position_embeddings is not read for
+        # Llama / Qwen models). The other types do not use it.
+        original_max_position_embeddings=_integer(
             params.get(
-                "original_max_position_embeddings", defaults.original_max_position_embeddings
-            )
+                "original_max_position_embeddings",
+                context if rope_type == "llama3" else defaults.original_max_position_embeddings,
+            ),
+            f"{source}.original_max_position_embeddings",
         ),
     )
+
+
+def _number(value: Any, field: str) -> float:
+    """`value` as a float; a `CheckpointError` naming `field` if it is not a JSON number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"config.json field {field!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, field: str) -> int:
+    """`value` as an int; a `CheckpointError` naming `field` unless it is a whole number."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"config.json field {field!r} must be an integer, got {value!r}")
+    return value
 
 
 def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:

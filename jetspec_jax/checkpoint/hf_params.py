@@ -228,14 +228,21 @@ def load_hf_params(
     Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`.
     Tensors are validated (names and shapes, from the file headers) before any is read, then read
     and converted one at a time (`TensorReader`).
+
+    Raises:
+        CheckpointError: a missing or malformed weights file, or tensors that do not match
+            `config` (the message starts with `checkpoint_dir`).
     """
     files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
     if config.is_hybrid:
         files_by_name = _text_model_tensors(files_by_name)
     specs = tensor_specs(config)
-    validate_names_and_shapes(
-        specs, {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
-    )
+    try:
+        validate_names_and_shapes(
+            specs, {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
+        )
+    except CheckpointError as e:  # its message names tensors, not the directory they are in
+        raise CheckpointError(f"{checkpoint_dir}: {e}") from e
     progress = tqdm.tqdm(
         total=len(specs),
         desc="loading weights",
@@ -243,7 +250,7 @@ def load_hf_params(
         disable=None if show_progress is None else not show_progress,  # None: only on a terminal
     )
     with progress, TensorReader(files_by_name, on_read=progress.update) as tensors:
-        _check_tied_head(tensors, config)
+        _check_tied_head(tensors, config, checkpoint_dir)
         return tree_from_tensors(specs, tensors, dtype)
 
 
@@ -396,13 +403,18 @@ def validate_names_and_shapes(
         raise CheckpointError("checkpoint does not match its config.json — " + " | ".join(problems))
 
 
-def _check_tied_head(tensors: Mapping[str, np.ndarray], config: TransformerConfig) -> None:
+def _check_tied_head(
+    tensors: Mapping[str, np.ndarray],
+    config: TransformerConfig,
+    checkpoint_dir: str | pathlib.Path,
+) -> None:
     """A tied checkpoint may store `lm_head.weight` only as an exact copy of the embedding."""
     if config.tie_word_embeddings and _TIED_HEAD in tensors:
         if not np.array_equal(tensors[_TIED_HEAD], tensors["model.embed_tokens.weight"]):
             raise CheckpointError(
-                "config.json says tie_word_embeddings=true but lm_head.weight differs from "
-                "model.embed_tokens.weight; set tie_word_embeddings=false to use the separate head"
+                f"{checkpoint_dir}: config.json says tie_word_embeddings=true but lm_head.weight "
+                "differs from model.embed_tokens.weight; set tie_word_embeddings=false to use the "
+                "separate head"
             )
 
 

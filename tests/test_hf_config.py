@@ -1,0 +1,154 @@
+"""`config.json` -> `TransformerConfig` field by field, against what transformers 5 reads from the
+same file (no weights: `config_from_hf` alone, and transformers' config classes alone)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import transformers
+
+from jetspec_jax import CheckpointError
+from jetspec_jax.checkpoint.hf_config import config_from_hf
+
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+HYBRID = dict(
+    model_type="qwen3_5_text",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+)
+LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+def _transformers_rope(hf: dict) -> dict:
+    """The rope parameters transformers 5 builds from this config.json (which it edits in place,
+    hence the copy)."""
+    fields = {k: v for k, v in copy.deepcopy(hf).items() if k != "model_type"}
+    return transformers.AutoConfig.for_model(hf["model_type"], **fields).rope_parameters
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        # Both layouts in one file: transformers 5 reads rope_scaling, and its theta from the
+        # top-level rope_theta (else 10000), not from rope_parameters.
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+        dict(
+            rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+            rope_scaling={"type": "linear", "factor": 2.0},
+            rope_theta=123.0,
+        ),
+        # llama3 without original_max_position_embeddings: the model's max_position_embeddings,
+        # also when that is itself the default (Llama's 2048); a top-level one is not read.
+        dict(rope_parameters={**LLAMA3_SCALING, "rope_theta": 5e5}),
+        dict(rope_scaling=LLAMA3_SCALING, rope_theta=5e5, max_position_embeddings=None),
+        dict(rope_scaling=LLAMA3_SCALING, original_max_position_embeddings=1024),
+    ],
+)
+def test_rope_is_read_as_transformers_reads_it(changes):
+    hf = {k: v for k, v in {**LLAMA, **changes}.items() if v is not None}
+    expected = _transformers_rope(hf)
+    rope = config_from_hf(hf).rope
+    assert (rope.rope_type, rope.theta) == (expected["rope_type"], expected["rope_theta"])
+    assert rope.factor == expected.get("factor", 1.0)
+    if rope.rope_type == "llama3":
+        assert rope.original_max_position_embeddings == expected["original_max_position_embeddings"]
+        assert (rope.low_freq_factor, rope.high_freq_factor) == (1.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    "scaling, missing",
+    [
+        ({"rope_type": "linear"}, "factor"),
+        ({"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}, "factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "high_freq_factor"),
+    ],
+)
+@pytest.mark.parametrize("field", ["rope_parameters", "rope_scaling"])
+def test_a_scaled_rope_without_its_required_fields_is_refused(scaling, missing, field):
+    """Not filled with made-up defaults: transformers 5 refuses these too."""
+    hf = {**LLAMA, field: dict(scaling)}
+    with pytest.raises(KeyError, match=missing):
+        _transformers_rope(hf)
+    with pytest.raises(CheckpointError, match=rf"config\.json {field} .*lacks .*\b{missing}\b"):
+        config_from_hf(hf)
+
+
+def test_a_non_number_rope_field_is_named():
+    hf = {**LLAMA, "rope_parameters": {**LLAMA3_SCALING, "factor": "8"}}
+    with pytest.raises(CheckpointError, match=r"'rope_parameters\.factor' must be a number"):
+        config_from_hf(hf)
+
+
+@pytest.mark.parametrize("where", ["top level", "text_config"])
+def test_a_quantized_checkpoint_is_refused_by_name(where):
+    quantization = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    if where == "top level":
+        hf = {**LLAMA, "quantization_config": quantization}
+        prefix = ""
+    else:
+        text = {**HYBRID, "quantization_config": quantization}
+        hf = {"model_type": "qwen3_5", "text_config": text}
+        prefix = r"text_config\."
+    with pytest.raises(CheckpointError, match=rf"{prefix}quantization_config .*'fp8'.*not supp"):
+        config_from_hf(hf)
+    config_from_hf({**LLAMA, "quantization_config": None})  # null: not quantized
+
+
+def test_a_null_partial_rotary_factor_is_absent():
+    """As in transformers 5: Llama / Qwen3 rotate every channel; a Qwen3.5 null drops the
+    config class's 0.25 default (it only fills an absent key), so the whole head rotates."""
+    config_from_hf({**LLAMA, "partial_rotary_factor": None})
+    assert config_from_hf(HYBRID).partial_rotary_factor == 0.25
+    hf = {**HYBRID, "partial_rotary_factor": None}
+    expected = _transformers_rope(hf).get("partial_rotary_factor", 1.0)  # the modeling default
+    assert config_from_hf(hf).partial_rotary_factor == expected == 1.0
+    rope = {**HYBRID["rope_parameters"], "partial_rotary_factor": None}
+    assert config_from_hf({**HYBRID, "rope_parameters": rope}).partial_rotary_factor == 0.25
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(partial_rotary_factor="quarter"), "partial_rotary_factor"),
+        (
+            dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": [0.25]}),
+            "rope_parameters.partial_rotary_factor",
+        ),
+        (dict(linear_num_key_heads="2"), "linear_num_key_heads"),
+        (dict(full_attention_interval=None), "full_attention_interval"),
+    ],
+)
+def test_a_non_number_hybrid_field_is_named(changes, field):
+    with pytest.raises(CheckpointError, match=rf"'{field}' must be a"):
+        config_from_hf({**HYBRID, **changes})
+
+
+@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}])
+def test_zero_attention_heads_is_named(base):
+    """Llama divides hidden_size by it for head_dim; Qwen3 (head_dim 128) by it in GQA checks."""
+    with pytest.raises(CheckpointError, match="'num_attention_heads' must be positive, got 0"):
+        config_from_hf({**base, "num_attention_heads": 0, "num_key_value_heads": None})
