@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -15,6 +16,7 @@ import transformers
 
 import jetspec_jax
 from jetspec_jax import CheckpointError
+from jetspec_jax.checkpoint.hf_params import INDEX_FILE, save_hf_params
 
 IDS = np.random.default_rng(0).integers(0, 97, (1, 21))
 
@@ -84,6 +86,28 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path
     (out / "config.json").write_text(json.dumps(hf))
     assert jetspec_jax.load_target(out).config == target.config
     assert hf["torch_dtype"] == target.dtype
+
+
+def test_an_export_past_the_shard_size_is_sharded_as_transformers_shards(checkpoints, tmp_path):
+    source = checkpoints.get("qwen3")[0]
+    target = jetspec_jax.load_target(source)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    shutil.copy(source / "config.json", out)
+    save_hf_params(target.params, target.config, out, max_shard_bytes=40_000)
+    index = json.loads((out / INDEX_FILE).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(
+        x.nbytes for x in jax.tree_util.tree_leaves(target.params)
+    )
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    np.testing.assert_allclose(
+        _hf_logits(reloaded), np.asarray(target.logits(IDS)), atol=1e-4, rtol=0
+    )
+    again = jetspec_jax.load_target(out)
+    np.testing.assert_array_equal(np.asarray(again.logits(IDS)), np.asarray(target.logits(IDS)))
 
 
 def test_export_refuses_to_overwrite(checkpoints, tmp_path):

@@ -194,11 +194,6 @@ def norm_spec(hf_prefix: str, path: tuple[str | int, ...], dim: int) -> TensorSp
     return TensorSpec(f"{hf_prefix}.weight", (*path, "scale"), (dim,))
 
 
-def params_to_hf(params: Params, config: TransformerConfig) -> dict[str, np.ndarray]:
-    """The HF-named arrays of `params` (numpy, in the parameters' dtype)."""
-    return tensors_from_tree(specs=tensor_specs(config), params=params)
-
-
 def tree_from_tensors(specs: list[TensorSpec], tensors: Mapping[str, np.ndarray], dtype) -> Params:
     """The pytree of `specs` filled from HF-named arrays (names/shapes already validated)."""
     params: Params = {}
@@ -295,11 +290,46 @@ class TensorReader(Mapping):
         return len(self._located)
 
 
-def save_hf_params(params: Params, config: TransformerConfig, out_dir: pathlib.Path) -> None:
-    """Writes `model.safetensors` with HF names into an existing directory."""
-    safetensors.numpy.save_file(
-        params_to_hf(params, config), str(out_dir / SINGLE_FILE), metadata={"format": "pt"}
-    )
+# Small enough that gathering one shard on the host beside the (device-resident) model is cheap;
+# transformers 5 writes up to 50 GB per shard, 4 wrote 5 GB.
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def save_hf_params(
+    params: Params,
+    config: TransformerConfig,
+    out_dir: pathlib.Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Writes the weights with HF names into an existing directory: `model.safetensors`, or past
+    `max_shard_bytes`, shards `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`
+    (transformers' layout). One shard's tensors at a time are copied to the host, so exporting a
+    model never holds a second whole copy of it there."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = total = 0
+    for spec in tensor_specs(config):
+        nbytes = _get(params, spec.path).nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+        total += nbytes
+    count = len(shards)
+    names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    if count == 1:
+        names = [SINGLE_FILE]
+    for name, specs in zip(names, shards, strict=True):
+        tensors = tensors_from_tree(specs, params)
+        safetensors.numpy.save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        del tensors  # freed before the next shard is gathered
+    if count > 1:
+        weight_map = {
+            spec.hf_name: name for name, specs in zip(names, shards, strict=True) for spec in specs
+        }
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
 def locate_tensors(
