@@ -125,8 +125,12 @@ def _generate(args) -> int:
         sampling = jetspec_jax.SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
         )
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        for flag, value in (
+            ("--max-new-tokens", args.max_new_tokens),
+            ("--chunk-steps", args.chunk_steps),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
         _check_before_loading(args, server=False)
         target, draft = _load_models(args)
         options = _decoding_options(args, draft)

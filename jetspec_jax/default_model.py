@@ -128,7 +128,7 @@ def served_model_name(target_path: Path | None) -> str:
         return "jetspec"
     if Path(target_path).resolve() == (cache_root() / _CACHE_SUBDIR).resolve():
         return DEFAULT_MODEL_NAME
-    return Path(target_path).name
+    return Path(target_path).resolve().name  # `--target .` is named by its directory too
 
 
 def _is_complete(path: Path) -> bool:

@@ -38,7 +38,7 @@ class SamplingParams:
             vocabulary) disables.
         top_p: keep the smallest set of most likely tokens whose probability, renormalised over
             the top-k set, reaches top_p (tokens whose logit ties the last kept one's are kept
-            too); 1.0 disables.
+            too); 1.0 disables, 0 keeps only the most likely token (and its ties).
         seed: the request's random seed; the same seed gives the same tokens.
     """
 
@@ -63,8 +63,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.seed < 2**32:

@@ -107,7 +107,7 @@ def test_max_new_tokens_is_respected(target, prompts):
         (dict(temperature=True), "temperature must be a number"),
         (dict(temperature="1"), "temperature must be a number"),
         (dict(top_p=True), "top_p must be a number"),
-        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=-0.1), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(top_k=2.5), "top_k"),

@@ -13,8 +13,9 @@ import types
 
 import pytest
 
+import jetspec_jax
 from jetspec_jax.bench.__main__ import main
-from jetspec_jax.bench.datasets import Dataset, prompt_text
+from jetspec_jax.bench.datasets import Dataset, load_dataset, prompt_text
 from jetspec_jax.bench.methods import MethodSpec, parse_methods
 from jetspec_jax.bench.runner import Summary, run_benchmark
 from jetspec_jax.data.prompts import MATH_SUFFIX
@@ -115,9 +116,22 @@ def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
 
 
-def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys):
+def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     assert main(["--prompts", str(tmp_path / "missing.jsonl"), "--methods", "bogus"]) == 2
     assert "unknown method" in capsys.readouterr().err
+    # A temperature no request accepts fails before the model loads, not after the runs before it.
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    for bad in ("0,1e-6", "0,nan", "0,inf", ","):
+        assert main(["--prompts", str(tmp_path / "p.jsonl"), "--temperatures", bad]) == 2
+        assert f"--temperatures {bad!r}" in capsys.readouterr().err
+
+
+def test_prompt_ids_that_repeat_are_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "prompt": "x"}, {"prompt": "y"}, {"id": "a", "prompt": "z"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="prompt ids a occur more than once"):
+        load_dataset(path, tokenizer=None, chat=False)
 
 
 def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):

@@ -80,6 +80,8 @@ def test_serve_replacement_confidence_flag():
         (["generate", "hi", "--method", "ar", "--foresight", "4"], "foresight"),
         (["--max-batch-size", "0"], "max_batch_size"),
         (["--refine-passes", "1", "--refreshes", "2"], "refreshes"),
+        (["generate", "hi", "--chunk-steps", "0"], "--chunk-steps must be >= 1"),
+        (["generate", "hi", "--top-p", "1.5"], "top_p"),
     ],
 )
 def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, capsys):

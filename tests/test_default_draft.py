@@ -135,12 +135,14 @@ def test_bench_harness_serves_jetspec_pp_with_the_shipped_draft(default_model_di
     assert rows[1]["greedy_matches_ar"] == 1
 
 
-def test_the_server_serves_the_default_model_by_its_name(target, tmp_path):
+def test_the_server_serves_the_default_model_by_its_name(target, tmp_path, monkeypatch):
     """Clients ask for "SmolLM2-135M-Instruct", not for the cache directory's name, whether the
     server is `serve.py`'s or a `BackgroundServer`."""
     assert served_model_name(target.path) == DEFAULT_MODEL_NAME
     assert served_model_name(tmp_path / "Llama-3.2-1B") == "Llama-3.2-1B"
     assert served_model_name(None) == "jetspec"
+    monkeypatch.chdir(tmp_path)
+    assert served_model_name(pathlib.Path(".")) == tmp_path.name  # `--target .`
     app = build_app(target, None, ServerConfig(decoding=DecodingOptions(method="ar")))
     assert app[MODEL].name == DEFAULT_MODEL_NAME
     args = serve._parser().parse_args(["--method", "ar", "--model-name", "mine"])

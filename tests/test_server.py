@@ -277,6 +277,7 @@ def test_a_client_that_disconnects_cancels_its_request(server, http):
             _wait_for(lambda: scheduler.queue_depth == 1)
         # Held, the queue empties only by the job's cancellation.
         _wait_for(lambda: scheduler.queue_depth == 0)
+        assert _sample(http, "jetspec_queue_depth") == 0  # the gauge too, before any batch
     assert _complete(http).status_code == 200
     assert _sample(http, "jetspec_batch_size_count") - batches == 1  # only the last request
     # Counted as closed by the client, not as a server error.
@@ -363,17 +364,19 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=-1), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=3), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=1e-39), 400, "temperature"),
-    ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=0), 400, "top_p"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=1.5), 400, "top_p"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k="5"), 400, "top_k"),
     # Before the check, an int32 overflow on the device failed every request of the batch.
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k=2**31), 400, "top_k"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "\xff"}', 400, "malformed JSON"),
     ("/v1/completions", dict(model=MODEL, prompt=[]), 400, "non-empty"),
-    ("/v1/completions", dict(model=MODEL, prompt="Hi", seed=-1), 400, "seed"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", seed=2**64), 400, "seed"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=0), 400, "max_tokens"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", n=2), 400, "n"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", n=True), 400, "n"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", stream="yes"), 400, "stream"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=2), 400, "logprobs"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=0), 400, "logprobs"),
     ("/v1/completions", dict(model=MODEL, prompt="x" * 2100), 400, "context"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=4000), 400, "context"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=600), 400, "512"),
@@ -385,6 +388,27 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", repetition_penalty=1.2), 400, "1.2"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", ignore_eos=True), 400, "ignore_eos"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", min_tokens=4), 400, "min_tokens"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", add_special_tokens=False), 400, "add_s"),
+    (
+        "/v1/chat/completions",
+        dict(
+            model=MODEL,
+            messages=[{"role": "assistant", "content": "The answer is"}],
+            continue_final_message=True,
+        ),
+        400,
+        "continue_final_message",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            chat_template_kwargs={"enable_thinking": True},
+        ),
+        400,
+        "chat_template_kwargs",
+    ),
     (
         "/v1/chat/completions",
         dict(model=MODEL, messages=[{"role": "user", "content": "x"}], guided_regex="a+"),
@@ -428,9 +452,33 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
         guided_json=None,
     )
     plain = _complete(http, prompt="The sky", max_tokens=4).json()
-    same = _complete(http, prompt="The sky", max_tokens=4, **neutral)
+    same = _complete(http, prompt="The sky", max_tokens=4, add_special_tokens=True, **neutral)
     assert same.status_code == 200, same.text
     assert same.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    chat = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    chat_neutral = dict(
+        echo=False,
+        add_generation_prompt=True,
+        continue_final_message=False,
+        add_special_tokens=False,
+        chat_template_kwargs={},
+        **neutral,
+    )
+    plain = http.post("/v1/chat/completions", json=chat).json()
+    same = http.post("/v1/chat/completions", json={**chat, **chat_neutral})
+    assert same.status_code == 200, same.text
+    assert same.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+def test_top_p_zero_is_greedy_and_a_seed_is_any_64_bit_integer(http):
+    greedy = _complete(http, prompt="The sky", max_tokens=6).json()["choices"][0]["text"]
+    sampled = dict(model=MODEL, prompt="The sky", max_tokens=6, temperature=1.0, top_p=0)
+    for seed in (-1, 2**63 - 1):
+        answer = http.post("/v1/completions", json={**sampled, "seed": seed})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == greedy
 
 
 def test_unknown_routes_and_methods_answer_json_errors(http):

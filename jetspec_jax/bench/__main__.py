@@ -22,9 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         methods = parse_methods(args.methods)
-        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
-        if not temperatures or any(t < 0 for t in temperatures):
-            raise ValueError(f"--temperatures must be numbers >= 0, got {args.temperatures!r}")
+        temperatures = _temperatures(args.temperatures)
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
@@ -78,6 +76,22 @@ def _add_draft(drafts: dict, sources: dict, variant: str, draft, source: str) ->
         )
     drafts[variant] = draft
     sources[variant] = source
+
+
+def _temperatures(text: str) -> list[float]:
+    """The comma-separated temperatures, each checked as a request would check it, so that a bad
+    one fails now rather than after the runs before it."""
+    from jetspec_jax.sampling import SamplingParams
+
+    try:
+        temperatures = [float(t) for t in text.split(",") if t.strip()]
+        if not temperatures:
+            raise ValueError("no value")
+        for t in temperatures:
+            SamplingParams(temperature=t)
+    except ValueError as e:
+        raise ValueError(f"--temperatures {text!r}: {e}") from None
+    return temperatures
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@ every prompt goes through the chat template with thinking off."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import pathlib
 
@@ -31,15 +32,19 @@ def load_dataset(
     """The first `limit` prompts of a JSONL file, encoded for the target.
 
     Raises:
-        FileNotFoundError, ValueError: the file is missing or malformed (`read_prompts`).
+        FileNotFoundError, ValueError: the file is missing or malformed (`read_prompts`), or two
+            records share an `id` (results, AR's tokens included, are keyed by it).
     """
     path = pathlib.Path(path)
     records = read_prompts(path, limit=limit)
     if not records:
         raise ValueError(f"{path} holds no prompts")
     name = str(records[0].get("source") or path.stem)
-    prompts = [encode_prompt(tokenizer, prompt_text(record, name), chat=chat) for record in records]
     ids = [str(record.get("id", i)) for i, record in enumerate(records)]
+    repeated = sorted(i for i, n in collections.Counter(ids).items() if n > 1)
+    if repeated:
+        raise ValueError(f"{path}: prompt ids {', '.join(repeated[:5])} occur more than once")
+    prompts = [encode_prompt(tokenizer, prompt_text(record, name), chat=chat) for record in records]
     return Dataset(name=name, ids=ids, prompts=prompts)
 
 

@@ -65,7 +65,9 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
     app[SCHEDULER] = scheduler
     app[MODEL] = model
     app[API_KEY] = api_key or ""
-    # One thread: HF fast tokenizers are not safe to call from several threads at once.
+    # One thread, so that requests are encoded one at a time: a fast tokenizer that changes its
+    # truncation/padding settings during an encode fails other threads' calls ("Already
+    # borrowed"). Decoding (on the loop) and plain encodes only read it.
     app[TOKENIZING] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -181,11 +183,13 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, await _parsed(request, parse_completion))
+    arrived = time.perf_counter()
+    return await _generate(request, await _parsed(request, parse_completion), arrived)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, await _parsed(request, parse_chat))
+    arrived = time.perf_counter()
+    return await _generate(request, await _parsed(request, parse_chat), arrived)
 
 
 async def _parsed(request: web.Request, parse) -> GenerationRequest:
@@ -238,8 +242,11 @@ class _Output:
         return self.tokens if self.stops.hit else len(result.tokens)
 
 
-async def _generate(request: web.Request, req: GenerationRequest) -> web.StreamResponse:
-    arrived = time.perf_counter()
+async def _generate(
+    request: web.Request, req: GenerationRequest, arrived: float
+) -> web.StreamResponse:
+    """Decodes `req`; `arrived` (perf_counter) is when its body started being read, so that the
+    latency metrics include the wait for the tokenizing thread."""
     scheduler, model = request.app[SCHEDULER], request.app[MODEL]
     try:  # the token ids against the vocabulary (the budget was checked by the parser)
         prompt_ids = scheduler.check(req.prompt_ids, req.max_tokens)

@@ -3,11 +3,12 @@
 Supported: `/v1/completions` (`prompt`: a string, a list of token ids, or a one-element list of
 either) and `/v1/chat/completions` (`messages` of system / user / assistant turns; string or
 text-part content), with `model`, `max_tokens` (chat: also `max_completion_tokens`),
-`temperature` (0..2), `top_p`, `top_k` (an extension, as in vLLM), `seed`, `stop` (up to 4
-strings), `stream` and `stream_options.include_usage`. Fields that would change the output in ways
-this server does not implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`,
-`tools`, `suffix`, `best_of` > 1, a `response_format` other than text, and vLLM's sampling
-extensions away from their neutral values: `EXTENSIONS_AT_NEUTRAL`) are refused with 400 rather than
+`temperature` (0..2), `top_p` (0 keeps only the most likely token), `top_k` (an extension, as in
+vLLM), `seed` (any 64-bit integer, folded to 32 bits), `stop` (up to 4 strings), `stream` and
+`stream_options.include_usage`. Fields that would change the output in ways this server does not
+implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`, `tools`, `suffix`,
+`best_of` > 1, a `response_format` other than text, and vLLM's extensions away from their neutral
+values: `EXTENSIONS_AT_NEUTRAL`, `CHAT_EXTENSIONS_AT_NEUTRAL`) are refused with 400 rather than
 silently ignored; other unknown fields are ignored, as clients send many.
 """
 
@@ -41,6 +42,18 @@ EXTENSIONS_AT_NEUTRAL = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "structured_outputs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+}
+# vLLM's chat-only extensions: how the prompt is rendered (ours: `prompting.encode_chat`).
+CHAT_EXTENSIONS_AT_NEUTRAL = {
+    "echo": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
 }
 
 
@@ -133,8 +146,9 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
         raise RequestError(400, "echo is not supported", param="echo")
     if body.get("suffix"):
         raise RequestError(400, "suffix is not supported", param="suffix")
-    if body.get("best_of") not in (None, 1):
+    if not _is_one(body.get("best_of")):
         raise RequestError(400, "best_of must be 1", param="best_of")
+    _check_neutral(body, {"add_special_tokens": (True,)})
     prompt_ids = _prompt_ids(body["prompt"], model)
     default = _default_budget(COMPLETION_DEFAULT_MAX_TOKENS, prompt_ids, model)
     max_tokens = _max_tokens(body, "max_tokens", default, prompt_ids, model)
@@ -148,6 +162,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
         raise RequestError(400, "missing required parameter: 'messages'", param="messages")
     if body.get("tools") or body.get("functions"):
         raise RequestError(400, "tools / function calling are not supported", param="tools")
+    _check_neutral(body, CHAT_EXTENSIONS_AT_NEUTRAL)
     messages = _messages(body["messages"])
     tokenizer = model.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -178,9 +193,11 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
             param="model",
             code="model_not_found",
         )
-    if body.get("n") not in (None, 1):
+    if not _is_one(body.get("n")):
         raise RequestError(400, "n must be 1 (send concurrent requests instead)", param="n")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+    # Identity, not equality: logprobs=0 asks for the chosen tokens' logprobs (and 0 == False).
+    logprobs = body.get("logprobs")
+    if not (logprobs is None or logprobs is False) or body.get("top_logprobs") is not None:
         raise RequestError(400, "logprobs are not supported", param="logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
@@ -192,14 +209,25 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
         raise RequestError(
             400, "response_format other than text is not supported", param="response_format"
         )
-    for name, neutral in EXTENSIONS_AT_NEUTRAL.items():
+    _check_neutral(body, EXTENSIONS_AT_NEUTRAL)
+    return body
+
+
+def _is_one(value: Any) -> bool:
+    """Absent, or the integer 1 (not `True`, which equals 1)."""
+    return value is None or (type(value) is int and value == 1)
+
+
+def _check_neutral(body: dict, extensions: dict[str, tuple]) -> None:
+    """Refuses an extension (`{name: neutral values}`) given at a value that is not neutral;
+    absent or null always is."""
+    for name, neutral in extensions.items():
         value = body.get(name)
         if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
             allowed = " or ".join(repr(v) for v in neutral) or "absent"
             raise RequestError(
                 400, f"{name}={value!r} is not supported (must be {allowed})", param=name
             )
-    return body
 
 
 def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
@@ -231,8 +259,8 @@ def _sampling(body: dict) -> SamplingParams:
             param="temperature",
         )
     top_p = _number(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise RequestError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if not 0.0 <= top_p <= 1.0:
+        raise RequestError(400, f"top_p must be in [0, 1], got {top_p}", param="top_p")
     top_k = body.get("top_k")
     top_k = 0 if top_k in (None, -1) else top_k  # vLLM's -1 = disabled
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
@@ -242,11 +270,10 @@ def _sampling(body: dict) -> SamplingParams:
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbelow(2**32)  # OpenAI: unseeded requests are not reproducible
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise RequestError(
-            400, f"seed must be an integer in [0, 2**32), got {seed!r}", param="seed"
-        )
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise RequestError(400, f"seed must be a 64-bit integer, got {seed!r}", param="seed")
+    # Clients send any int64 (or uint64); PRNG keys take 32 bits.
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed % 2**32)
 
 
 def _number(body: dict, name: str, default: float) -> float:

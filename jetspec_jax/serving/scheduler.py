@@ -154,6 +154,8 @@ class Scheduler:
         self._held = 0
         self._running: list[Job] = []
         self._thread: threading.Thread | None = None
+        # Read at each scrape: a cancelled waiting job leaves the count at once, as in /health.
+        self.metrics.queue_depth.set_function(lambda: self.queue_depth)
 
     # -- client side ------------------------------------------------------------------------
 
@@ -181,7 +183,6 @@ class Scheduler:
                     f"the request queue is full ({self.queue_size} waiting); retry later"
                 )
             self._waiting.append(job)
-            self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
 
     @property
@@ -224,7 +225,6 @@ class Scheduler:
         with self._cond:
             self._accepting = False
             waiting, self._waiting = list(self._waiting), deque()
-            self.metrics.queue_depth.set(0)
             self._cond.notify_all()
         for job in waiting:
             job.deliver(Failed(503, "the server is shutting down"))
@@ -256,8 +256,7 @@ class Scheduler:
                     job = self._waiting.popleft()
                     if not job.cancelled:
                         batch.append(job)
-                self.metrics.queue_depth.set(len(self._waiting))
-                self._running = batch
+                    self._running = batch
             if batch:
                 self._serve(batch)
             with self._cond:

@@ -78,7 +78,12 @@ class ServerConfig:
 
 
 def build_app(target, draft, config: ServerConfig) -> web.Application:
-    """The aiohttp application serving `target` (with `draft` for speculative methods)."""
+    """The aiohttp application serving `target` (with `draft` for speculative methods).
+
+    Run it with aiohttp's `handler_cancellation=True` (as `serve` and `BackgroundServer` do):
+    without it a client that disconnects does not cancel its handler, and its request decodes to
+    its max_tokens for nobody, holding a batch row.
+    """
     if target.tokenizer is None:
         raise ValueError(
             f"{target.path} has no tokenizer; the server needs one to read and write text"
