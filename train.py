@@ -79,9 +79,12 @@ def _train(args: argparse.Namespace) -> int:
     if result is None:
         print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
         return 0
+    if result.already_finished:
+        print(f"already trained {result.steps} steps; the draft is in {result.export_dir}")
+        return 0
     tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
     print(
-        f"trained {result.steps} steps; loss {result.metrics.get('loss', float('nan')):.4f}; "
+        f"trained {result.steps} steps; loss {result.metrics['loss']:.4f}; "
         f"eval tau {tau}; draft exported to {result.export_dir}"
     )
     return 0
@@ -121,6 +124,12 @@ def _train_adapter(args: argparse.Namespace) -> int:
         print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
         return 0
     e = result.evaluation
+    if result.already_finished:  # its export, calibration included, is left as it is
+        print(
+            f"already trained the adapter {result.steps} steps; draft + adapter are in "
+            f"{result.export_dir}"
+        )
+        return 0
     gaps = ", ".join(f"{g:.3f}" for g in e["eval_gap_closed"])
     nmse = ", ".join(f"{x:.4f}" for x in e["eval_nmse"])
     tau = ""

@@ -282,13 +282,17 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(workdir, monkeypa
     assert result.evaluation["tau_predicted"] > 0
 
 
-def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(target, workdir, monkeypatch):
+def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
+    target, workdir, monkeypatch, caplog
+):
     """`train.py calibrate` writes into the export; rerunning the finished stage (as the README's
-    resumable commands invite) must not export again over it, nor evaluate again."""
+    resumable commands invite) must not export again over it, nor evaluate again; and if the
+    draft was retrained since, it says that the export holds the old one."""
     from jetspec_jax.decoding.outcomes import Calibration
 
     monkeypatch.chdir(workdir)
-    draft = jetspec_jax.load_draft("runs/tiny/run/draft", target)
+    shutil.copytree("runs/tiny/run/draft", "runs/tiny/rerun_draft")
+    draft = jetspec_jax.load_draft("runs/tiny/rerun_draft", target)
     config = _tiny_config("runs/tiny/rerun")
     first = train_adapter(config, target=target, draft=draft)
     calibrated = jetspec_jax.load_draft(first.export_dir, target)
@@ -298,9 +302,20 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(target, work
     monkeypatch.setattr(
         adapter_trainer, "adapter_state_metrics", lambda *a, **k: evaluations.append(1)
     )
-    again = train_adapter(config, target=target, draft=draft)
+    with caplog.at_level("WARNING", logger=adapter_trainer.__name__):
+        again = train_adapter(config, target=target, draft=draft)
     assert again.steps == first.steps and again.evaluation == {} and not evaluations
+    assert again.already_finished and "holds the draft" not in caplog.text
     assert jetspec_jax.load_draft(first.export_dir, target).calibration == calibration
+    retrained = dataclasses.replace(
+        draft, params=jax.tree.map(lambda x: x + 1e-3, draft.params), path=None
+    )
+    retrained.save("runs/tiny/rerun_draft", overwrite=True)
+    with caplog.at_level("WARNING", logger=adapter_trainer.__name__):
+        train_adapter(
+            config, target=target, draft=jetspec_jax.load_draft("runs/tiny/rerun_draft", target)
+        )
+    assert f"{first.export_dir} holds the draft this adapter was trained with" in caplog.text
 
 
 def test_a_mask_input_draft_is_refused_before_training(target, data_file, tmp_path):
@@ -397,6 +412,9 @@ def test_cli_trains_resumes_evaluates_tau_and_exports(target, workdir, monkeypat
     assert evaluation["tau_true"] == pytest.approx(tau_true)
     assert evaluation["tau_predicted"] == pytest.approx(tau_predicted)
     assert evaluation["tau_ratio"] == pytest.approx(tau_predicted / tau_true)
+    # Rerunning the finished stage (the README's resumable pipeline) says so, and succeeds.
+    assert cli.main(args) == 0
+    assert "already trained the adapter 4 steps" in capsys.readouterr().out
 
 
 def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, target, draft):

@@ -447,6 +447,11 @@ def test_throughput_counts_the_steps_since_the_last_log_and_not_the_pauses():
         now[0] = 8.0
     now[0] = 8.5
     assert throughput.rate(13) == pytest.approx(3 * 100 / 1.5)  # a short last interval
+    now[0] = 60.0  # a step that compiled
+    throughput.restart(14)
+    assert throughput.rate(14) is None  # no step since
+    now[0] = 61.0
+    assert throughput.rate(16) == pytest.approx(2 * 100 / 1.0)
 
 
 def test_host_params_reassembles_sharded_leaves_in_the_dtype():
@@ -580,12 +585,69 @@ def test_training_data_is_checked_against_the_target(tmp_path, caplog):
     rows = [
         {"prompt_ids": [1, 2], "response_ids": [3, 4]},
         {"prompt_ids": [1] * 8, "response_ids": [3]},  # fills max_length 8
+        {"prompt_ids": [1, 2], "response_ids": []},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         records = read_regenerated([path], vocab_size=5, max_length=8)
-    assert records == [rows[0]] and "skipped 1 records" in caplog.text
+    assert records == [rows[0]]
+    assert "skipped 1 records whose prompt fills max_length 8" in caplog.text
+    assert "skipped 1 records with an empty prompt or response" in caplog.text
+    booleans = tmp_path / "booleans.jsonl"
+    booleans.write_text('{"prompt_ids": [true, 2], "response_ids": [3]}\n')
+    with pytest.raises(ValueError, match="booleans.jsonl:1 lacks integer prompt_ids"):
+        read_regenerated([booleans])
     with pytest.raises(ValueError, match=f"{path}:1 holds a token id outside .* vocabulary of 4"):
         read_regenerated([path], vocab_size=4)
     with pytest.raises(ValueError, match="no usable records"):
         read_regenerated([path], max_length=2)
+
+
+def test_evaluation_prompts_that_are_training_prompts_are_warned_about(target, tmp_path, caplog):
+    from jetspec_jax.training.config import load_train_config
+    from jetspec_jax.training.trainer import check_eval_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3, 4]}\n{"prompt_ids": [5]}\n')
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data: {{files: [a.jsonl], eval_prompts: {prompts}, eval_num_prompts: 2}}\n")
+    config = load_train_config(path)
+    training = [{"prompt_ids": p, "response_ids": [6]} for p in ([1, 2], [5], [2, 1])]
+    with caplog.at_level("WARNING", logger="jetspec_jax.training.trainer"):
+        check_eval_prompts(config, target, training)
+        assert "1 of the 2 evaluation prompts" in caplog.text  # [5] is past eval_num_prompts
+        caplog.clear()
+        check_eval_prompts(config, target, training[1:])
+        assert not caplog.text
+
+
+def test_missing_input_files_and_a_bad_seed_fail_before_the_model_load(tmp_path, monkeypatch):
+    from jetspec_jax.training import adapter_trainer, trainer
+    from jetspec_jax.training.config import load_train_config
+
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt_ids": [1], "response_ids": [2]}\n')
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data: {{files: [{data}, {tmp_path}/gone.jsonl]}}\nrun: {{dir: {tmp_path}}}\n")
+    with pytest.raises(FileNotFoundError, match=f"missing input file\\(s\\): {tmp_path}/gone"):
+        trainer.train(load_train_config(path))
+    config = load_train_config(path, [f"data.files=[{data}]", "adapter.eval_files=[held.jsonl]"])
+    with pytest.raises(FileNotFoundError, match="missing input file\\(s\\): held.jsonl"):
+        adapter_trainer.train_adapter(config)
+    with pytest.raises(ValueError, match="optim.seed"):
+        load_train_config(path, ["optim.seed=-1"])
+
+
+def test_a_mesh_on_several_processes_takes_as_many_devices_of_each():
+    """2 hosts x 4 devices with `mesh: {data: 1, fsdp: 4}` would hold host 0's devices only, and
+    host 1 would feed its share of the batch to none (the 2-process CLI test runs a valid one)."""
+    from types import SimpleNamespace
+
+    from jetspec_jax.training.config import MeshConfig
+    from jetspec_jax.training.sharding import make_mesh
+
+    devices = [SimpleNamespace(process_index=i // 4, id=i) for i in range(8)]
+    for data, fsdp in ((1, 4), (1, 6)):
+        with pytest.raises(ValueError, match="the same number of devices of each"):
+            make_mesh(MeshConfig(data=data, fsdp=fsdp), devices)

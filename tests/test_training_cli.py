@@ -124,3 +124,16 @@ def test_process_counts_without_a_coordinator_are_refused(command, capsys):
     config = str(ROOT / "configs" / "tiny_cpu.yaml")
     assert train.main([command, "--config", config, "--num-processes", "2"]) == 2
     assert "need --coordinator" in capsys.readouterr().err
+
+
+def test_a_rerun_of_a_finished_draft_run_says_so(tmp_path, monkeypatch, capsys):
+    """No loss or tau to print (nothing was trained): not "loss nan; eval tau n/a"."""
+    import train
+    from jetspec_jax.training import trainer
+
+    def finished(config, stop_after=None):
+        return trainer.TrainResult(None, 6, {}, None, tmp_path / "draft", already_finished=True)
+
+    monkeypatch.setattr(trainer, "train", finished)
+    assert train.main(["draft", "--config", str(ROOT / "configs" / "tiny_cpu.yaml")]) == 0
+    assert capsys.readouterr().out == f"already trained 6 steps; the draft is in {tmp_path}/draft\n"

@@ -31,12 +31,27 @@ from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
-from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
-from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
-from jetspec_jax.training.run_loop import opened_run, run_steps
+from jetspec_jax.training.data import (
+    count_training_prompts,
+    read_regenerated,
+    to_example,
+    training_dataset,
+)
+from jetspec_jax.training.run_helpers import (
+    directory_digest,
+    host_params,
+    with_device_params,
+    with_host_params,
+)
+from jetspec_jax.training.run_loop import opened_run, recorded_setup, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
-from jetspec_jax.training.trainer import batch_sizes, check_eval_prompts, check_fits_context
+from jetspec_jax.training.trainer import (
+    batch_sizes,
+    check_eval_prompts,
+    check_fits_context,
+    check_input_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +70,8 @@ class AdapterTrainResult:
             (its export is then left as it is, calibration included; its final evaluation is in
             the metrics log).
         export_dir: the exported JetSpec++ checkpoint (draft + adapter; `load_draft` reads it).
+        already_finished: the run had finished before this call: nothing was trained or
+            evaluated, and its export was left as it is.
     """
 
     adapter: Adapter
@@ -62,6 +79,7 @@ class AdapterTrainResult:
     metrics: dict
     evaluation: dict
     export_dir: pathlib.Path
+    already_finished: bool = False
 
 
 def adapter_run_dir(config: TrainConfig) -> pathlib.Path:
@@ -102,6 +120,7 @@ def train_adapter(
             the draft is not a token-input (jetspec++) draft.
         CheckpointError: the draft directory is missing or does not fit the target.
     """
+    check_input_files(config, *config.adapter.eval_files)
     run_dir = adapter_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(config.mesh)
@@ -116,11 +135,11 @@ def train_adapter(
             f"{draft.config.variant!r}"
         )
     check_fits_context(config, target)
-    if config.adapter.eval_tau:
-        check_eval_prompts(config, target)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
+    if config.adapter.eval_tau:
+        check_eval_prompts(config, target, records)
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft)
     optimizer = make_optimizer(optim)
@@ -157,6 +176,7 @@ def train_adapter(
         records=len(records),
         max_length=config.data.max_length,
         draft=str(draft.path) if draft.path else None,
+        draft_digest=directory_digest(draft.path) if draft.path else None,
         adapter=dataclasses.asdict(dataclasses.replace(config.adapter, optim=optim)),
     )
     with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
@@ -205,7 +225,19 @@ def train_adapter(
         if finished_before and is_bundle(export_dir):
             # A rerun of a finished run: exporting again would drop the calibration that
             # `train.py calibrate` may have fitted into the export since.
-            return AdapterTrainResult(trained, int(state.step), metrics, {}, export_dir)
+            trained_for = recorded_setup(run_dir).get("draft_digest")
+            if trained_for not in (None, setup["draft_digest"]):
+                logger.warning(
+                    "%s holds the draft this adapter was trained with, not %s as it is now "
+                    "(rewritten since); pair them with `train.py export --draft %s "
+                    "--adapter-from %s --out NEW_DIR` and recalibrate, or train an adapter in a "
+                    "new run.dir",
+                    export_dir,
+                    draft.path,
+                    draft.path,
+                    export_dir,
+                )
+            return AdapterTrainResult(trained, int(state.step), metrics, {}, export_dir, True)
         # Export before the final evaluation: a failing evaluation must not cost the adapter.
         if jax.process_index() == 0:
             save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
@@ -250,8 +282,7 @@ def _eval_batches(
     files = config.adapter.eval_files
     if files:
         records = read_regenerated(files, vocab_size=vocab_size, max_length=config.data.max_length)
-        seen = {tuple(r["prompt_ids"]) for r in train_records}
-        repeated = sum(tuple(r["prompt_ids"]) in seen for r in records)
+        repeated = count_training_prompts((r["prompt_ids"] for r in records), train_records)
         if repeated:
             logger.warning(
                 "%d of the %d records of adapter.eval_files have a training prompt: the "

@@ -191,6 +191,8 @@ def _check_optim(optim: OptimConfig, where: str) -> None:
         optim.grad_clip,
     )
     _check(0.0 <= optim.p_full_noise <= 1.0, f"{where}.p_full_noise", optim.p_full_noise)
+    # grain's shuffle and the PRNG keys take 32 bits.
+    _check(0 <= optim.seed < 2**32, f"{where}.seed (in [0, 2**32))", optim.seed)
     _check(
         optim.compute_dtype in ("float32", "bfloat16"),
         f"{where}.compute_dtype",

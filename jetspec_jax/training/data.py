@@ -40,11 +40,11 @@ def read_regenerated(
             id outside the vocabulary (named by file and line), or the files hold no usable
             record.
     """
-    records, too_long = [], 0
+    records, too_long, empty = [], 0, 0
     for file in files:
         for where, row in read_jsonl(file, what="training data file"):
             ids = [row.get("prompt_ids"), row.get("response_ids")]
-            if not all(isinstance(x, list) and all(isinstance(i, int) for i in x) for x in ids):
+            if not all(isinstance(x, list) and all(_is_id(i) for i in x) for x in ids):
                 raise ValueError(f"{where} lacks integer prompt_ids / response_ids")
             if vocab_size is not None and any(
                 x and not 0 <= min(x) <= max(x) < vocab_size for x in ids
@@ -57,6 +57,10 @@ def read_regenerated(
                 too_long += 1
             elif ids[0] and ids[1]:
                 records.append({"prompt_ids": ids[0], "response_ids": ids[1]})
+            else:
+                empty += 1
+    if empty:
+        logger.warning("skipped %d records with an empty prompt or response", empty)
     if too_long:
         logger.warning(
             "skipped %d records whose prompt fills max_length %d: nothing left to supervise",
@@ -69,6 +73,17 @@ def read_regenerated(
             f"no usable records (non-empty prompt and response{shorter}) in {list(files)}"
         )
     return records
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not token 1
+
+
+def count_training_prompts(prompts, records: list[dict]) -> int:
+    """How many of `prompts` (token-id sequences) are the prompt of one of `records`: held-out
+    figures measured on those are not held out."""
+    seen = {tuple(r["prompt_ids"]) for r in records}
+    return sum(tuple(p) in seen for p in prompts)
 
 
 def to_example(record: dict, max_length: int) -> dict[str, np.ndarray]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import pathlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,6 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+
+
+def directory_digest(directory: str | pathlib.Path) -> str:
+    """SHA-256 of the names and contents of the files under `directory` (a checkpoint): tells
+    whether a run's input was rewritten since, whatever its path and timestamps."""
+    digest = hashlib.sha256()
+    root = pathlib.Path(directory)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def host_params(tree, dtype):
@@ -51,9 +66,9 @@ def with_device_params(model):
 class Throughput:
     """Training tokens per second between logs, not counting checkpoint or evaluation time.
 
-    `rate(step)` covers the steps since the previous `rate` call (or the run's start step in this
-    process), whatever `run.log_every` is and however many steps that was; time spent inside
-    `paused()` is left out.
+    `rate(step)` covers the steps since the previous `rate` call (or `restart`, or the run's
+    start step in this process), whatever `run.log_every` is and however many steps that was;
+    time spent inside `paused()` is left out. Tokens are sequence positions, padding included.
     """
 
     def __init__(
@@ -78,11 +93,17 @@ class Throughput:
         finally:
             self._excluded += self._clock() - start
 
-    def rate(self, step: int) -> float:
+    def restart(self, step: int, *pending) -> None:
+        """Starts the interval anew once `pending` arrays are ready, at `step` (e.g. after a
+        process's first step, whose time is mostly compilation)."""
+        jax.block_until_ready(pending)
+        self._step, self._start, self._excluded = step, self._clock(), 0.0
+
+    def rate(self, step: int) -> float | None:
         """Tokens per second over the steps up to `step` since the last call; starts the next
-        interval."""
+        interval. None when no step was done since."""
         now = self._clock()
         elapsed = now - self._start - self._excluded
-        tokens = (step - self._step) * self._tokens_per_step
+        steps = step - self._step
         self._step, self._start, self._excluded = step, now, 0.0
-        return tokens / max(elapsed, 1e-9)
+        return steps * self._tokens_per_step / max(elapsed, 1e-9) if steps else None

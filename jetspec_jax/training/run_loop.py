@@ -66,7 +66,8 @@ def run_steps(
         run: `log_every`, `checkpoint_every` and `eval_every`.
         total_steps: the run's steps in all.
         stop_after: at most this many steps in this call (None: to the end).
-        tokens_per_step: global batch x sequence length (the logged `tokens_per_second`).
+        tokens_per_step: global batch x sequence length (the logged `tokens_per_second`, from
+            the second step of this process on: the first is mostly compilation).
         evaluate: `(step, state) -> anything`, called every `run.eval_every` steps before the
             last; None: no evaluation during the run.
         postfix: the progress bar's fields from a logged step's metrics.
@@ -92,9 +93,13 @@ def run_steps(
         batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
         state, step_metrics = step_fn(state, target_params, batch)
         done = step + 1
+        if step == start_step:  # mostly compilation: not training throughput
+            throughput.restart(done, state)
         if done % run.log_every == 0 or done == total_steps:
             metrics = host_floats(jax.device_get(step_metrics))
-            metrics["tokens_per_second"] = throughput.rate(done)
+            rate = throughput.rate(done)
+            if rate is not None:  # none at the first step of a process
+                metrics["tokens_per_second"] = rate
             metrics_log.write(done, metrics)
             progress.set_postfix(postfix(metrics))
         if done % run.checkpoint_every == 0 or done in (end_step, total_steps):
@@ -141,6 +146,12 @@ def _write_json_atomically(path: pathlib.Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     os.replace(tmp, path)  # a crash leaves the old file or none, never half of one
+
+
+def recorded_setup(run_dir: pathlib.Path) -> dict:
+    """The setup `opened_run` recorded for `run_dir`'s checkpoints ({} if none)."""
+    path = run_dir / SETUP_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def _warn_on_changed_setup(path: pathlib.Path, setup: dict) -> None:

@@ -8,6 +8,7 @@ reduce-scatters; with `fsdp=1` this is plain data parallelism.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import jax
@@ -24,15 +25,25 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
     """A `data` x `fsdp` mesh over `devices` (all devices by default).
 
     With both sizes explicit, the mesh takes the first `data * fsdp` devices (a warning names any
-    left idle); with one of them -1, it spans all devices.
+    left idle); with one of them -1, it spans all devices. On several processes it must take
+    as many devices of each (a `ValueError` otherwise).
     """
     devices = list(jax.devices() if devices is None else devices)
+    processes = {d.process_index for d in devices}
     data, fsdp = config.data, config.fsdp
     if data > 0 and fsdp > 0 and data * fsdp < len(devices):
         logger.warning(
             "mesh %d x %d leaves %d devices idle", data, fsdp, len(devices) - data * fsdp
         )
         devices = devices[: data * fsdp]
+    taken = collections.Counter(d.process_index for d in devices)
+    if set(taken) != processes or len(set(taken.values())) > 1:
+        # Every process feeds its share of each batch to its own devices of the mesh.
+        raise ValueError(
+            f"mesh data={config.data} x fsdp={config.fsdp} takes {dict(sorted(taken.items()))} "
+            f"devices of processes {sorted(processes)}: on several processes the mesh must hold "
+            "the same number of devices of each"
+        )
     if data == -1 and fsdp == -1:
         raise ValueError("mesh: at most one of data, fsdp may be -1")
     if data == -1:

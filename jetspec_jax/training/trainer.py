@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import os
 import pathlib
 
 import jax
@@ -25,12 +27,14 @@ import jax.numpy as jnp
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
-from jetspec_jax.training.data import read_regenerated, training_dataset
+from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
 from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
 from jetspec_jax.training.run_loop import opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,8 @@ class TrainResult:
         eval_tau: the final evaluation's mean tau; None without evaluation prompts, or when the
             run had finished before this call (its export and evaluation are left as they are).
         export_dir: where the draft was exported.
+        already_finished: the run had finished before this call: nothing was trained, and its
+            export was left as it is.
     """
 
     draft: Draft
@@ -51,6 +57,7 @@ class TrainResult:
     metrics: dict
     eval_tau: float | None
     export_dir: pathlib.Path
+    already_finished: bool = False
 
 
 def train(
@@ -72,16 +79,17 @@ def train(
     Returns:
         The `TrainResult` once all `config.optim.steps` are done; None after `stop_after` steps.
     """
+    check_input_files(config)
     run_dir = pathlib.Path(config.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     check_fits_context(config, target)
-    check_eval_prompts(config, target)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
+    check_eval_prompts(config, target, records)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target)
     optimizer = make_optimizer(config.optim)
@@ -140,7 +148,7 @@ def train(
         trained = _as_draft(draft, state, target)
         export_dir = run_dir / "draft"
         if finished_before and (export_dir / "config.json").is_file():
-            return TrainResult(trained, int(state.step), metrics, None, export_dir)  # a rerun
+            return TrainResult(trained, int(state.step), metrics, None, export_dir, True)
         # Export before the final evaluation: a failing evaluation must not cost the draft.
         if jax.process_index() == 0:
             trained.save(export_dir, overwrite=True)
@@ -190,6 +198,15 @@ def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
     return global_batch // processes, global_batch
 
 
+def check_input_files(config: TrainConfig, *more: str) -> None:
+    """Refuses missing data or evaluation files (`data` and `more`) before the model load, which
+    can take minutes."""
+    eval_prompts = [config.data.eval_prompts] if config.data.eval_prompts else []
+    missing = [f for f in (*config.data.files, *eval_prompts, *more) if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
+
+
 def check_fits_context(config: TrainConfig, target: Target) -> None:
     """Refuses `data.max_length` beyond the target's context: positions past it would run the
     target's rotary embedding where it was never trained."""
@@ -201,19 +218,29 @@ def check_fits_context(config: TrainConfig, target: Target) -> None:
         )
 
 
-def check_eval_prompts(config: TrainConfig, target: Target) -> None:
+def check_eval_prompts(config: TrainConfig, target: Target, records: list[dict]) -> None:
     """Reads and encodes the evaluation prompts `config.data` names, if any, so that a missing or
-    malformed file fails the run before any training rather than after it.
+    malformed file fails the run before any training rather than after it; those that are
+    prompts of the training `records` are counted in a warning.
 
     Raises:
         FileNotFoundError, ValueError: as `eval_prompt_ids`.
     """
-    if config.data.eval_prompts:
-        eval_prompt_ids(
-            target,
+    if not config.data.eval_prompts:
+        return
+    prompts = eval_prompt_ids(
+        target,
+        config.data.eval_prompts,
+        num_prompts=config.data.eval_num_prompts,
+        math_suffix=config.data.eval_math_suffix,
+    )
+    repeated = count_training_prompts(prompts, records)
+    if repeated:
+        logger.warning(
+            "%d of the %d evaluation prompts of %s are training prompts: their tau is not held out",
+            repeated,
+            len(prompts),
             config.data.eval_prompts,
-            num_prompts=config.data.eval_num_prompts,
-            math_suffix=config.data.eval_math_suffix,
         )
 
 
