@@ -115,3 +115,20 @@ def test_adapter_config_refusals(target):
         adapter.AdapterConfig(layers, (1, 0), (1, 1))
     with pytest.raises(ValueError, match=">= 1 layer"):
         adapter.AdapterConfig(layers, (0, 1), (1, 0))
+
+
+def test_configs_given_lists_are_hashable_static_arguments(target):
+    """Lists construct; as jit static arguments they must hash, and equal the tuple form."""
+    import dataclasses
+
+    from jetspec_jax.models.draft import DraftConfig
+
+    layers = _adapter_layers(target.config)
+    config = adapter.AdapterConfig(layers, [0, 1], [1, 1])
+    assert hash(config) == hash(adapter.AdapterConfig(layers, (0, 1), (1, 1)))
+    draft = DraftConfig(layers, target_layer_ids=[0, 1])
+    assert draft == DraftConfig(layers, target_layer_ids=(0, 1)) and hash(draft)
+    hybrid = dataclasses.replace(
+        layers, model_type="qwen3_5", layer_types=["full_attention"] * layers.num_layers
+    )
+    assert hash(hybrid) and isinstance(hybrid.layer_types, tuple)

@@ -142,7 +142,9 @@ def test_rollback_before_the_window_poisons_the_row(target):
     )
     rolled = _rolled_back(verified, jnp.asarray([2, 5, 9]))  # row 0 before its block start (3)
     assert np.isnan(np.asarray(rolled.state[:, 0])).all()
+    assert np.isnan(np.asarray(rolled.conv[:, 0], np.float32)).all()  # not the window's start
     assert np.isfinite(np.asarray(rolled.state[:, 1:])).all()
+    assert np.isfinite(np.asarray(rolled.conv[:, 1:], np.float32)).all()
 
 
 def test_a_draft_block_longer_than_the_rollback_window_is_refused(target):

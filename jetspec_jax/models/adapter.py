@@ -55,6 +55,9 @@ class AdapterConfig:
     attention_impl: str = "auto"
 
     def __post_init__(self):
+        # Lists would construct, then fail as jit static arguments (unhashable).
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        object.__setattr__(self, "layers_per_module", tuple(self.layers_per_module))
         check_impl(self.attention_impl)
         if len(self.layers_per_module) != len(self.target_layer_ids):
             raise ValueError(

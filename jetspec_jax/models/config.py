@@ -84,6 +84,8 @@ class TransformerConfig:
     recurrence_impl: str = "auto"
 
     def __post_init__(self):
+        # A list would construct, then fail as a jit static argument (unhashable).
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: "

@@ -73,6 +73,8 @@ class DraftConfig:
     attention_impl: str = "auto"
 
     def __post_init__(self):
+        # A list would construct, then fail as a jit static argument (unhashable).
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         check_impl(self.attention_impl)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")

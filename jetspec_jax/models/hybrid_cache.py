@@ -147,7 +147,8 @@ class HybridCache:
         """The cache truncated to `lengths` `[B]` (each at most the current length).
 
         Rows keep the recurrent and conv states after exactly `lengths[b]` positions, recomputed
-        from the window start; a row asked to go back before `start` gets NaN states.
+        from the window start (always with the XLA recurrence, whatever `recurrence_impl` the
+        forwards used); a row asked to go back before `start` gets NaN recurrent and conv states.
         """
         lengths = jnp.minimum(lengths.astype(jnp.int32), self.lengths)
         if not self.state.shape[0]:  # no Gated DeltaNet layer: a plain KV rollback
@@ -175,6 +176,7 @@ class HybridCache:
         conv_window = jnp.concatenate([self.start_conv, self.block_conv], axis=2)
         rows = (kept[:, None] + jnp.arange(width)[None, :])[None, :, :, None]  # [1, B, K-1, 1]
         conv = jnp.take_along_axis(conv_window, rows, axis=2)
+        conv = jnp.where(unreachable[None, :, None, None], jnp.nan, conv)
         return self.replace(lengths=lengths, conv=conv, state=state)
 
     @staticmethod
