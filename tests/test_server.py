@@ -404,7 +404,7 @@ BAD = [
         dict(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
-            chat_template_kwargs={"enable_thinking": True},
+            chat_template_kwargs={"documents": []},
         ),
         400,
         "chat_template_kwargs",
@@ -463,13 +463,34 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
         add_generation_prompt=True,
         continue_final_message=False,
         add_special_tokens=False,
-        chat_template_kwargs={},
+        chat_template_kwargs={"enable_thinking": False},
         **neutral,
     )
     plain = http.post("/v1/chat/completions", json=chat).json()
     same = http.post("/v1/chat/completions", json={**chat, **chat_neutral})
     assert same.status_code == 200, same.text
     assert same.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+def test_chat_template_kwargs_pass_enable_thinking_to_the_template():
+    class Recording:
+        chat_template = "{{ messages }}"
+        thinking = []
+
+        def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, **kwargs):
+            self.thinking.append(kwargs["enable_thinking"])
+            return "Hi"
+
+        def encode(self, text, add_special_tokens):
+            return [1, 2]
+
+    model = ModelInfo(name=MODEL, tokenizer=Recording(), context_length=64)
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    for kwargs in (None, {"enable_thinking": True}, {"enable_thinking": False}, {}):
+        parse_chat({**body, "chat_template_kwargs": kwargs}, model)
+    assert model.tokenizer.thinking == [False, True, False, False]
+    with pytest.raises(RequestError, match="only enable_thinking"):
+        parse_chat({**body, "chat_template_kwargs": {"enable_thinking": "yes"}}, model)
 
 
 def test_top_p_zero_is_greedy_and_a_seed_is_any_64_bit_integer(http):

@@ -4,11 +4,12 @@ Supported: `/v1/completions` (`prompt`: a string, a list of token ids, or a one-
 either) and `/v1/chat/completions` (`messages` of system / user / assistant turns; string or
 text-part content), with `model`, `max_tokens` (chat: also `max_completion_tokens`),
 `temperature` (0..2), `top_p` (0 keeps only the most likely token), `top_k` (an extension, as in
-vLLM), `seed` (any 64-bit integer, folded to 32 bits), `stop` (up to 4 strings), `stream` and
-`stream_options.include_usage`. Fields that would change the output in ways this server does not
-implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`, `tools`, `suffix`,
-`best_of` > 1, a `response_format` other than text, and vLLM's extensions away from their neutral
-values: `EXTENSIONS_AT_NEUTRAL`, `CHAT_EXTENSIONS_AT_NEUTRAL`) are refused with 400 rather than
+vLLM), `seed` (any 64-bit integer, folded to 32 bits), `stop` (up to 4 strings), `stream`,
+`stream_options.include_usage` and chat's `chat_template_kwargs.enable_thinking` (vLLM's).
+Fields that would change the output in ways this server does not implement (`n` > 1, `logprobs`,
+`echo`, non-zero penalties, `logit_bias`, `tools`, `suffix`, `best_of` > 1, a `response_format`
+other than text, and vLLM's extensions away from their neutral values: `EXTENSIONS_AT_NEUTRAL`,
+`CHAT_EXTENSIONS_AT_NEUTRAL`) are refused with 400 rather than
 silently ignored; other unknown fields are ignored, as clients send many.
 """
 
@@ -53,7 +54,6 @@ CHAT_EXTENSIONS_AT_NEUTRAL = {
     "continue_final_message": (False,),
     "add_special_tokens": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
 }
 
 
@@ -168,7 +168,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
     try:
-        prompt_ids = encode_chat(tokenizer, messages)
+        prompt_ids = encode_chat(tokenizer, messages, thinking=_thinking(body))
     except Exception as e:  # templates reject messages with jinja's raise_exception
         raise RequestError(
             400, f"the chat template refused the messages: {e}", param="messages"
@@ -211,6 +211,25 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
         )
     _check_neutral(body, EXTENSIONS_AT_NEUTRAL)
     return body
+
+
+def _thinking(body: dict) -> bool:
+    """vLLM's `chat_template_kwargs`, of which only `enable_thinking` (read by Qwen3 templates;
+    off unless asked for) is passed on: any other key could change the rendering unseen."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return False
+    if (
+        not isinstance(kwargs, dict)
+        or set(kwargs) - {"enable_thinking"}
+        or not isinstance(kwargs.get("enable_thinking", False), bool)
+    ):
+        raise RequestError(
+            400,
+            f"chat_template_kwargs={kwargs!r} is not supported (only enable_thinking: a boolean)",
+            param="chat_template_kwargs",
+        )
+    return kwargs.get("enable_thinking", False)
 
 
 def _is_one(value: Any) -> bool:
