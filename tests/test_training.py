@@ -157,12 +157,16 @@ def _toy_config(variant, block_size=16):
 def test_a_resume_with_another_setup_is_warned_about(target, data_files, tmp_path, caplog):
     """The restored data position and schedule assume the setup the checkpoints were written
     with; a resume with other data or optimisation settings says what changed."""
-    config = _config(data_files, tmp_path, steps=3, warmup_steps=1)
+    config = _config(data_files, tmp_path, steps=4, warmup_steps=1)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_prompts=None))
     assert train(config, target=target, stop_after=1) is None
     assert json.loads((tmp_path / "run_setup.json").read_text())["records"] == 24
     with caplog.at_level("WARNING", logger="jetspec_jax.training.run_loop"):
         assert train(config, target=target, stop_after=1) is None  # the same setup: silent
+        recorded = json.loads((tmp_path / "run_setup.json").read_text())
+        del recorded["records"]  # as an older version recorded it: not a change of setup
+        (tmp_path / "run_setup.json").write_text(json.dumps(recorded))
+        assert train(config, target=target, stop_after=1) is None
         assert not [r for r in caplog.records if "resuming" in r.getMessage()]
         changed = dataclasses.replace(config.optim, learning_rate=1e-4)
         train(dataclasses.replace(config, optim=changed), target=target, stop_after=1)

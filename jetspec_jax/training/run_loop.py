@@ -159,7 +159,8 @@ def _warn_on_changed_setup(path: pathlib.Path, setup: dict) -> None:
         return
     recorded = json.loads(path.read_text(encoding="utf-8"))
     current = json.loads(json.dumps(setup))  # tuples as lists, as they were recorded
-    for key in sorted(set(recorded) | set(current)):
+    # A key one side lacks is a change of this library's version, not of the run's setup.
+    for key in sorted(set(recorded) & set(current)):
         was, now = recorded.get(key), current.get(key)
         if was != now:
             logger.warning(
