@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import machine_line, write_section  # noqa: E402
+from benchmarks.report import changed_flags, machine_line, write_section  # noqa: E402
 from jetspec_jax.training.config import load_train_config  # noqa: E402
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
             f"## Draft training throughput ({name})",
             "",
             f"- Machine: {machine_line()}; {len(jax.devices())} device(s), mesh {dict(mesh.shape)}",
-            f"- Command: `python benchmarks/bench_training.py --config configs/{name}`",
+            f"- Command: `python benchmarks/bench_training.py{changed_flags(args, _parser())}`",
             f"- Setup: batch {shape[0]} x {shape[1]} tokens, {config.optim.anchors_per_sequence} "
             f"anchors/sequence, block {config.draft.block_size}, {config.draft.num_layers} draft "
             f"layer(s), target {config.target_dtype}, draft compute {config.optim.compute_dtype}; "

@@ -39,7 +39,8 @@ def read_rows(path: pathlib.Path, prompts: int, max_new_tokens: int) -> dict[tup
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line (named by number) that is not a JSON object with the required keys.
+        ValueError: a line (named by number) that is not a JSON object with the required keys, or
+            names a setting `bench_refinement.py` does not run.
     """
     latest = {}
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -52,6 +53,10 @@ def read_rows(path: pathlib.Path, prompts: int, max_new_tokens: int) -> dict[tup
         missing = [k for k in REQUIRED if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{path}:{number}: missing {', '.join(missing)}")
+        if row["setting"] not in ORDER:
+            raise ValueError(
+                f"{path}:{number}: unknown setting {row['setting']!r}; known: {', '.join(ORDER)}"
+            )
         if row["prompts"] == prompts and row["max_new_tokens"] == max_new_tokens:
             latest[(float(row["temperature"]), row["set"], row["setting"])] = row
     return latest

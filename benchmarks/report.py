@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import pathlib
 import platform
+import shlex
 
 BENCHMARKS_MD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 _HEADER = (
@@ -31,6 +33,18 @@ def machine_line() -> str:
         f"{today}; {platform.machine()} {platform.system()}, {os.cpu_count()} CPU cores, "
         f"JAX backend {jax.default_backend()}; {versions}"
     )
+
+
+def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """` --flag value` for each option `args` holds away from its default (flags named after
+    their destinations): what a section's command line needs to reproduce the run."""
+    parts = []
+    for dest, value in vars(args).items():
+        if value == parser.get_default(dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        parts.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+    return "".join(" " + part for part in parts)
 
 
 def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> None:

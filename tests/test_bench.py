@@ -307,3 +307,27 @@ def test_the_full_size_table_keeps_the_latest_row_and_averages_only_complete_col
     path.write_text(json.dumps(row("gsm8k_test", "J0", 1.0)) + "\n" + '{"set": "x"}\n')
     with pytest.raises(ValueError, match=r"rows.jsonl:2: missing setting, temperature"):
         read_rows(path, prompts=50, max_new_tokens=256)
+    path.write_text(json.dumps(row("gsm8k_test", "J2-R9", 1.0)) + "\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl:1: unknown setting 'J2-R9'"):
+        read_rows(path, prompts=50, max_new_tokens=256)
+
+
+def test_a_section_command_names_the_flags_a_run_changed():
+    import argparse
+
+    from benchmarks.report import changed_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--set", default="gsm8k_test")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(["--num-prompts", "8", "--verbose"])
+    assert changed_flags(args, parser) == " --num-prompts 8 --verbose"
+    assert changed_flags(parser.parse_args([]), parser) == ""
+
+
+def test_the_harness_takes_several_prompt_files_after_one_flag():
+    from jetspec_jax.bench.__main__ import _parser
+
+    args = _parser().parse_args(["--prompts", "a.jsonl", "b.jsonl", "--prompts", "c.jsonl"])
+    assert args.prompts == ["a.jsonl", "b.jsonl", "c.jsonl"]

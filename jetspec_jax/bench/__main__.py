@@ -99,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jetspec_jax.bench", description="Benchmark decoding methods side by side."
     )
     parser.add_argument(
-        "--prompts", action="append", required=True, help="JSONL prompt file (repeatable)"
+        "--prompts",
+        nargs="+",
+        action="extend",
+        required=True,
+        help="JSONL prompt files (several after one flag, or the flag repeated)",
     )
     parser.add_argument("--limit", type=int, default=None, help="first N prompts per file")
     parser.add_argument(
