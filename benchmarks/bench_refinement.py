@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, write_section  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
@@ -196,6 +196,8 @@ def main() -> None:
         f"Machine: {machine_line()}. Checkpoint `{args.draft}`; {decoding}, first "
         f"{args.num_prompts} prompts per set, {args.max_new_tokens} new tokens; {identical}. "
         "`*`: the target itself as the proxy (true tap states).",
+        "",
+        f"Command: `python benchmarks/bench_refinement.py{changed_flags(args, _parser())}`",
         "",
     ]
     ratio = "J1-R1" in labels and "J1-R1*" in labels
