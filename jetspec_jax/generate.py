@@ -143,16 +143,6 @@ def generate_batch(
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
     )
-    return _decode(
-        target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids, show_progress
-    )
-
-
-def _decode(
-    target, prompts, draft, options, max_new_tokens, sampling, stop_token_ids, show_progress=False
-):
-    """The whole decode loop, in one call (no host round trip until the results) or, with a
-    progress bar, in chunks."""
     session = DecodeSession(
         target,
         prompts,

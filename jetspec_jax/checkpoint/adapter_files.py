@@ -39,6 +39,7 @@ from jetspec_jax.checkpoint.hf_params import (
     tree_from_tensors,
     validate_names_and_shapes,
 )
+from jetspec_jax.checkpoint.json_fields import json_integer, json_number
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.config import RopeConfig, TransformerConfig
@@ -113,28 +114,29 @@ def adapter_config_from_dict(data: Any, where: str = "adapter config") -> Adapte
     rope = _checked_keys(layers["rope"], _ROPE_FIELDS, f"{where}: layers.rope")
     try:
         rope_config = RopeConfig(
-            theta=_number(rope["theta"], "layers.rope.theta", where),
+            theta=json_number(rope["theta"], f"{where}: layers.rope.theta"),
             rope_type=_string(rope["rope_type"], "layers.rope.rope_type", where),
-            factor=_number(rope["factor"], "layers.rope.factor", where),
-            low_freq_factor=_number(rope["low_freq_factor"], "layers.rope.low_freq_factor", where),
-            high_freq_factor=_number(
-                rope["high_freq_factor"], "layers.rope.high_freq_factor", where
+            factor=json_number(rope["factor"], f"{where}: layers.rope.factor"),
+            low_freq_factor=json_number(
+                rope["low_freq_factor"], f"{where}: layers.rope.low_freq_factor"
             ),
-            original_max_position_embeddings=_integer(
+            high_freq_factor=json_number(
+                rope["high_freq_factor"], f"{where}: layers.rope.high_freq_factor"
+            ),
+            original_max_position_embeddings=json_integer(
                 rope["original_max_position_embeddings"],
-                "layers.rope.original_max_position_embeddings",
-                where,
+                f"{where}: layers.rope.original_max_position_embeddings",
             ),
         )
         sizes = {
-            name: _integer(layers[key], f"layers.{key}", where)
+            name: json_integer(layers[key], f"{where}: layers.{key}")
             for key, name in _LAYER_FIELDS.items()
             if key not in ("rope", "rms_norm_eps")
         }
         layer_config = TransformerConfig(
             model_type="qwen3",
             num_layers=1,  # the shape of one layer; the count is `layers_per_module`
-            rms_norm_eps=_number(layers["rms_norm_eps"], "layers.rms_norm_eps", where),
+            rms_norm_eps=json_number(layers["rms_norm_eps"], f"{where}: layers.rms_norm_eps"),
             rope=rope_config,
             qk_norm=True,
             **sizes,
@@ -225,24 +227,12 @@ def _checked_keys(data: Any, keys: tuple[str, ...], where: str) -> dict[str, Any
     return data
 
 
-def _integer(value: Any, name: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointError(f"{where}: {name} must be an integer, got {value!r}")
-    return value
-
-
 def _integers(value: Any, name: str, where: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
         raise CheckpointError(
             f"{where}: {name} must be a non-empty list of integers, got {value!r}"
         )
-    return tuple(_integer(v, f"{name} entry", where) for v in value)
-
-
-def _number(value: Any, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise CheckpointError(f"{where}: {name} must be a number, got {value!r}")
-    return float(value)
+    return tuple(json_integer(v, f"{where}: {name} entry") for v in value)
 
 
 def _string(value: Any, name: str, where: str) -> str:

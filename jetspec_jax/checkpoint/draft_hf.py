@@ -40,6 +40,7 @@ from jetspec_jax.checkpoint.hf_params import (
     tree_from_tensors,
     validate_names_and_shapes,
 )
+from jetspec_jax.checkpoint.json_fields import json_integer, json_number
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.models.hybrid_cache import ROLLBACK_WINDOW
@@ -145,9 +146,9 @@ def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -
         raise CheckpointError(_missing_fields_message(missing, hf))
 
     # Checked before `DraftConfig` exists, so that the message names the target, not the draft.
-    num_target_layers = _as_int("num_target_layers", hf["num_target_layers"])
+    num_target_layers = json_integer(hf["num_target_layers"], "draft num_target_layers")
     _check_layers_match_target(layers, target_config, num_target_layers)
-    mask_token_id = _as_int("mask_token_id", values["mask_token_id"])
+    mask_token_id = json_integer(values["mask_token_id"], "draft mask_token_id")
     if not 0 <= mask_token_id < target_config.vocab_size:
         raise CheckpointError(
             f"draft mask_token_id {mask_token_id} is outside the target's vocabulary "
@@ -157,7 +158,7 @@ def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -
         config = DraftConfig(
             layers=layers,
             target_layer_ids=_tap_ids(values["target_layer_ids"]),
-            block_size=_as_int("block_size", values["block_size"]),
+            block_size=json_integer(values["block_size"], "draft block_size"),
             mask_token_id=mask_token_id,
             causal=_causal_from_hf(hf, dflash),
             token_inputs=_choice(dflash, "input_mode", INPUT_MODES) == "tokens",
@@ -281,16 +282,10 @@ def _draft_field(hf: dict[str, Any], dflash: dict[str, Any], name: str):
     return nested if nested is not None else top
 
 
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointError(f"draft {name} must be an integer, got {value!r}")
-    return value
-
-
 def _tap_ids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise CheckpointError(f"draft target_layer_ids must be a list of integers, got {value!r}")
-    return tuple(_as_int("target_layer_ids entry", i) for i in value)
+    return tuple(json_integer(i, "draft target_layer_ids entry") for i in value)
 
 
 def _missing_fields_message(missing: list[str], hf: dict[str, Any]) -> str:
@@ -300,7 +295,8 @@ def _missing_fields_message(missing: list[str], hf: dict[str, Any]) -> str:
     )
     if "target_layer_ids" in missing:
         rule = default_target_layer_ids(
-            _as_int("num_target_layers", hf["num_target_layers"]), int(hf["num_hidden_layers"])
+            json_integer(hf["num_target_layers"], "draft num_target_layers"),
+            int(hf["num_hidden_layers"]),
         )
         message += f"; the reference's default taps for this config would be {list(rule)}"
     return message
@@ -354,8 +350,4 @@ def _output_options(hf: dict[str, Any], dflash: dict[str, Any]) -> dict[str, Any
 
 
 def _as_float(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise CheckpointError(f"draft {name} must be a number, got {value!r}")
-    return float(value)
+    return None if value is None else json_number(value, f"draft {name}")

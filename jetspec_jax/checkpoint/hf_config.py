@@ -17,6 +17,7 @@ import pathlib
 from typing import Any
 
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.json_fields import json_integer, json_number
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.config import (
     SUPPORTED_MODEL_TYPES,
@@ -146,9 +147,10 @@ def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError("attn_output_gate=false is not supported (Qwen3.5 gates attention)")
     layer_types = hf.get("layer_types")
     if layer_types is None:  # transformers derives them from full_attention_interval
-        interval = _integer(
+        interval = json_integer(
             hf.get("full_attention_interval", _QWEN3_5_FULL_ATTENTION_INTERVAL),
-            "full_attention_interval",
+            _field("full_attention_interval"),
+            whole_floats=True,
         )
         if interval < 1:
             raise CheckpointError(
@@ -158,7 +160,10 @@ def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
             "linear_attention" if (i + 1) % interval else "full_attention"
             for i in range(int(hf["num_hidden_layers"]))
         ]
-    fields = {k: _integer(hf.get(k, default), k) for k, default in _QWEN3_5_DEFAULTS.items()}
+    fields = {
+        k: json_integer(hf.get(k, default), _field(k), whole_floats=True)
+        for k, default in _QWEN3_5_DEFAULTS.items()
+    }
     return dict(
         layer_types=tuple(layer_types),
         partial_rotary_factor=_partial_rotary_factor(hf, hybrid=True),
@@ -193,9 +198,11 @@ def _partial_rotary_factor(hf: dict[str, Any], hybrid: bool) -> float:
     """
     params, source, _ = _rope_params(hf)
     if params.get("partial_rotary_factor") is not None:
-        return _number(params["partial_rotary_factor"], f"{source}.partial_rotary_factor")
+        return json_number(
+            params["partial_rotary_factor"], _field(f"{source}.partial_rotary_factor")
+        )
     value = hf.get("partial_rotary_factor", _QWEN3_5_PARTIAL_ROTARY if hybrid else None)
-    return 1.0 if value is None else _number(value, "partial_rotary_factor")
+    return 1.0 if value is None else json_number(value, _field("partial_rotary_factor"))
 
 
 # The fields transformers 5 requires of each scaled rope type (`_validate_{type}_rope_parameters`;
@@ -236,10 +243,12 @@ def _rope_from_hf(hf: dict[str, Any], context: int, hybrid: bool = False) -> Rop
     defaults = RopeConfig()  # unused by the types that do not require the field
 
     def field(name: str, default: float) -> float:
-        return _number(params[name], f"{source}.{name}") if name in params else default
+        return json_number(params[name], _field(f"{source}.{name}")) if name in params else default
 
     return RopeConfig(
-        theta=_number(theta, f"{source}.rope_theta" if "rope_theta" in params else "rope_theta"),
+        theta=json_number(
+            theta, _field(f"{source}.rope_theta" if "rope_theta" in params else "rope_theta")
+        ),
         rope_type=rope_type,
         factor=field("factor", defaults.factor),
         low_freq_factor=field("low_freq_factor", defaults.low_freq_factor),
@@ -247,30 +256,19 @@ def _rope_from_hf(hf: dict[str, Any], context: int, hybrid: bool = False) -> Rop
         # transformers 5 (`standardize_rope_params`) defaults it, for llama3, to the model's
         # max_position_embeddings (a top-level original_max_position_embeddings is not read for
         # Llama / Qwen models). The other types do not use it.
-        original_max_position_embeddings=_integer(
+        original_max_position_embeddings=json_integer(
             params.get(
                 "original_max_position_embeddings",
                 context if rope_type == "llama3" else defaults.original_max_position_embeddings,
             ),
-            f"{source}.original_max_position_embeddings",
+            _field(f"{source}.original_max_position_embeddings"),
+            whole_floats=True,
         ),
     )
 
 
-def _number(value: Any, field: str) -> float:
-    """`value` as a float; a `CheckpointError` naming `field` if it is not a JSON number."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise CheckpointError(f"config.json field {field!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def _integer(value: Any, field: str) -> int:
-    """`value` as an int; a `CheckpointError` naming `field` unless it is a whole number."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise CheckpointError(f"config.json field {field!r} must be an integer, got {value!r}")
-    return value
+def _field(name: str) -> str:
+    return f"config.json field {name!r}"
 
 
 def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
