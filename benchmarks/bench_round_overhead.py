@@ -12,6 +12,7 @@ If the loop adds no host round trips, loop / sum(parts) <= 1 (it also saves the 
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import statistics
 import sys
@@ -25,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import machine_line, write_section  # noqa: E402
+from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
 from jetspec_jax.decoding.speculative import decode_speculative, prefill_speculative  # noqa: E402
 from jetspec_jax.decoding.state import Requests  # noqa: E402
 from jetspec_jax.decoding.verify import verify_chain  # noqa: E402
@@ -36,7 +37,14 @@ from tests.tiny_models import CheckpointFactory  # noqa: E402
 ROUNDS, REPEATS, BLOCK = 64, 7, 16
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
+    return parser
+
+
 def main() -> None:
+    args = _parser().parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         target = jetspec_jax.load_target(CheckpointFactory(pathlib.Path(tmp)).get("qwen3")[0])
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=BLOCK, seed=0)
@@ -124,7 +132,7 @@ def main() -> None:
         ]
     )
     print(body)
-    write_section("bench_round_overhead", body)
+    write_section("bench_round_overhead", body, args.out)
 
 
 if __name__ == "__main__":

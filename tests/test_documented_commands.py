@@ -71,14 +71,14 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
     return found
 
 
-def _parser(script: str) -> argparse.ArgumentParser | None:
-    """The script's `_parser()`; None for a script that takes no flags (and has none)."""
+def _parser(script: str) -> argparse.ArgumentParser:
+    """The script's `_parser()` (every entry point has one: see the test below)."""
     if script == "-m jetspec_jax.bench":
         script = "-m jetspec_jax.bench.__main__"
     module = importlib.import_module(
         script.removeprefix("-m ").removesuffix(".py").replace("/", ".")
     )
-    return module._parser() if hasattr(module, "_parser") else None
+    return module._parser()
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -95,8 +95,6 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 def _accepted_flags(script: str, words: list[str]) -> set[str]:
     """The flags a command accepts: its script's, and its subcommand's when it names one."""
     parser = _parser(script)
-    if parser is None:
-        return set()
     subcommands = _subcommands(parser)
     if script == "train.py" and words[:1] and words[0].startswith("--config"):
         words = ["draft", *words]  # `train.py --config X` is `train.py draft --config X`
@@ -112,6 +110,16 @@ def test_the_documents_quote_commands_of_every_entry_point():
     scripts = {script for _, script, _ in COMMANDS}
     assert {"serve.py", "train.py", "-m jetspec_jax.bench"} <= scripts
     assert any(script.startswith("benchmarks/") for script in scripts)
+
+
+@pytest.mark.parametrize(
+    "script",
+    sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text()),
+)
+def test_every_benchmark_script_parses_its_command_line(script):
+    """A script without a parser would run (and rewrite its BENCHMARKS section) on `--help`."""
+    module = importlib.import_module(f"benchmarks.{script.removesuffix('.py')}")
+    assert isinstance(module._parser(), argparse.ArgumentParser)
 
 
 @pytest.mark.parametrize(
