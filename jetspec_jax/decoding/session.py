@@ -279,6 +279,8 @@ class DecodeSession:
         steps = self._max_budget if max_steps is None else int(max_steps)
         if steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {steps}")
+        # More forwards than the largest budget can never be needed, and the count must fit int32.
+        steps = min(steps, self._max_budget)
         if self._max_budget == 1:
             return  # every row committed its one token at the prefill: nothing to compile or run
         target, proposer = self._target, self._proposer
