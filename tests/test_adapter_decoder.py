@@ -117,6 +117,22 @@ def test_adapter_config_refusals(target):
         adapter.AdapterConfig(layers, (0, 1), (1, 0))
 
 
+def test_draft_and_adapter_layers_must_be_qwen3_and_only_the_hybrid_rotates_partially(target):
+    """The draft's and adapter's block stack runs Qwen3 layers, and only the hybrid's attention
+    applies `partial_rotary_factor`: other configs would construct and then compute wrongly."""
+    import dataclasses
+
+    from jetspec_jax.models.draft import DraftConfig
+
+    llama = dataclasses.replace(_adapter_layers(target.config), model_type="llama")
+    with pytest.raises(ValueError, match="adapter layers must be model_type 'qwen3'"):
+        adapter.AdapterConfig(llama, (0, 1), (1, 1))
+    with pytest.raises(ValueError, match="draft layers must be model_type 'qwen3'"):
+        DraftConfig(llama, target_layer_ids=(0, 1))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is only supported for qwen3_5"):
+        dataclasses.replace(target.config, partial_rotary_factor=0.5)
+
+
 def test_configs_given_lists_are_hashable_static_arguments(target):
     """Lists construct; as jit static arguments they must hash, and equal the tuple form."""
     import dataclasses

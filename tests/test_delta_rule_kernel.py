@@ -115,6 +115,10 @@ def test_impl_selection():
     assert "TPU" in delta_rule.kernel_supports((1, 16, 2, 128), (1, 16, 2, 128), "tpu")
     with pytest.raises(ValueError, match="recurrence_impl must be one of"):
         TransformerConfig("qwen3", 8, 8, 8, 1, 2, 2, 4, recurrence_impl="fast")
+    with pytest.raises(ValueError, match="not a multiple of chunk 16"):  # would drop 4 positions
+        pallas_delta_rule.kernel_call(
+            *_operands(1, 20, 1, 2, 16, 16), chunk=16, num_warps=4, num_stages=1, interpret=True
+        )
 
 
 def test_hybrid_target_is_the_same_on_the_kernel(hybrid_target):

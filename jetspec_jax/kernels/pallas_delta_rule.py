@@ -159,6 +159,8 @@ def kernel_call(
         `(out [B, T, H, Dv], final state [B, H, Dk, Dv])`, float32.
     """
     batch, length, heads, dk = k.shape
+    if length % chunk:  # the grid runs whole chunks: a remainder would be dropped silently
+        raise ValueError(f"length {length} is not a multiple of chunk {chunk}; pad it first")
     dv = v.shape[-1]
     g_heads = jnp.moveaxis(g, 2, 1)  # [B, H, T]: small; the column and row views below
     operands = (

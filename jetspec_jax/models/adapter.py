@@ -59,6 +59,10 @@ class AdapterConfig:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         object.__setattr__(self, "layers_per_module", tuple(self.layers_per_module))
         check_impl(self.attention_impl)
+        if self.layers.model_type != "qwen3":  # `block_stack` implements Qwen3 decoder layers
+            raise ValueError(
+                f"adapter layers must be model_type 'qwen3', got {self.layers.model_type!r}"
+            )
         if len(self.layers_per_module) != len(self.target_layer_ids):
             raise ValueError(
                 f"layers_per_module {self.layers_per_module} needs one entry per tap layer "

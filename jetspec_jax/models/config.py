@@ -102,6 +102,11 @@ class TransformerConfig:
             self._check_hybrid()
         elif self.layer_types:
             raise ValueError(f"layer_types are only supported for qwen3_5, not {self.model_type}")
+        elif self.partial_rotary_factor != 1.0:  # only the hybrid's attention applies it
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} is only supported for "
+                f"qwen3_5, not {self.model_type}"
+            )
 
     def _check_hybrid(self):
         if len(self.layer_types) != self.num_layers:
