@@ -205,6 +205,21 @@ def test_blocks_never_show_a_row_its_own_future(variant):
     assert np.all(anchors_ok | (weights.sum(-1) == 0))  # supervised anchors precede response tokens
 
 
+@pytest.mark.parametrize("variant", ["dflash", "jetspec", "jetspec++"])
+def test_blocks_supervise_exactly_the_drafts(variant):
+    """A block of K rows is verified as [anchor, d_1 .. d_{K-1}]: every variant's loss covers the
+    predictions of those K-1 drafts and nothing else (a token-input block's last row predicts the
+    position after the block, which no decoding uses)."""
+    config = _toy_config(variant, block_size=8)
+    tokens = jnp.tile(jnp.arange(200, dtype=jnp.int32) % 49, (4, 1))
+    blocks = build_blocks(jax.random.key(2), tokens, jnp.ones((4, 200), bool), config, 16)
+    offsets = np.asarray(blocks.predicted) - np.asarray(blocks.anchors)[..., None]
+    supervised = np.asarray(blocks.weights) > 0
+    full = np.asarray(blocks.anchors) + 8 < 200  # blocks wholly inside the sequence
+    assert full.sum() > 40
+    assert np.all(supervised[full] == (offsets[full] >= 1) & (offsets[full] <= 7))
+
+
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])
 def test_two_devices_give_the_same_loss_as_one(target, data_files, tmp_path, mesh):
     config = _config(data_files, tmp_path)

@@ -7,7 +7,8 @@ draft variant:
     token inputs (jetspec++): [x_a, x_(a+1) .. x_(a+c), n .. n]   c clean tokens, then noise
         c = 0 with probability `p_full_noise` (0.25), else uniform on 1..K-1 (0.05 each for K=16);
         each noise token n copies a uniformly random token of the sequence at or before the anchor.
-        Row i (causal) predicts position a+i+1.
+        Row i (causal) predicts position a+i+1; rows 0..K-2 are supervised, as their predictions
+        are the drafts d_1..d_(K-1) (row K-1 predicts past the block, which no decoding uses).
     mask inputs (dflash, jetspec):    [x_a, m .. m]; row i >= 1 predicts position a+i in place.
 
 Every row's prediction target is the frozen target's distribution at that position (read from its
@@ -101,7 +102,7 @@ def _sequence_blocks(key, tokens, loss_mask, config: DraftConfig, num_anchors, p
         src = jnp.minimum(src, length - 1)
         block_tokens = tokens[src]
         predicted = anchors[:, None] + rows[None, :] + 1
-        supervised_rows = jnp.ones((k_len,), bool)
+        supervised_rows = rows < k_len - 1
     else:
         clean = jnp.zeros((num_anchors,), jnp.int32)
         src = jnp.where(rows[None, :] == 0, anchors[:, None], -1)
