@@ -31,6 +31,7 @@ import serve as serve_py
 from jetspec_jax import DecodingOptions
 from jetspec_jax.bench.load import markdown, run_load
 from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.prompting import encode_prompt
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
 from jetspec_jax.serving import app as app_module
@@ -772,6 +773,24 @@ def test_serve_py_refuses_a_port_out_of_range(port, capsys):
         serve_py._parser().parse_args(["--port", port])
     assert exited.value.code == 2
     assert "is not a TCP port" in capsys.readouterr().err
+
+
+def test_serve_py_generate_streams_the_autoregressive_completion_with_a_draft(
+    target, target_dir, tmp_path, capsys
+):
+    """`serve.py generate --draft D --method jetspec`: AR's greedy text on stdout, the
+    statistics on stderr. (The default model and draft: test_default_draft.py.)"""
+    draft_dir = jetspec_jax.init_draft(target, variant="jetspec", block_size=4).save(tmp_path / "d")
+    prompt = "What is 2 + 2?"
+    ids = encode_prompt(target.tokenizer, prompt, chat=True)
+    expected = target.tokenizer.decode(
+        jetspec_jax.generate(target, ids, max_new_tokens=12).tokens, skip_special_tokens=True
+    )
+    argv = ["generate", prompt, "--target", str(target_dir), "--draft", str(draft_dir)]
+    assert serve_py.main([*argv, "--method", "jetspec", "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert expected.strip() and out.strip() == expected.strip()
+    assert "[jetspec]" in err and "tokens/s decode" in err
 
 
 def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):
