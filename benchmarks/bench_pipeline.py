@@ -46,7 +46,7 @@ from jetspec_jax import DecodingOptions  # noqa: E402
 from jetspec_jax.adapter import init_adapter  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.decoding.pipeline_mpmd import DraftSide, draft_stage_target_params  # noqa: E402
-from jetspec_jax.decoding.session import resolve_proposer  # noqa: E402
+from jetspec_jax.decoding.session import pooled_hit_rate, resolve_proposer  # noqa: E402
 from jetspec_jax.decoding.speculative import prefill_speculative  # noqa: E402
 from jetspec_jax.decoding.state import Requests  # noqa: E402
 from jetspec_jax.sampling import RowSampling, SamplingParams  # noqa: E402
@@ -128,16 +128,13 @@ def main() -> None:
     for label, form in FORMS:
         kwargs = dict(draft=draft, method="jetspec++", foresight=args.foresight, pipeline=form)
         jetspec_jax.generate(target, prompts[0], **kwargs, **common)  # compile
-        rates, form_hits = [], []
+        results = []
         for ids in prompts:
-            result = jetspec_jax.generate(target, ids, **kwargs, **common)
+            results.append(jetspec_jax.generate(target, ids, **kwargs, **common))
             want = jetspec_jax.generate(target, ids, **common).tokens
-            assert result.tokens == want, f"{label}: not AR's tokens"
-            rates.append(result.decode_tokens_per_second)
-            # A prompt's first round has no foresight to hit: left out, as bench_refinement does.
-            form_hits.append(result.foresight_hits[1:])
-        pooled = [h for row in form_hits for h in row]
-        speeds[label], hits[label] = statistics.median(rates), float(np.mean(pooled or [0.0]))
+            assert results[-1].tokens == want, f"{label}: not AR's tokens"
+        speeds[label] = statistics.median(r.decode_tokens_per_second for r in results)
+        hits[label] = pooled_hit_rate(results)  # rounds after each prompt's first
         print(f"{label}: {speeds[label]:.1f} tokens/s, hit rate {hits[label]:.2f}", flush=True)
 
     batch, max_output = 4, 256

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import jetspec_jax  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, write_section  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
+from jetspec_jax.decoding.session import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
 SETTINGS = [("J0", 0, 0), ("J1-R0", 1, 0), ("J1-R1", 1, 1), ("J3-R3", 3, 3)]
@@ -176,8 +177,7 @@ def main() -> None:
                     foresight_rule=rule,
                 )
                 check(results, want, f"{name} B={b} {rule}")
-                rounds = sum(len(r.foresight_hits) - 1 for r in results)  # round 1 cannot hit
-                hits[rule] = sum(sum(r.foresight_hits[1:]) for r in results) / max(rounds, 1)
+                hits[rule] = pooled_hit_rate(results)  # rounds after each prompt's first
                 print(f"{name} B={b} {rule}: hit rate {hits[rule]:.2f}", flush=True)
             hit_rows.append((name, b, hits))
         print(f"{name}: {taus} ({time.perf_counter() - start:.0f} s)", flush=True)

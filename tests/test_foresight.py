@@ -23,7 +23,7 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.refinement import RefiningProposer
-from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.decoding.session import DecodeSession, GenerationResult, Timing, pooled_hit_rate
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy
 
@@ -218,3 +218,17 @@ def test_greedy_rows_select_on_the_raw_proxy_logits(target, draft):
     # Top-k = 1 leaves the sampled row only the argmax, which the drafts are: one possible
     # outcome, every draft accepted.
     assert int(valid[2].sum()) == 1 and int(k[2, 0]) == BLOCK - 1
+
+
+def test_hit_rates_leave_out_each_prompt_first_round():
+    """The first round has nothing drafted ahead, so it is no chance to hit: a result's rate and
+    the rate pooled over results count the rounds after each prompt's first."""
+    timing = Timing(0.0, 0.0, 0.0)
+
+    def result(hits):
+        return GenerationResult([1], [1], "length", 1, timing, foresight_hits=hits)
+
+    first, second = result([False, True, False, True]), result([False, True])
+    assert first.foresight_hit_rate == 2 / 3
+    assert pooled_hit_rate([first, second]) == 3 / 4  # not the mean of 2/3 and 1
+    assert pooled_hit_rate([result([]), result([False])]) == 0.0  # no chances at all

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -105,15 +105,25 @@ class GenerationResult:
 
     @property
     def foresight_hit_rate(self) -> float:
-        """The fraction of verification rounds whose block was a foresight hit (0 without)."""
-        hits = self.foresight_hits
-        return sum(hits) / len(hits) if hits else 0.0
+        """The fraction of verification rounds after the first whose block was a foresight hit
+        (the first round has nothing drafted ahead; 0 without foresight)."""
+        return pooled_hit_rate([self])
 
     @property
     def decode_tokens_per_second(self) -> float:
         """Tokens after the first, per second of the decode loop."""
         n, seconds = len(self.tokens) - 1, self.timing.decode_seconds
         return n / seconds if n > 0 and seconds > 0 else 0.0
+
+
+def pooled_hit_rate(results: Iterable[GenerationResult]) -> float:
+    """Foresight hits over the rounds that could hit, pooled across results: each prompt's
+    rounds after its first (0.0 when there are none, as without foresight)."""
+    hits = chances = 0
+    for result in results:
+        hits += sum(result.foresight_hits[1:])
+        chances += max(len(result.foresight_hits) - 1, 0)
+    return hits / chances if chances else 0.0
 
 
 class DecodeSession:
