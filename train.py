@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             "export": _export,
         }
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
+    except (ValueError, OSError, ImportError, CheckpointError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -163,6 +163,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             "precedes a refinement pass)"
         )
     import jetspec_jax
+    from jetspec_jax.checkpoint.atomic import write_text_atomically
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
     from jetspec_jax.decoding.refinement import check_replacement_confidence
     from jetspec_jax.training.calibration import fit_calibration
@@ -190,8 +191,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     stored_dtype = read_manifest(args.draft)["dtype"]
     out = pathlib.Path(args.out or args.draft)
-    if out.exists() and not is_bundle(out):
-        raise ValueError(f"--out {out} exists and is not a JetSpec++ checkpoint; not replacing it")
+    if out.exists() and out.resolve() != pathlib.Path(args.draft).resolve():
+        raise ValueError(f"--out {out} exists and is not --draft; not replacing it")
+    report_path = None if args.report is None else pathlib.Path(args.report)
+    if report_path is not None and (report_path.is_dir() or not report_path.parent.is_dir()):
+        raise ValueError(f"--report {report_path}: not a file path in an existing directory")
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     records = read_regenerated(args.data, vocab_size=target.config.vocab_size)
     draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
@@ -252,7 +256,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     for rule, rates in report["hit_rate"].items():
         print(f"  {rule:<16}" + "".join(f"{rates[b]:>8.3f}" for b in budgets))
     print(f"calibration saved in {out / 'calibration.json'}")
-    if args.report:
+    if report_path is not None:
         full = {
             "calibration": calibration.to_dict(),
             "refine_passes": args.refine_passes,
@@ -267,7 +271,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             ),
             **{"held_out_" + k: v for k, v in report.items()},
         }
-        pathlib.Path(args.report).write_text(json.dumps(full, indent=2) + "\n")
+        write_text_atomically(report_path, json.dumps(full, indent=2) + "\n")
     return 0
 
 
@@ -298,11 +302,14 @@ def _export(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
-    from jetspec_jax.training.evaluate import evaluate_tau
+    from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    # The prompts' count as used (a file may hold fewer than --num-prompts), checked before the
+    # draft loads.
+    used = len(eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts))
     draft = jetspec_jax.load_draft(args.draft, target)
     tau = evaluate_tau(
         target,
@@ -313,16 +320,14 @@ def _evaluate(args: argparse.Namespace) -> int:
         refine_passes=args.refine_passes,
         show_progress=None,
     )
-    print(
-        f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {args.num_prompts} prompts)"
-    )
+    print(f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {used} prompts)")
     return 0
 
 
 def _regenerate(args: argparse.Namespace) -> int:
     """Validates the request, loads the target, and runs `regenerate`."""
     import jetspec_jax
-    from jetspec_jax.data.regenerate import read_records, regenerate
+    from jetspec_jax.data.regenerate import check_output_path, read_records, regenerate
 
     # Validate everything cheap (arguments, prompt files) before the slow model load.
     sampling = jetspec_jax.SamplingParams(temperature=args.temperature, seed=args.seed)
@@ -334,8 +339,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
     if args.system is not None and not args.chat:
         raise ValueError("--system needs the chat template; drop --no-chat")
-    if pathlib.Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a directory; give a file path")
+    check_output_path(args.out, args.prompts)
     read_records(args.prompts)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     summary = regenerate(
@@ -484,7 +488,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--seed", type=int, default=0, help="sequence order, anchors, split")
     calibrate.add_argument(
-        "--out", default=None, help="checkpoint to write (default: rewrite --draft in place)"
+        "--out", default=None, help="new checkpoint to write (default: rewrite --draft in place)"
     )
     calibrate.add_argument(
         "--report", default=None, metavar="FILE", help="also write a JSON report"

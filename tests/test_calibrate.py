@@ -128,7 +128,7 @@ def test_replacement_confidence_fit_scores_the_served_refinement(setup):
             fit_replacement_confidence(target, draft, records, **{**common, **kwargs})
 
 
-def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
+def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypatch):
     target, draft, records = setup
     target_dir = target.save(tmp_path / "target")
     bundle = draft.save(tmp_path / "pp")
@@ -188,6 +188,15 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys):
     # Without refreshes there is no replacement to fit: a grid would be ignored.
     assert train.main([*argv, "--refreshes", "0", "--confidence-grid", "0,1"]) == 2
     assert "needs --refreshes >= 1" in capsys.readouterr().err
+
+    # Refused before any work: replacing another existing checkpoint, a report with no directory.
+    with monkeypatch.context() as m:
+        m.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+        assert train.main([*argv, "--out", str(tmp_path / "given")]) == 2
+        assert "exists and is not --draft" in capsys.readouterr().err
+        argv[argv.index("--report") + 1] = str(tmp_path / "missing" / "report.json")
+        assert train.main(argv) == 2
+        assert "not a file path in an existing directory" in capsys.readouterr().err
 
     # A plain draft directory has no adapter to score outcomes with.
     plain = draft.with_adapter(draft.adapter)

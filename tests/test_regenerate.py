@@ -145,6 +145,40 @@ def test_partial_trailing_line_is_truncated_and_regenerated(
     assert cut_id in _read_by_id(out)
 
 
+def test_a_complete_last_line_without_its_newline_is_kept(
+    target, prompt_files, uninterrupted, tmp_path
+):
+    out = tmp_path / "out.jsonl"
+    out.write_text(uninterrupted.read_text(encoding="utf-8").rstrip("\n"), encoding="utf-8")
+    summary = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert (summary.written, summary.skipped_existing) == (0, 5)
+    assert out.read_text(encoding="utf-8") == uninterrupted.read_text(encoding="utf-8")
+
+
+def test_a_prompt_file_is_refused_as_the_output(target, prompt_files, tmp_path):
+    """Neither named as the output nor found there: resuming into it would append responses to
+    (or cut) the user's prompts."""
+    before = prompt_files[0].read_bytes()
+    with pytest.raises(ValueError, match="is one of the prompt files"):
+        regenerate(target, prompt_files, prompt_files[0])
+    other = tmp_path / "prompts_copy.jsonl"
+    other.write_bytes(before)
+    with pytest.raises(ValueError, match="is no regenerated record"):
+        regenerate(target, prompt_files, other)
+    assert prompt_files[0].read_bytes() == before == other.read_bytes()
+
+
+def test_empty_or_non_utf8_prompt_files_are_refused(target, tmp_path):
+    empty = _write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError, match="no prompts in .*empty.jsonl"):
+        regenerate(target, [empty], tmp_path / "out.jsonl")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="latin.jsonl:1 is not UTF-8"):
+        regenerate(target, [latin], tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_too_long_prompt_is_skipped_and_counted(target, tmp_path, caplog):
     context = target.config.max_position_embeddings
     prompts = _write_jsonl(tmp_path / "long.jsonl", [{"id": "long", "prompt": "word " * context}])

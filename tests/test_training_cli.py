@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -116,6 +117,29 @@ def test_bad_config_exits_with_a_clear_error(tmp_path):
     assert "error: unknown key(s) optim.stepz" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bad_paths_and_configs_exit_2_without_traceback(tmp_path, capsys):
+    """A config that is no mapping, a run directory that is a file, an adapter run without its
+    draft: `error: ...` and exit 2, with nothing created (the model is never loaded)."""
+    import train
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    config = [str(ROOT / "configs" / "tiny_cpu.yaml"), "--set", f"data.files=[{data}]"]
+    config += ["--set", f"data.eval_prompts={data}"]
+    listed = tmp_path / "list.yaml"
+    listed.write_text("[1, 2]\n")
+    assert train.main(["draft", "--config", str(listed)]) == 2
+    assert "must hold a mapping of sections, got list" in capsys.readouterr().err
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    assert train.main(["draft", "--config", *config, "--set", f"run.dir={taken}"]) == 2
+    assert f"error: [Errno 17] File exists: '{taken}'" in capsys.readouterr().err
+    run = tmp_path / "run"
+    assert train.main(["adapter", "--config", *config, "--set", f"run.dir={run}"]) == 2
+    assert "train the draft first" in capsys.readouterr().err
+    assert not run.exists()
+
+
 @pytest.mark.parametrize("command", ["draft", "adapter"])
 def test_process_counts_without_a_coordinator_are_refused(command, capsys):
     """Ignored, they would start N single-host runs writing one checkpoint directory."""
@@ -137,3 +161,17 @@ def test_a_rerun_of_a_finished_draft_run_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trainer, "train", finished)
     assert train.main(["draft", "--config", str(ROOT / "configs" / "tiny_cpu.yaml")]) == 0
     assert capsys.readouterr().out == f"already trained 6 steps; the draft is in {tmp_path}/draft\n"
+
+
+def test_evaluate_names_the_prompts_it_used(checkpoints, tmp_path, capsys):
+    """`train.py evaluate` on a file with fewer prompts than `--num-prompts` (default 50)."""
+    import train
+
+    target_dir = checkpoints.get("qwen3")[0]
+    target = jetspec_jax.load_target(target_dir)
+    draft = jetspec_jax.init_draft(target, block_size=4).save(tmp_path / "draft")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    argv = ["evaluate", "--target", str(target_dir), "--draft", str(draft)]
+    assert train.main([*argv, "--prompts", str(prompts), "--max-new-tokens", "4"]) == 0
+    assert re.fullmatch(r"tau \d\.\d{3} \(jetspec\+\+, J0, 1 prompts\)\n", capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""Writing a directory so that it either appears complete or not at all."""
+"""Writing a directory, or a file, so that it either appears complete or not at all."""
 
 from __future__ import annotations
 
@@ -67,6 +67,22 @@ def atomic_directory(
         _fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` through a flushed hidden sibling and one rename: a crash
+    leaves the old file or none, never half of one."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 

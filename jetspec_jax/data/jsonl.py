@@ -12,16 +12,21 @@ def read_jsonl(path: str | pathlib.Path, what: str = "file") -> Iterator[tuple[s
 
     Raises:
         FileNotFoundError: `path` does not exist (the message calls it `what`).
-        ValueError: a line is not valid JSON or not a JSON object (named by `path:line`).
+        ValueError: a line is not UTF-8, not valid JSON or not a JSON object (named by
+            `path:line`).
     """
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} not found")
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where} is not UTF-8 text: {e}") from e
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

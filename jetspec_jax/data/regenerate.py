@@ -95,7 +95,8 @@ def read_records(
 
     Raises:
         FileNotFoundError: a prompt file does not exist.
-        ValueError: no prompt files, a malformed record, or an id seen twice (named).
+        ValueError: no prompt files or no records in them, a malformed record, or an id seen
+            twice (named).
     """
     if isinstance(prompt_files, (str, os.PathLike)):
         raise ValueError("prompt_files must be a list of paths, not a single path")
@@ -117,7 +118,25 @@ def read_records(
             where[rid] = str(path)
             text = record["prompt"] + (MATH_SUFFIX if source in suffixed else "")
             records.append(PromptRecord(len(records), rid, source, text))
+    if not records:
+        raise ValueError(f"no prompts in {', '.join(str(p) for p in prompt_files)}")
     return records if limit is None else records[:limit]
+
+
+def check_output_path(
+    out_path: str | os.PathLike, prompt_files: Sequence[str | os.PathLike]
+) -> None:
+    """Refuses an output path that is a directory or one of the prompt files (resuming into a
+    prompt file would append responses to the user's prompts).
+
+    Raises:
+        ValueError: naming the path.
+    """
+    out_path = pathlib.Path(out_path)
+    if out_path.is_dir():
+        raise ValueError(f"the output {out_path} is a directory; give a file path")
+    if any(out_path.resolve() == pathlib.Path(f).resolve() for f in prompt_files):
+        raise ValueError(f"the output {out_path} is one of the prompt files")
 
 
 def row_seed(base_seed: int, index: int) -> int:
@@ -164,7 +183,8 @@ def regenerate(
     Raises:
         FileNotFoundError: a prompt file does not exist.
         ValueError: bad arguments, a target without tokenizer, malformed or duplicate prompt
-            records, or an output file with a malformed complete line.
+            records, an output path `check_output_path` refuses, or an output file with a
+            malformed complete line.
     """
     start = time.perf_counter()
     _check_positive("batch_size", batch_size)
@@ -173,8 +193,9 @@ def regenerate(
         raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
     if target.tokenizer is None:
         raise ValueError(f"target {target.path} has no tokenizer; regeneration needs one")
-    records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     out_path = pathlib.Path(out_path)
+    check_output_path(out_path, prompt_files)
+    records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     done = _existing_ids(out_path)
     pending = [r for r in records if r.id not in done]
     encoded = _encode(target, pending, max_new_tokens, chat=chat, system=system, thinking=thinking)
@@ -302,14 +323,19 @@ def _existing_ids(out_path: pathlib.Path) -> set[str]:
     _truncate_partial_line(out_path)
     ids = set()
     for where, obj in read_jsonl(out_path, what="output file"):
-        if not isinstance(obj.get("id"), str):
-            raise ValueError(f"{where} has no string 'id'; is it an output file?")
+        missing = [k for k in ("id", "prompt_ids", "response_ids") if k not in obj]
+        if missing or not isinstance(obj["id"], str):
+            raise ValueError(
+                f"{where} is no regenerated record (it needs a string 'id', 'prompt_ids' and "
+                "'response_ids'); is it an output file?"
+            )
         ids.add(obj["id"])
     return ids
 
 
 def _truncate_partial_line(path: pathlib.Path) -> None:
-    """Cuts the file after its last newline, if anything follows it (a line cut by a kill)."""
+    """Cuts the file after its last newline if what follows is no complete JSON line (a line cut
+    by a kill); a complete last line without its newline gets one."""
     with path.open("r+b") as f:
         size = f.seek(0, os.SEEK_END)
         if size == 0:
@@ -318,6 +344,12 @@ def _truncate_partial_line(path: pathlib.Path) -> None:
         if f.read(1) == b"\n":
             return
         keep = _end_of_last_line(f, size)
+        f.seek(keep)
+        if _is_json_object(f.read(size - keep)):
+            f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+            return
         logger.warning(
             "%s ends in a partial line of %d bytes (an interrupted write); truncating it, so its "
             "record is generated again",
@@ -327,6 +359,13 @@ def _truncate_partial_line(path: pathlib.Path) -> None:
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _is_json_object(data: bytes) -> bool:
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
 
 
 def _end_of_last_line(f, size: int, chunk: int = 1 << 16) -> int:

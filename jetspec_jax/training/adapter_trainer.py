@@ -26,6 +26,7 @@ import numpy as np
 
 from jetspec_jax.adapter import Adapter, init_adapter
 from jetspec_jax.checkpoint.bundle import is_bundle, save_bundle
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.draft import Draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
@@ -121,14 +122,20 @@ def train_adapter(
         CheckpointError: the draft directory is missing or does not fit the target.
     """
     check_input_files(config, *config.adapter.eval_files)
+    if not isinstance(draft, Draft):  # checked before the run directory and the target load
+        draft = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
+        if not draft.is_dir():
+            raise CheckpointError(
+                f"draft {draft} does not exist: train the draft first (train.py draft) or give "
+                "its directory"
+            )
     run_dir = adapter_run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     if not isinstance(draft, Draft):
-        path = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
-        draft = load_draft(path, target)
+        draft = load_draft(draft, target)
     if not draft.config.token_inputs:  # refreshes feed the draft tokens, not mask embeddings
         raise ValueError(
             f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "

@@ -260,10 +260,12 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     if not path.is_file():
         raise FileNotFoundError(f"training config {path} not found")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid YAML: {e}") from e
-    data = data or {}
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     for override in overrides:
         _apply_override(data, override)
     for where, section in (("optim", data.get("optim")), ("adapter.optim", _adapter_optim(data))):

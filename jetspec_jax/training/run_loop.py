@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
 
+from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.training.config import RunConfig
 from jetspec_jax.training.run_helpers import Throughput
 
@@ -143,9 +144,7 @@ def opened_run(
 
 
 def _write_json_atomically(path: pathlib.Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)  # a crash leaves the old file or none, never half of one
+    write_text_atomically(path, json.dumps(data, indent=1))
 
 
 def recorded_setup(run_dir: pathlib.Path) -> dict:
