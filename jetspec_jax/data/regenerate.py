@@ -193,9 +193,9 @@ def regenerate(
         raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
     if target.tokenizer is None:
         raise ValueError(f"target {target.path} has no tokenizer; regeneration needs one")
+    records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     out_path = pathlib.Path(out_path)
     check_output_path(out_path, prompt_files)
-    records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     done = _existing_ids(out_path)
     pending = [r for r in records if r.id not in done]
     encoded = _encode(target, pending, max_new_tokens, chat=chat, system=system, thinking=thinking)
