@@ -8,6 +8,7 @@ import torch
 
 import jetspec_jax
 from jetspec_jax import SamplingParams
+from tests.text_fixtures import EOS_ID, with_tokenizer
 
 
 def _hf_greedy(model, prompt, n):
@@ -86,8 +87,10 @@ def test_stop_token_ends_generation_and_is_included(target, prompts):
     assert sum(result.acceptance_lengths) == len(result.tokens)
 
 
-def test_default_stop_tokens_come_from_the_checkpoint(target):
+def test_default_stop_tokens_come_from_the_checkpoint(target, checkpoints, tmp_path):
     assert target.stop_token_ids == ()  # the tiny checkpoint sets no eos
+    with_eos = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")  # eos <|im_end|>
+    assert jetspec_jax.load_target(with_eos).stop_token_ids == (EOS_ID,)
 
 
 def test_max_new_tokens_is_respected(target, prompts):

@@ -61,8 +61,8 @@ def test_row_likelihood_equals_the_gathered_scores():
 def test_fit_recovers_known_temperatures():
     logits, drafts, k_true, a_true = _rounds(1, 20000)
     fitted = fit_calibration(logits, drafts, k_true, a_true)
-    assert fitted.acceptance_temperature == pytest.approx(1.7, rel=0.1)
-    assert fitted.bonus_temperature == pytest.approx(0.6, rel=0.1)
+    assert fitted.acceptance_temperature == pytest.approx(1.7, rel=0.03)
+    assert fitted.bonus_temperature == pytest.approx(0.6, rel=0.03)
     fitted_ll = outcome_log_likelihood(logits, drafts, k_true, a_true, fitted)
     assert fitted_ll >= outcome_log_likelihood(logits, drafts, k_true, a_true)
     assert fitted_ll >= outcome_log_likelihood(logits, drafts, k_true, a_true, T_TRUE) - 1e-5
@@ -71,12 +71,13 @@ def test_fit_recovers_known_temperatures():
 def test_fit_of_calibrated_data_stays_near_one():
     logits, drafts, k_true, a_true = _rounds(2, 5000, truth=Calibration())
     fitted = fit_calibration(logits, drafts, k_true, a_true)
-    assert fitted.acceptance_temperature == pytest.approx(1.0, rel=0.1)
-    assert fitted.bonus_temperature == pytest.approx(1.0, rel=0.1)
+    assert fitted.acceptance_temperature == pytest.approx(1.0, rel=0.05)
+    assert fitted.bonus_temperature == pytest.approx(1.0, rel=0.05)
 
 
-def test_calibrated_selection_hits_at_least_as_often():
-    """Fit on one set of rounds, select on fresh ones: calibrated >= uncalibrated at every B."""
+def test_calibrated_selection_hits_more_often():
+    """Fit on one set of rounds, select on fresh ones: calibrated beats uncalibrated at every B
+    (by more than a no-op calibration could, which would tie)."""
     fitted = fit_calibration(*_rounds(3, 5000))
     logits, drafts, k_true, a_true = _rounds(4, 10000)
     rates = {}
@@ -84,7 +85,7 @@ def test_calibrated_selection_hits_at_least_as_often():
         for rule in ("calibrated", "uncalibrated", "geometric"):
             k, a, _ = select_for_rule(rule, logits, drafts, num, fitted)
             rates[rule, num] = hit_rate(k, a, k_true, a_true)
-        assert rates["calibrated", num] >= rates["uncalibrated", num], rates
+        assert rates["calibrated", num] > rates["uncalibrated", num] + 0.01, rates
     assert rates["calibrated", 8] > rates["calibrated", 2]
 
 

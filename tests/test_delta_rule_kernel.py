@@ -121,19 +121,27 @@ def test_impl_selection():
         )
 
 
-def test_hybrid_target_is_the_same_on_the_kernel(hybrid_target):
+def test_hybrid_target_is_the_same_on_the_kernel(hybrid_target, monkeypatch):
     """Greedy speculative decoding of the tiny hybrid target (prefill over several chunks, then
-    verification blocks) gives the same tokens with the recurrence on the interpreted kernel."""
+    verification blocks) gives the same tokens with the recurrence on the interpreted kernel,
+    which did run."""
+    launches = []  # counted when traced: every program that uses the kernel is traced once
+    launch = pallas_delta_rule.kernel_call
+    monkeypatch.setattr(
+        pallas_delta_rule, "kernel_call", lambda *a, **k: launches.append(1) or launch(*a, **k)
+    )
     kernel_config = dataclasses.replace(hybrid_target.config, recurrence_impl="pallas_interpret")
     on_kernel = dataclasses.replace(hybrid_target, config=kernel_config)
     draft = jetspec_jax.init_draft(hybrid_target, variant="jetspec", block_size=4, seed=0)
     prompt = np.random.default_rng(0).integers(0, 97, 70).tolist()
-    tokens = [
-        jetspec_jax.generate(
-            target, prompt, draft=draft, method="jetspec", max_new_tokens=12, stop_token_ids=[]
-        ).tokens
-        for target in (hybrid_target, on_kernel)
-    ]
+    tokens = []
+    for target in (hybrid_target, on_kernel):
+        tokens.append(
+            jetspec_jax.generate(
+                target, prompt, draft=draft, method="jetspec", max_new_tokens=12, stop_token_ids=[]
+            ).tokens
+        )
+        assert bool(launches) == (target is on_kernel)
     assert tokens[0] == tokens[1]
 
 

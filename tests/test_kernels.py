@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax
-from jetspec_jax.kernels import Tiling, refinement, refinement_attention, select
+from jetspec_jax.kernels import Tiling, pallas_refinement, refinement, refinement_attention, select
 from jetspec_jax.kernels.layout import make_layout
 from jetspec_jax.models import layers
 from jetspec_jax.models.block_stack import ContextCache
@@ -325,9 +325,15 @@ def test_draft_attention_equals_the_explicit_mask_form():
         assert _max_abs(got.reshape(want.shape), want) <= 1e-6, impl
 
 
-def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints):
-    """Same tokens and the same per-round outcomes (k accepted, bonus). A vocabulary of 8 makes
-    random drafts get accepted now and then, so the outcomes depend on the drafts."""
+def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints, monkeypatch):
+    """Same tokens and the same per-round outcomes (k accepted, bonus), and the kernel did run.
+    A vocabulary of 8 makes random drafts get accepted now and then, so the outcomes depend on
+    the drafts."""
+    launches = []  # counted when traced: every program that uses the kernel is traced once
+    launch = pallas_refinement.kernel_call
+    monkeypatch.setattr(
+        pallas_refinement, "kernel_call", lambda *a, **k: launches.append(1) or launch(*a, **k)
+    )
     target = jetspec_jax.load_target(checkpoints.get("qwen3_vocab8")[0])
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, init_std=0.1, seed=2)
     prompt = np.random.default_rng(6).integers(0, 8, 11).tolist()
@@ -342,6 +348,7 @@ def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints):
             max_new_tokens=24,
             stop_token_ids=[],
         )
+        assert bool(launches) == (impl == "pallas_interpret"), impl
     ref, ker = results["reference"], results["pallas_interpret"]
     assert any(k > 0 for k, _ in ref.outcomes)
     assert ker.tokens == ref.tokens

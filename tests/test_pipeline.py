@@ -1,9 +1,9 @@
 """The pipelined round over two CPU devices, both forms (one SPMD `shard_map` program; one program
 per device): the single-device round's results.
 
-Pipelined, single-device foresight and autoregressive decoding give the same tokens, and the
-foresight rounds the same outcomes and hit statistics, with forced hits, forced misses and both
-interleaved (the scaled oracle proxy of test_foresight.py), greedy and sampled. The MPMD form is
+Pipelined, single-device foresight and autoregressive decoding give the same tokens, greedy and
+sampled, and greedy foresight rounds the same outcomes and hit statistics, with forced hits, forced
+misses and both interleaved (the scaled oracle proxy of test_foresight.py). The MPMD form is
 also run with the learned proxy (adapter + decoder), whose placement leaves the target's lower
 layers off the draft device. On CPU the two virtual devices share the cores: correctness, not
 overlap.

@@ -128,8 +128,9 @@ def test_sampled_refinement_is_token_identical_to_sampled_ar(target, draft, prom
     assert [r.tokens for r in got] == want
 
 
-def test_extra_passes_past_the_fixed_point_change_nothing(target, draft):
-    """A causal draft's Jacobi iteration reaches its fixed point within K-1 passes."""
+def test_each_pass_fixes_one_more_draft_and_extra_passes_change_nothing(target, draft):
+    """A causal draft's Jacobi iteration: after j passes the first j+1 drafts are those of its
+    fixed point (each depends only on the ones before it), reached within K-1 passes."""
     tokens = jnp.asarray([np.random.default_rng(4).integers(0, 97, 12)], jnp.int32)
     taps = forward(target.params, target.config, tokens, tap_layers=draft.config.target_layer_ids)
 
@@ -141,8 +142,12 @@ def test_extra_passes_past_the_fixed_point_change_nothing(target, draft):
         )
         return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)
 
-    at_fixed_point = drafts(BLOCK - 1)
-    np.testing.assert_array_equal(drafts(BLOCK + 2), at_fixed_point)
+    fixed = np.asarray(drafts(BLOCK - 1))
+    np.testing.assert_array_equal(drafts(BLOCK + 2), fixed)
+    for passes in range(BLOCK - 1):
+        got = np.asarray(drafts(passes))
+        np.testing.assert_array_equal(got[:, : passes + 1], fixed[:, : passes + 1])
+    assert not np.array_equal(drafts(0), fixed)  # the passes do change this draft's proposals
 
 
 def test_an_oracle_proxy_never_lowers_tau(target, draft, prompts):

@@ -65,6 +65,7 @@ def test_bfloat16_stays_close_to_float32(checkpoints):
     assert bf16_target.params["embed_tokens"]["embedding"].dtype == np.dtype("bfloat16")
     bf16 = np.asarray(bf16_target.logits(ids))
     assert bf16.dtype == np.float32
-    # bf16 keeps ~3 significant digits; the argmax may flip only at near-ties.
-    assert np.max(np.abs(bf16 - fp32)) < 0.05 * np.max(np.abs(fp32))
-    assert np.mean(bf16.argmax(-1) == fp32.argmax(-1)) > 0.9
+    # bf16 keeps ~3 significant digits (measured: 1.4% of the largest logit); the argmax may
+    # flip only at near-ties.
+    assert np.max(np.abs(bf16 - fp32)) < 0.025 * np.max(np.abs(fp32))
+    assert np.mean(bf16.argmax(-1) == fp32.argmax(-1)) >= 0.95
