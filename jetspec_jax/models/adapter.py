@@ -31,6 +31,7 @@ from jetspec_jax.models.block_stack import (
     ContextCache,
     block_layers,
     cached_context,
+    check_block_layers,
     keys_values,
 )
 from jetspec_jax.models.config import TransformerConfig
@@ -59,10 +60,7 @@ class AdapterConfig:
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         object.__setattr__(self, "layers_per_module", tuple(self.layers_per_module))
         check_impl(self.attention_impl)
-        if self.layers.model_type != "qwen3":  # `block_stack` implements Qwen3 decoder layers
-            raise ValueError(
-                f"adapter layers must be model_type 'qwen3', got {self.layers.model_type!r}"
-            )
+        check_block_layers(self.layers, "adapter")
         if len(self.layers_per_module) != len(self.target_layer_ids):
             raise ValueError(
                 f"layers_per_module {self.layers_per_module} needs one entry per tap layer "

@@ -59,6 +59,17 @@ class ContextCache:
         )
 
 
+def check_block_layers(layers: TransformerConfig, owner: str) -> None:
+    """Refuses layer configs this stack cannot run: it implements Qwen3 decoder layers (plain
+    RMSNorm scales, RoPE over the whole head), so other model types would compute wrongly.
+
+    Raises:
+        ValueError: naming `owner` ("draft", "adapter") and the model type.
+    """
+    if layers.model_type != "qwen3":
+        raise ValueError(f"{owner} layers must be model_type 'qwen3', got {layers.model_type!r}")
+
+
 def keys_values(
     attn: Params, config: TransformerConfig, rows: jax.Array, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

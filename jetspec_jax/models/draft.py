@@ -31,7 +31,13 @@ import jax.numpy as jnp
 
 from jetspec_jax.kernels import check_impl
 from jetspec_jax.models import layers
-from jetspec_jax.models.block_stack import ContextCache, block_layers, cached_context, keys_values
+from jetspec_jax.models.block_stack import (
+    ContextCache,
+    block_layers,
+    cached_context,
+    check_block_layers,
+    keys_values,
+)
 from jetspec_jax.models.config import TransformerConfig
 
 Params = dict
@@ -76,10 +82,7 @@ class DraftConfig:
         # A list would construct, then fail as a jit static argument (unhashable).
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         check_impl(self.attention_impl)
-        if self.layers.model_type != "qwen3":  # `block_stack` implements Qwen3 decoder layers
-            raise ValueError(
-                f"draft layers must be model_type 'qwen3', got {self.layers.model_type!r}"
-            )
+        check_block_layers(self.layers, "draft")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
