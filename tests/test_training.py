@@ -154,7 +154,9 @@ def _toy_config(variant, block_size=16):
     )
 
 
-def test_a_resume_with_another_setup_is_warned_about(target, data_files, tmp_path, caplog):
+def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
+    target, data_files, tmp_path, caplog
+):
     """The restored data position and schedule assume the setup the checkpoints were written
     with; a resume with other data or optimisation settings says what changed."""
     config = _config(data_files, tmp_path, steps=4, warmup_steps=1)
@@ -172,6 +174,29 @@ def test_a_resume_with_another_setup_is_warned_about(target, data_files, tmp_pat
         train(dataclasses.replace(config, optim=changed), target=target, stop_after=1)
     (warning,) = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
     assert "resuming with optim" in warning and "'learning_rate': 0.0001" in warning
+    # A train state of another shape cannot be resumed: said by run, not as orbax's tree diff.
+    deeper = dataclasses.replace(config.draft, num_layers=2)
+    with pytest.raises(ValueError, match="does not hold this run's train state.*new run.dir"):
+        train(dataclasses.replace(config, draft=deeper), target=target, stop_after=1)
+
+
+def test_weight_decay_shrinks_the_kernels_and_leaves_the_norm_scales(target):
+    draft = jetspec_jax.init_draft(target, block_size=4, seed=0)
+    optim = OptimConfig(learning_rate=0.1, warmup_steps=1, steps=10, weight_decay=0.5)
+    optimizer = make_optimizer(optim)
+    state = init_state(draft.params, optimizer)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    _, opt_state = optimizer.update(zeros, state.opt_state, state.params)  # step 0: lr 0
+    updates, _ = optimizer.update(zeros, opt_state, state.params)  # step 1: lr 0.1, no gradient
+    flat = jax.tree_util.tree_leaves_with_path(updates)
+    kernels = [(p, u) for p, u in flat if p[-1].key == "kernel"]
+    scales = [(p, u) for p, u in flat if p[-1].key == "scale"]
+    assert kernels and scales and len(kernels) + len(scales) == len(flat)
+    params = dict(jax.tree_util.tree_leaves_with_path(state.params))
+    for path, update in kernels:
+        np.testing.assert_allclose(update, -0.1 * 0.5 * params[path], rtol=1e-6, atol=1e-9)
+    for _, update in scales:
+        assert not np.any(update)
 
 
 def test_clean_prefix_lengths_follow_the_schedule():

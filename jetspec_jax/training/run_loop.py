@@ -194,13 +194,21 @@ def restore_latest(manager: ocp.CheckpointManager, state, iterator):
     """The latest checkpoint's state (shaped and sharded like `state`); restores `iterator` in
     place."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(
-        manager.latest_step(),
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract),
-            data=grain.checkpoint.CheckpointRestore(iterator),
-        ),
-    )
+    step = manager.latest_step()
+    try:
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=grain.checkpoint.CheckpointRestore(iterator),
+            ),
+        )
+    except ValueError as e:  # orbax's message lists tree paths, not what to do
+        raise ValueError(
+            f"{manager.directory}: checkpoint {step} does not hold this run's train state (another "
+            "draft or adapter architecture, or an optimizer state from an older jetspec_jax); "
+            f"resume it with the setup that wrote it, or start a new run.dir. Orbax: {e}"
+        ) from e
     return restored["state"]
 
 

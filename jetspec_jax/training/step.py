@@ -56,11 +56,23 @@ def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
     )
 
 
+def decayed_leaves(params) -> dict:
+    """The weight-decay mask of `params`: True on linear kernels, False on norm scales.
+
+    RMSNorm scales start at 1 and carry no capacity to regularise; decaying them pulls every norm
+    toward zero (the usual convention decays matrices only)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) == "kernel", params
+    )
+
+
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW on the schedule."""
+    """Global-norm clipping, then AdamW on the schedule (decaying the kernels only)."""
     return optax.chain(
         optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(learning_rate_schedule(config), weight_decay=config.weight_decay),
+        optax.adamw(
+            learning_rate_schedule(config), weight_decay=config.weight_decay, mask=decayed_leaves
+        ),
     )
 
 
