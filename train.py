@@ -170,7 +170,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from jetspec_jax.training.calibration_rounds import (
         collect_rounds,
         evaluate_rounds,
-        split_rounds,
+        held_out_sequences,
     )
     from jetspec_jax.training.data import read_regenerated
     from jetspec_jax.training.replacement_fit import fit_replacement_confidence
@@ -210,12 +210,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     confidence, confidence_fit = args.replacement_confidence, None
     if confidence is None and args.refreshes:
         grid = {} if args.confidence_grid is None else {"grid": args.confidence_grid}
-        confidence_fit = fit_replacement_confidence(target, draft, records, **grid, **round_args)
+        confidence_fit = fit_replacement_confidence(
+            target, draft, records, **grid, holdout_fraction=args.holdout_fraction, **round_args
+        )
         confidence = confidence_fit.best
     confidence = confidence or 0.0
     # The temperatures score the drafts the served refinement (with that confidence) makes.
     rounds = collect_rounds(target, draft, records, replacement_confidence=confidence, **round_args)
-    fit, held_out = split_rounds(rounds, args.holdout_fraction, seed=args.seed)
+    # The sequences held out of the confidence's choice are held out of the temperatures' fit.
+    held = (
+        held_out_sequences(rounds, args.holdout_fraction, seed=args.seed)
+        if confidence_fit is None
+        else confidence_fit.held_sequences
+    )
+    fit, held_out = rounds.split(held)
     calibration = dataclasses.replace(
         fit_calibration(*fit.fit_arrays), replacement_confidence=confidence
     )
@@ -230,11 +238,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if confidence_fit is not None:
         print(
-            f"replacement confidence: tau per held-out round (J{args.refine_passes}-R"
-            f"{args.refreshes}, {confidence_fit.rounds} rounds) by confidence"
+            f"replacement confidence: tau per round (J{args.refine_passes}-R{args.refreshes}) "
+            f"on {confidence_fit.rounds} fit and {confidence_fit.held_out_rounds} held-out rounds"
         )
+        print("  confidence     fit  held out")
         for value, tau in confidence_fit.tau.items():
-            print(f"  {value:>5.2f}  {tau:.4f}{'  <- fitted' if value == confidence else ''}")
+            held_tau = confidence_fit.held_out_tau[value]
+            chosen = "  <- fitted" if value == confidence else ""
+            print(f"  {value:>10.2f}  {tau:.4f}  {held_tau:.4f}{chosen}")
     else:
         print(f"replacement confidence: {confidence:.2f} (given, not fitted)")
     ll = report["log_likelihood"]
@@ -267,7 +278,13 @@ def _calibrate(args: argparse.Namespace) -> int:
             "replacement_confidence_tau": (
                 None
                 if confidence_fit is None
-                else {str(c): tau for c, tau in confidence_fit.tau.items()}
+                else {
+                    side: {str(c): tau for c, tau in scores.items()}
+                    for side, scores in (
+                        ("fit", confidence_fit.tau),
+                        ("held_out", confidence_fit.held_out_tau),
+                    )
+                }
             ),
             **{"held_out_" + k: v for k, v in report.items()},
         }
@@ -481,7 +498,8 @@ def _parser() -> argparse.ArgumentParser:
         "--holdout-fraction",
         type=float,
         default=0.2,
-        help="fraction of the sequences whose rounds score the fit (hit rates, log-likelihood)",
+        help="fraction of the sequences held out of both fits, whose rounds score them (tau by "
+        "confidence, hit rates, log-likelihood)",
     )
     calibrate.add_argument(
         "--max-length", type=int, default=None, help="truncate sequences (default: the target's)"

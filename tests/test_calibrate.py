@@ -16,7 +16,11 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.refinement import LearnedProxy
 from jetspec_jax.models.transformer import forward
 from jetspec_jax.training.calibration import fit_calibration
-from jetspec_jax.training.calibration_rounds import collect_rounds, evaluate_rounds, split_rounds
+from jetspec_jax.training.calibration_rounds import (
+    collect_rounds,
+    evaluate_rounds,
+    held_out_sequences,
+)
 from jetspec_jax.training.replacement_fit import fit_replacement_confidence
 
 K = 6
@@ -100,22 +104,33 @@ def test_collected_outcomes_match_the_decode_loop(setup):
     _, logits = proxy.predict(draft.adapter.params, target.params, state, block)
     np.testing.assert_allclose(logits[0], rounds.logits_hat[i], atol=1e-4, rtol=1e-4)
 
-    fit, held = split_rounds(rounds, 0.25)
+    fit, held = rounds.split(held_out_sequences(rounds, 0.25))
+    for sequences, side in (([], "no held-out"), (np.unique(rounds.records), "no fit")):
+        with pytest.raises(ValueError, match=side):
+            rounds.split(np.asarray(sequences, np.int32))
     assert len(fit) + len(held) == 48
     assert not set(fit.records.tolist()) & set(held.records.tolist())
 
 
 def test_replacement_confidence_fit_scores_the_served_refinement(setup):
     """Each grid point's score is the mean acceptance length of the rounds its `Jj-Rr` drafts:
-    c = 0 those of the paper's rule, c = 1 those of `Jj-R0`; the best score wins."""
+    c = 0 those of the paper's rule, c = 1 those of `Jj-R0`; the best score on the fit sequences
+    wins, and the held-out sequences score every c without taking part in the choice."""
     target, draft, records = setup
     common = dict(num_rounds=48, anchors_per_sequence=8)
     fit = fit_replacement_confidence(target, draft, records, grid=(1.0, 0.0, 0.5), **common)
-    assert list(fit.tau) == [1.0, 0.0, 0.5] and fit.rounds == 48
+    assert list(fit.tau) == list(fit.held_out_tau) == [1.0, 0.0, 0.5]
     paper = collect_rounds(target, draft, records, replacement_confidence=0.0, **common)
     no_refresh = collect_rounds(target, draft, records, refreshes=0, **common)
-    assert fit.tau[0.0] == pytest.approx(np.mean(paper.k_true + 1))
-    assert fit.tau[1.0] == pytest.approx(np.mean(no_refresh.k_true + 1))
+    # Drawn on the first grid point's rounds (c = 0): by default a fifth of the 6 sequences that
+    # 48 rounds of 8 anchors take.
+    np.testing.assert_array_equal(fit.held_sequences, held_out_sequences(paper, 0.2))
+    assert len(np.unique(paper.records)) == 6 and len(fit.held_sequences) == 1
+    for c, rounds in ((0.0, paper), (1.0, no_refresh)):
+        chosen_on, held_out = rounds.split(fit.held_sequences)
+        assert fit.tau[c] == pytest.approx(np.mean(chosen_on.k_true + 1))
+        assert fit.held_out_tau[c] == pytest.approx(np.mean(held_out.k_true + 1))
+    assert fit.rounds + fit.held_out_rounds == 48 and fit.held_out_rounds == len(held_out)
     assert fit.tau[0.0] != fit.tau[1.0]  # the grid points draft differently here
     assert fit.tau[fit.best] == max(fit.tau.values())
     for kwargs, message in (
@@ -123,6 +138,7 @@ def test_replacement_confidence_fit_scores_the_served_refinement(setup):
         (dict(grid=()), "non-empty"),
         (dict(grid=(1.5,)), "must be in \\[0, 1\\]"),
         (dict(refreshes=0), "refreshes >= 1"),
+        (dict(holdout_fraction=1.0), "holdout fraction must be in"),
     ):
         with pytest.raises(ValueError, match=message):
             fit_replacement_confidence(target, draft, records, **{**common, **kwargs})
@@ -148,8 +164,10 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
     assert loaded.calibration is not None
     assert loaded.calibration.to_dict() == summary["calibration"]
     # The replacement confidence: fitted over the grid (J1-R1), the best score stored.
-    scores = {float(c): tau for c, tau in summary["replacement_confidence_tau"].items()}
-    assert sorted(scores) == [0.0, 1.0] and "<- fitted" in out
+    scores = {float(c): tau for c, tau in summary["replacement_confidence_tau"]["fit"].items()}
+    held_scores = summary["replacement_confidence_tau"]["held_out"]
+    assert sorted(scores) == sorted(float(c) for c in held_scores) == [0.0, 1.0]
+    assert "<- fitted" in out and "held out" in out
     assert scores[loaded.calibration.replacement_confidence] == max(scores.values())
     assert summary["rounds"] == 48 and summary["dropped"] == 0
     assert set(summary["held_out_hit_rate"]) == {"calibrated", "uncalibrated", "geometric"}
@@ -169,7 +187,7 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
         anchors_per_sequence=8,
         replacement_confidence=stored.replacement_confidence,
     )
-    fit, held_out = split_rounds(rounds, 0.2)
+    fit, held_out = rounds.split(held_out_sequences(rounds, 0.2))
     expected = fit_calibration(*fit.fit_arrays)
     assert stored.acceptance_temperature == pytest.approx(expected.acceptance_temperature)
     assert stored.bonus_temperature == pytest.approx(expected.bonus_temperature)

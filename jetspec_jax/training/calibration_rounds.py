@@ -92,6 +92,20 @@ class Rounds:
         }
         return Rounds(**arrays, dropped=0)
 
+    def split(self, held_sequences: np.ndarray) -> tuple[Rounds, Rounds]:
+        """`(fit, held_out)`: the rounds of sequences not in / in `held_sequences` (record ids).
+
+        Raises:
+            ValueError: a side without rounds.
+        """
+        held = np.isin(self.records, held_sequences)
+        if held.all() or not held.any():
+            raise ValueError(
+                f"held-out sequences {np.asarray(held_sequences).tolist()} leave "
+                f"{'no fit' if held.all() else 'no held-out'} rounds"
+            )
+        return self.take(~held), self.take(held)
+
     @property
     def fit_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """`(logits_hat, drafts, k_true, a_true)`, the arguments of `fit_calibration`."""
@@ -320,10 +334,10 @@ def collect_rounds(
     return Rounds(*arrays, dropped=dropped)
 
 
-def split_rounds(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> tuple[Rounds, Rounds]:
-    """`(fit, held_out)`: the rounds of a `holdout_fraction` of the source sequences are held out
-    (whole sequences, so that correlated rounds of one sequence never straddle the split); at
-    least one sequence on each side when there are two or more.
+def held_out_sequences(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> np.ndarray:
+    """The record ids of a `holdout_fraction` of the source sequences of `rounds`, drawn by `seed`
+    (whole sequences, so that correlated rounds of one sequence never straddle a split); at least
+    one sequence on each side.
 
     Raises:
         ValueError: `holdout_fraction` outside (0, 1), or a single source sequence.
@@ -335,8 +349,7 @@ def split_rounds(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> tupl
         raise ValueError("splitting rounds into fit and held-out needs >= 2 source sequences")
     shuffled = np.random.default_rng(seed).permutation(sequences)
     count = min(max(1, round(holdout_fraction * len(sequences))), len(sequences) - 1)
-    held = np.isin(rounds.records, shuffled[:count])
-    return rounds.take(~held), rounds.take(held)
+    return np.sort(shuffled[:count])
 
 
 @functools.partial(jax.jit, static_argnames=("rules", "budgets", "calibration"))
