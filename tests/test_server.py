@@ -314,6 +314,33 @@ def test_jobs_cancelled_while_waiting_leave_their_place_in_the_queue(target):
         scheduler.submit(_job())
 
 
+def test_a_row_that_ends_early_is_answered_while_its_batch_decodes(target):
+    """A job's `Finished` comes at the chunk boundary where its row ends, not when its batch
+    does: a 2-token request batched with a 40-token one is answered before the long one's last
+    tokens are decoded, and both answers are what each gets alone."""
+    log = []  # (job, event) in delivery order: one worker thread delivers them all
+    budgets = {"short": 2, "long": 40}
+    scheduler = Scheduler(target, max_batch_size=2, chunk_steps=2)
+    scheduler.start()
+    try:
+        with scheduler.hold():  # one batch
+            for name, budget in budgets.items():
+                deliver = lambda event, name=name: log.append((name, event))  # noqa: E731
+                scheduler.submit(Job([5, 6, 7], budget, SamplingParams(), deliver))
+        _wait_for(lambda: sum(isinstance(event, Finished) for _, event in log) == 2, 120)
+    finally:
+        scheduler.stop()
+    finished = {name: i for i, (name, event) in enumerate(log) if isinstance(event, Finished)}
+    after = [e for name, e in log[finished["short"] :] if name == "long" and isinstance(e, Tokens)]
+    assert after, "the short job's answer waited for the long one"
+    for name, budget in budgets.items():
+        result = log[finished[name]][1].result
+        alone = jetspec_jax.generate(target, [5, 6, 7], max_new_tokens=budget)
+        assert result.tokens == alone.tokens and result.finish_reason == alone.finish_reason
+        streamed = [t for n, e in log if n == name and isinstance(e, Tokens) for t in e.tokens]
+        assert streamed == result.tokens
+
+
 def test_a_failure_after_decoding_fails_the_batch_and_the_worker_lives_on(target, monkeypatch):
     class Broken:
         def inc(self, amount=1):

@@ -8,7 +8,7 @@ The host side of decoding, shared by `generate`, streaming and the server:
                                           forwards (a dynamic argument: no recompile per chunk)
     .poll()                               the tokens each row committed since the last poll
     .cancel(row)                          stop a row at the next chunk boundary
-    .results()                            one `GenerationResult` per request
+    .result(row) / .results()             one request's / every request's `GenerationResult`
 
 With `pipeline="mpmd"` the prefill and the loop are `pipeline_mpmd.TwoProgramPipeline`'s (one
 program per device, rounds dispatched from the host); every other method runs one compiled loop.
@@ -363,10 +363,7 @@ class DecodeSession:
     def cancel(self, row: int) -> None:
         """Stops `row` from decoding further; its tokens so far stay (finish_reason
         "cancelled" unless it had finished already)."""
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-            raise ValueError(f"row must be an integer, got {row!r}")
-        if not 0 <= row < self.num_rows:
-            raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
+        self._check_row(row)
         decode = self._decode_state()
         # The device's flag, not `_row_done`: the row may have finished since the last poll.
         if not bool(decode.done[row]):
@@ -388,15 +385,35 @@ class DecodeSession:
             self.advance(chunk_steps)
             yield self.poll()
 
+    def result(self, row: int) -> GenerationResult:
+        """Request `row`'s `GenerationResult` so far: a row that `row_done` reports finished can
+        be answered while the others decode (fetches only that row's outputs)."""
+        self._check_row(row)
+        return self._result(row, jax.device_get(_row_outputs(self._running_state(), row)))
+
     def results(self) -> list[GenerationResult]:
-        """One `GenerationResult` per request, in order (fetches the whole state once)."""
+        """One `GenerationResult` per request, in order (one transfer of the outputs, not of the
+        caches)."""
+        outputs = jax.device_get(_row_outputs(self._running_state(), slice(None)))
+        return [
+            self._result(row, {name: value[row] for name, value in outputs.items()})
+            for row in range(self.num_rows)
+        ]
+
+    def _result(self, row: int, outputs: dict) -> GenerationResult:
+        stops, cancelled = self.stop_token_ids, row in self._cancelled
+        return _result(outputs, self.prompt_lengths[row], stops, self.timing, cancelled)
+
+    def _check_row(self, row) -> None:
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise ValueError(f"row must be an integer, got {row!r}")
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
+
+    def _running_state(self):
         if self._state is None:
             raise RuntimeError("start() the session before reading its results")
-        state = jax.device_get(self._state)
-        return [
-            _result(state, row, length, self.stop_token_ids, self.timing, row in self._cancelled)
-            for row, length in enumerate(self.prompt_lengths)
-        ]
+        return self._state
 
     def _decode_state(self):
         if self._state is None:
@@ -476,32 +493,49 @@ def _per_row(value, rows: int, name: str) -> list:
     return [value] * rows
 
 
-def _result(state, row, prompt_length, stops, timing, cancelled) -> GenerationResult:
+def _row_outputs(state, rows: int | slice) -> dict[str, jax.Array]:
+    """The arrays a `GenerationResult` is read from, at `rows` of the batch (device arrays; the
+    caches stay on the device)."""
     decode = state.decode if isinstance(state, SpecState) else state
-    tokens = decode.output[row, : int(decode.num_generated[row])].tolist()
-    outcomes, hits, occupancy = [], [], []
-    if isinstance(state, SpecState) and isinstance(state.proposer, ForesightState):
-        rounds = int(state.proposer.num_rounds[row])
-        hits = state.proposer.hits[row, :rounds].tolist()
-        occupancy = state.proposer.occupancy[row, :rounds].tolist()
+    outputs = {
+        "output": decode.output[rows],
+        "num_generated": decode.num_generated[rows],
+        "done": decode.done[rows],
+        "round_lengths": decode.round_lengths[rows],
+        "num_rounds": decode.num_rounds[rows],
+    }
     if isinstance(state, SpecState):
-        rounds = int(state.num_verify_rounds[row])
-        outcomes = list(
-            zip(
-                state.accepted[row, :rounds].tolist(),
-                state.bonus[row, :rounds].tolist(),
-                strict=True,
-            )
-        )
+        outputs["verify_rounds"] = state.num_verify_rounds[rows]
+        outputs["accepted"] = state.accepted[rows]
+        outputs["bonus"] = state.bonus[rows]
+        if isinstance(state.proposer, ForesightState):
+            outputs["foresight_rounds"] = state.proposer.num_rounds[rows]
+            outputs["hits"] = state.proposer.hits[rows]
+            outputs["occupancy"] = state.proposer.occupancy[rows]
+    return outputs
+
+
+def _result(row: dict, prompt_length, stops, timing, cancelled) -> GenerationResult:
+    """The `GenerationResult` of one row's host outputs (`_row_outputs` at that row)."""
+    tokens = row["output"][: int(row["num_generated"])].tolist()
+    outcomes, hits, occupancy = [], [], []
+    if "foresight_rounds" in row:
+        rounds = int(row["foresight_rounds"])
+        hits = row["hits"][:rounds].tolist()
+        occupancy = row["occupancy"][:rounds].tolist()
+    if "verify_rounds" in row:
+        rounds = int(row["verify_rounds"])
+        accepted, bonus = row["accepted"][:rounds].tolist(), row["bonus"][:rounds].tolist()
+        outcomes = list(zip(accepted, bonus, strict=True))
     if tokens and tokens[-1] in stops:
         reason = "stop"
     elif cancelled:
         reason = "cancelled"
     else:
-        reason = "length" if bool(decode.done[row]) else None
+        reason = "length" if bool(row["done"]) else None
     return GenerationResult(
         tokens=tokens,
-        acceptance_lengths=decode.round_lengths[row, : int(decode.num_rounds[row])].tolist(),
+        acceptance_lengths=row["round_lengths"][: int(row["num_rounds"])].tolist(),
         finish_reason=reason,
         prompt_length=prompt_length,
         timing=timing,

@@ -3,8 +3,10 @@
 One worker thread owns the device. It takes up to `max_batch_size` waiting jobs, decodes them as
 one `DecodeSession` (rows with different prompts, budgets and sampling parameters batch together:
 those are per-row arrays), and after the prefill and after every `chunk_steps` target forwards
-hands each job its new tokens through the job's `deliver` callback. Jobs that arrive meanwhile wait
-for the next batch (static batching: a running batch is not joined mid-flight).
+hands each job its new tokens through the job's `deliver` callback; a job whose row is done (its
+stop token, its budget, or cancelled) gets its `Finished` at that chunk boundary, not when the
+batch ends. Jobs that arrive meanwhile wait for the next batch (static batching: a running batch is
+not joined mid-flight, and a finished row's slot stays idle until the batch ends).
 
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
@@ -25,6 +27,7 @@ from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import (
     DecodeSession,
     GenerationResult,
+    Timing,
     check_budget,
     check_token_ids,
 )
@@ -263,36 +266,42 @@ class Scheduler:
                 self._running = []
 
     def _serve(self, batch: list[Job]) -> None:
-        """Decodes `batch` and gives each job its last event. A failure anywhere (decoding,
-        recording metrics) fails the batch's jobs with a 500, never the worker thread."""
+        """Decodes `batch`, giving each job its `Finished` as soon as its row is done. A failure
+        anywhere (decoding, recording metrics) fails the jobs not yet finished with a 500, never
+        the worker thread."""
         m = self.metrics
         m.running.set(len(batch))
+        unfinished = set(range(len(batch)))
+
+        def finish(row: int, result: GenerationResult) -> None:
+            m.prompt_tokens.inc(result.prompt_length)
+            m.generated_tokens.inc(len(result.tokens))
+            if len(result.acceptance_lengths) > 1:
+                m.tau.observe(result.tau)
+            batch[row].deliver(Finished(result))
+            unfinished.discard(row)
+
         try:
             m.batch_size.observe(len(batch))
             started = time.perf_counter()
             for job in batch:
                 m.phase_seconds.labels("queue").observe(started - job.submitted_at)
-            results = self._decode(batch)
-            timing = results[0].timing
+            timing = self._decode(batch, finish)
             m.phase_seconds.labels("compile").observe(timing.compile_seconds)
             m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
             m.phase_seconds.labels("decode").observe(timing.decode_seconds)
-            for result in results:
-                m.prompt_tokens.inc(result.prompt_length)
-                m.generated_tokens.inc(len(result.tokens))
-                if len(result.acceptance_lengths) > 1:
-                    m.tau.observe(result.tau)
-            last: list[Event] = [Finished(result) for result in results]
         except Exception as e:
             logger.exception("serving a batch of %d requests failed", len(batch))
-            last = [Failed(500, f"serving the batch failed: {type(e).__name__}: {e}")] * len(batch)
+            failed = Failed(500, f"serving the batch failed: {type(e).__name__}: {e}")
+            for row in sorted(unfinished):
+                batch[row].deliver(failed)
         finally:
             m.running.set(0)
-        for job, event in zip(batch, last, strict=True):
-            job.deliver(event)
 
-    def _decode(self, batch: list[Job]) -> list[GenerationResult]:
-        """Decodes `batch` as one session, delivering new tokens every `chunk_steps` forwards."""
+    def _decode(self, batch: list[Job], finish: Callable[[int, GenerationResult], None]) -> Timing:
+        """Decodes `batch` as one session: new tokens to every job after the prefill and every
+        `chunk_steps` forwards, and `finish(row, result)` once per row, when it is done (a row
+        that ends early is answered while the others decode). Returns the batch's timing."""
         session = DecodeSession(
             self.target,
             [job.prompt_ids for job in batch],
@@ -303,16 +312,19 @@ class Scheduler:
             pad_batch_to=self._pad_to,
         )
         session.start()
-        self._deliver(batch, session.poll())
-        while not session.done:
+        finished = [False] * len(batch)
+        while True:
+            self._deliver(batch, session.poll())
             for row, job in enumerate(batch):
                 if job.cancelled and not session.row_done[row]:
                     session.cancel(row)
+            for row, done in enumerate(session.row_done):
+                if done and not finished[row]:
+                    finished[row] = True
+                    finish(row, session.result(row))
             if session.done:
-                break
+                return session.timing
             session.advance(self.chunk_steps)
-            self._deliver(batch, session.poll())
-        return session.results()
 
     @staticmethod
     def _deliver(batch: list[Job], new_tokens: list[list[int]]) -> None:
