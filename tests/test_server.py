@@ -132,7 +132,7 @@ def test_models_health_and_api_key(server, http, client):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_completion_equals_the_library_and_its_stream(target, client):
+def test_completion_equals_the_library_and_its_stream(target, client, http):
     ids = target.tokenizer.encode("Hello")
     expected, result = _library(target, ids, 12)
     answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0)
@@ -161,6 +161,12 @@ def test_completion_equals_the_library_and_its_stream(target, client):
     assert "".join(texts) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].usage.completion_tokens == len(result.tokens)
+    # As OpenAI's: with include_usage, the chunks before the usage chunk carry "usage": null.
+    body = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stream=True)
+    raw = http.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+    assert len(events) > 2 and all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["usage"]["completion_tokens"] == len(result.tokens)
 
 
 def test_prompts_are_templated_and_tokenized_off_the_event_loop(http, monkeypatch):
@@ -403,6 +409,18 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", n=2), 400, "n"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", n=True), 400, "n"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", stream="yes"), 400, "stream"),
+    (
+        "/v1/completions",
+        dict(model=MODEL, prompt="Hi", stream_options={"include_usage": True}),
+        400,
+        "only allowed when stream is true",
+    ),
+    (
+        "/v1/completions",
+        dict(model=MODEL, prompt="Hi", stream=True, stream_options={"include_usage": "false"}),
+        400,
+        "include_usage must be a boolean",
+    ),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=2), 400, "logprobs"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=0), 400, "logprobs"),
     ("/v1/completions", dict(model=MODEL, prompt="x" * 2100), 400, "context"),

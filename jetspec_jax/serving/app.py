@@ -299,6 +299,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     metrics = request.app[SCHEDULER].metrics
     output = _Output(model.tokenizer, req.stop)
     ids = dict(chat=req.chat, request_id=responses.new_id(req.chat), model=model.name)
+    chunk_ids = dict(ids, include_usage=req.include_usage)
     response: web.StreamResponse | None = None
 
     async def send(payload: dict | str) -> None:
@@ -309,19 +310,19 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
             )
             await response.prepare(request)
             if req.chat:  # the first chat chunk announces the role
-                await _sse(response, responses.chunk(**ids, text="", role=True))
+                await _sse(response, responses.chunk(**chunk_ids, text="", role=True))
         await _sse(response, payload)
 
     try:
         async for piece in _decoded(job, events, output, metrics, arrived):
-            await send(responses.chunk(**ids, text=piece))
+            await send(responses.chunk(**chunk_ids, text=piece))
     except RequestError as error:
         if response is None:  # nothing sent yet: an ordinary error answer
             raise
         await send(error.body())
     else:
         result = output.result
-        await send(responses.chunk(**ids, finish_reason=output.finish_reason(result)))
+        await send(responses.chunk(**chunk_ids, finish_reason=output.finish_reason(result)))
         if req.include_usage:
             await send(
                 responses.usage_chunk(

@@ -255,9 +255,19 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
         stream = False
     if not isinstance(stream, bool):
         raise RequestError(400, "stream must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise RequestError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    options = options or {}
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options must be an object", param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError(
+            400, "stream_options.include_usage must be a boolean", param="stream_options"
+        )
     return GenerationRequest(
         chat=chat,
         prompt_ids=prompt_ids,
@@ -265,7 +275,7 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
         sampling=_sampling(body),
         stop=_stop(body.get("stop")),
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
     )
 
 

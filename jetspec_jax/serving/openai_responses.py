@@ -72,8 +72,11 @@ def chunk(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
-    """One streamed chunk: a text delta (chat: the first also carries the role) or the finish."""
+    """One streamed chunk: a text delta (chat: the first also carries the role) or the finish.
+    With `include_usage` (the request's `stream_options`) it carries `"usage": null`, as OpenAI's
+    chunks before the usage chunk do."""
     if chat:
         delta: dict[str, str] = {}
         if role:
@@ -89,6 +92,7 @@ def chunk(
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
+        **({"usage": None} if include_usage else {}),
     }
 
 
