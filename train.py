@@ -311,7 +311,8 @@ def _export(args: argparse.Namespace) -> int:
         # Without its calibration: that was fitted to the donor's draft (train.py calibrate).
         draft = draft.with_adapter(donor.adapter)
     draft.save(out)
-    parts = "draft + adapter" + (" + calibration" if draft.calibration is not None else "")
+    parts = "draft" + (" + adapter" if draft.adapter is not None else "")
+    parts += " + calibration" if draft.calibration is not None else ""
     print(f"{parts} saved in {args.dtype} to {out}")
     return 0
 

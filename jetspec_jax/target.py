@@ -19,6 +19,7 @@ from jetspec_jax.checkpoint.draft_hf import is_draft_config
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf, read_hf_config
 from jetspec_jax.checkpoint.hf_params import load_hf_params, save_hf_params
+from jetspec_jax.checkpoint.json_fields import json_integer
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward, unembed
@@ -123,7 +124,7 @@ def load_target(
         params=params,
         dtype=dtype,
         tokenizer=tokenizer,
-        stop_token_ids=_stop_token_ids(path, hf_config, tokenizer),
+        stop_token_ids=_stop_token_ids(path, hf_config, tokenizer, config.vocab_size),
         path=path,
     )
 
@@ -137,20 +138,34 @@ def _load_tokenizer(path: pathlib.Path):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
-def _stop_token_ids(path: pathlib.Path, hf_config: dict, tokenizer) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's."""
-    eos = None
+def _stop_token_ids(
+    path: pathlib.Path, hf_config: dict, tokenizer, vocab_size: int
+) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's.
+
+    Raises:
+        CheckpointError: an `eos_token_id` that is not an integer or a list of integers, or an id
+            outside the vocabulary (every decode would refuse it as a stop token).
+    """
+    eos, source = None, None
     if (path / "generation_config.json").is_file():
         eos = read_json(path, "generation_config.json", "checkpoint directory", "").get(
             "eos_token_id"
         )
+        source = "generation_config.json"
     if eos is None:
-        eos = hf_config.get("eos_token_id")
+        eos, source = hf_config.get("eos_token_id"), "config.json"
     if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
+        return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     if eos is None:
         return ()
-    return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+    what = f"{path / source} field 'eos_token_id'"
+    ids = tuple(json_integer(i, what) for i in (eos if isinstance(eos, list) else [eos]))
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise CheckpointError(
+            f"{what}: {list(ids)} has ids outside the vocabulary [0, {vocab_size})"
+        )
+    return ids
 
 
 def _check_token_range(tokens: np.ndarray, vocab_size: int) -> None:

@@ -225,8 +225,11 @@ def test_train_export_in_bfloat16_and_with_another_adapter(
     assert loaded.calibration is None
     _assert_trees_equal(loaded.adapter.params, draft.adapter.params)
     assert _greedy(target, loaded) == _greedy(target, draft.with_adapter(draft.adapter))
+    assert "draft + adapter saved in float32" in capsys.readouterr().out
+    argv = ["export", "--draft", str(plain), "--out", str(tmp_path / "plain_again")]
+    assert train.main(argv + common) == 0
+    assert "draft saved in float32" in capsys.readouterr().out  # no adapter to name
 
-    capsys.readouterr()
     refusals = [
         (["--draft", str(plain), "--out", str(paired)], "exists; not replacing it"),
         (["--draft", str(plain), "--adapter-from", str(plain)], "not a JetSpec++ checkpoint"),

@@ -58,6 +58,21 @@ def test_sharded_checkpoint_loads(checkpoints, tmp_path):
     np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
 
 
+def test_a_single_file_beside_shards_is_read_as_transformers_reads_it(checkpoints, tmp_path):
+    """A directory holding model.safetensors and a shard index (of other weights) is one model
+    in both libraries: transformers reads the single file, so do we."""
+    _, model = checkpoints.get("llama")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    single = {k: v.numpy() * 0.5 for k, v in model.state_dict().items()}
+    safetensors.numpy.save_file(single, tmp_path / "model.safetensors")
+    reference = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    target = jetspec_jax.load_target(tmp_path)
+    np.testing.assert_allclose(
+        np.asarray(target.logits(IDS)), _hf_logits(reference), atol=1e-4, rtol=0
+    )
+    assert not np.allclose(_hf_logits(reference), _hf_logits(model), atol=1e-3)
+
+
 def test_transformers4_config_layout_loads(checkpoints, tmp_path):
     """rope_theta / rope_scaling at the top level, as transformers 4 wrote them."""
     path, model = _copy(checkpoints, tmp_path, "llama3_rope_bias")
@@ -139,6 +154,26 @@ def test_malformed_json_file(checkpoints, tmp_path, name):
     (path / name).write_text("{not json")
     with pytest.raises(CheckpointError, match=f"{path / name} is not valid JSON"):
         jetspec_jax.load_target(path)
+
+
+@pytest.mark.parametrize(
+    "eos, message",
+    [
+        ([None], "must be an integer, got None"),
+        ("x", "must be an integer, got 'x'"),
+        (True, "must be an integer, got True"),
+        (2.7, "must be an integer, got 2.7"),
+        ([2, 97], "outside the vocabulary \\[0, 97\\)"),
+    ],
+)
+def test_a_bad_eos_token_id_is_named_with_its_file(checkpoints, tmp_path, eos, message):
+    path, _ = _copy(checkpoints, tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    where = re.escape(f"{path / 'generation_config.json'} field 'eos_token_id'")
+    with pytest.raises(CheckpointError, match=f"{where}.*{message}"):
+        jetspec_jax.load_target(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+    assert jetspec_jax.load_target(path).stop_token_ids == (3, 4)
 
 
 @pytest.mark.parametrize(
@@ -327,17 +362,28 @@ def test_config_json_that_is_not_an_object(checkpoints, tmp_path):
         jetspec_jax.load_target(path)
 
 
-def test_a_null_config_field_is_named_with_the_directory(checkpoints, tmp_path):
+def test_a_config_field_of_the_wrong_type_is_named_with_the_directory(checkpoints, tmp_path):
+    """Typed reads: nothing is coerced ("false" is not true, 2.9 layers are not 2)."""
     path, _ = _copy(checkpoints, tmp_path)
-    _edit_config(path, rms_norm_eps="tiny")
-    with pytest.raises(CheckpointError, match=f"{path}: invalid config.json"):
-        jetspec_jax.load_target(path)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(
-        json.dumps({**config, "rms_norm_eps": 1e-6, "hidden_size": None})
-    )
-    with pytest.raises(CheckpointError, match="invalid config.json"):
-        jetspec_jax.load_target(path)
+    nested_rope = {"full_attention": {"rope_type": "linear", "factor": 4.0}}
+    for field, value, message in (
+        ("rms_norm_eps", "tiny", "'rms_norm_eps' must be a number"),
+        ("hidden_size", None, "'hidden_size' must be an integer, got None"),
+        ("hidden_size", "32", "'hidden_size' must be an integer, got '32'"),
+        ("num_hidden_layers", 2.9, "'num_hidden_layers' must be an integer, got 2.9"),
+        ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false"),
+        ("attention_bias", 1, "'attention_bias' must be true or false"),
+        ("rope_parameters", nested_rope, "per-layer-type rope parameters \\(\\['full_att"),
+    ):
+        (path / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(CheckpointError, match=f"{path}: config.json field '?{field}'? "):
+            jetspec_jax.load_target(path)
+        with pytest.raises(CheckpointError, match=message):
+            jetspec_jax.load_target(path)
+    # Qwen3's MLP has no bias whatever mlp_bias says (transformers ignores the field): loaded.
+    (path / "config.json").write_text(json.dumps({**config, "mlp_bias": True}))
+    assert not jetspec_jax.load_target(path).config.mlp_bias
 
 
 def test_a_draft_directory_is_not_loaded_as_a_target(checkpoints, tmp_path):

@@ -114,6 +114,11 @@ def test_multimodal_checkpoint_loads_its_text_model(hybrid, tmp_path):
     assert loaded.config == target.config
     ids = np.random.default_rng(5).integers(0, 97, (2, CHUNK + 16))  # the compiled shape
     np.testing.assert_array_equal(np.asarray(loaded.logits(ids)), np.asarray(target.logits(ids)))
+    # A tensor under both spellings: which copy is meant would be a guess.
+    tensors["model.norm.weight"] = tensors["model.language_model.norm.weight"]
+    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.norm.weight is stored under both"):
+        jetspec_jax.load_target(tmp_path)
 
 
 def test_missing_tensor_and_unsupported_options_are_named(hybrid, tmp_path):

@@ -85,37 +85,57 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
 
     try:
-        hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        hidden, heads = _integer(hf, "hidden_size"), _integer(hf, "num_attention_heads")
         if heads < 1:  # else a ZeroDivisionError below, or in TransformerConfig
             raise CheckpointError(
                 f"config.json field 'num_attention_heads' must be positive, got {heads}"
             )
         head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM[model_type] or hidden // heads
-        context = int(hf.get("max_position_embeddings", _DEFAULT_CONTEXT[model_type]))
+        context = _integer(hf, "max_position_embeddings", _DEFAULT_CONTEXT[model_type])
         return TransformerConfig(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=_integer(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            intermediate_size=_integer(hf, "intermediate_size"),
+            num_layers=_integer(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_integer(hf, "num_key_value_heads", None) or heads,
+            head_dim=json_integer(head_dim, _field("head_dim"), whole_floats=True),
+            rms_norm_eps=json_number(hf.get("rms_norm_eps", 1e-6), _field("rms_norm_eps")),
             rope=_rope_from_hf(hf, context, hybrid=model_type == "qwen3_5"),
             max_position_embeddings=context,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             qk_norm=model_type in ("qwen3", "qwen3_5"),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            attention_bias=_flag(hf, "attention_bias"),
+            # Qwen3 / Qwen3.5 MLPs have no bias whatever the field says (transformers ignores it).
+            mlp_bias=_flag(hf, "mlp_bias") if model_type == "llama" else False,
             **(_hybrid_fields(hf) if model_type == "qwen3_5" else {}),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from e
-    except (TypeError, ValueError) as e:  # a null or non-number field; inconsistent sizes
+    except (TypeError, ValueError) as e:  # inconsistent sizes (TransformerConfig's checks)
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"invalid config.json: {e}") from e
+
+
+_REQUIRED = object()
+
+
+def _integer(hf: dict[str, Any], name: str, default: Any = _REQUIRED) -> Any:
+    """An integer field (2.0 taken, "32" and 2.9 refused); `default` when absent or null."""
+    value = hf[name] if default is _REQUIRED else hf.get(name)
+    if value is None and default is not _REQUIRED:
+        return default
+    return json_integer(value, _field(name), whole_floats=True)
+
+
+def _flag(hf: dict[str, Any], name: str) -> bool:
+    """A boolean field, false when absent or null ("false" as a string is refused, not true)."""
+    value = hf.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise CheckpointError(f"{_field(name)} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +203,12 @@ def _rope_params(hf: dict[str, Any]) -> tuple[dict[str, Any], str, Any]:
     params = hf.get(source) or {}
     if not isinstance(params, dict):
         raise CheckpointError(f"config.json field {source!r} must be an object, got {params!r}")
+    nested = sorted(key for key, value in params.items() if isinstance(value, dict))
+    if nested:  # transformers 5's per-layer-type layout; read flat, it would be plain RoPE
+        raise CheckpointError(
+            f"config.json field {source!r} holds per-layer-type rope parameters ({nested}): "
+            "not supported; give one rope dict for all layers"
+        )
     params = dict(params)
     return params, source, params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
 

@@ -335,9 +335,14 @@ def save_hf_params(
 def locate_tensors(
     checkpoint_dir: pathlib.Path,
 ) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
-    """Maps every tensor name in the checkpoint to (file, shape), reading headers only."""
+    """Maps every tensor name in the checkpoint to (file, shape), reading headers only.
+
+    A directory holding both files is read from `model.safetensors`, as transformers reads it
+    (so that one directory is one model in both libraries)."""
     index = checkpoint_dir / INDEX_FILE
-    if index.is_file():
+    if (checkpoint_dir / SINGLE_FILE).is_file():
+        weight_map, files = None, [SINGLE_FILE]
+    elif index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (ValueError, KeyError, TypeError) as e:  # bad JSON, no weight_map, not an object
@@ -347,8 +352,6 @@ def locate_tensors(
         ):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
         files = sorted(set(weight_map.values()))
-    elif (checkpoint_dir / SINGLE_FILE).is_file():
-        weight_map, files = None, [SINGLE_FILE]
     else:
         raise CheckpointError(f"{checkpoint_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -388,6 +391,11 @@ def _text_model_tensors(located: dict) -> dict:
             continue
         if name.startswith(_MULTIMODAL_TEXT_PREFIX):
             name = "model." + name[len(_MULTIMODAL_TEXT_PREFIX) :]
+            if name in located:  # which copy is meant would be a guess
+                raise CheckpointError(
+                    f"tensor {name} is stored under both its text-only and its multimodal "
+                    f"({_MULTIMODAL_TEXT_PREFIX}...) name"
+                )
         out[name] = where
     return out
 
