@@ -685,6 +685,21 @@ def test_metrics_parse(server, http):
     assert phases == {"queue", "compile", "prefill", "decode", "request"}
     assert families["jetspec_queue_depth"].samples[0].value == 0
 
+    # A stream whose batch fails after its first tokens went out (200 headers, then an error
+    # event) is counted with the error's status.
+    class Broken:
+        def inc(self, amount=1):
+            raise RuntimeError("metrics broke")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(server.app[SCHEDULER].metrics, "generated_tokens", Broken())
+        body = dict(model=MODEL, prompt="Hi", max_tokens=8, temperature=0, stream=True)
+        streamed = http.post("/v1/completions", json=body)
+    assert streamed.status_code == 200 and "metrics broke" in streamed.text
+    _, after = scrape()
+    assert after.get(("/v1/completions", "500"), 0) - requests.get(("/v1/completions", "500"), 0)
+    assert after[("/v1/completions", "200")] == requests[("/v1/completions", "200")]
+
 
 def test_a_server_that_cannot_bind_its_port_leaves_no_thread_behind(target, server):
     """The scheduler starts before the listener: a taken port must shut it down again."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import hmac
 import json
 import logging
@@ -51,6 +52,11 @@ MODEL = web.AppKey("model", ModelInfo)
 API_KEY = web.AppKey("api_key", str)
 TOKENIZING = web.AppKey("tokenizing", concurrent.futures.ThreadPoolExecutor)
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+# The status of an error a stream sent as an event after its 200 headers, for `_count` (a
+# context variable: the handler runs in the middleware's task).
+_STREAM_ERROR_STATUS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "jetspec_stream_error_status", default=None
+)
 
 
 def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = None):
@@ -98,12 +104,15 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
 @web.middleware
 async def _count(request: web.Request, handler):
     """Counts every answer by route and status (`jetspec_requests_total`); a request whose client
-    went away (its handler cancelled) counts as 499, nginx's "client closed request"."""
+    went away (its handler cancelled) counts as 499, nginx's "client closed request", and a
+    stream that ended in an error event counts as that error's status, not the 200 its headers
+    went out with."""
     endpoint = request.path if request.path in _ROUTES else "other"
     status = 500
+    _STREAM_ERROR_STATUS.set(None)  # requests of one keep-alive connection share a task
     try:
         response = await handler(request)
-        status = response.status
+        status = _STREAM_ERROR_STATUS.get() or response.status
         return response
     except web.HTTPException as e:
         status = e.status
@@ -319,6 +328,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     except RequestError as error:
         if response is None:  # nothing sent yet: an ordinary error answer
             raise
+        _STREAM_ERROR_STATUS.set(error.status)
         await send(error.body())
     else:
         result = output.result

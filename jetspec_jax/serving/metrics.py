@@ -27,7 +27,10 @@ class ServerMetrics:
             "jetspec_prompt_tokens", "Prompt tokens of served requests.", registry=r
         )
         self.generated_tokens = Counter(
-            "jetspec_generated_tokens", "Tokens generated for served requests.", registry=r
+            "jetspec_generated_tokens",
+            "Tokens decoded for served requests (a row a stop string cut may decode a few past "
+            "it, which its answer leaves out).",
+            registry=r,
         )
         self.tau = Histogram(
             "jetspec_tau",
