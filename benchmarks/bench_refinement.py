@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import jetspec_jax  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, write_section  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
+from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
@@ -107,10 +108,19 @@ def main() -> None:
     if args.temperature < 0:
         parser.error(f"--temperature {args.temperature}: must be >= 0")
     settings = [known[label] for label in labels]
+    # The foresight runs come after every setting of the first set: a bad budget or rule must
+    # fail now, not hours in (the table would go unwritten).
+    try:
+        budgets = [int(b) for b in args.foresight.split(",") if b]
+        for b in budgets:
+            for rule in args.rules.split(","):
+                options = dict(refine_passes=1, refreshes=1, foresight=b, foresight_rule=rule)
+                DecodingOptions("jetspec++", **options)
+    except ValueError as e:
+        parser.error(f"--foresight {args.foresight!r} --rules {args.rules!r}: {e}")
 
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
-    budgets = [int(b) for b in args.foresight.split(",") if b]
     rows, hit_rows, mismatches, times = [], [], [], []
     run = functools.partial(
         _run, target, max_new_tokens=args.max_new_tokens, temperature=args.temperature
@@ -195,7 +205,8 @@ def main() -> None:
         "",
         f"Machine: {machine_line()}. Checkpoint `{args.draft}`; {decoding}, first "
         f"{args.num_prompts} prompts per set, {args.max_new_tokens} new tokens; {identical}. "
-        "`*`: the target itself as the proxy (true tap states).",
+        "tau: the mean of per-prompt tau. `*`: the target itself as the proxy (true tap "
+        "states).",
         "",
         f"Command: `python benchmarks/bench_refinement.py{changed_flags(args, _parser())}`",
         "",

@@ -143,7 +143,8 @@ def main() -> None:
     lines += [
         "",
         f"Decode tokens/s, median over the prompts, {args.max_new_tokens} new tokens, batch 1 "
-        f"(sampled: temperature {t}, top-p {p}; J0 = the shipped draft):",
+        f"(sampled: temperature {t}, top-p {p}; J0 = the shipped draft; tau: mean of per-prompt "
+        "tau):",
         "",
         "| method | greedy | sampled | sampled / greedy | tau greedy | tau sampled |",
         "|---|---:|---:|---:|---:|---:|",

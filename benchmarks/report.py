@@ -9,6 +9,8 @@ import pathlib
 import platform
 import shlex
 
+from jetspec_jax.checkpoint.atomic import write_text_atomically
+
 BENCHMARKS_MD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 _HEADER = (
     "# Benchmarks\n\n"
@@ -57,4 +59,4 @@ def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> N
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_text_atomically(path, text)  # a crash mid-write must not truncate the whole file

@@ -188,7 +188,7 @@ class TokenStream:
         for rows in self._chunks:
             if rows[0]:
                 return rows[0]
-        if self.result is None:
+        if self.result is None and self._session.started:  # not started: closed before a chunk
             self.result = self._session.results()[0]
         raise StopIteration
 

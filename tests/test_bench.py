@@ -124,6 +124,18 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     for bad in ("0,1e-6", "0,nan", "0,inf", ","):
         assert main(["--prompts", str(tmp_path / "p.jsonl"), "--temperatures", bad]) == 2
         assert f"--temperatures {bad!r}" in capsys.readouterr().err
+    a_file = tmp_path / "results"
+    a_file.write_text("not a directory")
+    assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(a_file / "bench")]) == 2
+    assert f"{a_file} is a file, not a directory" in capsys.readouterr().err
+    for flags, message in (
+        (["--random-draft-block", "4"], "sizes the --random-draft, which is not given"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--limit", "0"], "--limit must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--prompts", str(tmp_path / "p.jsonl"), *flags])
+        assert message in capsys.readouterr().err
 
 
 def test_prompt_ids_that_repeat_are_refused(tmp_path):
@@ -195,6 +207,42 @@ def test_bad_method_and_draft_pairings_fail_before_any_run(checkpoints, monkeypa
         run_benchmark(target, data, parse_methods("ar"), {}, max_new_tokens=10**6)
 
 
+def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch):
+    """Every method decodes prompt i (AR first) before any decodes prompt i + 1, so that load
+    drifting on a shared machine falls on all methods alike; repeated datasets, methods or
+    temperatures are refused (their summary rows would merge)."""
+    from jetspec_jax.bench import runner
+    from jetspec_jax.decoding.session import GenerationResult, Timing
+
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    drafts = {"jetspec": jetspec_jax.init_draft(target, variant="jetspec", block_size=4)}
+    calls = []
+
+    def fake_generate(target, prompt, *, method, temperature, seed, **kwargs):
+        calls.append((method, prompt[0], seed))
+        return GenerationResult([7, 8], [1, 1], "length", len(prompt), Timing(0.0, 0.01, 0.0))
+
+    monkeypatch.setattr(runner, "generate", fake_generate)
+    data = [Dataset("tiny", ["p-0", "p-1"], [[1, 2], [3, 4]])]
+    methods = parse_methods("jetspec,ar")
+    samples, _ = run_benchmark(target, data, methods, drafts, warmup=1)
+    warmups = [("ar", 1, 0), ("jetspec", 1, 0)]
+    timed = [("ar", 1, 0), ("jetspec", 1, 0), ("ar", 3, 1), ("jetspec", 3, 1)]
+    assert calls == warmups + timed
+    assert [(s.method, s.prompt_id) for s in samples] == [
+        ("ar", "p-0"), ("jetspec", "p-0"), ("ar", "p-1"), ("jetspec", "p-1")
+    ]  # fmt: skip
+    assert all(s.matches_ar for s in samples if s.method == "jetspec")
+    for kwargs, what in (
+        (dict(datasets=data * 2), "dataset tiny given twice"),
+        (dict(methods=[*methods, methods[0]]), "method jetspec given twice"),
+        (dict(temperatures=(0.0, 0.0)), "temperature 0.0 given twice"),
+    ):
+        args = {**dict(target=target, datasets=data, methods=methods, drafts=drafts), **kwargs}
+        with pytest.raises(ValueError, match=what):
+            run_benchmark(**args)
+
+
 def test_two_drafts_of_one_variant_are_refused(monkeypatch, tmp_path, capsys):
     import jetspec_jax
 
@@ -218,6 +266,7 @@ def test_report_without_matplotlib_skips_the_plots(monkeypatch, tmp_path, capsys
 
     summary = Summary("tiny", 0.0, "ar", 1, 8, 1.0, 10.0, 1.0, 1.0, 1.0, 0.5, None, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    (tmp_path / "tau.png").write_bytes(b"a previous run's plot")  # would not match the tables
     paths = write_report(tmp_path, [], [summary])
     assert sorted(paths) == ["results", "samples", "table"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -241,6 +290,36 @@ def test_load_test_counts_network_errors(capsys):
         result = run_load(f"http://127.0.0.1:{port}", "m", ["Hi"], concurrency=2, requests=3)
     assert (result.requests, result.errors, result.requests_per_second) == (3, 3, 0.0)
     assert "3 of 3 requests at concurrency 2 failed: ConnectError" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no prompts"):
+        run_load(f"http://127.0.0.1:{port}", "m", [], concurrency=1, requests=1)
+
+
+def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
+    import http.server
+    import threading
+
+    from jetspec_jax.bench.load import run_load
+
+    class CutStream(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (the stdlib's spelling)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi\n\n')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CutStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = run_load(url, "m", ["Hi"], concurrency=1, requests=2)
+    finally:
+        server.shutdown()
+    assert (result.requests, result.errors) == (2, 2)
+    assert "2 of 2 requests at concurrency 1 failed: a malformed event" in capsys.readouterr().err
 
 
 def test_benchmark_scripts_import_without_running():

@@ -91,6 +91,9 @@ def test_closing_a_stream_cancels_it(target, prompts):
     assert stream.result.finish_reason == "cancelled"
     assert stream.result.tokens == got == _ar(target, prompts[0]).tokens[: len(got)]
     assert list(stream) == []
+    unstarted = jetspec_jax.stream(target, prompts[0], max_new_tokens=N_NEW)
+    unstarted.close()  # before any chunk: nothing decoded, nothing to iterate
+    assert list(unstarted) == [] and unstarted.result is None
 
 
 def test_stream_validates_before_the_first_token(target):
@@ -182,6 +185,11 @@ def test_results_read_mid_decode_name_unfinished_rows_and_bad_calls_are_refused(
             session.cancel(bad)
     session.cancel(np.int64(0))
     assert session.results()[0].finish_reason == "cancelled"
+    # One row's result alone is that row of `results()`.
+    assert [session.result(row) for row in range(3)] == session.results()
+    for bad in (3, -1, True):
+        with pytest.raises(ValueError, match="row"):
+            session.result(bad)
     with pytest.raises(ValueError, match="sampling must be a SamplingParams or one per prompt"):
         DecodeSession(target, prompts, sampling=None)
 

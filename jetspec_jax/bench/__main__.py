@@ -9,18 +9,28 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.random_draft_block is not None and args.random_draft is None:
+        parser.error("--random-draft-block sizes the --random-draft, which is not given")
+    for name in ("limit", "max_new_tokens", "random_draft_block"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     import jetspec_jax  # deferred so that --help answers at once
     from jetspec_jax.bench.datasets import load_dataset
     from jetspec_jax.bench.methods import parse_methods
-    from jetspec_jax.bench.report import markdown_table, write_report
+    from jetspec_jax.bench.report import check_out_dir, markdown_table, write_report
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.default_model import default_draft_dir
 
     try:
+        check_out_dir(pathlib.Path(args.out))  # not after hours of runs
         methods = parse_methods(args.methods)
         temperatures = _temperatures(args.temperatures)
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
@@ -33,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             _add_draft(drafts, sources, draft.config.variant, draft, f"--draft {path}")
         if args.random_draft:
             draft = jetspec_jax.init_draft(
-                target, variant=args.random_draft, block_size=args.random_draft_block
+                target, variant=args.random_draft, block_size=args.random_draft_block or 16
             )
             _add_draft(
                 drafts, sources, args.random_draft, draft, f"--random-draft {args.random_draft}"
@@ -129,7 +139,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=["dflash", "jetspec", "jetspec++"],
         help="a randomly initialised draft of this variant (measures overheads, tau ~ 1)",
     )
-    parser.add_argument("--random-draft-block", type=int, default=16)
+    parser.add_argument(
+        "--random-draft-block", type=int, default=None, help="block size of the --random-draft (16)"
+    )
     parser.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,1")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per method")
@@ -139,7 +151,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="chat template, thinking off (default: when the tokenizer has one)",
     )
-    parser.add_argument("--out", default="runs/bench", help="output directory")
+    parser.add_argument(
+        "--out", default="runs/bench", help="output directory (a previous run's files replaced)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 

@@ -60,6 +60,8 @@ def run_load(
 
     if concurrency < 1 or requests < 1:
         raise ValueError("concurrency and requests must be >= 1")
+    if not prompts:
+        raise ValueError("no prompts to send")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     bodies = []
@@ -108,8 +110,8 @@ def run_load(
 def _one(client, path: str, body: dict) -> tuple[float, float, int] | str:
     """`(latency, time to first token, completion tokens)`, or why the request failed.
 
-    A network error is a failed request like an error answer: one timeout or dropped stream under
-    load must not abort the level (and lose its other measurements).
+    A network error or a malformed event is a failed request like an error answer: one timeout or
+    cut stream under load must not abort the level (and lose its other measurements).
     """
     import httpx
 
@@ -133,6 +135,8 @@ def _one(client, path: str, body: dict) -> tuple[float, float, int] | str:
                     tokens = event["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
         return f"{type(e).__name__}: {e}"
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, or no usage.completion_tokens
+        return f"a malformed event in the stream ({type(e).__name__}: {e})"
     done = time.perf_counter()
     return done - sent, (first or done) - sent, tokens
 

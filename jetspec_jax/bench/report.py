@@ -9,12 +9,25 @@ import sys
 from collections.abc import Sequence
 
 from jetspec_jax.bench.runner import Sample, Summary
+from jetspec_jax.checkpoint.atomic import write_text_atomically
 
 
 def write_jsonl(path: pathlib.Path, rows: Sequence) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    """One JSON object per dataclass row, written atomically."""
+    write_text_atomically(path, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows))
+
+
+def check_out_dir(out_dir: pathlib.Path) -> None:
+    """Refuses an `out_dir` the report could not be written into, before any run.
+
+    Raises:
+        ValueError: `out_dir` (or a parent) is a file.
+    """
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(f"--out {out_dir}: {path} is a file, not a directory")
+            return
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
@@ -73,10 +86,12 @@ def plot(summaries: Sequence[Summary], metric: str, path: pathlib.Path) -> None:
 def write_report(
     out_dir: pathlib.Path, samples: Sequence[Sample], summaries: Sequence[Summary]
 ) -> dict[str, pathlib.Path]:
-    """Writes results.jsonl, samples.jsonl, results.md, tau.png and speedup.png into `out_dir`.
+    """Writes results.jsonl, samples.jsonl, results.md, tau.png and speedup.png into `out_dir`
+    (each file atomically; a previous run's files there are replaced).
 
     The plots need matplotlib (the `bench` extra); without it they are skipped, with a note on
-    stderr. Returns the paths written, by kind.
+    stderr, and a previous run's plots are removed (they would not match the tables). Returns
+    the paths written, by kind.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -86,17 +101,22 @@ def write_report(
     }
     write_jsonl(paths["results"], summaries)
     write_jsonl(paths["samples"], samples)
-    paths["table"].write_text(markdown_table(summaries), encoding="utf-8")
+    write_text_atomically(paths["table"], markdown_table(summaries))
+    plots = {metric: out_dir / f"{metric}.png" for metric in ("tau", "speedup")}
     try:
         import matplotlib  # noqa: F401  (the plots' only optional dependency)
     except ImportError as e:
+        for stale in plots.values():
+            stale.unlink(missing_ok=True)
         print(
             f"note: no plots (tau.png, speedup.png): matplotlib is not importable ({e}); "
             'pip install -e ".[bench]"',
             file=sys.stderr,
         )
         return paths
-    for metric in ("tau", "speedup"):
-        paths[metric] = out_dir / f"{metric}.png"
-        plot(summaries, metric, paths[metric])
+    for metric, path in plots.items():
+        partial = path.with_name(f".{path.name}.tmp.png")  # the suffix tells savefig the format
+        plot(summaries, metric, partial)
+        partial.replace(path)
+        paths[metric] = path
     return paths

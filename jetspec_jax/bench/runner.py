@@ -1,10 +1,11 @@
 """Timed runs of every method on every prompt, and their per-dataset summaries.
 
-Prompts run one at a time (batch 1: the latency setting the field reports), every method on the
-same prompts in the same process, so speedups compare like with like. Compilation is excluded
-(ahead-of-time per shape bucket, timed apart); `warmup` untimed runs per method first settle
-allocations. With temperature > 0 the seed of prompt i is i for every method: a lossless method
-then draws exactly the AR tokens too.
+Prompts run one at a time (batch 1: the latency setting the field reports), side by side: every
+method decodes prompt i (AR first) before any decodes prompt i + 1, so load that comes and goes on
+a shared machine falls on all methods alike and speedups compare like with like. Compilation is
+excluded (ahead-of-time per shape bucket, timed apart); `warmup` untimed runs per method first
+settle allocations. With temperature > 0 the seed of prompt i is i for every method: a lossless
+method then draws exactly the AR tokens too.
 """
 
 from __future__ import annotations
@@ -101,11 +102,23 @@ def run_benchmark(
         `(samples, summaries)`.
 
     Raises:
-        ValueError: no "ar" among the methods, a method its draft cannot serve, or a prompt too
-            long for `max_new_tokens` more tokens (all checked before any run).
+        ValueError: no "ar" among the methods, a method its draft cannot serve, a prompt too
+            long for `max_new_tokens` more tokens, or a repeated dataset name, method or
+            temperature (their rows would merge; all checked before any run).
     """
     if not any(m.method == "ar" for m in methods):
         raise ValueError("the methods must include 'ar', the baseline of the speedups")
+    for what, names in (
+        ("dataset", [data.name for data in datasets]),
+        ("method", [m.name for m in methods]),
+        ("temperature", list(temperatures)),
+    ):
+        repeated = sorted({str(n) for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"{what} {', '.join(repeated)} given twice: the summary rows are keyed by "
+                "(dataset, temperature, method), so their results would merge"
+            )
     # Every pairing (an adapter for -R/-F, two devices for a pipeline, a draft that fits the
     # target) and every prompt's budget is checked before any run: a bad one fails at once, not
     # after hours of runs whose results would then go unwritten.
@@ -122,7 +135,7 @@ def run_benchmark(
                 check_budget(target.config, len(prompt), max_new_tokens)
             except ValueError as e:
                 raise ValueError(f"{data.name} prompt {prompt_id!r}: {e}") from None
-    # AR first on every dataset: the other methods' greedy tokens are checked against it.
+    # AR first: the other methods' greedy tokens are checked against it.
     ordered = sorted(methods, key=lambda m: m.method != "ar")
     samples: list[Sample] = []
     runs = len(temperatures) * len(methods) * sum(len(data.prompts) for data in datasets)
@@ -135,68 +148,57 @@ def run_benchmark(
     with progress:
         for temperature in temperatures:
             for data in datasets:
-                ar_tokens: dict[str, list[int]] = {}
-                for m in ordered:
-                    progress.set_postfix_str(f"{data.name} T={temperature:g} {m.name}")
-                    draft = drafts[m.method] if m.speculative else None
-                    _run(
-                        target,
-                        data,
-                        m,
-                        draft,
-                        temperature,
-                        max_new_tokens,
-                        warmup,
-                        samples,
-                        ar_tokens,
-                        progress,
-                    )
+                settings = dict(temperature=temperature, max_new_tokens=max_new_tokens)
+                samples += _side_by_side(target, data, ordered, drafts, settings, warmup, progress)
     return samples, summarize(samples)
 
 
-def _run(target, data, m, draft, temperature, max_new_tokens, warmup, samples, ar_tokens, progress):
-    def one(i):
-        return generate(
-            target,
-            data.prompts[i],
-            draft=draft,
-            **dataclasses.asdict(m.options),
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=i,
-        )
+def _side_by_side(target, data, methods, drafts, settings, warmup, progress) -> list[Sample]:
+    """Every method on prompt i (the first of `methods` is AR) before any on prompt i + 1."""
 
-    for _ in range(warmup):
-        one(0)
-    logger.info("%s, T=%g: %s on %d prompts", data.name, temperature, m.name, len(data.prompts))
+    def one(m: MethodSpec, i: int):
+        draft = drafts[m.method] if m.speculative else None
+        options = dataclasses.asdict(m.options)
+        return generate(target, data.prompts[i], draft=draft, **options, **settings, seed=i)
+
+    temperature = settings["temperature"]
+    logger.info("%s, T=%g: %d prompts", data.name, temperature, len(data.prompts))
+    for m in methods:
+        for _ in range(warmup):
+            one(m, 0)
+    samples = []
     for i, prompt_id in enumerate(data.ids):
-        result = one(i)
-        if m.method == "ar":
-            ar_tokens[prompt_id] = result.tokens
-            matches = None
-        else:
-            matches = result.tokens == ar_tokens[prompt_id] if temperature == 0 else None
-        t = result.timing
-        samples.append(
-            Sample(
-                dataset=data.name,
-                prompt_id=prompt_id,
-                method=m.name,
-                temperature=temperature,
-                prompt_tokens=result.prompt_length,
-                new_tokens=len(result.tokens),
-                rounds=max(len(result.acceptance_lengths) - 1, 0),
-                tau=result.tau,
-                prefill_seconds=t.prefill_seconds,
-                decode_seconds=t.decode_seconds,
-                compile_seconds=t.compile_seconds,
-                finish_reason=result.finish_reason,
-                matches_ar=matches,
-                # The first round cannot hit: nothing was drafted ahead for it.
-                foresight_hits=sum(result.foresight_hits[1:]) if m.options.foresight else None,
-            )
-        )
-        progress.update()
+        for m in methods:
+            progress.set_postfix_str(f"{data.name} T={temperature:g} {m.name}")
+            result = one(m, i)
+            if m.method == "ar":
+                ar_tokens, matches = result.tokens, None
+            else:
+                matches = result.tokens == ar_tokens if temperature == 0 else None
+            samples.append(_sample(data.name, prompt_id, m, temperature, result, matches))
+            progress.update()
+    return samples
+
+
+def _sample(dataset: str, prompt_id: str, m: MethodSpec, temperature, result, matches) -> Sample:
+    t = result.timing
+    return Sample(
+        dataset=dataset,
+        prompt_id=prompt_id,
+        method=m.name,
+        temperature=temperature,
+        prompt_tokens=result.prompt_length,
+        new_tokens=len(result.tokens),
+        rounds=max(len(result.acceptance_lengths) - 1, 0),
+        tau=result.tau,
+        prefill_seconds=t.prefill_seconds,
+        decode_seconds=t.decode_seconds,
+        compile_seconds=t.compile_seconds,
+        finish_reason=result.finish_reason,
+        matches_ar=matches,
+        # The first round cannot hit: nothing was drafted ahead for it.
+        foresight_hits=sum(result.foresight_hits[1:]) if m.options.foresight else None,
+    )
 
 
 def summarize(samples: Sequence[Sample]) -> list[Summary]:
