@@ -320,25 +320,23 @@ def _export(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
-    from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
+    from jetspec_jax.training.evaluate import eval_prompt_ids, prompts_tau
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-    # The prompts' count as used (a file may hold fewer than --num-prompts), checked before the
-    # draft loads.
-    used = len(eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts))
+    # Read and checked before the draft loads (a file may hold fewer than --num-prompts).
+    prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts)
     draft = jetspec_jax.load_draft(args.draft, target)
-    tau = evaluate_tau(
+    tau = prompts_tau(
         target,
         draft,
-        args.prompts,
-        num_prompts=args.num_prompts,
+        prompts,
         max_new_tokens=args.max_new_tokens,
         refine_passes=args.refine_passes,
         show_progress=None,
     )
-    print(f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {used} prompts)")
+    print(f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {len(prompts)} prompts)")
     return 0
 
 

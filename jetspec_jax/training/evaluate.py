@@ -38,6 +38,29 @@ def evaluate_tau(
         FileNotFoundError, ValueError: as `eval_prompt_ids`.
     """
     prompts = eval_prompt_ids(target, prompt_file, num_prompts=num_prompts, math_suffix=math_suffix)
+    return prompts_tau(
+        target,
+        draft,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        refine_passes=refine_passes,
+        refreshes=refreshes,
+        show_progress=show_progress,
+    )
+
+
+def prompts_tau(
+    target: Target,
+    draft: Draft,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 64,
+    refine_passes: int = 0,
+    refreshes: int = 0,
+    show_progress: bool | None = False,
+) -> float:
+    """Mean tau (greedy) of `draft` on `prompts` (token ids, `eval_prompt_ids`): tokens per
+    verification round pooled over the prompts, the prefill's first token excluded."""
     results = generate_batch(
         target,
         prompts,
