@@ -483,8 +483,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_float_list,
         default=None,
         metavar="C,C,...",
-        help="replacement confidences tried, the best held-out tau per round wins (default: "
-        "seven from 0 to 1, training/replacement_fit.py)",
+        help="replacement confidences tried, the best tau per round on the fit sequences wins "
+        "(default: seven from 0 to 1, training/replacement_fit.py)",
     )
     calibrate.add_argument(
         "--replacement-confidence",
