@@ -87,6 +87,8 @@ def fit_replacement_confidence(
         raise ValueError(f"the confidence grid must be non-empty without repeats, got {grid}")
     if refreshes < 1:
         raise ValueError("the replacement confidence acts on refreshes: fit it with refreshes >= 1")
+    if not 0 < holdout_fraction < 1:  # before the rounds are collected, not after the first
+        raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
     tau, held_out_tau, counts, held_counts, held_sequences = {}, {}, [], [], None
     for confidence in sorted(grid):
         rounds = collect_rounds(
