@@ -334,6 +334,13 @@ def collect_rounds(
     return Rounds(*arrays, dropped=dropped)
 
 
+def check_holdout_fraction(holdout_fraction: float) -> float:
+    """`holdout_fraction` if it is in (0, 1), else a ValueError."""
+    if not 0 < holdout_fraction < 1:
+        raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+    return holdout_fraction
+
+
 def held_out_sequences(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> np.ndarray:
     """The record ids of a `holdout_fraction` of the source sequences of `rounds`, drawn by `seed`
     (whole sequences, so that correlated rounds of one sequence never straddle a split); at least
@@ -342,8 +349,7 @@ def held_out_sequences(rounds: Rounds, holdout_fraction: float, seed: int = 0) -
     Raises:
         ValueError: `holdout_fraction` outside (0, 1), or a single source sequence.
     """
-    if not 0 < holdout_fraction < 1:
-        raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+    check_holdout_fraction(holdout_fraction)
     sequences = np.unique(rounds.records)
     if len(sequences) < 2:
         raise ValueError("splitting rounds into fit and held-out needs >= 2 source sequences")

@@ -26,7 +26,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from jetspec_jax.decoding.refinement import check_replacement_confidence
-from jetspec_jax.training.calibration_rounds import collect_rounds, held_out_sequences
+from jetspec_jax.training.calibration_rounds import (
+    check_holdout_fraction,
+    collect_rounds,
+    held_out_sequences,
+)
 
 DEFAULT_GRID = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
 
@@ -87,8 +91,7 @@ def fit_replacement_confidence(
         raise ValueError(f"the confidence grid must be non-empty without repeats, got {grid}")
     if refreshes < 1:
         raise ValueError("the replacement confidence acts on refreshes: fit it with refreshes >= 1")
-    if not 0 < holdout_fraction < 1:  # before the rounds are collected, not after the first
-        raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+    check_holdout_fraction(holdout_fraction)  # before any rounds are collected
     tau, held_out_tau, counts, held_counts, held_sequences = {}, {}, [], [], None
     for confidence in sorted(grid):
         rounds = collect_rounds(
