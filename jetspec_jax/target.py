@@ -61,7 +61,8 @@ class Target:
         return _full_logits(self.params, self.config, jnp.asarray(ids, jnp.int32))
 
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
-        """Exports an HF checkpoint directory (config, safetensors, tokenizer) transformers loads.
+        """Exports an HF checkpoint directory (config, generation config, safetensors, tokenizer)
+        that transformers loads.
 
         Written atomically: `out_dir` appears complete or not at all.
         """
@@ -69,6 +70,9 @@ class Target:
             hf = config_to_hf(self.config, self.dtype)
             if self.stop_token_ids:
                 hf["eos_token_id"] = list(self.stop_token_ids)
+                # `generate` in transformers stops on generation_config.json's ids.
+                generation = {"eos_token_id": list(self.stop_token_ids)}
+                (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
             save_hf_params(self.params, self.config, tmp)
             if self.tokenizer is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import shutil
@@ -95,6 +96,7 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path
     )
     again = jetspec_jax.load_target(out)
     assert again.config == target.config
+
     # The older layout alone (what transformers 4 reads) describes the same model too.
     hf = json.loads((out / "config.json").read_text())
     del hf["rope_parameters"], hf["dtype"]
@@ -123,6 +125,15 @@ def test_an_export_past_the_shard_size_is_sharded_as_transformers_shards(checkpo
     )
     again = jetspec_jax.load_target(out)
     np.testing.assert_array_equal(np.asarray(again.logits(IDS)), np.asarray(target.logits(IDS)))
+
+
+def test_export_writes_the_stop_ids_where_transformers_generate_reads_them(checkpoints, tmp_path):
+    target = dataclasses.replace(
+        jetspec_jax.load_target(checkpoints.get("qwen3")[0]), stop_token_ids=(3, 5)
+    )
+    out = target.save(tmp_path / "exported")
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [3, 5]
+    assert jetspec_jax.load_target(out).stop_token_ids == (3, 5)
 
 
 def test_export_refuses_to_overwrite(checkpoints, tmp_path):
