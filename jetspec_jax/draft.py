@@ -249,7 +249,6 @@ def _draft_layers(
         rms_norm_eps=t.rms_norm_eps,
         rope=t.rope,
         max_position_embeddings=t.max_position_embeddings,
-        qk_norm=True,
     )
 
 

@@ -151,19 +151,18 @@ def _stop_token_ids(
         CheckpointError: an `eos_token_id` that is not an integer or a list of integers, or an id
             outside the vocabulary (every decode would refuse it as a stop token).
     """
-    eos, source = None, None
+    eos, what = None, None
     if (path / "generation_config.json").is_file():
         eos = read_json(path, "generation_config.json", "checkpoint directory", "").get(
             "eos_token_id"
         )
-        source = "generation_config.json"
+        what = f"{path / 'generation_config.json'} field 'eos_token_id'"
     if eos is None:
-        eos, source = hf_config.get("eos_token_id"), "config.json"
+        eos, what = hf_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'"
     if eos is None and tokenizer is not None:
-        return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+        eos, what = tokenizer.eos_token_id, f"the eos_token_id of {path}'s tokenizer"
     if eos is None:
         return ()
-    what = f"{path / source} field 'eos_token_id'"
     ids = tuple(json_integer(i, what) for i in (eos if isinstance(eos, list) else [eos]))
     if any(not 0 <= i < vocab_size for i in ids):
         raise CheckpointError(

@@ -18,6 +18,7 @@ import transformers
 import jetspec_jax
 from jetspec_jax import CheckpointError
 from jetspec_jax.checkpoint.hf_params import INDEX_FILE, save_hf_params
+from tests.text_fixtures import char_tokenizer
 
 IDS = np.random.default_rng(0).integers(0, 97, (1, 21))
 
@@ -185,6 +186,18 @@ def test_a_bad_eos_token_id_is_named_with_its_file(checkpoints, tmp_path, eos, m
         jetspec_jax.load_target(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
     assert jetspec_jax.load_target(path).stop_token_ids == (3, 4)
+
+
+def test_a_tokenizer_eos_outside_the_vocabulary_is_refused(checkpoints, tmp_path):
+    """The tokenizer's id is the last fallback; it gets the same range check as the files'."""
+    path, _ = _copy(checkpoints, tmp_path)
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"eos_token": "<extra>"})  # id 97, one past the model's vocabulary
+    tokenizer.save_pretrained(path)
+    with pytest.raises(
+        CheckpointError, match="eos_token_id of .*tokenizer.*outside the vocabulary"
+    ):
+        jetspec_jax.load_target(path)
 
 
 @pytest.mark.parametrize(

@@ -288,7 +288,7 @@ def test_draft_attention_equals_the_explicit_mask_form():
     """`draft_hidden`'s attention (C = 1, stale cache slots past each row's length) is
     `layers.attention` under `_block_mask`, for the reference and the kernel (bidirectional here;
     the causal draft runs end to end below)."""
-    draft_layers = TransformerConfig("qwen3", 97, 64, 96, 1, 4, 2, 16, qk_norm=True)
+    draft_layers = TransformerConfig("qwen3", 97, 64, 96, 1, 4, 2, 16)
     config = DraftConfig(draft_layers, (0,), 5, **DraftConfig.variant_switches("dflash"))
     assert config.attention_impl == "auto"  # the default
     with pytest.raises(ValueError, match="attention impl must be one of"):
@@ -353,3 +353,4 @@ def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints, mo
     assert any(k > 0 for k, _ in ref.outcomes)
     assert ker.tokens == ref.tokens
     assert ker.outcomes == ref.outcomes
+

@@ -143,7 +143,6 @@ def _toy_config(variant, block_size=16):
         num_heads=1,
         num_kv_heads=1,
         head_dim=8,
-        qk_norm=True,
     )
     return DraftConfig(
         layers=draft,

@@ -78,11 +78,10 @@ def adapter_config_to_dict(config: AdapterConfig) -> dict[str, Any]:
             format cannot express.
     """
     c = config.layers
-    if c.model_type != "qwen3" or not c.qk_norm or c.attention_bias or c.mlp_bias:
+    if c.model_type != "qwen3" or c.attention_bias:
         raise ValueError(
-            "adapter layers must be Qwen3 decoder layers (qk_norm, no biases) to be saved, got "
-            f"model_type={c.model_type!r}, qk_norm={c.qk_norm}, attention_bias="
-            f"{c.attention_bias}, mlp_bias={c.mlp_bias}"
+            "adapter layers must be Qwen3 decoder layers without biases to be saved, got "
+            f"model_type={c.model_type!r}, attention_bias={c.attention_bias}"
         )
     layers = {key: getattr(c, name) for key, name in _LAYER_FIELDS.items()}
     layers["rope"] = dataclasses.asdict(c.rope)
@@ -138,7 +137,6 @@ def adapter_config_from_dict(data: Any, where: str = "adapter config") -> Adapte
             num_layers=1,  # the shape of one layer; the count is `layers_per_module`
             rms_norm_eps=json_number(layers["rms_norm_eps"], f"{where}: layers.rms_norm_eps"),
             rope=rope_config,
-            qk_norm=True,
             **sizes,
         )
         return AdapterConfig(

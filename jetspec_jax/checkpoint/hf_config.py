@@ -105,7 +105,6 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             rope=_rope_from_hf(hf, context, hybrid=model_type == "qwen3_5"),
             max_position_embeddings=context,
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
-            qk_norm=model_type in ("qwen3", "qwen3_5"),
             attention_bias=_flag(hf, "attention_bias"),
             # Qwen3 / Qwen3.5 MLPs have no bias whatever the field says (transformers ignores it).
             mlp_bias=_flag(hf, "mlp_bias") if model_type == "llama" else False,

@@ -40,6 +40,20 @@ class RopeConfig:
                 f"unsupported rope type {self.rope_type!r}; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        # Each would give infinite or NaN frequencies (or drop llama3's ramp) without an error.
+        if not (self.theta > 0 and self.factor > 0):
+            raise ValueError(
+                f"rope theta and factor must be > 0, got theta={self.theta}, factor={self.factor}"
+            )
+        if self.rope_type == "llama3" and not (
+            self.high_freq_factor > self.low_freq_factor > 0
+            and self.original_max_position_embeddings > 0
+        ):
+            raise ValueError(
+                "llama3 rope needs high_freq_factor > low_freq_factor > 0 and "
+                f"original_max_position_embeddings > 0, got {self.high_freq_factor}, "
+                f"{self.low_freq_factor}, {self.original_max_position_embeddings}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +61,9 @@ class TransformerConfig:
     """A decoder-only transformer of the Llama / Qwen3 family, or the Qwen3.5 hybrid.
 
     The architectures differ only by switches: Qwen3 RMS-normalises every query and key head
-    (`qk_norm`) before RoPE and decouples `head_dim` from `hidden_size / num_heads`; Llama may carry
-    biases on the attention (`attention_bias`) and MLP (`mlp_bias`) projections.
+    (`qk_norm`, which follows from the model type) before RoPE and decouples `head_dim` from
+    `hidden_size / num_heads`; Llama may carry biases on the attention (`attention_bias`) and MLP
+    (`mlp_bias`) projections.
 
     `model_type="qwen3_5"` is the hybrid text model (`models/hybrid.py`): `layer_types[i]` is
     "linear_attention" (Gated DeltaNet, sized by the `linear_*` fields) or "full_attention" (gated
@@ -68,7 +83,6 @@ class TransformerConfig:
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
-    qk_norm: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
     # Qwen3.5 hybrid only (empty / unused for the other model types).
@@ -97,6 +111,8 @@ class TransformerConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.mlp_bias and self.model_type != "llama":
+            raise ValueError(f"mlp_bias is only supported for llama, not {self.model_type}")
         check_impl(self.recurrence_impl, "recurrence_impl")
         if self.is_hybrid:
             self._check_hybrid()
@@ -139,6 +155,11 @@ class TransformerConfig:
                 f"multiple of linear_num_key_heads (got {self.linear_num_value_heads} / "
                 f"{self.linear_num_key_heads})"
             )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Queries and keys are RMS-normalised per head before RoPE (Qwen3 and Qwen3.5)."""
+        return self.model_type in ("qwen3", "qwen3_5")
 
     @property
     def is_hybrid(self) -> bool:

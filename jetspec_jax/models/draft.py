@@ -93,6 +93,11 @@ class DraftConfig:
                 f"(causal, token_inputs, shifted) = {switches} is none of the published variants: "
                 + "; ".join(f"{v}: {tuple(self.variant_switches(v).values())}" for v in VARIANTS)
             )
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(
+                "final_logit_softcapping must be > 0 (None: no cap), got "
+                f"{self.final_logit_softcapping}"
+            )
         if not 0 <= self.mask_token_id < self.layers.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary "
@@ -188,7 +193,7 @@ def draft_logits(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> 
     `[H, V]` LM head kernel."""
     logits = jnp.matmul(hidden, lm_head, preferred_element_type=jnp.float32)
     logits = logits * config.output_multiplier
-    if config.final_logit_softcapping:
+    if config.final_logit_softcapping is not None:
         cap = config.final_logit_softcapping
         logits = jnp.tanh(logits / cap) * cap
     return logits

@@ -14,8 +14,8 @@ from jetspec_jax.models.config import RopeConfig
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """The `head_dim // 2` inverse frequencies, float32, computed as transformers does.
 
-    Computed on the host in float32 (not float64) so that angles at long positions match the
-    PyTorch reference bit for bit where it matters.
+    Computed on the host in float32 (not float64), as transformers does; numpy's float32 power can
+    still differ from torch's by one ulp in a few entries.
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
