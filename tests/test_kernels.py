@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax
+from jetspec_jax.adapter import init_adapter
 from jetspec_jax.kernels import Tiling, pallas_refinement, refinement, refinement_attention, select
 from jetspec_jax.kernels.layout import make_layout
 from jetspec_jax.models import layers
@@ -354,3 +355,35 @@ def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints, mo
     assert ker.tokens == ref.tokens
     assert ker.outcomes == ref.outcomes
 
+
+def test_a_float32_draft_and_adapter_run_the_kernel_on_a_bfloat16_target(checkpoints):
+    """The refinement stacks read the target's bf16 caches: their queries are cast to the
+    cache dtype too, since the kernel takes one dtype (it refused the mix before)."""
+    path = checkpoints.get("qwen3")[0]
+    target = jetspec_jax.load_target(path, dtype="bfloat16")
+    draft = jetspec_jax.init_draft(jetspec_jax.load_target(path), block_size=4, init_std=0.2)
+    draft = draft.with_adapter(init_adapter(draft, init_std=0.05))
+    assert draft.dtype == "float32"
+    prompt = np.random.default_rng(7).integers(0, 97, 9).tolist()
+    tokens = {}
+    for impl in ("reference", "pallas_interpret"):
+        adapter = draft.adapter
+        adapter = dataclasses.replace(
+            adapter, config=dataclasses.replace(adapter.config, attention_impl=impl)
+        )
+        config = dataclasses.replace(draft.config, attention_impl=impl)
+        tokens[impl] = jetspec_jax.generate(
+            target,
+            prompt,
+            draft=dataclasses.replace(draft, config=config, adapter=adapter),
+            method="jetspec++",
+            refine_passes=1,
+            refreshes=1,  # J1-R1: the adapter runs
+            max_new_tokens=12,
+            stop_token_ids=[],
+        ).tokens
+    assert tokens["pallas_interpret"] == tokens["reference"]
+    assert (
+        tokens["reference"]
+        == jetspec_jax.generate(target, prompt, max_new_tokens=12, stop_token_ids=[]).tokens
+    )

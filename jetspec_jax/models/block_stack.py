@@ -139,8 +139,9 @@ def block_layers(
         )
         block_k, block_v = keys_values(attn, c, h, flat_pos)
         context_k, context_v = context_kv(i, layer)
+        # The kernel takes one dtype: a draft or adapter may run in another than the cache's.
         out = refinement_attention(
-            split(q),
+            split(q).astype(context_k.dtype),
             context_k,
             context_v,
             context_lengths,
