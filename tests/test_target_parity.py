@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax
+import jax.extend
 import numpy as np
 import pytest
 import torch
 
 import jetspec_jax
-from jetspec_jax.models.transformer import forward
+from jetspec_jax.models.transformer import forward, unembed
 from tests.tiny_models import VARIANTS
 
 TOL = 1e-4
@@ -69,3 +71,38 @@ def test_bfloat16_stays_close_to_float32(checkpoints):
     # flip only at near-ties.
     assert np.max(np.abs(bf16 - fp32)) < 0.025 * np.max(np.abs(fp32))
     assert np.mean(bf16.argmax(-1) == fp32.argmax(-1)) >= 0.95
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The `precision` of every dot_general in `jaxpr` and its sub-jaxprs (jit, scan, ...)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _dot_precisions(sub)
+    return found
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3_5"])
+def test_float32_matmuls_ask_for_float32_precision(checkpoints, variant):
+    """XLA's default precision lets GPUs use TF32 (TPUs bfloat16 passes) for float32 matmuls;
+    CPUs ignore it, so the request itself is what a CPU test can check. bfloat16 keeps the
+    default (the hybrid's delta rule asks for HIGHEST in any dtype: its state is float32)."""
+    path = checkpoints.get(variant)[0]
+    ids = np.zeros((1, 5), np.int32)
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    found = {}
+    for dtype in ("float32", "bfloat16"):
+        target = jetspec_jax.load_target(path, dtype=dtype)
+
+        def logits(params, config=target.config):
+            return unembed(params, config, forward(params, config, ids).hidden)
+
+        # The library's own request, not conftest's process-wide "highest".
+        with jax.default_matmul_precision("default"):
+            jaxpr = jax.make_jaxpr(logits)(target.params).jaxpr
+        found[dtype] = set(_dot_precisions(jaxpr))
+    assert found["float32"] == {highest}
+    default = (jax.lax.Precision.DEFAULT,) * 2
+    assert found["bfloat16"] - {highest} and found["bfloat16"] <= {None, default, highest}

@@ -191,7 +191,12 @@ def draft_hidden(
 def draft_logits(config: DraftConfig, lm_head: jax.Array, hidden: jax.Array) -> jax.Array:
     """Float32 draft logits `[..., V]` from draft hidden states `[..., H]` and the target's
     `[H, V]` LM head kernel."""
-    logits = jnp.matmul(hidden, lm_head, preferred_element_type=jnp.float32)
+    logits = jnp.matmul(
+        hidden,
+        lm_head,
+        precision=layers.matmul_precision(hidden, lm_head),
+        preferred_element_type=jnp.float32,
+    )
     logits = logits * config.output_multiplier
     if config.final_logit_softcapping is not None:
         cap = config.final_logit_softcapping

@@ -25,9 +25,19 @@ def embed_inputs(params: Params, tokens: jax.Array | None, inputs: jax.Array | N
     return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
 
 
+def matmul_precision(*operands: jax.Array) -> jax.lax.Precision | None:
+    """HIGHEST when an operand is float32, else XLA's default.
+
+    XLA's default lets GPUs multiply float32 in TF32 and TPUs in bfloat16 passes: "float32" would
+    not be float32 there, and block verification and one-token decoding would round differently.
+    """
+    return jax.lax.Precision.HIGHEST if any(x.dtype == jnp.float32 for x in operands) else None
+
+
 def linear(params: Params, x: jax.Array) -> jax.Array:
     """`x @ kernel (+ bias)`; `x` is `[..., in]`."""
-    y = x @ params["kernel"]
+    kernel = params["kernel"]
+    y = jnp.matmul(x, kernel, precision=matmul_precision(x, kernel))
     if "bias" in params:
         y = y + params["bias"]
     return y
@@ -99,11 +109,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     batch, length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    precision = matmul_precision(q, k, v)
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32
+    )
     scores = scores * (head_dim**-0.5)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision)
     return out.reshape(batch, length, num_heads * head_dim)
 
 

@@ -129,7 +129,12 @@ def output_kernel(params: Params, config: TransformerConfig) -> jax.Array:
 def unembed(params: Params, config: TransformerConfig, hidden: jax.Array) -> jax.Array:
     """Logits `[..., V]` in float32 from final-normed hidden states `[..., H]`."""
     kernel = output_kernel(params, config)
-    return jnp.matmul(hidden, kernel, preferred_element_type=jnp.float32)
+    return jnp.matmul(
+        hidden,
+        kernel,
+        precision=layers.matmul_precision(hidden, kernel),
+        preferred_element_type=jnp.float32,
+    )
 
 
 def _decoder_layer(params, config, index, x, positions, inv_freq, kv_cache):
