@@ -83,9 +83,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"already trained {result.steps} steps; the draft is in {result.export_dir}")
         return 0
     tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
+    # No loss when this call trained no step (it re-exported a run whose export was cut short).
+    loss = f"loss {result.metrics['loss']:.4f}; " if "loss" in result.metrics else ""
     print(
-        f"trained {result.steps} steps; loss {result.metrics['loss']:.4f}; "
-        f"eval tau {tau}; draft exported to {result.export_dir}"
+        f"trained {result.steps} steps; {loss}eval tau {tau}; draft exported to "
+        f"{result.export_dir}"
     )
     return 0
 

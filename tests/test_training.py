@@ -29,6 +29,7 @@ from jetspec_jax.training.config import (
 from jetspec_jax.training.data import read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
 from jetspec_jax.training.run_helpers import Throughput, host_params
+from jetspec_jax.training.run_loop import has_checkpoint
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 from jetspec_jax.training.trainer import train
@@ -115,7 +116,9 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(
 ):
     straight, _ = straight_run
     config = _config(data_files, tmp_path / "resumed")
+    assert not has_checkpoint(tmp_path / "resumed")
     assert train(config, target=target, stop_after=37) is None  # "killed" after 37 steps
+    assert has_checkpoint(tmp_path / "resumed")
     # As if the killed run had logged steps past its last checkpoint (37), then died mid-line:
     # the resumed run logs those steps again, so the file must not keep the stale rows.
     with (tmp_path / "resumed" / "metrics.jsonl").open("a") as f:
@@ -366,6 +369,25 @@ def test_a_steps_override_replaces_the_configs_epochs(tmp_path):
     both.write_text("data: {files: [a.jsonl]}\nadapter: {optim: {epochs: 1, steps: 900}}\n")
     with pytest.raises(ValueError, match="adapter.optim gives both steps and epochs"):
         load_train_config(both)
+    # A null budget key is no budget.
+    both.write_text("data: {files: [a.jsonl]}\noptim: {steps: 50, epochs: null, warmup_steps: 5}\n")
+    assert load_train_config(both).optim.steps == 50
+
+
+def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path):
+    """Without an `adapter.optim` section the adapter trains with the top-level `optim`:
+    `--set adapter.optim.steps=300` changes its steps, not its batch size and warmup too."""
+    from jetspec_jax.training.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data: {files: [a.jsonl]}\n"
+        "optim: {batch_size: 16, warmup_steps: 7, epochs: 2, learning_rate: 1.0e-3}\n"
+    )
+    config = load_train_config(path, ["adapter.optim.steps=300"])
+    optim = config.adapter.optim
+    assert (optim.steps, optim.epochs, optim.batch_size, optim.warmup_steps) == (300, None, 16, 7)
+    assert optim.learning_rate == 1e-3 and config.optim.epochs == 2  # the draft's is untouched
 
 
 def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
@@ -479,6 +501,26 @@ def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
     with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):
         initial_draft(config, target)
+
+
+def test_init_from_is_checked_before_the_model_load_and_not_needed_to_resume(target, tmp_path):
+    from jetspec_jax.training.config import TrainConfig, from_dict
+    from jetspec_jax.training.trainer import initial_draft
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    section = dict(variant="jetspec++", block_size=4, init_from=str(tmp_path / "gone"))
+    run = dict(dir=str(tmp_path / "run"))
+    config = from_dict(
+        TrainConfig,
+        dict(target="no/such/target", data=dict(files=[str(data)]), draft=section, run=run),
+        "",
+    )
+    with pytest.raises(FileNotFoundError, match="gone/config.json"):
+        train(config)  # before the target load (whose path does not exist either)
+    assert not (tmp_path / "run").exists()
+    # A resumed run restores its weights from the checkpoint: its deleted start is not read.
+    assert initial_draft(config, target, resuming=True).config.block_size == 4
 
 
 def test_throughput_counts_the_steps_since_the_last_log_and_not_the_pauses():

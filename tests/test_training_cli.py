@@ -163,6 +163,20 @@ def test_a_rerun_of_a_finished_draft_run_says_so(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == f"already trained 6 steps; the draft is in {tmp_path}/draft\n"
 
 
+def test_a_rerun_that_only_exports_again_prints_no_loss(tmp_path, monkeypatch, capsys):
+    """A run killed during its export trains no step when rerun: no metrics, no KeyError."""
+    import train
+    from jetspec_jax.training import trainer
+
+    def exported(config, stop_after=None):
+        return trainer.TrainResult(None, 6, {}, 1.5, tmp_path / "draft")
+
+    monkeypatch.setattr(trainer, "train", exported)
+    assert train.main(["draft", "--config", str(ROOT / "configs" / "tiny_cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert out == f"trained 6 steps; eval tau 1.50; draft exported to {tmp_path}/draft\n"
+
+
 def test_evaluate_names_the_prompts_it_used(checkpoints, tmp_path, capsys):
     """`train.py evaluate` on a file with fewer prompts than `--num-prompts` (default 50)."""
     import train

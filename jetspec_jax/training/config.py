@@ -80,8 +80,9 @@ class AdapterTrainConfig:
     intermediate_size: int | None = None  # None: the target's
     init_std: float = 0.02
     kappa: float = 0.5
-    # None: the top-level `optim`. Given, a whole section: unset fields take OptimConfig's
-    # defaults, not the top-level values.
+    # None: the top-level `optim`. Given in the file, a whole section: unset fields take
+    # OptimConfig's defaults, not the top-level values. Created by a `--set adapter.optim.*`
+    # override, it starts as a copy of the top-level section (the one the adapter ran with).
     optim: OptimConfig | None = None
     eval_files: tuple[str, ...] = ()  # held-out regenerated JSONL; empty: the training files
     eval_batches: int = 2  # batches of the state metrics (normalised MSE, gap closed) per eval
@@ -248,7 +249,9 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
         path: the YAML file.
         overrides: `"dotted.key=value"` strings, applied in order before validation; the value is
             parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`).
-            `steps` and `epochs` give one budget two ways: overriding one drops the other.
+            `steps` and `epochs` give one budget two ways: overriding one drops the other. An
+            `adapter.optim.*` override on a config without that section starts it as a copy of
+            the top-level `optim`.
 
     Raises:
         FileNotFoundError: no such file.
@@ -267,9 +270,14 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     for override in overrides:
+        adapter = data.get("adapter", {})
+        if override.startswith("adapter.optim.") and isinstance(adapter, dict):
+            if "optim" not in adapter and isinstance(data.get("optim", {}), dict):
+                # Changing one value of the optim the adapter runs with must keep the others.
+                data["adapter"] = {**adapter, "optim": dict(data.get("optim", {}))}
         _apply_override(data, override)
     for where, section in (("optim", data.get("optim")), ("adapter.optim", _adapter_optim(data))):
-        if isinstance(section, dict) and all(k in section for k in _BUDGET_KEYS):
+        if isinstance(section, dict) and all(section.get(k) is not None for k in _BUDGET_KEYS):
             raise ValueError(
                 f"{where} gives both steps and epochs; give one (epochs: steps = ceil(epochs * "
                 "examples / batch_size))"

@@ -171,6 +171,15 @@ def _warn_on_changed_setup(path: pathlib.Path, setup: dict) -> None:
             )
 
 
+def has_checkpoint(run_dir: pathlib.Path) -> bool:
+    """Whether `run_dir` holds a checkpoint `opened_run` would resume from (creates nothing)."""
+    directory = run_dir / "checkpoints"
+    if not directory.is_dir():
+        return False
+    with contextlib.closing(checkpoint_manager(directory, keep=1)) as manager:
+        return manager.latest_step() is not None
+
+
 def checkpoint_manager(directory: pathlib.Path, keep: int) -> ocp.CheckpointManager:
     """Orbax checkpoints of a train state and its data iterator under `directory`."""
     return ocp.CheckpointManager(

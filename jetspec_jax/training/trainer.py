@@ -30,7 +30,7 @@ from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
 from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
-from jetspec_jax.training.run_loop import opened_run, run_steps
+from jetspec_jax.training.run_loop import has_checkpoint, opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 
@@ -44,7 +44,8 @@ class TrainResult:
     Attributes:
         draft: the trained draft (params in the target's dtype).
         steps: optimisation steps done in total (including those of resumed checkpoints).
-        metrics: the last step's metrics (floats).
+        metrics: the last logged step's metrics (floats); empty when this call trained no step
+            (a finished run whose export was cut short is exported again).
         eval_tau: the final evaluation's mean tau; None without evaluation prompts, or when the
             run had finished before this call (its export and evaluation are left as they are).
         export_dir: where the draft was exported.
@@ -79,8 +80,13 @@ def train(
     Returns:
         The `TrainResult` once all `config.optim.steps` are done; None after `stop_after` steps.
     """
-    check_input_files(config)
     run_dir = pathlib.Path(config.run.dir)
+    resuming = has_checkpoint(run_dir)
+    init_from = config.draft.init_from
+    # A resumed run's weights are in its checkpoint: its start draft is no longer read.
+    check_input_files(
+        config, *([os.path.join(init_from, "config.json")] if init_from and not resuming else [])
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(config.mesh)
     if target is None:
@@ -91,7 +97,7 @@ def train(
     )
     check_eval_prompts(config, target, records)
     config = resolve_steps(config, len(records))
-    draft = initial_draft(config, target)
+    draft = initial_draft(config, target, resuming=resuming)
     optimizer = make_optimizer(config.optim)
 
     local_batch, global_batch = batch_sizes(config.optim.batch_size, mesh)
@@ -156,11 +162,12 @@ def train(
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
 
-def initial_draft(config: TrainConfig, target: Target) -> Draft:
+def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False) -> Draft:
     """The draft a run starts from: random as `config.draft` says (in the target's dtype), or the
     saved draft `draft.init_from` names, which must have that architecture (its adapter, if any,
     is dropped: it would not fit the retrained draft). A saved draft is read in float32, so the
-    float32 master weights start from it unrounded whatever the target's dtype."""
+    float32 master weights start from it unrounded whatever the target's dtype. `resuming`: the
+    checkpoint holds the weights, so `init_from` is not read (it may be gone by then)."""
     d = config.draft
     draft = init_draft(
         target,
@@ -172,7 +179,7 @@ def initial_draft(config: TrainConfig, target: Target) -> Draft:
         init_std=d.init_std,
         seed=config.optim.seed,
     )
-    if d.init_from is None:
+    if d.init_from is None or resuming:
         return draft
     start = load_draft(d.init_from, target, dtype="float32")
     differ = [
