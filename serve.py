@@ -274,8 +274,8 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
     parser.add_argument(
         "--foresight-rule",
         default=default("calibrated"),
-        help="how the B outcomes are chosen: calibrated (the draft's calibration; default), "
-        "uncalibrated or geometric",
+        help="how the B outcomes are chosen: calibrated (the draft's calibration; default; "
+        "refused for a draft without one), uncalibrated or geometric",
     )
     parser.add_argument(
         "--pipeline",

@@ -60,9 +60,18 @@ def nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def foresight_rule(draft) -> str:
+    """Outcome scores with the draft's calibration when it has one ("calibrated" refuses a draft
+    without: the random draft has none)."""
+    return "calibrated" if draft.calibration is not None else "uncalibrated"
+
+
 def memory_rows(target, draft, foresight: int, batch: int, capacity: int, max_output: int):
     """`[(form, device 0 (weights, state), device 1 (weights, state))]` in bytes."""
-    options = DecodingOptions("jetspec++", foresight=foresight, pipeline="mpmd")
+    rule = foresight_rule(draft)
+    options = DecodingOptions(
+        "jetspec++", foresight=foresight, foresight_rule=rule, pipeline="mpmd"
+    )
     proposer, params = resolve_proposer(target, draft, options)
     requests = Requests(
         max_new_tokens=jnp.full((batch,), max_output, jnp.int32),
@@ -125,8 +134,15 @@ def main() -> None:
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[])
 
     speeds, hits = {}, {}
+    rule = foresight_rule(draft)
     for label, form in FORMS:
-        kwargs = dict(draft=draft, method="jetspec++", foresight=args.foresight, pipeline=form)
+        kwargs = dict(
+            draft=draft,
+            method="jetspec++",
+            foresight=args.foresight,
+            foresight_rule=rule,
+            pipeline=form,
+        )
         jetspec_jax.generate(target, prompts[0], **kwargs, **common)  # compile
         results = []
         for ids in prompts:
@@ -148,8 +164,8 @@ def main() -> None:
         + (" (the CPU split in two, sharing its cores)" if jax.default_backend() == "cpu" else ""),
         f"- Command: `python benchmarks/bench_pipeline.py{changed_flags(args, _parser())}`",
         f"- Setup: SmolLM2-135M-Instruct (float32), draft {draft_name}, JetSpec++ J0 with "
-        f"foresight B={args.foresight}, greedy; memory for a batch of {batch} rows, 64 prompt + "
-        f"{max_output} new tokens; speed: {len(prompts)} {args.set} prompts, batch 1, "
+        f"foresight B={args.foresight} ({rule}), greedy; memory for a batch of {batch} rows, "
+        f"64 prompt + {max_output} new tokens; speed: {len(prompts)} {args.set} prompts, batch 1, "
         f"{args.max_new_tokens} new tokens, median decode tokens/s; all outputs equal AR's.",
         "",
         "| form | device 0 weights (MB) | device 0 state (MB) | device 1 weights (MB) "

@@ -121,6 +121,8 @@ def main() -> None:
 
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
+    if budgets and "calibrated" in args.rules.split(",") and draft.calibration is None:
+        parser.error(f"--rules calibrated: {args.draft} has no calibration (train.py calibrate)")
     rows, hit_rows, mismatches, times = [], [], [], []
     run = functools.partial(
         _run, target, max_new_tokens=args.max_new_tokens, temperature=args.temperature

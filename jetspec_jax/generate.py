@@ -61,7 +61,7 @@ def generate(
 
     Args:
         target: a loaded target (`load_target`).
-        prompt_ids: the prompt's token ids (a non-empty list of ints).
+        prompt_ids: the prompt's token ids (a non-empty list of ints, or a 1-D integer array).
         draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
         method, refine_passes, refreshes, foresight, foresight_rule, pipeline,
             replacement_confidence: how to decode; see `jetspec_jax.DecodingOptions` (method
@@ -117,12 +117,14 @@ def generate_batch(
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
     Each row's tokens equal those of generating it alone (greedy, and sampled with its seed), and
-    for every method equal those of "ar" (up to floating-point differences between block and
-    single-token forwards, see `DecodingOptions.method`).
+    for every method equal those of "ar", up to floating-point differences: another batch size,
+    bucketed prompt length or forward shape (block vs single-token, see `DecodingOptions.method`)
+    means other shapes for XLA, which may round differently and flip a near-tie.
 
     Args:
         target: a loaded target.
-        prompts: token-id lists, one per request.
+        prompts: one prompt per request, each a list of token ids (or a 1-D integer array);
+            a single prompt is `[prompt_ids]` (or use `generate`).
         draft, method, stop_token_ids, refine_passes, refreshes, foresight, foresight_rule,
             pipeline, replacement_confidence: as in `generate`, shared by all rows.
         max_new_tokens: one budget for all rows, or one per row (each >= 1).

@@ -1,14 +1,25 @@
-"""Test proposers: drafts right (or wrong) on purpose, through the real proposer interface."""
+"""Test oracles: proposers that draft right (or wrong) on purpose, through the real proposer
+interface, and the exact law of a verification round's outcome."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
+from jetspec_jax.decoding.outcomes import hit
 from jetspec_jax.decoding.target_proxy import TargetProxy
+from jetspec_jax.sampling import RowSampling, sampling_logits
 
-__all__ = ["OracleDraft", "OracleProposer", "TargetProxy"]  # TargetProxy: the target as proxy
+__all__ = [
+    "OracleDraft",
+    "OracleProposer",
+    "TargetProxy",  # the target as proxy
+    "hit_rate",
+    "outcome_law",
+    "target_probabilities",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +64,39 @@ class OracleDraft:
         """The oracle serves every method and setting alike (`Draft.proposer`'s keywords)."""
         proposer = OracleProposer(self.block_size, self.vocab_size, self.wrong_at)
         return proposer, jnp.asarray(self.continuation, jnp.int32)
+
+
+def target_probabilities(logits: jax.Array, sampling: RowSampling) -> jax.Array:
+    """`[B, K, V]` the target's sampling distributions `p_j` (one-hot argmax at temperature 0)."""
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    sampled = jax.nn.softmax(sampling_logits(logits, sampling), axis=-1)
+    return jnp.where((sampling.temperature > 0)[:, None, None], sampled, greedy)
+
+
+def outcome_law(probs: jax.Array, drafts: jax.Array) -> jax.Array:
+    """`P(k, a)`: the probability that verification accepts exactly k drafts with bonus a.
+
+        P(k, a) = [prod_{j<=k} p_j(d_j)] * p_(k+1)(a) * 1[a != d_(k+1)]     for k < K-1
+        P(K-1, a) = [prod_{j<=K-1} p_j(d_j)] * p_K(a)
+
+    (1-indexed p_j over block positions; sums to 1 over all (k, a).)
+
+    Args:
+        probs: `[..., K, V]` target distributions at block positions 0..K-1.
+        drafts: `[..., K-1]` drafts.
+
+    Returns:
+        `[..., K, V]` with entry `[k, a]` = P(k, a).
+    """
+    k_len, vocab = probs.shape[-2:]
+    p_draft = jnp.take_along_axis(probs[..., :-1, :], drafts[..., None], axis=-1)[..., 0]
+    prefix = jnp.cumprod(p_draft, axis=-1)
+    reach = jnp.concatenate([jnp.ones_like(prefix[..., :1]), prefix], axis=-1)  # P(accept >= k)
+    not_draft = 1.0 - jax.nn.one_hot(drafts, vocab, dtype=probs.dtype)  # [..., K-1, V]
+    not_draft = jnp.concatenate([not_draft, jnp.ones_like(not_draft[..., :1, :])], axis=-2)
+    return reach[..., None] * probs * not_draft
+
+
+def hit_rate(k_sel: jax.Array, a_sel: jax.Array, k_true: jax.Array, a_true: jax.Array) -> float:
+    """The fraction of rows whose true outcome was selected (host float; `outcomes.hit`)."""
+    return float(jnp.mean(hit(k_sel, a_sel, k_true, a_true)))

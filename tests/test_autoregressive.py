@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jetspec_jax
 from jetspec_jax import SamplingParams
+from jetspec_jax.decoding.session import DecodeSession, check_token_ids
 from tests.text_fixtures import EOS_ID, with_tokenizer
 
 
@@ -138,10 +140,54 @@ def test_invalid_prompts_are_refused(target, prompt, message):
 
 
 def test_invalid_batches_are_refused(target):
-    with pytest.raises(ValueError, match="prompt must be a list of token ids, got 1"):
-        jetspec_jax.generate_batch(target, [1, 2, 3])  # one prompt, not a batch of prompts
+    flat = "prompts must be a list of prompts \\(lists of token ids\\).* pass \\[prompt\\]"
+    for one_prompt in ([1, 2, 3], np.array([1, 2, 3]), jnp.array([1, 2, 3])):
+        with pytest.raises(ValueError, match=flat):  # one prompt, not a batch of prompts
+            jetspec_jax.generate_batch(target, one_prompt)
+    with pytest.raises(ValueError, match="prompts must be a list of prompts"):
+        jetspec_jax.generate_batch(target, 5)
     with pytest.raises(ValueError, match="sampling must hold SamplingParams, got dict"):
         jetspec_jax.generate_batch(target, [[1, 2]], sampling=[dict(temperature=1.0)])
+    for pad in (-3, 0, True, 2.0):
+        with pytest.raises(ValueError, match="pad_batch_to must be an integer >= 1"):
+            DecodeSession(target, [[1, 2]], pad_batch_to=pad)
+    assert DecodeSession(target, [[1, 2]], pad_batch_to=np.int64(4))._inputs[0].shape[0] == 4
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (np.array(5), "must be a list of token ids, got array\\(5\\)"),
+        (jnp.array(5), "must be a list of token ids"),
+        (np.array([[1, 2]]), "must be a list of token ids"),
+        (np.array([1.0, 2.0]), "must hold integer token ids, got an array of float64"),
+        (jnp.array([True, False]), "must hold integer token ids, got an array of bool"),
+        ([1, True], "must hold integer token ids, got True"),
+        ([1, np.float32(2)], "must hold integer token ids, got np.float32\\(2.0\\)"),
+    ],
+)
+def test_token_ids_that_are_not_integers_are_refused(ids, message):
+    with pytest.raises(ValueError, match=message):
+        check_token_ids(ids, 97)
+
+
+def test_numpy_and_jax_integers_are_accepted(target, prompts):
+    """Token ids and budgets as NumPy or JAX integer arrays and scalars decode as Python ints."""
+    ids = [1, 2, 3]
+    assert check_token_ids(jnp.array(ids), 97) == ids
+    assert check_token_ids(np.array(ids, np.int16), 97) == ids
+    assert check_token_ids([np.int64(1), jnp.int32(2), 3], 97) == ids
+    want = jetspec_jax.generate(target, prompts[0], max_new_tokens=4).tokens
+    for budget in (jnp.int32(4), np.int64(4), np.array(4)):
+        result = jetspec_jax.generate(target, jnp.array(prompts[0]), max_new_tokens=budget)
+        assert result.tokens == want
+    batch = jetspec_jax.generate_batch(
+        target, np.array([prompts[0]]), max_new_tokens=jnp.array([4])
+    )
+    assert batch[0].tokens == want
+    for budget in (jnp.array(True), np.float32(4), jnp.array([4.0])):
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+            DecodeSession(target, [prompts[0]], max_new_tokens=budget)
 
 
 def test_prompt_longer_than_the_context_is_refused(target):

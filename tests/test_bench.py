@@ -152,11 +152,13 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     harness path without `pipeline`; tests/test_foresight.py decodes it)."""
     import jetspec_jax
     from jetspec_jax.adapter import init_adapter
+    from jetspec_jax.decoding.outcomes import Calibration
 
     target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
     target = jetspec_jax.load_target(target_dir)
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=1)
-    draft.with_adapter(init_adapter(draft)).save(tmp_path / "pp")
+    # A calibration: the harness's foresight specs score with the default rule, "calibrated".
+    draft.with_adapter(init_adapter(draft), Calibration()).save(tmp_path / "pp")
     prompts = _prompt_file(tmp_path, ["Hi"])
     out = tmp_path / "bench"
     methods = "jetspec++-J1-R1-F2-spmd,jetspec++-F2-mpmd"

@@ -7,11 +7,11 @@ import pytest
 
 from jetspec_jax.decoding.outcomes import (
     Calibration,
-    hit_rate,
     outcome_log_scores,
     select_for_rule,
 )
 from jetspec_jax.training.calibration import _row_terms, fit_calibration, outcome_log_likelihood
+from tests.oracles import hit_rate
 
 T_TRUE = Calibration(acceptance_temperature=1.7, bonus_temperature=0.6)
 

@@ -22,8 +22,10 @@ import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.decoding.session import DecodeSession, GenerationResult, Timing, pooled_hit_rate
+from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy
 
@@ -46,8 +48,8 @@ class ScaledTargetProxy(TargetProxy):
 @dataclasses.dataclass(eq=False)
 class ScaledOracleDraft:
     """A `draft=`: a real jetspec++ draft with the scaled oracle proxy (`calibration` None:
-    uncalibrated scores; the scale plays the temperature). `scale`: one factor for every block,
-    or (even, odd) as `ScaledTargetProxy` reads them."""
+    foresight runs with `foresight_rule="uncalibrated"`; the scale plays the temperature).
+    `scale`: one factor for every block, or (even, odd) as `ScaledTargetProxy` reads them."""
 
     draft: object
     scale: float | tuple[float, float]
@@ -106,13 +108,21 @@ def _ar(target, prompts, **sampling):
     return [r.tokens for r in out]
 
 
+def foresight_options(foresight: int, pipeline: str | None = None) -> DecodingOptions:
+    """JetSpec++ with foresight B = `foresight`, scored "uncalibrated": these tests' drafts have
+    no calibration (rule "calibrated" refuses them)."""
+    return DecodingOptions(
+        "jetspec++", foresight=foresight, foresight_rule="uncalibrated", pipeline=pipeline
+    )
+
+
 def run(target, prompts, draft, *, foresight=1, pipeline=None, **sampling):
     """`(tokens, outcomes, stats)` per row, through the public session path."""
     session = DecodeSession(
         target,
         prompts,
         draft=draft,
-        options=DecodingOptions("jetspec++", foresight=foresight, pipeline=pipeline),
+        options=foresight_options(foresight, pipeline),
         max_new_tokens=N_NEW,
         sampling=jetspec_jax.SamplingParams(**sampling),
         stop_token_ids=[],
@@ -196,11 +206,44 @@ def test_foresight_requests_are_validated(target, draft):
     dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
     with pytest.raises(ValueError, match="'jetspec\\+\\+' only"):
         jetspec_jax.generate(target, [1], draft=dflash, method="dflash", foresight=2)
-    session = DecodeSession(
-        target, [[1, 2]], draft=with_adapter, options=DecodingOptions("jetspec++", foresight=2)
-    )
+    session = DecodeSession(target, [[1, 2]], draft=with_adapter, options=foresight_options(2))
     assert isinstance(session._proposer, ForesightProposer)
     assert session._proposer.num_candidates == 2
+
+
+def test_calibrated_rule_needs_a_calibrated_draft(target, draft):
+    """Rule "calibrated" (the default) with a draft that has no calibration would score exactly
+    as "uncalibrated": refused before anything compiles, unless foresight is off."""
+    adapter = init_adapter(draft)
+    bare, calibrated = draft.with_adapter(adapter), draft.with_adapter(adapter, Calibration(2.0))
+    for options in (
+        DecodingOptions("jetspec++", foresight=2),
+        DecodingOptions("jetspec++", foresight=2, foresight_rule="calibrated"),
+    ):
+        with pytest.raises(ValueError, match='no calibration: use foresight_rule="uncalibrated"'):
+            DecodeSession(target, [[1, 2]], draft=bare, options=options)
+    with pytest.raises(ValueError, match="no calibration"):
+        jetspec_jax.generate(target, [1], draft=bare, method="jetspec++", foresight=2)
+    session = DecodeSession(
+        target, [[1, 2]], draft=calibrated, options=DecodingOptions("jetspec++", foresight=2)
+    )
+    assert session._proposer.calibration == Calibration(2.0)
+    assert DecodeSession(target, [[1, 2]], draft=bare, options=foresight_options(2))._proposer
+    # Foresight off: the default rule asks nothing of the draft.
+    DecodeSession(target, [[1, 2]], draft=bare, options=DecodingOptions("jetspec++"))
+
+
+def test_target_proxy_draft_serves_foresight_without_refreshes(target, draft, prompts):
+    """`TargetProxyDraft` at `Jj-R0` is foresight's proxy too: the exact proxy's cached blocks
+    are the fallback's, so tokens are AR's and the outcomes those of plain decoding."""
+    oracle = TargetProxyDraft(draft)
+    tokens, outcomes, stats = run(target, prompts, oracle, foresight=2)
+    assert tokens == _ar(target, prompts)
+    plain = jetspec_jax.generate_batch(
+        target, prompts, draft=oracle, method="jetspec++", max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    assert outcomes == [r.outcomes for r in plain]
+    assert any(hit for row in stats for hit in row["hits"][1:])
 
 
 def test_greedy_rows_select_on_the_raw_proxy_logits(target, draft):

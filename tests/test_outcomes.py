@@ -15,12 +15,11 @@ from jetspec_jax.decoding.outcomes import (
     geometric_counts,
     geometric_fanout,
     hit,
-    hit_rate,
     outcome_log_scores,
     select_for_rule,
     select_outcomes,
 )
-from jetspec_jax.decoding.verify import outcome_law
+from tests.oracles import hit_rate, outcome_law
 
 
 def _block(seed, batch=3, k_len=4, vocab=6, scale=2.0):

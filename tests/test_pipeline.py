@@ -17,7 +17,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline
-from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
+from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
 from jetspec_jax.decoding.session import DecodeSession
 from tests.test_foresight import (
@@ -28,6 +28,7 @@ from tests.test_foresight import (
     N_NEW,
     ScaledOracleDraft,
     _ar,
+    foresight_options,
     make_draft,
     make_prompts,
     run,
@@ -57,7 +58,7 @@ def run_with_candidates(target, prompts, draft, pipeline=None):
         target,
         prompts,
         draft=draft,
-        options=DecodingOptions("jetspec++", foresight=2, pipeline=pipeline),
+        options=foresight_options(2, pipeline),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )
@@ -111,7 +112,7 @@ def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        options=DecodingOptions("jetspec++", foresight=1, pipeline=form),
+        options=foresight_options(1, form),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )
@@ -131,7 +132,7 @@ def test_pipeline_is_refused_on_one_device(target, draft, monkeypatch, form):
             target,
             [[1, 2]],
             draft=learned,
-            options=DecodingOptions("jetspec++", foresight=2, pipeline=form),
+            options=foresight_options(2, form),
         )
 
 
@@ -148,7 +149,7 @@ def test_mpmd_places_each_stage_on_its_own_device(target, draft, prompts):
             target,
             prompts,
             draft=learned,
-            options=DecodingOptions("jetspec++", foresight=2, pipeline="mpmd"),
+            options=foresight_options(2, "mpmd"),
             max_new_tokens=N_NEW,
             stop_token_ids=[],
         )
@@ -182,7 +183,7 @@ def test_mpmd_cancel_between_chunks(target, draft, prompts):
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        options=DecodingOptions("jetspec++", foresight=1, pipeline="mpmd"),
+        options=foresight_options(1, "mpmd"),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax.decoding.verify import outcome_law, target_probabilities, verify_chain
+from jetspec_jax.decoding.verify import verify_chain
 from jetspec_jax.sampling import RowSampling, SamplingParams
+from tests.oracles import outcome_law, target_probabilities
 
 
 def _probs(rng, shape):

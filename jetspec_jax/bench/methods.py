@@ -4,8 +4,9 @@
 
 `-J<j>` refinement passes, `-R<r>` context refreshes (r <= j; needs an adapter), `-C<c>` their
 replacement confidence in [0, 1] (default: the draft's calibration; `-C0`: the paper's rule),
-`-F<b>` foresight with B candidate blocks (needs an adapter), `-spmd` / `-mpmd` the foresight round
-pipelined over two devices. Each spec is a `DecodingOptions`, which validates it.
+`-F<b>` foresight with B candidate blocks (needs an adapter and a calibration: the outcomes are
+scored "calibrated"), `-spmd` / `-mpmd` the foresight round pipelined over two devices. Each
+spec is a `DecodingOptions`, which validates it.
 """
 
 from __future__ import annotations

@@ -97,13 +97,14 @@ class ForesightProposer:
             the block's predicted tap states and `p̂` logits.
         num_candidates: B, candidate next blocks drafted per round (the cache size).
         rule: outcome selection rule (`outcomes.SELECTION_RULES`).
-        calibration: the outcome-score calibration of rule "calibrated".
+        calibration: the outcome-score calibration rule "calibrated" scores with (required by that
+            rule, unused by the others).
     """
 
     refiner: RefiningProposer
     num_candidates: int
     rule: str = "calibrated"
-    calibration: Calibration = Calibration()
+    calibration: Calibration | None = None
 
     def __post_init__(self):
         if isinstance(self.num_candidates, bool) or not isinstance(self.num_candidates, int):
@@ -113,6 +114,13 @@ class ForesightProposer:
         if self.rule not in SELECTION_RULES:
             raise ValueError(
                 f"unknown selection rule {self.rule!r}; expected one of {SELECTION_RULES}"
+            )
+        # Without a calibration "calibrated" would score exactly as "uncalibrated": say so.
+        if self.rule == "calibrated" and self.calibration is None:
+            raise ValueError(
+                'foresight_rule="calibrated" scores outcomes with the draft\'s calibration, but '
+                'this draft has no calibration: use foresight_rule="uncalibrated", or a '
+                "calibrated draft (train.py calibrate; Draft.with_adapter(adapter, calibration))"
             )
         vocab = self.refiner.drafter.config.layers.vocab_size
         outcomes = (self.block_size - 1) * (vocab - 1) + vocab
@@ -156,13 +164,7 @@ class ForesightProposer:
             num_rounds=jnp.zeros((batch,), jnp.int32),
         )
 
-    # -- the proposer interface (usable by `decode_speculative`, which never drafts ahead) -----
-
-    def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
-        drafts, _ = self.propose_with_hits(
-            params, target_params, state, anchor, anchor_positions, sequence
-        )
-        return drafts
+    # -- the proposer interface (drafts come from `propose_with_hits`, not `propose`) -----------
 
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         """Extends the contexts with the *true* verified states; remembers the round's k."""
@@ -306,7 +308,8 @@ def foresight_proposer(
         rule: the outcome selection rule.
 
     Raises:
-        ValueError: a mask-input draft, or no proxy (a draft without an adapter).
+        ValueError: a mask-input draft, no proxy (a draft without an adapter), or rule
+            "calibrated" with a draft that has no calibration.
     """
     if isinstance(base, RefiningProposer):
         refiner, params = base, base_params
@@ -324,7 +327,7 @@ def foresight_proposer(
         params = {"draft": base_params, "proxy": adapter.params}
     else:
         raise ValueError(f"foresight drafting needs a jetspec++ draft, got a {type(base).__name__}")
-    calibration = getattr(draft, "calibration", None) or Calibration()
+    calibration = getattr(draft, "calibration", None)
     proposer = ForesightProposer(refiner, num_candidates, rule, calibration)
     return proposer, params
 

@@ -42,8 +42,9 @@ class DecodingOptions:
             verified, the next block is drafted for its B likely outcomes (k, a) from the
             adapter's predicted states (needs a draft with an adapter); a hit skips drafting on
             the critical path. 0 = off. Tokens are unchanged either way.
-        foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration),
-            "uncalibrated" or "geometric" (SSD's fixed fan-out).
+        foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration;
+            with foresight on, a draft without one is refused when the session builds its
+            proposer), "uncalibrated" or "geometric" (SSD's fixed fan-out).
         pipeline: run the foresight round pipelined over two devices, device 0 verifying while
             device 1 drafts ahead (needs foresight >= 1 and >= 2 visible devices): "spmd", one
             `shard_map` program, every device holding both stages (`decoding/pipeline.py`);

@@ -2,7 +2,7 @@
 
 A round verifies the block `[anchor, d_1 .. d_(K-1)]`; block position j predicts the token at
 position j+1, so `d_(j+1)` is judged by position j. The outcome is (k, a): k drafts accepted
-(0..K-1) and bonus token a. With the target's distributions `p_j` its law is `verify.outcome_law`:
+(0..K-1) and bonus token a. With the target's distributions `p_j` its law is
 
     P(k, a) = [prod_{j<k} p_j(d_(j+1))] * p_k(a) * 1[a != d_(k+1)]      k < K-1
     P(K-1, a) = [prod_{j<K-1} p_j(d_(j+1))] * p_(K-1)(a)                (0-indexed positions)
@@ -20,11 +20,12 @@ model them with two temperatures, both 1 when uncalibrated:
   the outcome law); after K-1 acceptances, from the full `softmax(logits_hat_(K-1) / T_bonus)`.
 
 So `P̂(k, a) = reach_k(T_acc) * reject_k(T_acc) * bonus_k(a; T_bonus)`; it sums to 1 over (k, a)
-and equals `outcome_law(softmax(logits_hat / T))` when `T_acc = T_bonus = T`. The two temperatures
-are fitted by maximum likelihood on held-out rounds (`training/calibration.py`) and stored with
-the draft checkpoint (`Calibration.to_dict`). Pass logits already shaped by the request's
-sampling (e.g. `sampling.sampling_logits`), so that `p̂` estimates the distribution the target
-actually samples from; the calibration temperatures act on top of that.
+and equals the law above with `p_j = softmax(logits_hat_j / T)` when `T_acc = T_bonus = T`
+(tested against `outcome_law` of tests/oracles.py). The two temperatures are fitted by maximum
+likelihood on held-out rounds (`training/calibration.py`) and stored with the draft checkpoint
+(`Calibration.to_dict`). Pass logits already shaped by the request's sampling (e.g.
+`sampling.sampling_logits`), so that `p̂` estimates the distribution the target actually samples
+from; the calibration temperatures act on top of that.
 
 Selection rules (`SELECTION_RULES`): `calibrated` (served) and `uncalibrated` take the top-B
 outcomes of `P̂` over all K*V pairs; `geometric` is SSD's fixed fan-out, for ablation.
@@ -258,11 +259,6 @@ def hit(k_sel: jax.Array, a_sel: jax.Array, k_true: jax.Array, a_true: jax.Array
     """`[B]` bool: whether the true outcome `(k_true [B], a_true [B])` is among the selected
     `(k_sel [B, num], a_sel [B, num])`."""
     return jnp.any((k_sel == k_true[:, None]) & (a_sel == a_true[:, None]), axis=-1)
-
-
-def hit_rate(k_sel: jax.Array, a_sel: jax.Array, k_true: jax.Array, a_true: jax.Array) -> float:
-    """The fraction of rows whose true outcome was selected (host float)."""
-    return float(jnp.mean(hit(k_sel, a_sel, k_true, a_true)))
 
 
 def select_for_rule(

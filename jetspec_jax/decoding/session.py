@@ -130,9 +130,10 @@ class DecodeSession:
     """A batch of prompts of any lengths decoded together, in chunks.
 
     Each row's tokens equal those of decoding it alone (greedy, and sampled with its seed), for
-    every method (up to floating-point differences between block and single-token forwards, see
-    `DecodingOptions.method`), however the decode is split into chunks: the loop state is
-    resumable and randomness is keyed by (seed, position).
+    every method, however the decode is split into chunks: the loop state is resumable and
+    randomness is keyed by (seed, position). Equal up to floating-point differences: the batch and
+    prompt-length buckets and block vs single-token forwards (`DecodingOptions.method`) change
+    the shapes XLA computes with, which may round differently and flip a near-tie.
 
     Not thread-safe: one thread drives a session.
     """
@@ -153,7 +154,7 @@ class DecodeSession:
 
         Args:
             target: a loaded `Target`.
-            prompts: token-id lists, one per request (row).
+            prompts: one prompt per request (row): a list of token ids or a 1-D integer array.
             draft: the draft head of speculative methods; None for "ar".
             options: the method and its settings, shared by all rows; None: `DecodingOptions()`
                 ("ar").
@@ -161,8 +162,8 @@ class DecodeSession:
             sampling: one `SamplingParams` for all rows, or one per row.
             stop_token_ids: shared by all rows; None: the target's end-of-sequence ids; [] never
                 stops early.
-            pad_batch_to: pad the batch to at least this many rows (then to a power of two), so
-                that a server compiles one batch shape instead of one per batch size.
+            pad_batch_to: pad the batch to at least this many rows (>= 1; then to a power of
+                two), so that a server compiles one batch shape instead of one per batch size.
 
         Raises:
             ValueError: naming what is wrong with the request.
@@ -175,12 +176,9 @@ class DecodeSession:
         self._proposer, self._proposer_params = resolve_proposer(target, draft, options)
         self._pipeline = options.pipeline
         self._two_programs = None  # the MPMD pipeline's stage placement, built at start
-        prompts = [check_token_ids(p, config.vocab_size) for p in prompts]
-        if not prompts:
-            raise ValueError("prompts is empty")
+        prompts = check_prompts(prompts, config.vocab_size)
         budgets = _per_row(max_new_tokens, len(prompts), "max_new_tokens")
-        for p, n in zip(prompts, budgets, strict=True):
-            check_budget(config, len(p), n)
+        budgets = [check_budget(config, len(p), n) for p, n in zip(prompts, budgets, strict=True)]
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if not isinstance(sampling, Sequence):
@@ -196,13 +194,14 @@ class DecodeSession:
         self.stop_token_ids = tuple(
             check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
         )
-        if isinstance(pad_batch_to, bool) or not isinstance(pad_batch_to, (int, np.integer)):
-            raise ValueError(f"pad_batch_to must be an integer, got {pad_batch_to!r}")
+        pad_to = as_int(pad_batch_to)
+        if pad_to is None or pad_to < 1:
+            raise ValueError(f"pad_batch_to must be an integer >= 1, got {pad_batch_to!r}")
 
         # Bucketed shapes; padding rows have a zero budget and are done after prefill. A
         # verification writes a whole block past the committed length: a block of headroom.
         self.prompt_lengths = [len(p) for p in prompts]
-        batch = bucket(max(len(prompts), pad_batch_to), minimum=1)
+        batch = bucket(max(len(prompts), pad_to), minimum=1)
         prompt_len = bucket(max(self.prompt_lengths))
         self._max_output = bucket(max(budgets))
         block = self._proposer.block_size if self._proposer else 0
@@ -450,42 +449,87 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     )
 
 
-def check_budget(config, prompt_length: int, max_new_tokens) -> None:
-    """Raises ValueError unless `max_new_tokens` is an int >= 1 and the prompt plus that many
-    tokens fits the model's context."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+def check_budget(config, prompt_length: int, max_new_tokens) -> int:
+    """`max_new_tokens` as an int, after checking it is an integer >= 1 (Python, NumPy or JAX)
+    and that the prompt plus that many tokens fits the model's context (ValueError otherwise)."""
+    budget = as_int(max_new_tokens)
+    if budget is None:
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if prompt_length + max_new_tokens > config.max_position_embeddings:
+    if budget < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
+    if prompt_length + budget > config.max_position_embeddings:
         raise ValueError(
-            f"prompt of {prompt_length} tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"prompt of {prompt_length} tokens + max_new_tokens={budget} exceeds the "
             f"model's context of {config.max_position_embeddings} tokens"
         )
+    return budget
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """`prompts` (a non-empty sequence of prompts, each as `check_token_ids` takes it) as lists
+    of ints, or a ValueError saying what is wrong."""
+    iterable = hasattr(prompts, "__iter__") and getattr(prompts, "ndim", None) != 0
+    if isinstance(prompts, (str, bytes)) or not iterable:
+        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    # One prompt's ids where a batch of prompts belongs (`generate_batch(target, ids)`).
+    if any(as_int(p) is not None for p in prompts):
+        raise ValueError(
+            "prompts must be a list of prompts (lists of token ids), got a list of token ids: "
+            "pass [prompt] for one prompt, or use generate"
+        )
+    return [check_token_ids(p, vocab_size) for p in prompts]
 
 
 def check_token_ids(
     ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False
 ) -> list[int]:
-    """A list of ints in [0, vocab_size), or a ValueError saying what is wrong."""
+    """`ids` (a sequence of integer ids, or a 1-D NumPy/JAX integer array) as a list of ints in
+    [0, vocab_size), or a ValueError saying what is wrong."""
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
-    if isinstance(ids, (int, np.integer)) or not hasattr(ids, "__iter__"):
+    if not hasattr(ids, "__iter__") or getattr(ids, "ndim", 1) != 1:  # 0-d arrays iterate no ids
         raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
+    if hasattr(ids, "dtype"):  # an array: one dtype check, then Python ints
+        array = np.asarray(ids)
+        if not np.issubdtype(array.dtype, np.integer):  # bool is no integer dtype
+            raise ValueError(f"{what} must hold integer token ids, got an array of {array.dtype}")
+        ids = array.tolist()
     ids = list(ids)
     if not ids and not allow_empty:
         raise ValueError(f"{what} is empty: at least one token id is needed")
+    checked = []
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        token = as_int(i)
+        if token is None:
             raise ValueError(f"{what} must hold integer token ids, got {i!r}")
-        if not 0 <= i < vocab_size:
-            raise ValueError(f"{what} holds token id {i}, outside the vocabulary [0, {vocab_size})")
-    return [int(i) for i in ids]
+        if not 0 <= token < vocab_size:
+            raise ValueError(
+                f"{what} holds token id {token}, outside the vocabulary [0, {vocab_size})"
+            )
+        checked.append(token)
+    return checked
+
+
+def as_int(value) -> int | None:
+    """`value` as an int if it is an integer scalar (Python, NumPy, or a 0-d NumPy/JAX array of
+    an integer dtype), else None; bools are not integers here."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(value, "ndim", None) == 0 and np.issubdtype(dtype, np.integer):
+        return int(value)
+    return None
 
 
 def _per_row(value, rows: int, name: str) -> list:
-    """`value` per row: its items when it is a sequence (or 1-D array), else `value` repeated."""
-    is_array = isinstance(value, np.ndarray) and value.ndim == 1
+    """`value` per row: its items when it is a sequence (or 1-D NumPy/JAX array), else `value`
+    repeated."""
+    is_array = getattr(value, "ndim", None) == 1
     if is_array or (isinstance(value, Sequence) and not isinstance(value, str)):
         if len(value) != rows:
             raise ValueError(f"got {len(value)} values of {name} for {rows} prompts")

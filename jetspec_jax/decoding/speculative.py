@@ -6,7 +6,7 @@ Each round, for every row of the batch:
     verify  one target forward over [anchor, d_1 .. d_(K-1)], which also yields tap states
     accept  `verify_chain`: the target's own draws a_j, accepted while they match the drafts
     commit  a_0 .. a_k (k accepted drafts + the bonus), cut at stop tokens and budgets
-    rollback the target cache to the accepted length (lowering lengths; nothing is copied)
+    rollback the target cache to anchor + k + 1 (lowering lengths; nothing is copied)
     observe the proposer extends its context with the verified positions
 
 Rows accept different numbers of tokens and finish at different rounds; finished rows ride along
@@ -136,7 +136,10 @@ def _round(params, proposer_params, s: SpecState, requests, config, proposer) ->
 
 def verify_block(params, config, tap_layers, decode, drafts, requests):
     """The target side of a round: one forward over `[anchor, drafts]` (`drafts` `[B, K-1]`),
-    acceptance, and the cache rolled back to the committed length.
+    acceptance, and the cache rolled back to `anchor_pos + accepted + 1` for active rows (the
+    anchor and the accepted drafts; finished rows keep their length). When a stop token or the
+    budget cuts the round, fewer tokens are committed than that: the row is then done and its
+    cache no longer read (`DecodeState.cache`).
 
     Returns `(cache, taps [n, B, K, H], accepted [B], tokens [B, K])`.
     """
@@ -151,7 +154,8 @@ def verify_block(params, config, tap_layers, decode, drafts, requests):
 
 def commit_round(s: SpecState, requests, cache, accepted, tokens) -> SpecState:
     """The bookkeeping of a verified round: commit, the token sequence, the (k, a) logs. `cache`
-    is the target cache after the round (its lengths the committed ones)."""
+    is the target cache after the round (`verify_block`'s: rolled back to anchor + accepted + 1,
+    longer than the committed length only in a row's final, cut round)."""
     d = s.decode
     active = ~d.done
     anchor_pos = d.cache.lengths

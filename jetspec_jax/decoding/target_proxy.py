@@ -4,8 +4,8 @@
 target's argmax at every block position. `LearnedProxy` predicts them (adapter + decoder);
 `TargetProxy` computes them by running the target on the block over its own copy of the target's
 KV cache of the verified context. It is the ceiling the adapter is measured against (tau with true
-vs predicted states) and the oracle of the refinement tests. It costs a full target forward per
-refresh, so it is an evaluation tool, not a serving method.
+vs predicted states) and the oracle of the refinement and foresight tests. It costs a full target
+forward per round (its cache) and per refresh, so it is an evaluation tool, not a serving method.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class TargetProxy:
 @dataclasses.dataclass(eq=False)
 class TargetProxyDraft:
     """A `draft=` for `generate`: a real `Draft` refined `Jj-Rr` with the target as its proxy
-    (true tap states in place of the adapter's predictions)."""
+    (true tap states in place of the adapter's predictions), also foresight's proxy. It has no
+    calibration: foresight takes `foresight_rule="uncalibrated"` (or "geometric")."""
 
     draft: object
 
@@ -68,11 +69,10 @@ class TargetProxyDraft:
         refreshes: int = 0,
         replacement_confidence: float | None = None,
     ):
-        """As `Draft.proposer`; the oracle is always right, so the default trusts it everywhere
-        (`replacement_confidence` 0)."""
+        """As `Draft.proposer`, but always a `RefiningProposer` (even with `refreshes=0`: its
+        proxy is then foresight's); the oracle is always right, so the default trusts it
+        everywhere (`replacement_confidence` 0)."""
         drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
-        if not refreshes:
-            return drafter, params
         proxy = TargetProxy(target.config, tuple(self.draft.config.target_layer_ids))
         refiner = RefiningProposer(drafter, proxy, refreshes, replacement_confidence or 0.0)
         return refiner, {"draft": params, "proxy": ()}

@@ -1,4 +1,4 @@
-"""Lossless verification of a drafted chain, and the law of its outcome.
+"""Lossless verification of a drafted chain.
 
 Drafts are deterministic (argmax), so the proposal is a point mass: accepting `d_j` with
 probability `p_j(d_j)` and otherwise resampling from `p_j` without `d_j` is the same as drawing
@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.sampling import RowSampling, sampling_logits, select_tokens
+from jetspec_jax.sampling import RowSampling, select_tokens
 
 
 def verify_chain(
@@ -41,34 +41,3 @@ def verify_chain(
     matches = tokens[:, :-1] == drafts
     accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
     return accepted, tokens
-
-
-def target_probabilities(logits: jax.Array, sampling: RowSampling) -> jax.Array:
-    """`[B, K, V]` the target's sampling distributions `p_j` (one-hot argmax at temperature 0)."""
-    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    sampled = jax.nn.softmax(sampling_logits(logits, sampling), axis=-1)
-    return jnp.where((sampling.temperature > 0)[:, None, None], sampled, greedy)
-
-
-def outcome_law(probs: jax.Array, drafts: jax.Array) -> jax.Array:
-    """`P(k, a)`: the probability that verification accepts exactly k drafts with bonus a.
-
-        P(k, a) = [prod_{j<=k} p_j(d_j)] * p_(k+1)(a) * 1[a != d_(k+1)]     for k < K-1
-        P(K-1, a) = [prod_{j<=K-1} p_j(d_j)] * p_K(a)
-
-    (1-indexed p_j over block positions; sums to 1 over all (k, a).)
-
-    Args:
-        probs: `[..., K, V]` target distributions at block positions 0..K-1.
-        drafts: `[..., K-1]` drafts.
-
-    Returns:
-        `[..., K, V]` with entry `[k, a]` = P(k, a).
-    """
-    k_len, vocab = probs.shape[-2:]
-    p_draft = jnp.take_along_axis(probs[..., :-1, :], drafts[..., None], axis=-1)[..., 0]
-    prefix = jnp.cumprod(p_draft, axis=-1)
-    reach = jnp.concatenate([jnp.ones_like(prefix[..., :1]), prefix], axis=-1)  # P(accept >= k)
-    not_draft = 1.0 - jax.nn.one_hot(drafts, vocab, dtype=probs.dtype)  # [..., K-1, V]
-    not_draft = jnp.concatenate([not_draft, jnp.ones_like(not_draft[..., :1, :])], axis=-2)
-    return reach[..., None] * probs * not_draft
