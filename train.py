@@ -86,8 +86,7 @@ def _train(args: argparse.Namespace) -> int:
     # No loss when this call trained no step (it re-exported a run whose export was cut short).
     loss = f"loss {result.metrics['loss']:.4f}; " if "loss" in result.metrics else ""
     print(
-        f"trained {result.steps} steps; {loss}eval tau {tau}; draft exported to "
-        f"{result.export_dir}"
+        f"trained {result.steps} steps; {loss}eval tau {tau}; draft exported to {result.export_dir}"
     )
     return 0
 

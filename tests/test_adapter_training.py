@@ -349,6 +349,9 @@ def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path,
     records = read_regenerated([data_file])
     batches = _eval_batches(config, 2, _batch_sharding(config), target.config.vocab_size, records)
     assert len(batches) == 1 and len(calls) == 2  # of the file's 8 records
+    # A seeded sample, not the file's first records (regenerated files put short prompts first).
+    first = [r["prompt_ids"].tolist() for r in records[:2]]
+    assert [r["prompt_ids"].tolist() for r in calls] != first
 
 
 def _batch_sharding(config):
@@ -361,7 +364,8 @@ def test_held_out_records_that_repeat_training_prompts_are_warned_about(
     records = read_regenerated([data_file])
     held_out = tmp_path / "held_out.jsonl"
     fresh = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}
-    held_out.write_text("".join(json.dumps(r) + "\n" for r in [*records[:3], fresh]))
+    repeated = [{k: v.tolist() for k, v in r.items()} for r in records[:3]]
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in [*repeated, fresh]))
 
     def warnings(eval_files, train_records):
         config = _config(data_file, tmp_path, eval_batches=1, eval_files=eval_files)

@@ -19,7 +19,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.data.prompts import MATH_SUFFIX
-from jetspec_jax.data.regenerate import regenerate, row_seed
+from jetspec_jax.data.regenerate import regenerate, row_seed, settings_path
 from jetspec_jax.prompting import encode_prompt
 from tests.text_fixtures import with_tokenizer
 
@@ -122,6 +122,33 @@ def test_resume_after_limit_equals_uninterrupted_run(target, prompt_files, unint
     assert _read_by_id(out) == _read_by_id(uninterrupted)
     again = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
     assert (again.written, again.skipped_existing) == (0, 5)
+
+
+def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path):
+    """One output file, one data set: a resume with another budget, sampling or encoding would
+    append responses of another kind to it."""
+    out = tmp_path / "out.jsonl"
+    regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW, limit=1)
+    assert json.loads(settings_path(out).read_text())["max_new_tokens"] == MAX_NEW
+    written = out.read_text()
+    changes = [
+        (dict(max_new_tokens=MAX_NEW + 1), f"max_new_tokens {MAX_NEW + 1} \\(generated with 8\\)"),
+        (dict(sampling=jetspec_jax.SamplingParams(temperature=1.0)), "sampling"),
+        (dict(system="Be brief."), "system 'Be brief.' \\(generated with None\\)"),
+    ]
+    for change, message in changes:
+        with pytest.raises(ValueError, match=f"other settings; resuming would mix.*{message}"):
+            regenerate(target, prompt_files, out, **{"max_new_tokens": MAX_NEW, **change})
+        assert out.read_text() == written  # refused before generating
+    bf16 = jetspec_jax.load_target(target.path, dtype="bfloat16")
+    with pytest.raises(ValueError, match="target"):
+        regenerate(bf16, prompt_files, out, max_new_tokens=MAX_NEW)
+    # A new output (the old one deleted) records its own settings.
+    out.unlink()
+    regenerate(target, prompt_files, out, max_new_tokens=MAX_NEW + 1, limit=1)
+    assert json.loads(settings_path(out).read_text())["max_new_tokens"] == MAX_NEW + 1
+    with pytest.raises(ValueError, match="thinking is a chat-template switch"):
+        regenerate(target, prompt_files, tmp_path / "raw.jsonl", chat=False, thinking=True)
 
 
 def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, tmp_path):

@@ -180,6 +180,12 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
     deeper = dataclasses.replace(config.draft, num_layers=2)
     with pytest.raises(ValueError, match="does not hold this run's train state.*new run.dir"):
         train(dataclasses.replace(config, draft=deeper), target=target, stop_after=1)
+    # Each process saved its own data position: another process count is refused by name.
+    recorded = json.loads((tmp_path / "run_setup.json").read_text())
+    assert recorded["process_count"] == 1 and recorded["target"] == config.target
+    (tmp_path / "run_setup.json").write_text(json.dumps({**recorded, "process_count": 2}))
+    with pytest.raises(ValueError, match="written by 2 process\\(es\\), this run has 1"):
+        train(config, target=target, stop_after=1)
 
 
 def test_weight_decay_shrinks_the_kernels_and_leaves_the_norm_scales(target):
@@ -372,6 +378,23 @@ def test_a_steps_override_replaces_the_configs_epochs(tmp_path):
     # A null budget key is no budget.
     both.write_text("data: {files: [a.jsonl]}\noptim: {steps: 50, epochs: null, warmup_steps: 5}\n")
     assert load_train_config(both).optim.steps == 50
+
+
+def test_epochs_that_leave_only_warmup_steps_are_warned_about(tmp_path, caplog):
+    """Warmup is capped at the steps the epochs make; then the learning rate never decays."""
+    from jetspec_jax.training.config import load_train_config, resolve_steps
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data: {files: [a.jsonl]}\noptim: {epochs: 1, batch_size: 4, warmup_steps: 30}\n"
+    )
+    with caplog.at_level("WARNING"):
+        assert resolve_steps(load_train_config(path), 400).optim.warmup_steps == 30  # 100 steps
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        optim = resolve_steps(load_train_config(path), 40).optim
+    assert optim.steps == optim.warmup_steps == 10
+    assert "the whole run warms up and the learning rate never decays" in caplog.text
 
 
 def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path):
@@ -676,7 +699,8 @@ def test_training_data_is_checked_against_the_target(tmp_path, caplog):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         records = read_regenerated([path], vocab_size=5, max_length=8)
-    assert records == [rows[0]]
+    assert [{k: v.tolist() for k, v in r.items()} for r in records] == [rows[0]]
+    assert all(v.dtype == np.int32 for r in records for v in r.values())  # 4 bytes a token
     assert "skipped 1 records whose prompt fills max_length 8" in caplog.text
     assert "skipped 1 records with an empty prompt or response" in caplog.text
     booleans = tmp_path / "booleans.jsonl"
@@ -687,6 +711,11 @@ def test_training_data_is_checked_against_the_target(tmp_path, caplog):
         read_regenerated([path], vocab_size=4)
     with pytest.raises(ValueError, match="no usable records"):
         read_regenerated([path], max_length=2)
+    (tmp_path / "huge.jsonl").write_text('{"prompt_ids": [1, 2147483648], "response_ids": [3]}\n')
+    with pytest.raises(
+        ValueError, match="huge.jsonl:1 holds a token id outside \\[0, 2\\*\\*31\\)"
+    ):
+        read_regenerated([tmp_path / "huge.jsonl"])
 
 
 def test_evaluation_prompts_that_are_training_prompts_are_warned_about(target, tmp_path, caplog):

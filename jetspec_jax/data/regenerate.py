@@ -10,7 +10,10 @@ Lines appear in generation order (prompts sorted by length), not in the prompt f
 
 Runs are resumable: ids already in the output file are skipped, and each batch's lines are appended
 and flushed to disk together, so a kill loses at most the batch in flight. A partial last line (a
-kill mid-write) is truncated before appending; complete lines are never rewritten.
+kill mid-write) is truncated before appending; complete lines are never rewritten. The settings
+that shape a response (target architecture and dtype, budget, prompt encoding, sampling) are kept
+beside the output in `<out>.settings.json`; resuming with other settings is refused, since the
+file would mix two data sets.
 
 Sampled runs stay reproducible across resumes: record i (its position in the prompt files, read in
 the order given, before `limit`) is sampled with a seed derived from (base seed, i) alone, and a
@@ -32,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import tqdm
 
+from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.data.jsonl import read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
 from jetspec_jax.generate import generate_batch
@@ -183,8 +187,8 @@ def regenerate(
     Raises:
         FileNotFoundError: a prompt file does not exist.
         ValueError: bad arguments, a target without tokenizer, malformed or duplicate prompt
-            records, an output path `check_output_path` refuses, or an output file with a
-            malformed complete line.
+            records, an output path `check_output_path` refuses, an output file with a
+            malformed complete line, or one generated with other settings.
     """
     start = time.perf_counter()
     _check_positive("batch_size", batch_size)
@@ -193,10 +197,22 @@ def regenerate(
         raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
     if target.tokenizer is None:
         raise ValueError(f"target {target.path} has no tokenizer; regeneration needs one")
+    if thinking and not chat:
+        raise ValueError("thinking is a chat-template switch: it needs chat=True")
     records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     out_path = pathlib.Path(out_path)
     check_output_path(out_path, prompt_files)
+    settings = dict(
+        target=dict(config=_json_ready(target.config), dtype=target.dtype),
+        max_new_tokens=max_new_tokens,
+        chat=chat,
+        system=system,
+        thinking=thinking,
+        math_suffix_sources=sorted(math_suffix_sources),
+        sampling=_json_ready(sampling),
+    )
     done = _existing_ids(out_path)
+    record_settings(settings_path(out_path), settings, resuming=bool(done))
     pending = [r for r in records if r.id not in done]
     encoded = _encode(target, pending, max_new_tokens, chat=chat, system=system, thinking=thinking)
     logger.info(
@@ -310,6 +326,40 @@ def _append_lines(out, objects: list[dict]) -> None:
     out.write(data.encode("utf-8"))
     out.flush()
     os.fsync(out.fileno())
+
+
+def settings_path(out_path: pathlib.Path) -> pathlib.Path:
+    """Where the settings of the output file `out_path` are kept."""
+    return out_path.with_name(out_path.name + ".settings.json")
+
+
+def record_settings(path: pathlib.Path, settings: dict, *, resuming: bool) -> None:
+    """Records `settings` at `path`; `resuming` an output file, refuses (ValueError) settings
+    that differ from those recorded. An output written before settings were recorded gets the
+    current ones (unchecked); a new output replaces the settings of a deleted one."""
+    if resuming and path.is_file():
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        changed = [
+            f"{key} {settings.get(key)!r} (generated with {recorded.get(key)!r})"
+            for key in sorted(set(recorded) | set(settings))
+            if recorded.get(key) != settings.get(key)
+        ]
+        if changed:
+            raise ValueError(
+                f"{path.name[: -len('.settings.json')]} was generated with other settings; "
+                f"resuming would mix two data sets: {'; '.join(changed)}. Use another output "
+                "file, or the recorded settings"
+            )
+        return
+    write_text_atomically(path, json.dumps(settings, indent=1))
+
+
+def _json_ready(value) -> dict:
+    """A frozen config as it reads back from JSON (tuples as lists); runtime-only choices of
+    how to compute (`recurrence_impl`) are left out."""
+    fields = dataclasses.asdict(value)
+    fields.pop("recurrence_impl", None)
+    return json.loads(json.dumps(fields))
 
 
 def _existing_ids(out_path: pathlib.Path) -> set[str]:

@@ -179,6 +179,8 @@ def train_adapter(
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size, records)
     setup = dict(
+        target=config.target,
+        target_dtype=config.target_dtype,
         data_files=config.data.files,
         records=len(records),
         max_length=config.data.max_length,
@@ -283,7 +285,7 @@ def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
 def _eval_batches(
     config: TrainConfig, local_batch: int, sharding, vocab_size: int, train_records: list[dict]
 ) -> list[dict]:
-    """`adapter.eval_batches` fixed batches: the first examples of this process's share of the
+    """`adapter.eval_batches` fixed batches: a seeded sample of this process's share of the
     records of `adapter.eval_files` (else of `train_records`; then the figures are not held out).
     Held-out records whose prompt is also a training prompt are counted in a warning."""
     files = config.adapter.eval_files
@@ -310,8 +312,11 @@ def _eval_batches(
         raise ValueError(
             f"adapter evaluation needs at least {local_batch} records per process in {list(files)}"
         )
-    records = records[jax.process_index() :: count][: num_batches * local_batch]
-    examples = [to_example(r, config.data.max_length) for r in records]  # only these are padded
+    # Regenerated files are in generation order, shortest prompts first: a sample drawn with a
+    # fixed seed (the same on every process and run) stands for the whole file.
+    order = np.random.default_rng(0).permutation(len(records))
+    chosen = order[jax.process_index() :: count][: num_batches * local_batch]
+    examples = [to_example(records[i], config.data.max_length) for i in chosen]  # only these
     batches = []
     for i in range(num_batches):
         chunk = examples[i * local_batch : (i + 1) * local_batch]

@@ -230,7 +230,8 @@ def collect_rounds(
     Args:
         target: the target (`load_target`).
         draft: the `Draft`, with an adapter (the proxy scoring `p̂`).
-        records: `{"prompt_ids": [...], "response_ids": [...]}` (greedy regenerations).
+        records: `{"prompt_ids": ids, "response_ids": ids}` (greedy regenerations; token-id
+            lists or int arrays, as `read_regenerated` returns them).
         num_rounds: rounds to collect (fewer if the records run out: logged).
         refine_passes, refreshes, replacement_confidence: the served refinement `Jj-Rr`
             (`Draft.proposer`; None: the draft's calibrated replacement confidence).

@@ -8,6 +8,7 @@ falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import pathlib
 import types
@@ -16,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import yaml
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +241,15 @@ def resolve_steps(config: TrainConfig, num_examples: int) -> TrainConfig:
         return config
     steps = max(1, math.ceil(config.optim.epochs * num_examples / config.optim.batch_size))
     warmup = min(config.optim.warmup_steps, steps)
+    if warmup == steps:
+        logger.warning(
+            "optim.warmup_steps %d >= the %d steps of %s epoch(s) over %d examples: the whole run "
+            "warms up and the learning rate never decays",
+            config.optim.warmup_steps,
+            steps,
+            config.optim.epochs,
+            num_examples,
+        )
     optim = dataclasses.replace(config.optim, steps=steps, warmup_steps=warmup)
     return dataclasses.replace(config, optim=optim)
 

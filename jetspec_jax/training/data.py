@@ -22,15 +22,21 @@ from jetspec_jax.data.jsonl import read_jsonl
 logger = logging.getLogger(__name__)
 
 
+# Token ids are stored as int32 arrays: Python int lists cost ~9x the memory (every process holds
+# all records, and paper-scale data is ~10^9 tokens).
+_ID_LIMIT = 2**31
+
+
 def read_regenerated(
     files, *, vocab_size: int | None = None, max_length: int | None = None
-) -> list[dict]:
-    """`{"prompt_ids": [...], "response_ids": [...]}` records of regenerated JSONL files.
+) -> list[dict[str, np.ndarray]]:
+    """`{"prompt_ids": int32 [P], "response_ids": int32 [R]}` records of regenerated JSONL files.
 
     Args:
         files: JSONL paths.
         vocab_size: the target's vocabulary: an id outside it is refused (data regenerated with
-            another tokenizer would otherwise train on clamped ids). None: not checked.
+            another tokenizer would otherwise train on clamped ids). None: ids must be in
+            [0, 2**31).
         max_length: the training length: records whose prompt fills it have no supervised token
             and are skipped (logged). None: kept.
 
@@ -41,14 +47,16 @@ def read_regenerated(
             record.
     """
     records, too_long, empty = [], 0, 0
+    limit = _ID_LIMIT if vocab_size is None else vocab_size
     for file in files:
         for where, row in read_jsonl(file, what="training data file"):
             ids = [row.get("prompt_ids"), row.get("response_ids")]
-            if not all(isinstance(x, list) and all(_is_id(i) for i in x) for x in ids):
+            # Exact types: JSON true is not token 1 (and numpy would read it as 1).
+            if not all(isinstance(x, list) and set(map(type, x)) <= {int} for x in ids):
                 raise ValueError(f"{where} lacks integer prompt_ids / response_ids")
-            if vocab_size is not None and any(
-                x and not 0 <= min(x) <= max(x) < vocab_size for x in ids
-            ):
+            if any(x and not 0 <= min(x) <= max(x) < limit for x in ids):
+                if vocab_size is None:
+                    raise ValueError(f"{where} holds a token id outside [0, 2**31)")
                 raise ValueError(
                     f"{where} holds a token id outside the target's vocabulary of {vocab_size} "
                     "(regenerated for another tokenizer?)"
@@ -56,7 +64,8 @@ def read_regenerated(
             if max_length is not None and len(ids[0]) >= max_length:
                 too_long += 1
             elif ids[0] and ids[1]:
-                records.append({"prompt_ids": ids[0], "response_ids": ids[1]})
+                prompt, response = (np.asarray(x, np.int32) for x in ids)
+                records.append({"prompt_ids": prompt, "response_ids": response})
             else:
                 empty += 1
     if empty:
@@ -75,21 +84,21 @@ def read_regenerated(
     return records
 
 
-def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not token 1
-
-
-def count_training_prompts(prompts, records: list[dict]) -> int:
+def count_training_prompts(prompts, records: list[dict[str, np.ndarray]]) -> int:
     """How many of `prompts` (token-id sequences) are the prompt of one of `records`: held-out
     figures measured on those are not held out."""
-    seen = {tuple(r["prompt_ids"]) for r in records}
-    return sum(tuple(p) in seen for p in prompts)
+    seen = {_key(r["prompt_ids"]) for r in records}
+    return sum(_key(p) in seen for p in prompts)
 
 
-def to_example(record: dict, max_length: int) -> dict[str, np.ndarray]:
+def _key(ids) -> bytes:
+    return np.asarray(ids, np.int32).tobytes()
+
+
+def to_example(record: dict[str, np.ndarray], max_length: int) -> dict[str, np.ndarray]:
     """`tokens` `[max_length]` int32 (right-padded with 0) and `loss_mask` `[max_length]` bool."""
     prompt, response = record["prompt_ids"], record["response_ids"]
-    sequence = (prompt + response)[:max_length]
+    sequence = np.concatenate([prompt, response])[:max_length]
     tokens = np.zeros((max_length,), np.int32)
     tokens[: len(sequence)] = sequence
     loss_mask = np.zeros((max_length,), bool)
@@ -98,7 +107,7 @@ def to_example(record: dict, max_length: int) -> dict[str, np.ndarray]:
 
 
 def training_dataset(
-    records: list[dict],
+    records: list[dict[str, np.ndarray]],
     *,
     batch_size: int,
     max_length: int,

@@ -62,7 +62,8 @@ def draft_loss(
     Returns:
         `(loss, metrics)`: the loss is the mean KL(target || draft) per supervised row (rows
         weigh alike); metrics hold `accuracy` (draft argmax == target argmax over supervised
-        rows), `accuracy_by_row` `[K]` and `supervised` (row count).
+        rows), `accuracy_by_row` `[K]` (0 for a row no block supervises: the last of token-input
+        drafts, the first of mask-input ones) and `supervised` (row count).
     """
     lm_head = output_kernel(target_params, target_config)  # the draft shares the target's head
     hidden = draft_hidden_for_training(

@@ -126,14 +126,17 @@ def opened_run(
     run ends.
 
     `setup`: what a resumed run should share with the run that wrote its checkpoints (JSON-ready:
-    the data files and record count, the optimisation and model sections). The first start
-    records it in `<run_dir>/run_setup.json`; a resume whose setup differs logs each difference
-    as a warning (the restored data position and schedule assume the recorded setup), which a
-    deliberate change, e.g. more steps, may ignore.
+    the target, the data files and record count, the optimisation and model sections). The first
+    start records it, with the process count, in `<run_dir>/run_setup.json`; a resume whose setup
+    differs logs each difference as a warning (the restored data position and schedule assume the
+    recorded setup), which a deliberate change, e.g. more steps, may ignore. Another process count
+    is refused (ValueError): each process saved its own data position.
     """
+    setup = {**setup, "process_count": jax.process_count()}
     manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
     with contextlib.closing(manager):
         if manager.latest_step() is not None:
+            _check_process_count(run_dir, recorded_setup(run_dir), setup["process_count"])
             state = restore_latest(manager, state, iterator)
             logger.info("%s: resumed from step %d", run_dir, int(state.step))
             _warn_on_changed_setup(run_dir / SETUP_FILE, setup)
@@ -151,6 +154,16 @@ def recorded_setup(run_dir: pathlib.Path) -> dict:
     """The setup `opened_run` recorded for `run_dir`'s checkpoints ({} if none)."""
     path = run_dir / SETUP_FILE
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _check_process_count(run_dir: pathlib.Path, recorded: dict, count: int) -> None:
+    written_by = recorded.get("process_count", count)  # not recorded by older versions
+    if written_by != count:
+        raise ValueError(
+            f"{run_dir}: its checkpoints were written by {written_by} process(es), this run has "
+            f"{count}; each process saved its own data position: resume with {written_by}, or "
+            "start a new run.dir"
+        )
 
 
 def _warn_on_changed_setup(path: pathlib.Path, setup: dict) -> None:

@@ -120,6 +120,8 @@ def train(
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
     setup = dict(
+        target=config.target,
+        target_dtype=config.target_dtype,
         data_files=config.data.files,
         records=len(records),
         max_length=config.data.max_length,
