@@ -411,6 +411,13 @@ def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path
     optim = config.adapter.optim
     assert (optim.steps, optim.epochs, optim.batch_size, optim.warmup_steps) == (300, None, 16, 7)
     assert optim.learning_rate == 1e-3 and config.optim.epochs == 2  # the draft's is untouched
+    # Top-level overrides reach it whatever their order.
+    for overrides in (
+        ["adapter.optim.steps=300", "optim.batch_size=8"],
+        ["optim.batch_size=8", "adapter.optim.steps=300"],
+    ):
+        optim = load_train_config(path, overrides).adapter.optim
+        assert (optim.steps, optim.epochs, optim.batch_size) == (300, None, 8), overrides
 
 
 def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):

@@ -11,7 +11,9 @@ own parameter pytree and state pytree:
 `block_taps` `[n_taps, B, T|K, H]`; the first `prompt_lengths` / `num_committed` of them are real.
 
 The parallel draft model is the proposer every method serves; `refinement.RefiningProposer` (Jj-Rr)
-and `foresight.ForesightProposer` wrap it, and tests plug in oracles through the same interface.
+wraps it through the same interface, and tests plug in oracles through it.
+`foresight.ForesightProposer` wraps a `RefiningProposer` but drafts through `propose_with_hits`
+(the foresight loop's), not `propose`.
 """
 
 from __future__ import annotations

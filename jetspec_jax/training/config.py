@@ -84,8 +84,8 @@ class AdapterTrainConfig:
     init_std: float = 0.02
     kappa: float = 0.5
     # None: the top-level `optim`. Given in the file, a whole section: unset fields take
-    # OptimConfig's defaults, not the top-level values. Created by a `--set adapter.optim.*`
-    # override, it starts as a copy of the top-level section (the one the adapter ran with).
+    # OptimConfig's defaults, not the top-level values. Created by `--set adapter.optim.*`
+    # overrides alone, it is the top-level section (overrides applied) with those keys changed.
     optim: OptimConfig | None = None
     eval_files: tuple[str, ...] = ()  # held-out regenerated JSONL; empty: the training files
     eval_batches: int = 2  # batches of the state metrics (normalised MSE, gap closed) per eval
@@ -262,8 +262,8 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
         overrides: `"dotted.key=value"` strings, applied in order before validation; the value is
             parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`).
             `steps` and `epochs` give one budget two ways: overriding one drops the other. An
-            `adapter.optim.*` override on a config without that section starts it as a copy of
-            the top-level `optim`.
+            `adapter.optim.*` overrides on a config without that section change the top-level
+            `optim` (with its overrides, in any order) for the adapter.
 
     Raises:
         FileNotFoundError: no such file.
@@ -281,13 +281,11 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    inherits_optim = _adapter_optim(data) is None
     for override in overrides:
-        adapter = data.get("adapter", {})
-        if override.startswith("adapter.optim.") and isinstance(adapter, dict):
-            if "optim" not in adapter and isinstance(data.get("optim", {}), dict):
-                # Changing one value of the optim the adapter runs with must keep the others.
-                data["adapter"] = {**adapter, "optim": dict(data.get("optim", {}))}
         _apply_override(data, override)
+    if inherits_optim and isinstance(_adapter_optim(data), dict):
+        _inherit_optim(data)
     for where, section in (("optim", data.get("optim")), ("adapter.optim", _adapter_optim(data))):
         if isinstance(section, dict) and all(section.get(k) is not None for k in _BUDGET_KEYS):
             raise ValueError(
@@ -298,6 +296,17 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
 
 
 _BUDGET_KEYS = ("steps", "epochs")
+
+
+def _inherit_optim(data: dict) -> None:
+    """An `adapter.optim` made by overrides alone changes the optim the adapter ran with (the
+    top-level one, overrides applied), not the built-in defaults: only its given keys differ."""
+    base, given = data.get("optim") or {}, data["adapter"]["optim"]
+    if not isinstance(base, dict):
+        return  # from_dict names the malformed section
+    if any(given.get(k) is not None for k in _BUDGET_KEYS):  # one budget: the override's
+        base = {k: v for k, v in base.items() if k not in _BUDGET_KEYS}
+    data["adapter"]["optim"] = {**base, **given}
 
 
 def _adapter_optim(data: dict) -> Any:
