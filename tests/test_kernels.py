@@ -204,6 +204,8 @@ def test_reference_equals_layers_attention_with_the_explicit_mask(causal):
 
 
 def test_kernel_gradients_match_the_reference_and_layers_attention():
+    """The kernel's backward is the reference's VJP (`refinement.py`), so equal gradients check
+    the custom-VJP wiring; the loss values check that the kernel's forward is the one used."""
     shape, tiling = CASES["gqa2-c3-padded-cands-2splits"]
     q, ck, cv, _, bk, bv = _operands(shape, seed=3)
     lengths = jnp.asarray([[0, 20, 9]], jnp.int32)  # slots 20.. of 37 are stale for everyone
@@ -218,11 +220,14 @@ def test_kernel_gradients_match_the_reference_and_layers_attention():
     wrt = (0, 1, 2, 3, 4)
 
     def grads(fn):
-        return jax.jit(jax.grad(loss(fn), argnums=wrt))(q, ck, cv, bk, bv)
+        return jax.jit(jax.value_and_grad(loss(fn), argnums=wrt))(q, ck, cv, bk, bv)
 
-    kernel = grads(impl("pallas_interpret"))
-    reference = grads(impl("reference"))
-    explicit = grads(lambda *a: _explicit(*a, True))
+    (kernel_loss, kernel), (reference_loss, reference) = (
+        grads(impl(name)) for name in ("pallas_interpret", "reference")
+    )
+    explicit_loss, explicit = grads(lambda *a: _explicit(*a, True))
+    assert abs(float(kernel_loss) - float(explicit_loss)) <= 1e-4 * abs(float(explicit_loss))
+    assert abs(float(reference_loss) - float(explicit_loss)) <= 1e-4 * abs(float(explicit_loss))
     for name, got, want, anchor in zip(
         "q ck cv bk bv".split(), kernel, reference, explicit, strict=True
     ):
@@ -356,34 +361,44 @@ def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints, mo
     assert ker.outcomes == ref.outcomes
 
 
-def test_a_float32_draft_and_adapter_run_the_kernel_on_a_bfloat16_target(checkpoints):
-    """The refinement stacks read the target's bf16 caches: their queries are cast to the
-    cache dtype too, since the kernel takes one dtype (it refused the mix before)."""
-    path = checkpoints.get("qwen3")[0]
+def test_a_float32_draft_and_adapter_run_the_kernel_on_a_bfloat16_target(checkpoints, monkeypatch):
+    """The refinement stacks read the target's bf16 caches: their queries are cast to the cache
+    dtype too, since the kernel takes one dtype (it refused the mix before). Same tokens and
+    per-round outcomes as the reference, with the kernel launched; a vocabulary of 8 makes the
+    outcomes depend on the drafts."""
+    launches = []
+    launch = pallas_refinement.kernel_call
+    monkeypatch.setattr(
+        pallas_refinement, "kernel_call", lambda *a, **k: launches.append(1) or launch(*a, **k)
+    )
+    path = checkpoints.get("qwen3_vocab8")[0]
     target = jetspec_jax.load_target(path, dtype="bfloat16")
     draft = jetspec_jax.init_draft(jetspec_jax.load_target(path), block_size=4, init_std=0.2)
     draft = draft.with_adapter(init_adapter(draft, init_std=0.05))
     assert draft.dtype == "float32"
-    prompt = np.random.default_rng(7).integers(0, 97, 9).tolist()
-    tokens = {}
+    prompt = np.random.default_rng(7).integers(0, 8, 9).tolist()
+    results = {}
     for impl in ("reference", "pallas_interpret"):
         adapter = draft.adapter
         adapter = dataclasses.replace(
             adapter, config=dataclasses.replace(adapter.config, attention_impl=impl)
         )
         config = dataclasses.replace(draft.config, attention_impl=impl)
-        tokens[impl] = jetspec_jax.generate(
+        results[impl] = jetspec_jax.generate(
             target,
             prompt,
             draft=dataclasses.replace(draft, config=config, adapter=adapter),
             method="jetspec++",
             refine_passes=1,
             refreshes=1,  # J1-R1: the adapter runs
-            max_new_tokens=12,
+            max_new_tokens=24,
             stop_token_ids=[],
-        ).tokens
-    assert tokens["pallas_interpret"] == tokens["reference"]
+        )
+        assert bool(launches) == (impl == "pallas_interpret"), impl
+    ref, ker = results["reference"], results["pallas_interpret"]
+    assert any(k > 0 for k, _ in ref.outcomes)
+    assert (ker.tokens, ker.outcomes) == (ref.tokens, ref.outcomes)
     assert (
-        tokens["reference"]
-        == jetspec_jax.generate(target, prompt, max_new_tokens=12, stop_token_ids=[]).tokens
+        ref.tokens
+        == jetspec_jax.generate(target, prompt, max_new_tokens=24, stop_token_ids=[]).tokens
     )
