@@ -261,7 +261,7 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
         path: the YAML file.
         overrides: `"dotted.key=value"` strings, applied in order before validation; the value is
             parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`).
-            `steps` and `epochs` give one budget two ways: overriding one drops the other. An
+            `steps` and `epochs` give one budget two ways: overriding one drops the other.
             `adapter.optim.*` overrides on a config without that section change the top-level
             `optim` (with its overrides, in any order) for the adapter.
 
