@@ -3,6 +3,7 @@ export/import in the DFlash/JetSpec HF layout, every refusal of a mismatched dra
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -45,11 +46,13 @@ def torch_target(checkpoints):
 
 @pytest.fixture(scope="module")
 def reference_drafts(tmp_path_factory):
-    """`get(causal)` -> (dir, model): a random reference draft saved with `save_pretrained`."""
+    """`get(causal, **options)` -> (dir, model): a random reference draft saved with
+    `save_pretrained` (`options`: extra `dflash_config` entries, e.g. `output_multiplier`)."""
     made = {}
 
-    def get(causal: bool):
-        if causal not in made:
+    def get(causal: bool, **options):
+        key = (causal, *sorted(options.items()))
+        if key not in made:
             torch.manual_seed(int(causal))
             config = transformers.Qwen3Config(
                 vocab_size=97,
@@ -66,6 +69,7 @@ def reference_drafts(tmp_path_factory):
                     "mask_token_id": MASK,
                     "target_layer_ids": [0, 2],
                     "causal_head": causal,
+                    **options,
                 },
                 is_causal=causal,
             )
@@ -76,58 +80,83 @@ def reference_drafts(tmp_path_factory):
                         p.uniform_(0.5, 1.5)
             path = tmp_path_factory.mktemp("drafts") / f"causal_{causal}"
             model.save_pretrained(path)
-            made[causal] = (path, model)
-        return made[causal]
+            made[key] = (path, model)
+        return made[key]
 
     return get
 
 
-def _blocks(config: DraftConfig) -> list[np.ndarray]:
+def _blocks(
+    config: DraftConfig, tokens=TOKENS, prompt=PROMPT, extra=EXTRA, seed=1
+) -> list[np.ndarray]:
     """The two rounds' `[1, K]` blocks: the anchor, then mask tokens or (token inputs) tokens."""
-    anchors = [TOKENS[0, PROMPT], TOKENS[0, PROMPT + EXTRA]]
+    anchors = [tokens[0, prompt], tokens[0, prompt + extra]]
     if config.token_inputs:
-        rest = np.random.default_rng(1).integers(0, MASK, (2, BLOCK - 1))
+        rest = np.random.default_rng(seed).integers(0, MASK, (2, BLOCK - 1))
     else:
         rest = np.full((2, BLOCK - 1), config.mask_token_id)
     return [np.concatenate([[a], r])[None] for a, r in zip(anchors, rest, strict=True)]
 
 
-def _taps(target, config: DraftConfig) -> jax.Array:
-    """`[n_taps, 1, T, H]` target tap states of TOKENS."""
-    return forward(target.params, target.config, TOKENS, tap_layers=config.target_layer_ids).taps
+def _taps(target, config: DraftConfig, tokens=TOKENS) -> jax.Array:
+    """`[n_taps, 1, T, H]` target tap states of `tokens`."""
+    return forward(target.params, target.config, tokens, tap_layers=config.target_layer_ids).taps
 
 
-def _our_logits(draft, target, taps, blocks) -> list[np.ndarray]:
+def _draft_rounds(draft, target, extensions, blocks, *, jit=False) -> list[np.ndarray]:
+    """Our logits, round by round: extend the cache with `extensions[i]` = (tap rows
+    `[n_taps, B, T, H]`, num_new `[B]`), then run block `blocks[i]` `[B, K]`. (`jit`: one
+    compile per config and shape, cheaper than op-by-op dispatch for shapes not seen before.)"""
     config = draft.config
-    cache = empty_cache(config, 1, 32, jnp.float32)
+    cache = empty_cache(config, blocks[0].shape[0], 32, jnp.float32)
     embedding = target.params["embed_tokens"]["embedding"]
     lm_head = target.params["lm_head"]["kernel"]
-    extensions = [(taps[:, :, :PROMPT], PROMPT), (taps[:, :, PROMPT:], EXTRA)]
+    step = _jitted_round if jit else _round
     out = []
     for (rows, num_new), block in zip(extensions, blocks, strict=True):
-        cache = extend_draft_context(draft.params, config, cache, rows, jnp.array([num_new]))
-        hidden = draft_hidden(draft.params, config, cache, embedding, jnp.asarray(block))
-        out.append(np.asarray(draft_logits(config, lm_head, hidden)))
+        cache, logits = step(
+            draft.params, config, cache, rows, jnp.array(num_new), embedding, lm_head, block
+        )
+        out.append(np.asarray(logits))
     return out
 
 
-def _reference_logits(model, torch_target, taps, blocks) -> list[np.ndarray]:
-    """The reference's two rounds, with its cache handled exactly as `dflash_generate` does."""
+def _round(params, config, cache, rows, num_new, embedding, lm_head, block):
+    cache = extend_draft_context(params, config, cache, rows, num_new)
+    hidden = draft_hidden(params, config, cache, embedding, jnp.asarray(block))
+    return cache, draft_logits(config, lm_head, hidden)
+
+
+_jitted_round = jax.jit(_round, static_argnames="config")
+
+
+def _our_logits(draft, target, taps, blocks) -> list[np.ndarray]:
+    """Batch 1: round 1 extends by PROMPT rows, round 2 by EXTRA real rows of EXTRA + PAD."""
+    extensions = [(taps[:, :, :PROMPT], [PROMPT]), (taps[:, :, PROMPT:], [EXTRA])]
+    return _draft_rounds(draft, target, extensions, blocks)
+
+
+def _reference_logits(
+    model, torch_target, taps, blocks, prompt=PROMPT, extra=EXTRA
+) -> list[np.ndarray]:
+    """The reference's two rounds (one sequence), with its cache handled exactly as
+    `dflash_generate` does: round 1 appends context rows [0, prompt), round 2 the next `extra`."""
     context = torch.tensor(np.asarray(jnp.concatenate(list(taps), axis=-1)))
-    positions = torch.arange(PROMPT + EXTRA + BLOCK)[None]
+    positions = torch.arange(prompt + extra + BLOCK)[None]
     cache = dflash_model._make_cache(model.config)
     head = dflash_model._output_head(torch_target)
+    scale = float(dflash_model._draft_value(model.config, "input_embedding_scale", 1.0))
     out = []
     with torch.no_grad():
         for (begin, end), block in zip(
-            [(0, PROMPT), (PROMPT, PROMPT + EXTRA)], blocks, strict=True
+            [(0, prompt), (prompt, prompt + extra)], blocks, strict=True
         ):
             # Positions cover the new context rows and the block; the call appends both to the
             # cache, and the crop drops the block again.
             hidden = model(
                 target_hidden=context[:, begin:end],
                 noise_embedding=dflash_model._raw_input_embeddings(
-                    torch_target, torch.from_numpy(block)
+                    torch_target, torch.from_numpy(block), scale
                 ),
                 position_ids=positions[:, begin : end + BLOCK],
                 past_key_values=cache,
@@ -164,6 +193,69 @@ def test_draft_matches_dflash_reference_over_two_cached_rounds(
     )
     wrong = _our_logits(flipped, target, taps, blocks)[1]
     assert np.abs(wrong[:, :-1] - reference[1][:, :-1]).max() > 100 * TOL
+
+
+# Row 1 of the ragged batch: a shorter prompt (round 1 passes PROMPT rows, PROMPT_1 of them real)
+# and a longer round-2 extension with no padding (EXTRA_1 = EXTRA + PAD real rows).
+PROMPT_1, EXTRA_1 = 6, EXTRA + PAD
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_ragged_batch_matches_the_reference_row_by_row(
+    reference_drafts, target, torch_target, causal
+):
+    """Two rows of different lengths, cached over two rounds with different num_new and padding
+    per row: each row's logits are the reference's for that row's sequence alone. Padding rows
+    hold noise, so a row that read past its own length (or at another row's) shows."""
+    path, model = reference_drafts(causal)
+    draft = load_draft(path, target)
+    tokens_1 = np.random.default_rng(2).integers(0, MASK, (1, PROMPT_1 + EXTRA_1 + 1))
+    rows = [(TOKENS, PROMPT, EXTRA), (tokens_1, PROMPT_1, EXTRA_1)]
+    taps = [np.asarray(_taps(target, draft.config, t)) for t, _, _ in rows]
+    blocks = [_blocks(draft.config, t, p, e, seed=1 + i) for i, (t, p, e) in enumerate(rows)]
+    reference = [
+        _reference_logits(model, torch_target, jnp.asarray(tap), block, p, e)
+        for tap, block, (_, p, e) in zip(taps, blocks, rows, strict=True)
+    ]
+
+    noise = np.random.default_rng(3).normal(
+        0.0, taps[0].std(), (taps[0].shape[0], 2, PROMPT + EXTRA + PAD, taps[0].shape[-1])
+    )
+    round_1, round_2 = noise[:, :, :PROMPT].copy(), noise[:, :, PROMPT:].copy()
+    round_1[:, 0] = taps[0][:, 0, :PROMPT]
+    round_1[:, 1, :PROMPT_1] = taps[1][:, 0, :PROMPT_1]
+    round_2[:, 0, :EXTRA] = taps[0][:, 0, PROMPT : PROMPT + EXTRA]
+    round_2[:, 1] = taps[1][:, 0, PROMPT_1 : PROMPT_1 + EXTRA_1]
+    extensions = [
+        (jnp.asarray(round_1, jnp.float32), [PROMPT, PROMPT_1]),
+        (jnp.asarray(round_2, jnp.float32), [EXTRA, EXTRA_1]),
+    ]
+    batched = [np.concatenate(pair) for pair in zip(*blocks, strict=True)]
+    ours = _draft_rounds(draft, target, extensions, batched, jit=True)
+    for row in range(2):
+        _assert_rounds_close([got[row : row + 1] for got in ours], reference[row])
+
+
+def test_logit_and_embedding_options_match_the_reference(reference_drafts, target, torch_target):
+    """`input_embedding_scale`, `output_multiplier` and `final_logit_softcapping` load from the
+    checkpoint and act as the reference's do (multiplier before the cap); each one matters."""
+    options = dict(input_embedding_scale=1.5, output_multiplier=2.0, final_logit_softcapping=5.0)
+    path, model = reference_drafts(True, **options)
+    draft = load_draft(path, target)
+    assert {name: getattr(draft.config, name) for name in options} == options
+    taps, blocks = _taps(target, draft.config), _blocks(draft.config)
+    reference = _reference_logits(model, torch_target, taps, blocks)
+    _assert_rounds_close(_our_logits(draft, target, taps, blocks), reference)
+    assert np.abs(reference[1]).max() > 0.6 * options["final_logit_softcapping"]  # the cap bends
+
+    # Each option matters: the reference without it is far off.
+    for name in options:
+        without = copy.deepcopy(model)
+        without.config.dflash_config = {
+            k: v for k, v in without.config.dflash_config.items() if k != name
+        }
+        wrong = _reference_logits(without, torch_target, taps, blocks)[1]
+        assert np.abs(wrong - reference[1]).max() > 100 * TOL, name
 
 
 @pytest.mark.parametrize("variant", ["jetspec", "jetspec++"])

@@ -32,9 +32,10 @@ def _ar(target, prompt, **kwargs):
     return jetspec_jax.generate(target, prompt, max_new_tokens=N_NEW, stop_token_ids=[], **kwargs)
 
 
-def _oracle(target, prompt, block_size, wrong_at=None):
-    """An oracle that drafts the target's own greedy continuation (corrupted at `wrong_at`)."""
-    sequence = prompt + _ar(target, prompt).tokens
+def _oracle(target, prompt, block_size, wrong_at=None, **sampling):
+    """An oracle that drafts the target's own continuation (corrupted at `wrong_at`): greedy, or
+    sampled with `sampling` (temperature, top_p, seed)."""
+    sequence = prompt + _ar(target, prompt, **sampling).tokens
     continuation = np.zeros((1, 256), np.int32)
     continuation[0, : len(sequence)] = sequence
     return OracleDraft(continuation, block_size, target.config.vocab_size, wrong_at)
@@ -110,6 +111,59 @@ def test_sampled_speculative_tokens_equal_autoregressive_with_the_same_seed(
             **kwargs,
         )
         assert spec.tokens == _ar(target, prompts[0], **kwargs).tokens
+
+
+@pytest.mark.parametrize("wrong_at", [None, 2])
+def test_sampled_oracle_drafts_are_accepted_up_to_the_wrong_one(target, prompts, wrong_at):
+    """Drafts of the same-seed sampled continuation: every round accepts all of them (or exactly
+    the prefix before `wrong_at`, then a sampled bonus and a rollback), and the tokens are still
+    sampled AR's."""
+    kwargs = dict(temperature=1.0, top_p=0.9, seed=4)
+    prompt = prompts[2]
+    sampled = _ar(target, prompt, **kwargs).tokens
+    assert sampled != _ar(target, prompt).tokens  # the drafts are not the greedy continuation
+    draft = _oracle(target, prompt, block_size=6, wrong_at=wrong_at, **kwargs)
+    result = jetspec_jax.generate(
+        target,
+        prompt,
+        draft=draft,
+        method="jetspec",
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+        **kwargs,
+    )
+    assert result.tokens == sampled
+    accepted = 5 if wrong_at is None else wrong_at
+    assert [k for k, _ in result.outcomes[:-1]] == [accepted] * (len(result.outcomes) - 1)
+    assert len(result.outcomes) == -(-(N_NEW - 1) // (accepted + 1))
+
+
+@pytest.fixture(scope="module")
+def target_vocab8(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3_vocab8")[0])
+
+
+# A wider init for dflash: its mask-input drafts depend on the context more visibly then (at 0.1 a
+# draft that sees row 0's context length in every row changes few of their argmaxes).
+@pytest.mark.parametrize("variant, init_std", [("jetspec++", 0.1), ("dflash", 0.3)])
+def test_real_drafts_give_each_row_of_a_ragged_batch_its_outcomes_alone(
+    target_vocab8, variant, init_std
+):
+    """Random draft weights on a vocabulary of 8 (drafts get accepted now and then, so outcomes
+    depend on what the draft sees): each row of a batch of different prompt lengths has the
+    tokens and per-round outcomes it has alone."""
+    target = target_vocab8
+    draft = jetspec_jax.init_draft(target, variant=variant, block_size=4, init_std=init_std, seed=4)
+    rng = np.random.default_rng(6)
+    # Lengths within one prompt bucket (16): the rows alone share their compiled programs.
+    prompts = [rng.integers(0, 8, n).tolist() for n in (12, 3, 7)]
+    kwargs = dict(draft=draft, method=variant, max_new_tokens=24, stop_token_ids=[])
+    batch = jetspec_jax.generate_batch(target, prompts, **kwargs)
+    for row, (prompt, result) in enumerate(zip(prompts, batch, strict=True)):
+        alone = jetspec_jax.generate(target, prompt, **kwargs)
+        assert result.tokens == alone.tokens, row
+        assert result.outcomes == alone.outcomes, row
+        assert any(k > 0 for k, _ in alone.outcomes), row
 
 
 def test_stop_token_inside_an_accepted_block_ends_the_output_there(target, prompts):

@@ -255,24 +255,38 @@ def test_blocks_supervise_exactly_the_drafts(variant):
 
 
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])
-def test_two_devices_give_the_same_loss_as_one(target, data_files, tmp_path, mesh):
-    config = _config(data_files, tmp_path)
+def test_two_devices_train_like_one(target, data_files, tmp_path, mesh):
+    """Two steps on two devices give one device's losses, gradient norms and parameters. Without
+    warmup the first step moves every parameter by about the learning rate (Adam's first update
+    is about sign(g) * lr), so a gradient that is only one batch shard's flips many of those
+    signs; a sum over shards instead of their mean (which Adam's updates do not see) doubles
+    the gradient norm."""
+    config = _config(data_files, tmp_path, warmup_steps=0)
     records = [json.loads(x) for x in data_files["train"].read_text().splitlines()]
-    batch = next(iter(training_dataset(records, batch_size=4, max_length=48, seed=0)))
+    batches = iter(training_dataset(records, batch_size=4, max_length=48, seed=0))
+    batches = [next(batches) for _ in range(2)]
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=0)
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
-    losses = []
+    runs = []
     for devices, mesh_config in (([jax.devices()[0]], MeshConfig(1, 1)), (jax.devices()[:2], mesh)):
         m = make_mesh(mesh_config, devices)
         state = init_state(draft.params, make_optimizer(config.optim))
-        shardings = param_shardings(state, m)
-        state = jax.device_put(state, shardings)
+        state = jax.device_put(state, param_shardings(state, m))
         params = jax.device_put(target.params, param_shardings(target.params, m))
-        sharded = {k: jax.device_put(v, batch_sharding(m)) for k, v in batch.items()}
-        _, metrics = train_step(state, params, sharded, config=step_config, mesh=m)
-        losses.append(float(metrics["loss"]))
+        metrics = []
+        for batch in batches:
+            sharded = {k: jax.device_put(v, batch_sharding(m)) for k, v in batch.items()}
+            state, step_metrics = train_step(state, params, sharded, config=step_config, mesh=m)
+            metrics.append([float(step_metrics["loss"]), float(step_metrics["grad_norm"])])
+        runs.append((metrics, jax.tree.map(np.asarray, state.params)))
     assert len(jax.devices()) >= 2
-    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    (one_metrics, one_params), (two_metrics, two_params) = runs
+    np.testing.assert_allclose(two_metrics, one_metrics, rtol=1e-5)
+    lr = config.optim.learning_rate
+    leaves = [jax.tree.leaves(t) for t in (draft.params, one_params, two_params)]
+    for start, one, two in zip(*leaves, strict=True):
+        assert np.abs(one - np.asarray(start)).max() > lr  # two steps of about lr each
+        np.testing.assert_allclose(two, one, atol=lr / 10, rtol=0)
 
 
 def test_bad_configs_are_refused_by_key(tmp_path):
@@ -685,13 +699,28 @@ def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
 def test_every_process_refuses_too_few_examples_alike():
     """7 examples over 2 processes with batch 4: process 0's share (4) would fit, process 1's (3)
     not; refused by one process alone, the other would wait forever in its first collective."""
-    records = [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5]}] * 7
+    records = [{"prompt_ids": [1, i], "response_ids": [3, 4, 5]} for i in range(7)]
     for index in (0, 1):
         with pytest.raises(ValueError, match="fewer than one batch of 4"):
             training_dataset(
                 records, batch_size=4, max_length=16, seed=0, process_index=index, process_count=2
             )
-    assert training_dataset(records, batch_size=3, max_length=16, seed=0, process_count=2)
+    # Batches of 3: process 1's share (records 1, 3, 5) is exactly one batch.
+    batch = next(
+        iter(
+            training_dataset(
+                records, batch_size=3, max_length=16, seed=0, process_index=1, process_count=2
+            )
+        )
+    )
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+        "tokens": ((3, 16), np.int32),
+        "loss_mask": ((3, 16), np.bool_),
+    }
+    assert sorted(batch["tokens"][:, 1].tolist()) == [1, 3, 5]
+    np.testing.assert_array_equal(batch["tokens"][:, 2:5], [[3, 4, 5]] * 3)
+    response = (np.arange(16) >= 2) & (np.arange(16) < 5)
+    np.testing.assert_array_equal(batch["loss_mask"], np.tile(response, (3, 1)))
 
 
 def test_training_data_is_checked_against_the_target(tmp_path, caplog):
