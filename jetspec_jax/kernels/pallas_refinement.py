@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from jetspec_jax.kernels.layout import Layout, Packed, Tiling
+from jetspec_jax.kernels.precision import matmul_precision
 
 BACKENDS = ("triton", "tpu")
 _NEG = float(np.finfo(np.float32).min)
@@ -121,7 +122,7 @@ def kernel_call(
         context=lay.context,
         num_tiles=lay.num_tiles,
         kv_splits=lay.kv_splits,
-        precision=lax.Precision.HIGHEST if packed.q.dtype == jnp.float32 else None,
+        precision=matmul_precision(packed.q),
     )
     # Index maps take (b, h, t, split) and, on TPU, the scalar-prefetch ref (ignored).
     in_specs = [

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.kernels.precision import matmul_precision
+
 
 def refinement_attention_reference(
     q: jax.Array,
@@ -41,12 +43,7 @@ def refinement_attention_reference(
     s_len, num_kv = context_k.shape[1], context_k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     qg = q.reshape(batch, cands, k_len, num_kv, num_heads // num_kv, head_dim)
-    # Float32 operands multiply in float32, as in the kernel (no TF32 / bfloat16 passes).
-    highest = q.dtype == jnp.float32
-    f32 = dict(
-        precision=jax.lax.Precision.HIGHEST if highest else None,
-        preferred_element_type=jnp.float32,
-    )
+    f32 = dict(precision=matmul_precision(q), preferred_element_type=jnp.float32)
     # The context part is contracted once for all candidates (never broadcast over C).
     ctx = jnp.einsum("bckhgd,bshd->bchgks", qg, context_k, **f32) * scale
     blk = jnp.einsum("bckhgd,bcjhd->bchgkj", qg, block_k, **f32) * scale

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.kernels.precision import matmul_precision
 from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.rope import apply_rope
 
@@ -23,15 +24,6 @@ def embed_inputs(params: Params, tokens: jax.Array | None, inputs: jax.Array | N
     if inputs is not None:
         return inputs
     return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
-
-
-def matmul_precision(*operands: jax.Array) -> jax.lax.Precision | None:
-    """HIGHEST when an operand is float32, else XLA's default.
-
-    XLA's default lets GPUs multiply float32 in TF32 and TPUs in bfloat16 passes: "float32" would
-    not be float32 there, and block verification and one-token decoding would round differently.
-    """
-    return jax.lax.Precision.HIGHEST if any(x.dtype == jnp.float32 for x in operands) else None
 
 
 def linear(params: Params, x: jax.Array) -> jax.Array:
