@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def encode_prompt(
     tokenizer, text: str, *, chat: bool, system: str | None = None, thinking: bool = False
@@ -44,3 +46,19 @@ def encode_chat(tokenizer, messages: list[dict], *, thinking: bool = False) -> l
     )
     # The template already holds every special token; encoding must not add a second BOS.
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptEncoding:
+    """`encode_prompt`'s switches as one value: how training data was encoded (recorded by
+    `train.py regenerate`), so that evaluation prompts can be encoded alike."""
+
+    chat: bool = True
+    system: str | None = None
+    thinking: bool = False
+
+    def encode(self, tokenizer, text: str) -> list[int]:
+        """`encode_prompt(tokenizer, text, ...)` with these switches."""
+        return encode_prompt(
+            tokenizer, text, chat=self.chat, system=self.system, thinking=self.thinking
+        )

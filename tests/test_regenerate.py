@@ -20,7 +20,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.data.prompts import MATH_SUFFIX
 from jetspec_jax.data.regenerate import regenerate, row_seed, settings_path
-from jetspec_jax.prompting import encode_prompt
+from jetspec_jax.prompting import PromptEncoding, encode_prompt
 from tests.text_fixtures import with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -149,6 +149,43 @@ def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path)
     assert json.loads(settings_path(out).read_text())["max_new_tokens"] == MAX_NEW + 1
     with pytest.raises(ValueError, match="thinking is a chat-template switch"):
         regenerate(target, prompt_files, tmp_path / "raw.jsonl", chat=False, thinking=True)
+
+
+def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
+    target, prompt_files, tmp_path, caplog
+):
+    """A draft trained on prompts with a system message (or raw ones) is evaluated on text prompts
+    encoded alike: the encoding `regenerate` recorded, not the tokenizer's default."""
+    from jetspec_jax.training.config import DataConfig, TrainConfig
+    from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids
+    from jetspec_jax.training.trainer import read_eval_prompts
+
+    kwargs = dict(max_new_tokens=MAX_NEW, limit=1)
+    briefed, plain, raw = (tmp_path / f"{n}.jsonl" for n in ("briefed", "plain", "raw"))
+    regenerate(target, prompt_files, briefed, system="Be brief.", **kwargs)
+    regenerate(target, prompt_files, plain, **kwargs)
+    regenerate(target, prompt_files, raw, chat=False, **kwargs)
+    text = "What is 7 + 1?"
+    questions = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": text, "source": "alpaca"}])
+    config = TrainConfig(data=DataConfig(files=(str(briefed),), eval_prompts=str(questions)))
+    expected = encode_prompt(target.tokenizer, text, chat=True, system="Be brief.")
+    assert read_eval_prompts(config, target, []) == [expected]
+    default = encode_prompt(target.tokenizer, text, chat=True)  # no system message
+    assert eval_prompt_ids(target, questions, num_prompts=1) == [default] != [expected]
+    assert data_encoding([raw]) == PromptEncoding(chat=False)
+    assert data_encoding([plain, raw, plain]) is None
+    assert "encoded differently" in caplog.text
+    # Data from before the settings were recorded: the default, said so in the log.
+    settings_path(plain).unlink()
+    with caplog.at_level(logging.INFO, logger="jetspec_jax.training.evaluate"):
+        assert data_encoding([plain]) is None
+    assert f"no prompt encoding recorded for {plain}" in caplog.text
+    settings_path(raw).write_text('{"chat": "yes", "system": null, "thinking": false}')
+    with pytest.raises(ValueError, match="'chat' and 'thinking' must be booleans"):
+        data_encoding([raw])
+    settings_path(raw).write_text("[]")
+    with pytest.raises(ValueError, match="holds no regeneration settings"):
+        data_encoding([raw])
 
 
 def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, tmp_path):

@@ -622,7 +622,7 @@ def test_the_draft_is_exported_before_the_final_evaluation(
     def failing(*args, **kwargs):
         raise RuntimeError("evaluation failed")
 
-    monkeypatch.setattr(trainer, "evaluate_tau", failing)
+    monkeypatch.setattr(trainer, "prompts_tau", failing)
     with pytest.raises(RuntimeError, match="evaluation failed"):
         train(_config(data_files, tmp_path), target=target)
     assert jetspec_jax.load_draft(tmp_path / "draft", target).config.block_size == 4
@@ -638,7 +638,7 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(
     must leave the device, and come back only while an evaluation decodes."""
     loaded, seen = [], {}
     load_target, run_steps = trainer.load_target, trainer.run_steps
-    evaluate_tau = trainer.evaluate_tau
+    prompts_tau = trainer.prompts_tau
 
     def spy_load(*args, **kwargs):
         target = load_target(*args, **kwargs)
@@ -652,11 +652,11 @@ def test_no_device_keeps_the_loaded_target_while_the_steps_run(
 
     def spy_evaluate(target, *args, **kwargs):
         seen["evaluated on"] = type(target.params["embed_tokens"]["embedding"])
-        return evaluate_tau(target, *args, **kwargs)
+        return prompts_tau(target, *args, **kwargs)
 
     monkeypatch.setattr(trainer, "load_target", spy_load)
     monkeypatch.setattr(trainer, "run_steps", spy_steps)
-    monkeypatch.setattr(trainer, "evaluate_tau", spy_evaluate)
+    monkeypatch.setattr(trainer, "prompts_tau", spy_evaluate)
     config = dataclasses.replace(
         _config(data_files, tmp_path, steps=2, warmup_steps=1),
         target=str(checkpoints.get("qwen3")[0]),
@@ -756,7 +756,7 @@ def test_training_data_is_checked_against_the_target(tmp_path, caplog):
 
 def test_evaluation_prompts_that_are_training_prompts_are_warned_about(target, tmp_path, caplog):
     from jetspec_jax.training.config import load_train_config
-    from jetspec_jax.training.trainer import check_eval_prompts
+    from jetspec_jax.training.trainer import read_eval_prompts
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3, 4]}\n{"prompt_ids": [5]}\n')
@@ -765,10 +765,10 @@ def test_evaluation_prompts_that_are_training_prompts_are_warned_about(target, t
     config = load_train_config(path)
     training = [{"prompt_ids": p, "response_ids": [6]} for p in ([1, 2], [5], [2, 1])]
     with caplog.at_level("WARNING", logger="jetspec_jax.training.trainer"):
-        check_eval_prompts(config, target, training)
+        assert read_eval_prompts(config, target, training) == [[1, 2], [3, 4]]
         assert "1 of the 2 evaluation prompts" in caplog.text  # [5] is past eval_num_prompts
         caplog.clear()
-        check_eval_prompts(config, target, training[1:])
+        read_eval_prompts(config, target, training[1:])
         assert not caplog.text
 
 

@@ -39,7 +39,7 @@ from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.data.jsonl import read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
 from jetspec_jax.generate import generate_batch
-from jetspec_jax.prompting import encode_prompt
+from jetspec_jax.prompting import PromptEncoding
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target
 
@@ -214,7 +214,8 @@ def regenerate(
     done = _existing_ids(out_path)
     record_settings(settings_path(out_path), settings, resuming=bool(done))
     pending = [r for r in records if r.id not in done]
-    encoded = _encode(target, pending, max_new_tokens, chat=chat, system=system, thinking=thinking)
+    encoding = PromptEncoding(chat=chat, system=system, thinking=thinking)
+    encoded = _encode(target, pending, max_new_tokens, encoding)
     logger.info(
         "%d records: %d already in %s, %d too long, %d to generate",
         len(records),
@@ -265,18 +266,13 @@ def _encode(
     target: Target,
     records: list[PromptRecord],
     max_new_tokens: int,
-    *,
-    chat: bool,
-    system: str | None,
-    thinking: bool,
+    encoding: PromptEncoding,
 ) -> list[tuple[PromptRecord, list[int]]]:
     """(record, prompt ids) of the records that fit the context; the others are logged."""
     context = target.config.max_position_embeddings
     fitting = []
     for record in records:
-        ids = encode_prompt(
-            target.tokenizer, record.text, chat=chat, system=system, thinking=thinking
-        )
+        ids = encoding.encode(target.tokenizer, record.text)
         if not ids:
             raise ValueError(f"record {record.id!r} encodes to no tokens")
         if len(ids) + max_new_tokens > context:
@@ -331,6 +327,30 @@ def _append_lines(out, objects: list[dict]) -> None:
 def settings_path(out_path: pathlib.Path) -> pathlib.Path:
     """Where the settings of the output file `out_path` are kept."""
     return out_path.with_name(out_path.name + ".settings.json")
+
+
+def recorded_encoding(out_path: str | os.PathLike) -> PromptEncoding | None:
+    """The prompt encoding `regenerate` recorded for the output file `out_path`; None when it
+    recorded no settings (a file from before they were recorded, or not written by `regenerate`).
+
+    Raises:
+        ValueError: a settings file that is no JSON object with the encoding's fields.
+    """
+    path = settings_path(pathlib.Path(out_path))
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+        encoding = PromptEncoding(
+            chat=settings["chat"], system=settings["system"], thinking=settings["thinking"]
+        )
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise ValueError(f"{path} holds no regeneration settings: {e!r}") from e
+    if not isinstance(encoding.chat, bool) or not isinstance(encoding.thinking, bool):
+        raise ValueError(f"{path}: 'chat' and 'thinking' must be booleans")
+    if encoding.system is not None and not isinstance(encoding.system, str):
+        raise ValueError(f"{path}: 'system' must be a string or null")
+    return encoding
 
 
 def record_settings(path: pathlib.Path, settings: dict, *, resuming: bool) -> None:

@@ -9,15 +9,13 @@ evaluate_refinement_tau     tau of `Jj-Rr` (J1-R1 by default) with the adapter's
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import numpy as np
 
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.random_streams import EVAL_BATCH, stream
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_eval_metrics
-from jetspec_jax.training.evaluate import evaluate_tau
+from jetspec_jax.training.evaluate import prompts_tau
 
 
 def adapter_state_metrics(
@@ -51,27 +49,19 @@ def evaluate_refinement_tau(
     target,
     draft,
     adapter,
-    prompt_file: str | pathlib.Path,
+    prompts: list[list[int]],
     *,
-    num_prompts: int = 8,
     max_new_tokens: int = 64,
-    math_suffix: bool = True,
     refine_passes: int = 1,
     refreshes: int = 1,
 ) -> dict[str, float]:
     """Greedy tau of `draft` refined `Jj-Rr` with the adapter's predicted states and with the
-    target's true states, on the first `num_prompts` prompts of `prompt_file`.
+    target's true states, on `prompts` (token ids, `eval_prompt_ids`).
 
     Returns:
         `{"tau_predicted", "tau_true", "tau_ratio"}` (ratio = predicted / true).
     """
-    kwargs = dict(
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        math_suffix=math_suffix,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-    )
-    predicted = evaluate_tau(target, draft.with_adapter(adapter), prompt_file, **kwargs)
-    true = evaluate_tau(target, TargetProxyDraft(draft), prompt_file, **kwargs)
+    kwargs = dict(max_new_tokens=max_new_tokens, refine_passes=refine_passes, refreshes=refreshes)
+    predicted = prompts_tau(target, draft.with_adapter(adapter), prompts, **kwargs)
+    true = prompts_tau(target, TargetProxyDraft(draft), prompts, **kwargs)
     return {"tau_predicted": predicted, "tau_true": true, "tau_ratio": predicted / true}

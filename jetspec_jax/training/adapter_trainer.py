@@ -49,9 +49,9 @@ from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shard
 from jetspec_jax.training.step import init_state, make_optimizer
 from jetspec_jax.training.trainer import (
     batch_sizes,
-    check_eval_prompts,
     check_fits_context,
     check_input_files,
+    read_eval_prompts,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,8 +145,7 @@ def train_adapter(
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
-    if config.adapter.eval_tau:
-        check_eval_prompts(config, target, records)
+    eval_prompts = read_eval_prompts(config, target, records) if config.adapter.eval_tau else None
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft)
     optimizer = make_optimizer(optim)
@@ -195,16 +194,14 @@ def train_adapter(
             result = adapter_state_metrics(
                 state.params, target_params, eval_batches, config=step_config, seed=optim.seed
             )
-            if config.adapter.eval_tau and config.data.eval_prompts:
+            if eval_prompts is not None:
                 result.update(
                     evaluate_refinement_tau(
                         with_device_params(target),
                         with_device_params(draft),
                         _as_adapter(adapter, state),
-                        config.data.eval_prompts,
-                        num_prompts=config.data.eval_num_prompts,
+                        eval_prompts,
                         max_new_tokens=config.data.eval_max_new_tokens,
-                        math_suffix=config.data.eval_math_suffix,
                     )
                 )
             log.write(step, result)

@@ -7,16 +7,21 @@ mean tokens per verification round, exactly as serving would see it.
 
 from __future__ import annotations
 
+import logging
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 
 from jetspec_jax.data.jsonl import read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX
+from jetspec_jax.data.regenerate import recorded_encoding
 from jetspec_jax.draft import Draft
 from jetspec_jax.generate import generate_batch
-from jetspec_jax.prompting import encode_prompt
+from jetspec_jax.prompting import PromptEncoding
 from jetspec_jax.target import Target
+
+logger = logging.getLogger(__name__)
 
 
 def evaluate_tau(
@@ -27,17 +32,21 @@ def evaluate_tau(
     num_prompts: int = 8,
     max_new_tokens: int = 64,
     math_suffix: bool = True,
+    encoding: PromptEncoding | None = None,
     refine_passes: int = 0,
     refreshes: int = 0,
     show_progress: bool | None = False,
 ) -> float:
-    """Mean tau (greedy) of `draft` on the first `num_prompts` prompts of `prompt_file`
-    (`show_progress`: a bar over the generated tokens; None: only on a terminal).
+    """Mean tau (greedy) of `draft` on the first `num_prompts` prompts of `prompt_file`, read as
+    `eval_prompt_ids` reads them (`show_progress`: a bar over the generated tokens; None: only
+    on a terminal).
 
     Raises:
         FileNotFoundError, ValueError: as `eval_prompt_ids`.
     """
-    prompts = eval_prompt_ids(target, prompt_file, num_prompts=num_prompts, math_suffix=math_suffix)
+    prompts = eval_prompt_ids(
+        target, prompt_file, num_prompts=num_prompts, math_suffix=math_suffix, encoding=encoding
+    )
     return prompts_tau(
         target,
         draft,
@@ -76,13 +85,19 @@ def prompts_tau(
 
 
 def eval_prompt_ids(
-    target: Target, prompt_file: str | pathlib.Path, *, num_prompts: int, math_suffix: bool = True
+    target: Target,
+    prompt_file: str | pathlib.Path,
+    *,
+    num_prompts: int,
+    math_suffix: bool = True,
+    encoding: PromptEncoding | None = None,
 ) -> list[list[int]]:
     """The token ids of the first `num_prompts` prompts of `prompt_file`.
 
     Records with `prompt_ids` (e.g. held-out `train.py regenerate` output) are used as they are;
-    records with a text `prompt` are encoded with the target's chat template (thinking off), math
-    sources (`MATH_SOURCES`) getting the field's suffix when `math_suffix`.
+    records with a text `prompt` are encoded with `encoding` (`data_encoding` gives the training
+    data's), by default the target's chat template if it has one (no system message, thinking
+    off); math sources (`MATH_SOURCES`) get the field's suffix when `math_suffix`.
 
     Raises:
         FileNotFoundError: no such file.
@@ -94,13 +109,45 @@ def eval_prompt_ids(
     for where, record in read_jsonl(prompt_file, what="evaluation prompt file"):
         if len(prompts) == num_prompts:
             break
-        prompts.append(_prompt_ids(where, record, target, math_suffix))
+        prompts.append(_prompt_ids(where, record, target, math_suffix, encoding))
     if not prompts:
         raise ValueError(f"{prompt_file} holds no prompts")
     return prompts
 
 
-def _prompt_ids(where: str, record: dict, target: Target, math_suffix: bool) -> list[int]:
+def data_encoding(data_files: Sequence[str | pathlib.Path]) -> PromptEncoding | None:
+    """The prompt encoding the regenerated `data_files` share (`train.py regenerate` records it
+    beside each file), for encoding text evaluation prompts as the training prompts were.
+
+    None, logged, when a file recorded none or the files differ: text evaluation prompts then get
+    `eval_prompt_ids`' default encoding.
+
+    Raises:
+        ValueError: as `recorded_encoding`.
+    """
+    encodings = {str(f): recorded_encoding(f) for f in data_files}
+    unrecorded = [f for f, e in encodings.items() if e is None]
+    if unrecorded:
+        logger.info(
+            "no prompt encoding recorded for %s: text evaluation prompts get the default "
+            "(the chat template if the tokenizer has one)",
+            ", ".join(unrecorded),
+        )
+        return None
+    distinct = set(encodings.values())
+    if len(distinct) > 1:
+        logger.warning(
+            "the training data files were encoded differently (%s): text evaluation prompts get "
+            "the default encoding (the chat template if the tokenizer has one)",
+            "; ".join(f"{f}: {e}" for f, e in encodings.items()),
+        )
+        return None
+    return distinct.pop() if distinct else None
+
+
+def _prompt_ids(
+    where: str, record: dict, target: Target, math_suffix: bool, encoding: PromptEncoding | None
+) -> list[int]:
     if "prompt_ids" in record:
         ids = record["prompt_ids"]
         if (
@@ -120,5 +167,6 @@ def _prompt_ids(where: str, record: dict, target: Target, math_suffix: bool) -> 
     text = record["prompt"]
     if math_suffix and record.get("source") in MATH_SOURCES:
         text += MATH_SUFFIX
-    chat = bool(getattr(target.tokenizer, "chat_template", None))
-    return encode_prompt(target.tokenizer, text, chat=chat)
+    if encoding is None:
+        encoding = PromptEncoding(chat=bool(getattr(target.tokenizer, "chat_template", None)))
+    return encoding.encode(target.tokenizer, text)

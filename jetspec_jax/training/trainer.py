@@ -28,7 +28,7 @@ from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
-from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
+from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids, prompts_tau
 from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
 from jetspec_jax.training.run_loop import has_checkpoint, opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
@@ -95,7 +95,7 @@ def train(
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
-    check_eval_prompts(config, target, records)
+    eval_prompts = read_eval_prompts(config, target, records)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target, resuming=resuming)
     optimizer = make_optimizer(config.optim)
@@ -132,7 +132,8 @@ def train(
         finished_before = int(state.step) >= config.optim.steps
 
         def evaluate(step: int, state) -> float | None:
-            return _evaluate(config, target, _as_draft(draft, state, target), log, step)
+            trained = _as_draft(draft, state, target)
+            return _evaluate(config, target, trained, eval_prompts, log, step)
 
         state, metrics = run_steps(
             state,
@@ -146,7 +147,7 @@ def train(
             total_steps=config.optim.steps,
             stop_after=stop_after,
             tokens_per_step=global_batch * config.data.max_length,
-            evaluate=evaluate if config.data.eval_prompts else None,
+            evaluate=evaluate if eval_prompts is not None else None,
             postfix=lambda m: dict(loss=f"{m['loss']:.3f}", acc=f"{m['accuracy']:.3f}"),
             desc="training",
             show_progress=show_progress,
@@ -160,7 +161,7 @@ def train(
         # Export before the final evaluation: a failing evaluation must not cost the draft.
         if jax.process_index() == 0:
             trained.save(export_dir, overwrite=True)
-        eval_tau = _evaluate(config, target, trained, log, int(state.step))
+        eval_tau = _evaluate(config, target, trained, eval_prompts, log, int(state.step))
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
 
@@ -227,21 +228,25 @@ def check_fits_context(config: TrainConfig, target: Target) -> None:
         )
 
 
-def check_eval_prompts(config: TrainConfig, target: Target, records: list[dict]) -> None:
-    """Reads and encodes the evaluation prompts `config.data` names, if any, so that a missing or
-    malformed file fails the run before any training rather than after it; those that are
-    prompts of the training `records` are counted in a warning.
+def read_eval_prompts(
+    config: TrainConfig, target: Target, records: list[dict]
+) -> list[list[int]] | None:
+    """The token ids of the evaluation prompts `config.data` names (None when it names none),
+    read before any training so that a missing or malformed file fails the run at once. Text
+    prompts are encoded as the training data was (`data_encoding`); those that are prompts of the
+    training `records` are counted in a warning.
 
     Raises:
-        FileNotFoundError, ValueError: as `eval_prompt_ids`.
+        FileNotFoundError, ValueError: as `eval_prompt_ids` and `data_encoding`.
     """
     if not config.data.eval_prompts:
-        return
+        return None
     prompts = eval_prompt_ids(
         target,
         config.data.eval_prompts,
         num_prompts=config.data.eval_num_prompts,
         math_suffix=config.data.eval_math_suffix,
+        encoding=data_encoding(config.data.files),
     )
     repeated = count_training_prompts(prompts, records)
     if repeated:
@@ -251,6 +256,7 @@ def check_eval_prompts(config: TrainConfig, target: Target, records: list[dict])
             len(prompts),
             config.data.eval_prompts,
         )
+    return prompts
 
 
 def _as_draft(draft: Draft, state, target: Target) -> Draft:
@@ -261,18 +267,16 @@ def _as_draft(draft: Draft, state, target: Target) -> Draft:
     return dataclasses.replace(draft, params=params, dtype=target.dtype, path=None)
 
 
-def _evaluate(config, target, trained: Draft, metrics_log, step) -> float | None:
-    """Mean tau of the inference code path on held-out prompts (None when none are configured);
+def _evaluate(config, target, trained: Draft, prompts, metrics_log, step) -> float | None:
+    """Mean tau of the inference code path on the held-out `prompts` (None when there are none);
     `target` may hold host params (`with_host_params`)."""
-    if not config.data.eval_prompts:
+    if prompts is None:
         return None
-    tau = evaluate_tau(
+    tau = prompts_tau(
         with_device_params(target),
         trained,
-        config.data.eval_prompts,
-        num_prompts=config.data.eval_num_prompts,
+        prompts,
         max_new_tokens=config.data.eval_max_new_tokens,
-        math_suffix=config.data.eval_math_suffix,
     )
     metrics_log.write(step, {"eval_tau": tau})
     return tau
