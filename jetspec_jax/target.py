@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.checkpoint.adapter_files import ARCHITECTURE as ADAPTER_ARCHITECTURE
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.bundle import is_bundle
 from jetspec_jax.checkpoint.draft_hf import is_draft_config
@@ -116,6 +117,11 @@ def load_target(
     if is_bundle(path) or is_draft_config(hf_config := read_hf_config(path)):
         raise CheckpointError(
             f"{path} is a draft checkpoint, not a target: load it with load_draft(path, target)"
+        )
+    if hf_config.get("architecture") == ADAPTER_ARCHITECTURE:
+        raise CheckpointError(
+            f"{path} is a JetSpec++ adapter, not a target: it is part of a draft checkpoint "
+            "(load_draft on the directory with jetspec_pp.json)"
         )
     try:
         config = config_from_hf(hf_config)

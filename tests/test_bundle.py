@@ -155,6 +155,7 @@ def test_adapter_config_dict_round_trip_and_strictness(draft):
         ),
         (lambda p: _edit_layers(p, hidden_size=32), "adapter hidden_size 32 != target hidden"),
         (lambda p: _edit_layers(p, intermediate_size=50), "shape mismatches.*mlp"),
+        (lambda p: _edit_layers(p, num_key_value_heads=0), "num_kv_heads=0 must be >= 1"),
     ],
 )
 def test_refusals(target, saved, tmp_path, break_it, message):

@@ -155,6 +155,15 @@ def test_missing_directory(tmp_path):
         jetspec_jax.load_target(tmp_path / "nowhere")
 
 
+def test_a_file_is_not_taken_for_a_missing_directory(checkpoints, tmp_path):
+    weights = checkpoints.get("qwen3")[0] / "model.safetensors"
+    with pytest.raises(CheckpointError, match="model.safetensors is a file, not a checkpoint dir"):
+        jetspec_jax.load_target(weights)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match="model.gguf is a file.*convert_gguf_to_hf"):
+        jetspec_jax.load_target(tmp_path / "model.gguf")
+
+
 def test_missing_config(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         jetspec_jax.load_target(tmp_path)
@@ -420,6 +429,17 @@ def test_a_draft_directory_is_not_loaded_as_a_target(checkpoints, tmp_path):
     for path in (plain, bundle):
         with pytest.raises(CheckpointError, match="is a draft checkpoint.*load_draft"):
             jetspec_jax.load_target(path)
+    with pytest.raises(CheckpointError, match="adapter is a JetSpec\\+\\+ adapter, not a target"):
+        jetspec_jax.load_target(bundle / "adapter")
+
+
+def test_weights_are_not_written_over_others(checkpoints, tmp_path):
+    """A stale file of the other layout would be what loads (the single file wins)."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    save_hf_params(target.params, target.config, tmp_path)
+    with pytest.raises(FileExistsError, match="already holds weights \\(model.safetensors\\)"):
+        save_hf_params(target.params, target.config, tmp_path, max_shard_bytes=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
 def test_a_tensor_in_two_shards_is_refused(checkpoints, tmp_path):

@@ -305,7 +305,15 @@ def save_hf_params(
     """Writes the weights with HF names into an existing directory: `model.safetensors`, or past
     `max_shard_bytes`, shards `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`
     (transformers' layout). One shard's tensors at a time are copied to the host, so exporting a
-    model never holds a second whole copy of it there."""
+    model never holds a second whole copy of it there.
+
+    Raises:
+        FileExistsError: the directory already holds weights (of either layout: a stale file of
+            the other one would be what loads).
+    """
+    present = sorted(p.name for p in out_dir.glob("model*.safetensors*"))
+    if present:
+        raise FileExistsError(f"{out_dir} already holds weights ({', '.join(present)})")
     shards: list[list[TensorSpec]] = [[]]
     size = total = 0
     for spec in tensor_specs(config):

@@ -19,11 +19,18 @@ def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str)
         missing: why the file matters, for the error when it is absent.
 
     Raises:
-        CheckpointError: the directory or the file is missing, or the file is not UTF-8 JSON
-            holding an object.
+        CheckpointError: the directory is missing or a file, the file is missing, or it is not
+            UTF-8 JSON holding an object.
     """
     directory = pathlib.Path(directory)
     file = directory / name
+    if directory.is_file():
+        hint = (
+            " (a GGUF file: convert it with convert_gguf_to_hf)"
+            if directory.suffix == ".gguf"
+            else ""
+        )
+        raise CheckpointError(f"{directory} is a file, not a {what}{hint}")
     if not directory.is_dir():
         raise CheckpointError(f"{what} {directory} does not exist")
     if not file.is_file():

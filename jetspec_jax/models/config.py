@@ -105,6 +105,10 @@ class TransformerConfig:
                 f"unsupported model_type {self.model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if self.num_heads < 1 or self.num_kv_heads < 1:
+            raise ValueError(
+                f"num_heads={self.num_heads} and num_kv_heads={self.num_kv_heads} must be >= 1"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
