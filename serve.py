@@ -336,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pad-batch",
         action="store_true",
-        help="always decode --max-batch-size rows: one compiled batch shape",
+        help="always decode the power of two >= --max-batch-size rows: one compiled batch shape",
     )
     parser.add_argument(
         "--shutdown-timeout",

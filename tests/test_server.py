@@ -291,6 +291,52 @@ def test_a_client_that_disconnects_cancels_its_request(server, http):
     assert _labelled(http, "jetspec_requests_total", **labels) - closed == 1
 
 
+def test_a_stream_whose_client_hung_up_ends_quietly(server, http, monkeypatch, caplog):
+    """A streaming client that hangs up (a chat UI's stop button): the next write finds the
+    transport closing. That is counted as 499, not logged as a server error with a traceback.
+    The write's failure is injected: a real hang-up races the handler's cancellation."""
+    import aiohttp
+
+    sse, writes = app_module._sse, []
+
+    async def hung_up_after_two(response, payload):
+        writes.append(payload)
+        if len(writes) > 2:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await sse(response, payload)
+
+    monkeypatch.setattr(app_module, "_sse", hung_up_after_two)
+    labels = dict(endpoint="/v1/completions", status="499")
+    closed = _labelled(http, "jetspec_requests_total", **labels)
+    with caplog.at_level("ERROR"):
+        try:
+            _complete(http, max_tokens=16, stream=True)
+        except httpx.HTTPError:
+            pass  # the server ends the response early; the client may see it cut
+        _wait_for(lambda: _labelled(http, "jetspec_requests_total", **labels) - closed == 1)
+    assert len(writes) == 3
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    monkeypatch.undo()
+    assert _complete(http).status_code == 200
+
+
+def test_every_chunk_of_a_stream_carries_the_streams_created_time(http, monkeypatch):
+    """OpenAI's chunks share one `created`; a clock read per chunk would give each its own."""
+    from jetspec_jax.serving import openai_responses
+
+    ticks = iter(range(1_000, 2_000))
+    clock = type("Clock", (), {"time": staticmethod(lambda: next(ticks))})
+    monkeypatch.setattr(openai_responses, "time", clock)
+    body = dict(model=MODEL, max_tokens=12, temperature=0, stream=True)
+    for path, extra in (
+        ("/v1/completions", dict(prompt="Hello", stream_options={"include_usage": True})),
+        ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "Hello"}])),
+    ):
+        raw = http.post(path, json={**body, **extra})
+        events = [json.loads(x[6:]) for x in raw.text.splitlines() if x.startswith("data: {")]
+        assert len(events) > 2 and len({e["created"] for e in events}) == 1, events
+
+
 def test_serve_cancels_the_handlers_of_disconnected_clients(target, monkeypatch):
     calls = []
     monkeypatch.setattr(server_module.web, "run_app", lambda app, **kw: calls.append(kw))
@@ -399,6 +445,17 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=3), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=1e-39), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=1.5), 400, "top_p"),
+    # Past float's range: OverflowError in the finiteness check answered 500.
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=10**400), 400, "temperature"),
+    # JSON admits unpaired surrogates; the tokenizer's TypeError answered 500.
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}', 400, "surrogate"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "Hi", "stop": "\\udfff"}', 400, "stop"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+        400,
+        "messages[0]",
+    ),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k="5"), 400, "top_k"),
     # Before the check, an int32 overflow on the device failed every request of the batch.
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_k=2**31), 400, "top_k"),

@@ -307,7 +307,12 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     model: ModelInfo = request.app[MODEL]
     metrics = request.app[SCHEDULER].metrics
     output = _Output(model.tokenizer, req.stop)
-    ids = dict(chat=req.chat, request_id=responses.new_id(req.chat), model=model.name)
+    ids = dict(
+        chat=req.chat,
+        request_id=responses.new_id(req.chat),
+        model=model.name,
+        created=int(time.time()),
+    )
     chunk_ids = dict(ids, include_usage=req.include_usage)
     response: web.StreamResponse | None = None
 
@@ -323,27 +328,35 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
         await _sse(response, payload)
 
     try:
-        async for piece in _decoded(job, events, output, metrics, arrived):
-            await send(responses.chunk(**chunk_ids, text=piece))
-    except RequestError as error:
-        if response is None:  # nothing sent yet: an ordinary error answer
-            raise
-        _STREAM_ERROR_STATUS.set(error.status)
-        await send(error.body())
-    else:
-        result = output.result
-        await send(responses.chunk(**chunk_ids, finish_reason=output.finish_reason(result)))
-        if req.include_usage:
-            await send(
-                responses.usage_chunk(
-                    **ids,
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=output.completion_tokens(result),
-                    result=result,
+        try:
+            async for piece in _decoded(job, events, output, metrics, arrived):
+                await send(responses.chunk(**chunk_ids, text=piece))
+        except RequestError as error:
+            if response is None:  # nothing sent yet: an ordinary error answer
+                raise
+            _STREAM_ERROR_STATUS.set(error.status)
+            await send(error.body())
+        else:
+            result = output.result
+            await send(responses.chunk(**chunk_ids, finish_reason=output.finish_reason(result)))
+            if req.include_usage:
+                await send(
+                    responses.usage_chunk(
+                        **ids,
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=output.completion_tokens(result),
+                        result=result,
+                    )
                 )
-            )
-    await send("[DONE]")
-    await response.write_eof()
+        await send("[DONE]")
+        await response.write_eof()
+    except ConnectionResetError:
+        # The client hung up (a chat UI's stop button): an ordinary end, not a server error.
+        # Returning the prepared response lets aiohttp close the connection quietly; the
+        # handler's `finally` cancels the row.
+        if response is None:
+            raise
+        _STREAM_ERROR_STATUS.set(499)
     return response
 
 

@@ -309,9 +309,15 @@ def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(400, f"{name} must be a number, got {value!r}", param=name)
-    return float(value)
+    try:
+        number = float(value)  # an int past float's range overflows
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise RequestError(400, f"{name} must be a finite number, got {value!r}", param=name)
+    return number
 
 
 def _default_budget(default: int, prompt_ids: list[int], model: ModelInfo) -> int:
@@ -343,7 +349,7 @@ def _prompt_ids(prompt: Any, model: ModelInfo) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(400, "prompt is empty", param="prompt")
-        return model.tokenizer.encode(prompt, add_special_tokens=True)
+        return model.tokenizer.encode(_unicode(prompt, "prompt"), add_special_tokens=True)
     if isinstance(prompt, list) and prompt and all(isinstance(i, list) for i in prompt):
         raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(i, str) for i in prompt):
@@ -386,7 +392,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
 
 def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode(content, where)
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -399,7 +405,7 @@ def _content(content: Any, where: str) -> str:
                     400, f"{where}.content: only text parts are supported", param=where
                 )
             texts.append(part["text"])
-        return "".join(texts)
+        return _unicode("".join(texts), where)
     raise RequestError(
         400, f"{where}.content must be a string or a list of text parts", param=where
     )
@@ -413,4 +419,16 @@ def _stop(stop: Any) -> tuple[str, ...]:
         raise RequestError(
             400, "stop must be a string or a list of at most 4 strings", param="stop"
         )
-    return tuple(s for s in stops if s)
+    return tuple(_unicode(s, "stop") for s in stops if s)
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text`, refused if it is not Unicode text: JSON's escapes admit unpaired UTF-16 surrogates
+    (`"\\ud800"`), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(
+            400, f"{param} holds an unpaired UTF-16 surrogate: not Unicode text", param=param
+        ) from None
+    return text

@@ -69,13 +69,15 @@ def chunk(
     chat: bool,
     request_id: str,
     model: str,
+    created: int,
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
     include_usage: bool = False,
 ) -> dict[str, Any]:
     """One streamed chunk: a text delta (chat: the first also carries the role) or the finish.
-    With `include_usage` (the request's `stream_options`) it carries `"usage": null`, as OpenAI's
+    `created` is the stream's timestamp (every chunk of a stream carries the same one). With
+    `include_usage` (the request's `stream_options`) it carries `"usage": null`, as OpenAI's
     chunks before the usage chunk do."""
     if chat:
         delta: dict[str, str] = {}
@@ -89,7 +91,7 @@ def chunk(
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created,
         "model": model,
         "choices": [choice],
         **({"usage": None} if include_usage else {}),
@@ -101,6 +103,7 @@ def usage_chunk(
     chat: bool,
     request_id: str,
     model: str,
+    created: int,
     prompt_tokens: int,
     completion_tokens: int,
     result: GenerationResult,
@@ -109,7 +112,7 @@ def usage_chunk(
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": created,
         "model": model,
         "choices": [],
         "usage": usage(prompt_tokens, completion_tokens),

@@ -42,7 +42,8 @@ class ServerConfig:
         max_model_len: prompt plus completion tokens a request may ask for at most (None: the
             model's context). A batch's caches are sized by its longest request, so one
             request asking for the whole context costs its batch-mates memory and a compile.
-        pad_batch: always decode `max_batch_size` rows (one compiled batch shape).
+        pad_batch: always decode the power of two >= `max_batch_size` rows (batch shapes
+            are bucketed to powers of two): one compiled batch shape.
         shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
     """
 
