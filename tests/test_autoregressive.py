@@ -89,6 +89,17 @@ def test_stop_token_ends_generation_and_is_included(target, prompts):
     assert sum(result.acceptance_lengths) == len(result.tokens)
 
 
+def test_stop_lists_of_other_lengths_reuse_the_compiled_decoders(target, prompts):
+    from jetspec_jax.decoding.session import COMPILED
+
+    free = jetspec_jax.generate(target, prompts[0], max_new_tokens=32, stop_token_ids=[]).tokens
+    compiled = len(COMPILED._executables)
+    for stops in ([free[5]], [free[5], free[6], free[7]], [free[7], 96, 95, 94]):
+        result = jetspec_jax.generate(target, prompts[0], max_new_tokens=32, stop_token_ids=stops)
+        assert result.tokens == free[: min(free.index(s) for s in stops if s in free) + 1]
+    assert len(COMPILED._executables) == compiled
+
+
 def test_default_stop_tokens_come_from_the_checkpoint(target, checkpoints, tmp_path):
     assert target.stop_token_ids == ()  # the tiny checkpoint sets no eos
     with_eos = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")  # eos <|im_end|>

@@ -128,6 +128,15 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     a_file.write_text("not a directory")
     assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(a_file / "bench")]) == 2
     assert f"{a_file} is a file, not a directory" in capsys.readouterr().err
+    (tmp_path / "taken" / "results.md").mkdir(parents=True)
+    assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "taken")]) == 2
+    assert "results.md would be written over directories" in capsys.readouterr().err
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    if not os.access(read_only, os.W_OK):  # root writes anywhere
+        assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(read_only)]) == 2
+        assert "cannot be written into" in capsys.readouterr().err
+    assert not list(tmp_path.glob("**/.write_probe*"))
     for flags, message in (
         (["--random-draft-block", "4"], "sizes the --random-draft, which is not given"),
         (["--warmup", "-1"], "--warmup must be >= 0"),

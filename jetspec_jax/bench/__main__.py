@@ -64,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    paths = write_report(pathlib.Path(args.out), samples, summaries)
-    print(markdown_table(summaries), end="")
+    print(markdown_table(summaries), end="")  # first: a failing write must not cost the figures
+    try:
+        paths = write_report(pathlib.Path(args.out), samples, summaries)
+    except OSError as e:
+        print(f"error: the report could not be written to {args.out}: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     mismatches = [s for s in summaries if s.greedy_matches_ar not in (None, s.prompts)]
     for s in mismatches:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from jetspec_jax.bench.runner import Sample, Summary
@@ -17,17 +18,29 @@ def write_jsonl(path: pathlib.Path, rows: Sequence) -> None:
     write_text_atomically(path, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows))
 
 
+REPORT_FILES = ("results.jsonl", "samples.jsonl", "results.md", "tau.png", "speedup.png")
+
+
 def check_out_dir(out_dir: pathlib.Path) -> None:
-    """Refuses an `out_dir` the report could not be written into, before any run.
+    """Refuses an `out_dir` the report could not be written into, before any run. Creates
+    nothing: a probe file is written and removed in `out_dir`, or if it does not exist yet, in
+    its nearest existing parent (where it would be created).
 
     Raises:
-        ValueError: `out_dir` (or a parent) is a file.
+        ValueError: `out_dir` (or a parent) is a file, it cannot be created or written into, or
+            a report file's name there is taken by a directory.
     """
-    for path in (out_dir, *out_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ValueError(f"--out {out_dir}: {path} is a file, not a directory")
-            return
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise ValueError(f"--out {out_dir}: {existing} is a file, not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write_probe"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out_dir} cannot be written into: {e}") from e
+    taken = [name for name in REPORT_FILES if (out_dir / name).is_dir()]
+    if taken:
+        raise ValueError(f"--out {out_dir}: {', '.join(taken)} would be written over directories")
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:

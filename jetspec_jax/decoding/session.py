@@ -214,9 +214,7 @@ class DecodeSession:
         pad_rows = batch - len(prompts)
         self._requests = Requests(
             max_new_tokens=jnp.asarray(budgets + [0] * pad_rows, jnp.int32),
-            stop_token_ids=jnp.asarray(
-                np.tile(np.asarray(self.stop_token_ids or (-1,), np.int32), (batch, 1))
-            ),
+            stop_token_ids=jnp.asarray(np.tile(_padded_stops(self.stop_token_ids), (batch, 1))),
             sampling=RowSampling.from_params(sampling + [GREEDY] * pad_rows),
         )
         self._inputs = (jnp.asarray(padded), jnp.asarray(lengths))
@@ -587,3 +585,11 @@ def _result(row: dict, prompt_length, stops, timing, cancelled) -> GenerationRes
         foresight_hits=hits,
         foresight_occupancy=occupancy,
     )
+
+
+def _padded_stops(stops: tuple[int, ...]) -> np.ndarray:
+    """`[S]` int32 stop ids padded with -1 (no token) to a bucketed width, so that lists of
+    other lengths (1 to 4 ids: every model's case) reuse the compiled decoders."""
+    padded = np.full((bucket(len(stops), minimum=4),), -1, np.int32)
+    padded[: len(stops)] = stops
+    return padded
