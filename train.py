@@ -80,7 +80,10 @@ def _train(args: argparse.Namespace) -> int:
         print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
         return 0
     if result.already_finished:
-        print(f"already trained {result.steps} steps; the draft is in {result.export_dir}")
+        late = (
+            "" if result.eval_tau is None else f"; its final evaluation: tau {result.eval_tau:.2f}"
+        )
+        print(f"already trained {result.steps} steps; the draft is in {result.export_dir}{late}")
         return 0
     tau = "n/a" if result.eval_tau is None else f"{result.eval_tau:.2f}"
     # No loss when this call trained no step (it re-exported a run whose export was cut short).
@@ -125,7 +128,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
         print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
         return 0
     e = result.evaluation
-    if result.already_finished:  # its export, calibration included, is left as it is
+    if result.already_finished and not e:  # its export, calibration included, is left as it is
         print(
             f"already trained the adapter {result.steps} steps; draft + adapter are in "
             f"{result.export_dir}"
@@ -139,10 +142,10 @@ def _train_adapter(args: argparse.Namespace) -> int:
             f"; J1-R1 tau {e['tau_predicted']:.2f} predicted vs {e['tau_true']:.2f} true "
             f"({100 * e['tau_ratio']:.1f}%)"
         )
+    trained = "already trained" if result.already_finished else "trained"  # late evaluation
     print(
-        f"trained the adapter {result.steps} steps; normalised MSE per tap [{nmse}]; "
-        f"stale-to-true gap closed per tap [{gaps}]{tau}; draft + adapter exported to "
-        f"{result.export_dir}"
+        f"{trained} the adapter {result.steps} steps; normalised MSE per tap [{nmse}]; "
+        f"stale-to-true gap closed per tap [{gaps}]{tau}; draft + adapter in {result.export_dir}"
     )
     return 0
 
@@ -209,13 +212,16 @@ def _calibrate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     confidence, confidence_fit = args.replacement_confidence, None
+    confidence_source = "given, not fitted"
     if confidence is None and args.refreshes:
         grid = {} if args.confidence_grid is None else {"grid": args.confidence_grid}
         confidence_fit = fit_replacement_confidence(
             target, draft, records, **grid, holdout_fraction=args.holdout_fraction, **round_args
         )
         confidence = confidence_fit.best
-    confidence = confidence or 0.0
+    if confidence is None:  # neither given nor fitted (no refreshes, which never read it)
+        confidence = draft.calibration.replacement_confidence if draft.calibration else 0.0
+        confidence_source = "the checkpoint's, kept: R0 does not use it"
     # The temperatures score the drafts the served refinement (with that confidence) makes.
     rounds = collect_rounds(target, draft, records, replacement_confidence=confidence, **round_args)
     # The sequences held out of the confidence's choice are held out of the temperatures' fit.
@@ -248,7 +254,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             chosen = "  <- fitted" if value == confidence else ""
             print(f"  {value:>10.2f}  {tau:.4f}  {held_tau:.4f}{chosen}")
     else:
-        print(f"replacement confidence: {confidence:.2f} (given, not fitted)")
+        print(f"replacement confidence: {confidence:.2f} ({confidence_source})")
     ll = report["log_likelihood"]
     print(
         f"calibration rounds: {len(rounds)} (J{args.refine_passes}-R{args.refreshes}; fit "

@@ -242,6 +242,15 @@ def test_the_bundle_is_exported_before_the_final_evaluation(target, workdir, mon
         train_adapter(config, target=target, draft=draft)
     exported = jetspec_jax.load_draft("runs/tiny/failing_eval/jetspec_pp", target)
     assert exported.adapter.config.layers_per_module == (1,)
+    # The rerun finds the run finished and exported, but not its evaluation: it evaluates.
+    monkeypatch.undo()
+    monkeypatch.chdir(workdir)
+    result = train_adapter(config, target=target, draft=draft)
+    assert result.already_finished and "tau_predicted" in result.evaluation
+    log = pathlib.Path("runs/tiny/failing_eval/adapter_run/metrics.jsonl").read_text()
+    rows = [json.loads(x) for x in log.splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [result.steps]
+    assert train_adapter(config, target=target, draft=draft).evaluation == {}  # logged: done
 
 
 def test_no_device_keeps_the_loaded_target_while_the_steps_run(workdir, monkeypatch):

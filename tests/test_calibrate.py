@@ -201,6 +201,14 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
     assert "0.25 (given, not fitted)" in capsys.readouterr().out
     stored = jetspec_jax.load_draft(tmp_path / "given", target).calibration
     assert stored.replacement_confidence == 0.25
+    # Without refreshes the confidence is neither fitted nor read: the checkpoint's stays.
+    from_given = [*argv, "--refreshes", "0", "--out", str(tmp_path / "r0")]
+    from_given[from_given.index("--draft") + 1] = str(tmp_path / "given")
+    assert train.main(from_given) == 0
+    assert "0.25 (the checkpoint's, kept: R0 does not use it)" in capsys.readouterr().out
+    assert (
+        jetspec_jax.load_draft(tmp_path / "r0", target).calibration.replacement_confidence == 0.25
+    )
     assert train.main(given[:-2] + ["--confidence-grid", "0,1"]) == 2
     assert "--replacement-confidence (store it) or --confidence-grid" in capsys.readouterr().err
     # Without refreshes there is no replacement to fit: a grid would be ignored.

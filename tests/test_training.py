@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 import jetspec_jax
+from jetspec_jax import CheckpointError
+from jetspec_jax.adapter import init_adapter
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.training import trainer
 from jetspec_jax.training.blocks import build_blocks
@@ -296,6 +298,10 @@ def test_bad_configs_are_refused_by_key(tmp_path):
     path.write_text("data: {files: [a.jsonl]}\noptim: {learning_rate: fast}\n")
     with pytest.raises(ValueError, match="optim.learning_rate must be a number"):
         load_train_config(path)
+    for key in ("1", "on"):  # keys YAML reads as an int and a bool: named, not a TypeError
+        path.write_text(f"data: {{files: [a.jsonl]}}\n{key}: 2\n")
+        with pytest.raises(ValueError, match="unknown key.*(1|True); known: adapter"):
+            load_train_config(path)
     path.write_text("data: {files: [a.jsonl]}\noptim: {learning_rat: 0.1}\n")
     with pytest.raises(ValueError, match="unknown key.*optim.learning_rat"):
         load_train_config(path)
@@ -432,6 +438,10 @@ def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path
     ):
         optim = load_train_config(path, overrides).adapter.optim
         assert (optim.steps, optim.epochs, optim.batch_size) == (300, None, 8), overrides
+    # `optim: null` says "the top-level one" too.
+    path.write_text(path.read_text() + "adapter: {optim: null}\n")
+    optim = load_train_config(path, ["adapter.optim.steps=300"]).adapter.optim
+    assert (optim.steps, optim.epochs, optim.batch_size, optim.warmup_steps) == (300, None, 16, 7)
 
 
 def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
@@ -563,6 +573,17 @@ def test_init_from_is_checked_before_the_model_load_and_not_needed_to_resume(tar
     with pytest.raises(FileNotFoundError, match="gone/config.json"):
         train(config)  # before the target load (whose path does not exist either)
     assert not (tmp_path / "run").exists()
+    # A JetSpec++ checkpoint (its draft is the start) passes the check: the target load fails.
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    bundle = draft.with_adapter(init_adapter(draft)).save(tmp_path / "pp")
+    section["init_from"] = str(bundle)
+    config = from_dict(
+        TrainConfig,
+        dict(target="no/such/target", data=dict(files=[str(data)]), draft=section, run=run),
+        "",
+    )
+    with pytest.raises(CheckpointError, match="no/such/target does not exist"):
+        train(config)
     # A resumed run restores its weights from the checkpoint: its deleted start is not read.
     assert initial_draft(config, target, resuming=True).config.block_size == 4
 
@@ -629,6 +650,38 @@ def test_the_draft_is_exported_before_the_final_evaluation(
     # The failed run closed its TensorBoard writer: no writer thread outlives it.
     writers = [t for t in threading.enumerate() if t.__module__.startswith("tensorboardX")]
     assert not writers
+    # The rerun finds the run finished and exported, but not its evaluation: it evaluates.
+    monkeypatch.undo()
+    result = train(_config(data_files, tmp_path), target=target)
+    assert result.already_finished and result.eval_tau is not None
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_tau" in r] == [80]
+    assert train(_config(data_files, tmp_path), target=target).eval_tau is None  # logged: done
+
+
+def test_a_run_killed_while_evaluating_evaluates_that_step_on_resume(
+    target, data_files, tmp_path, monkeypatch
+):
+    """The evaluation of step k runs before step k's checkpoint: a run that dies evaluating
+    resumes before k and evaluates it, rather than after k without its evaluation."""
+    config = _config(data_files, tmp_path, steps=4, warmup_steps=1)
+    config = dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, eval_num_prompts=1, eval_max_new_tokens=4),
+        run=dataclasses.replace(config.run, checkpoint_every=2, eval_every=2, tensorboard=False),
+    )
+
+    def dying(*args, **kwargs):
+        raise RuntimeError("killed while evaluating")
+
+    monkeypatch.setattr(trainer, "prompts_tau", dying)
+    with pytest.raises(RuntimeError, match="killed while evaluating"):
+        train(config, target=target)
+    assert not has_checkpoint(tmp_path)
+    monkeypatch.undo()
+    train(config, target=target)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_tau" in r] == [2, 4]
 
 
 def test_no_device_keeps_the_loaded_target_while_the_steps_run(

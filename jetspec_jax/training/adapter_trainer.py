@@ -44,7 +44,7 @@ from jetspec_jax.training.run_helpers import (
     with_device_params,
     with_host_params,
 )
-from jetspec_jax.training.run_loop import opened_run, recorded_setup, run_steps
+from jetspec_jax.training.run_loop import logged, opened_run, recorded_setup, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
 from jetspec_jax.training.trainer import (
@@ -68,11 +68,12 @@ class AdapterTrainResult:
         evaluation: the final evaluation: `eval_nmse`, `eval_stale_nmse`, `eval_gap_closed` (per
             tap), `eval_gap_closed_mean`, `eval_loss`, and with evaluation prompts `tau_predicted`,
             `tau_true`, `tau_ratio` (J1-R1). Empty when the run had finished before this call
-            (its export is then left as it is, calibration included; its final evaluation is in
-            the metrics log).
+            with its final evaluation in the metrics log.
         export_dir: the exported JetSpec++ checkpoint (draft + adapter; `load_draft` reads it).
-        already_finished: the run had finished before this call: nothing was trained or
-            evaluated, and its export was left as it is.
+        already_finished: the run had finished before this call: nothing was trained, and its
+            export was left as it is, calibration included (only a final evaluation missing
+            from the metrics log, the run killed or failed after the export, was run; not when
+            the draft was rewritten since).
     """
 
     adapter: Adapter
@@ -232,7 +233,8 @@ def train_adapter(
             # A rerun of a finished run: exporting again would drop the calibration that
             # `train.py calibrate` may have fitted into the export since.
             trained_for = recorded_setup(run_dir).get("draft_digest")
-            if trained_for not in (None, setup["draft_digest"]):
+            draft_rewritten = trained_for not in (None, setup["draft_digest"])
+            if draft_rewritten:
                 logger.warning(
                     "%s holds the draft this adapter was trained with, not %s as it is now "
                     "(rewritten since); pair them with `train.py export --draft %s "
@@ -243,7 +245,13 @@ def train_adapter(
                     draft.path,
                     export_dir,
                 )
-            return AdapterTrainResult(trained, int(state.step), metrics, {}, export_dir, True)
+            evaluation = {}
+            if not draft_rewritten and not logged(run_dir, int(state.step), "eval_loss"):
+                # Killed, or the evaluation failed, between the export and its evaluation.
+                evaluation = evaluate(int(state.step), state)
+            return AdapterTrainResult(
+                trained, int(state.step), metrics, evaluation, export_dir, True
+            )
         # Export before the final evaluation: a failing evaluation must not cost the adapter.
         if jax.process_index() == 0:
             save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)

@@ -327,7 +327,9 @@ def _apply_override(data: dict, override: str) -> None:
         raise ValueError(f"override {override!r}: the value is not valid YAML: {e}") from e
     node = data
     for i, name in enumerate(keys[:-1]):
-        node = node.setdefault(name, {})
+        if node.get(name) is None:  # absent, or `null`: the defaults, which the override edits
+            node[name] = {}
+        node = node[name]
         if not isinstance(node, dict):
             raise ValueError(f"override {override!r}: {'.'.join(keys[: i + 1])} is not a section")
     node[keys[-1]] = value
@@ -344,7 +346,7 @@ def from_dict(cls, data: Any, where: str):
         raise ValueError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(str(k) for k in set(data) - set(fields))  # YAML keys may be ints, bools
     if unknown:
         raise ValueError(
             f"unknown key(s) {', '.join(_join(where, k) for k in unknown)}; "

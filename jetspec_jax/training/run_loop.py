@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tqdm
+from jax.experimental import multihost_utils
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.training.config import RunConfig
@@ -70,7 +71,7 @@ def run_steps(
         tokens_per_step: global batch x sequence length (the logged `tokens_per_second`, from
             the second step of this process on: the first is mostly compilation).
         evaluate: `(step, state) -> anything`, called every `run.eval_every` steps before the
-            last; None: no evaluation during the run.
+            last, before that step's checkpoint; None: no evaluation during the run.
         postfix: the progress bar's fields from a logged step's metrics.
         desc: the progress bar's label.
         show_progress: progress bar (None: only on a terminal).
@@ -103,13 +104,15 @@ def run_steps(
                 metrics["tokens_per_second"] = rate
             metrics_log.write(done, metrics)
             progress.set_postfix(postfix(metrics))
-        if done % run.checkpoint_every == 0 or done in (end_step, total_steps):
-            with throughput.paused(state):
-                save_checkpoint(manager, done, state, iterator)
+        # Evaluated before the step's checkpoint: a run killed while evaluating resumes before
+        # the step and evaluates it again, rather than after it without its evaluation.
         evaluation_due = run.eval_every and done % run.eval_every == 0 and done < total_steps
         if evaluate is not None and evaluation_due:
             with throughput.paused(state):
                 evaluate(done, state)
+        if done % run.checkpoint_every == 0 or done in (end_step, total_steps):
+            with throughput.paused(state):
+                save_checkpoint(manager, done, state, iterator)
     manager.wait_until_finished()
     progress.close()
     return state, metrics
@@ -293,6 +296,23 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def logged(run_dir: pathlib.Path, step: int, key: str) -> bool:
+    """Whether `<run_dir>/metrics.jsonl` holds `key` at `step`: process 0's answer on every
+    process (only process 0 writes the log), so that all take the same branch."""
+    found = False
+    path = run_dir / "metrics.jsonl"
+    if jax.process_index() == 0 and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line
+                continue
+            found = found or (isinstance(row, dict) and row.get("step") == step and key in row)
+    if jax.process_count() > 1:
+        found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+    return found
 
 
 def drop_rows_after(path: pathlib.Path, step: int) -> None:

@@ -24,13 +24,14 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids, prompts_tau
 from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
-from jetspec_jax.training.run_loop import has_checkpoint, opened_run, run_steps
+from jetspec_jax.training.run_loop import has_checkpoint, logged, opened_run, run_steps
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 
@@ -47,10 +48,11 @@ class TrainResult:
         metrics: the last logged step's metrics (floats); empty when this call trained no step
             (a finished run whose export was cut short is exported again).
         eval_tau: the final evaluation's mean tau; None without evaluation prompts, or when the
-            run had finished before this call (its export and evaluation are left as they are).
+            run had finished before this call with its final evaluation logged.
         export_dir: where the draft was exported.
         already_finished: the run had finished before this call: nothing was trained, and its
-            export was left as it is.
+            export was left as it is (only a final evaluation missing from the metrics log, the
+            run killed or failed after the export, was run).
     """
 
     draft: Draft
@@ -84,9 +86,10 @@ def train(
     resuming = has_checkpoint(run_dir)
     init_from = config.draft.init_from
     # A resumed run's weights are in its checkpoint: its start draft is no longer read.
-    check_input_files(
-        config, *([os.path.join(init_from, "config.json")] if init_from and not resuming else [])
-    )
+    start_files = []
+    if init_from and not resuming:  # a draft directory, or a JetSpec++ checkpoint holding one
+        start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
+    check_input_files(config, *start_files)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(config.mesh)
     if target is None:
@@ -157,7 +160,11 @@ def train(
         trained = _as_draft(draft, state, target)
         export_dir = run_dir / "draft"
         if finished_before and (export_dir / "config.json").is_file():
-            return TrainResult(trained, int(state.step), metrics, None, export_dir, True)
+            eval_tau = None
+            if eval_prompts is not None and not logged(run_dir, int(state.step), "eval_tau"):
+                # Killed, or the evaluation failed, between the export and its evaluation.
+                eval_tau = _evaluate(config, target, trained, eval_prompts, log, int(state.step))
+            return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir, True)
         # Export before the final evaluation: a failing evaluation must not cost the draft.
         if jax.process_index() == 0:
             trained.save(export_dir, overwrite=True)
