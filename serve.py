@@ -5,6 +5,7 @@
     python serve.py generate "PROMPT" --method ar          # the default model alone
     python serve.py generate "PROMPT" --target DIR --temperature 0.8 --top-p 0.95 --seed 1
     python serve.py generate "PROMPT" --target DIR --draft DRAFT_DIR --refine-passes 1
+    echo "PROMPT" | python serve.py generate -               # the prompt from stdin
 
 Without --target, --draft and --method, the embedded default model runs JetSpec++ with the draft
 shipped for it; --method ar runs it alone. A --draft with no --method runs the draft's own variant;
@@ -12,7 +13,9 @@ a --target with neither runs autoregressive decoding.
 
 The server answers /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health
 and /metrics; SIGINT/SIGTERM shut it down gracefully. `generate` streams the completion to stdout
-as it is produced, then prints tokens/s, tau and a speedup estimate to stderr.
+as it is produced, then prints tokens/s, tau and a speedup line to stderr (measured with
+--compare-ar, else tau as its upper bound). Sampling parameters are generate's flags (greedy by
+default); the server takes them per request, with OpenAI's defaults (temperature 1).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+
+logger = logging.getLogger("serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +51,26 @@ def _load_models(args):
         raise ValueError(
             f"--method must be one of {', '.join(jetspec_jax.METHODS)}, got {args.method!r}"
         )
+    start = time.perf_counter()
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    logger.info("loaded target %s (%s) in %.1f s", target.path, args.dtype, _since(start))
     draft_dir = args.draft
     if draft_dir is None and args.target is None and args.method != "ar":
         draft_dir = default_draft_dir()
-    draft = jetspec_jax.load_draft(draft_dir, target) if draft_dir else None
+    draft = None
+    if draft_dir:
+        start = time.perf_counter()
+        draft = jetspec_jax.load_draft(draft_dir, target)
+        parts = "draft" + (" + adapter" if draft.adapter is not None else "")
+        parts += " + calibration" if draft.calibration is not None else ""
+        logger.info(
+            "loaded %s %s (%s) in %.1f s", parts, draft_dir, draft.config.variant, _since(start)
+        )
     return target, draft
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
 
 
 def _decoding_options(args, draft, *, method: str | None = None):
@@ -131,13 +151,20 @@ def _generate(args) -> int:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.system is not None and args.chat is False:
+            raise ValueError(
+                "--system is a chat message: it needs the chat template (no --no-chat)"
+            )
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
         _check_before_loading(args, server=False)
         target, draft = _load_models(args)
         options = _decoding_options(args, draft)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
         chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
-        prompt_ids = encode_prompt(target.tokenizer, args.prompt, chat=chat, system=args.system)
+        prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat, system=args.system)
         request = dict(
             max_new_tokens=args.max_new_tokens,
             temperature=sampling.temperature,
@@ -165,9 +192,11 @@ def _generate(args) -> int:
     sys.stdout.flush()
     result = stream.result
     t = result.timing
+    # The prefill makes the first token: a decode rate needs a second one.
+    rate = result.decode_tokens_per_second if len(result.tokens) > 1 else None
     print(
         f"[{_label(options)}] {len(result.tokens)} tokens ({result.finish_reason}) | "
-        f"{result.decode_tokens_per_second:.1f} tokens/s decode | tau {result.tau:.2f} | "
+        f"{'n/a' if rate is None else f'{rate:.1f}'} tokens/s decode | tau {result.tau:.2f} | "
         f"prefill {result.prompt_length} tokens in {t.prefill_seconds:.3f} s | "
         f"compile {t.compile_seconds:.1f} s",
         file=sys.stderr,
@@ -180,11 +209,12 @@ def _generate(args) -> int:
 
 
 def _label(options) -> str:
-    """The method as the statistics line names it, e.g. "jetspec++ J1-R1 F4"."""
+    """The method as the statistics line names it, e.g. "jetspec++ J1-R1 F4 mpmd"."""
     if options.method != "jetspec++":
         return options.method
     label = f"jetspec++ J{options.refine_passes}-R{options.refreshes}"
-    return label + (f" F{options.foresight}" if options.foresight else "")
+    label += f" F{options.foresight}" if options.foresight else ""
+    return label + (f" {options.pipeline}" if options.pipeline else "")
 
 
 def _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, result) -> str:
@@ -193,9 +223,9 @@ def _speedup_line(args, options, jetspec_jax, target, prompt_ids, request, resul
         return "speedup 1.00x (autoregressive decoding is the baseline)"
     if not args.compare_ar:
         return (
-            f"speedup estimate <= {result.tau:.2f}x: tau, the tokens per target forward; the "
-            f"real speedup is tau x (AR step time / round time), lower by the draft's and the "
-            f"block verification's cost. Measure it with --compare-ar."
+            f"speedup not measured (--compare-ar measures it): at most tau = {result.tau:.2f}x, "
+            "the tokens per target forward, less the draft's and the block verification's cost "
+            "(on a CPU that cost can exceed the gain: see docs/BENCHMARKS.md)"
         )
     # Streamed in the same chunks as the speculative run: both pay the same host round trips.
     ar_stream = jetspec_jax.stream(target, prompt_ids, chunk_steps=args.chunk_steps, **request)
@@ -346,7 +376,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command")
     gen = commands.add_parser("generate", help="stream a completion of one prompt")
-    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt text")
+    gen.add_argument(
+        "prompt",
+        nargs="?",
+        default=DEFAULT_PROMPT,
+        help=f"the prompt text; '-' reads it from stdin (default: {DEFAULT_PROMPT!r})",
+    )
     _add_model_args(gen, subcommand=True)
     gen.add_argument(
         "--chat",

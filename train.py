@@ -477,7 +477,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="held-out JSONL of `train.py regenerate` (greedy), not the draft's training data",
     )
-    calibrate.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
+    calibrate.add_argument(
+        "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
+    )
     calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     calibrate.add_argument("--num-rounds", type=int, default=512, help="rounds to collect")
     calibrate.add_argument(
@@ -537,7 +539,9 @@ def _parser() -> argparse.ArgumentParser:
         help="JetSpec++ checkpoint whose adapter to pair with a plain --draft (its calibration "
         "is not carried over: rerun train.py calibrate)",
     )
-    export.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
+    export.add_argument(
+        "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
+    )
     export.add_argument("-v", "--verbose", action="store_true")
 
     evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
@@ -545,7 +549,9 @@ def _parser() -> argparse.ArgumentParser:
         "--draft", required=True, help="draft directory, or a JetSpec++ checkpoint"
     )
     evaluate.add_argument("--prompts", required=True, help="JSONL prompt file")
-    evaluate.add_argument("--target", default=None, help="HF directory (default: SmolLM2-135M)")
+    evaluate.add_argument(
+        "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
+    )
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     evaluate.add_argument("--num-prompts", type=int, default=50)
     evaluate.add_argument("--max-new-tokens", type=int, default=256)

@@ -205,3 +205,10 @@ def test_prompt_longer_than_the_context_is_refused(target):
     context = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds the model's context"):
         jetspec_jax.generate(target, [1] * (context - 4), max_new_tokens=5)
+
+
+def test_a_draft_without_its_method_is_refused_naming_the_method(target, prompts):
+    draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4)
+    message = "method 'ar' \\(the default\\) takes no draft model; pass method='jetspec'"
+    with pytest.raises(ValueError, match=message):
+        jetspec_jax.generate(target, prompts[0], draft=draft, max_new_tokens=4)

@@ -109,6 +109,9 @@ def test_collected_outcomes_match_the_decode_loop(setup):
         with pytest.raises(ValueError, match=side):
             rounds.split(np.asarray(sequences, np.int32))
     assert len(fit) + len(held) == 48
+    one_sequence = rounds.take(rounds.records == rounds.records[0])
+    with pytest.raises(ValueError, match="the \\d+ rounds came from 1 .* raise the number"):
+        held_out_sequences(one_sequence, 0.25)
     assert not set(fit.records.tolist()) & set(held.records.tolist())
 
 

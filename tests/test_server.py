@@ -7,6 +7,7 @@ tokens, so all requests share one compiled bucket per method.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 import math
 import os
@@ -480,7 +481,8 @@ BAD = [
     ),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=2), 400, "logprobs"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=0), 400, "logprobs"),
-    ("/v1/completions", dict(model=MODEL, prompt="x" * 2100), 400, "context"),
+    # No max_tokens sent: the message does not ask to lower it.
+    ("/v1/completions", dict(model=MODEL, prompt="x" * 2100), 400, "no token is left for the"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=4000), 400, "context"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=600), 400, "512"),
     ("/v1/completions", dict(model=MODEL, prompt=[5, 500]), 400, "500"),
@@ -893,7 +895,7 @@ def test_serve_py_refuses_a_port_out_of_range(port, capsys):
 
 
 def test_serve_py_generate_streams_the_autoregressive_completion_with_a_draft(
-    target, target_dir, tmp_path, capsys
+    target, target_dir, tmp_path, capsys, monkeypatch
 ):
     """`serve.py generate --draft D --method jetspec`: AR's greedy text on stdout, the
     statistics on stderr. (The default model and draft: test_default_draft.py.)"""
@@ -908,6 +910,15 @@ def test_serve_py_generate_streams_the_autoregressive_completion_with_a_draft(
     out, err = capsys.readouterr()
     assert expected.strip() and out.strip() == expected.strip()
     assert "[jetspec]" in err and "tokens/s decode" in err
+    # '-' reads the prompt from stdin.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    argv[1] = "-"
+    assert serve_py.main([*argv, "--method", "jetspec", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
+    # A system message without the chat template is refused in the CLI's words, before loading.
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    assert serve_py.main(["generate", "P", "--no-chat", "--system", "Be brief."]) == 2
+    assert "--system is a chat message" in capsys.readouterr().err
 
 
 def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):

@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods",
         default="ar",
-        help="comma-separated: ar, dflash, jetspec, "
+        help="comma-separated (default: ar alone): ar, dflash, jetspec, "
         "jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd] (refinement passes, refreshes, "
         "replacement confidence, foresight candidates, pipeline form; ar is always run: it is the "
         "baseline)",

@@ -157,7 +157,11 @@ def markdown(results: Sequence[LoadResult]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jetspec_jax.bench.load", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jetspec_jax.bench.load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="the served model id (GET /v1/models)")
     parser.add_argument("--api-key", default=None)

@@ -78,8 +78,9 @@ def pipeline_devices() -> tuple[jax.Device, jax.Device]:
     if len(devices) < 2:
         raise ValueError(
             f"a pipeline needs >= 2 devices (the target verifies on one, the draft drafts "
-            f"ahead on another); {len(devices)} visible ({devices[0].platform}). Use "
-            "pipeline=None for the single-device foresight round"
+            f"ahead on another); {len(devices)} visible ({devices[0].platform}). Decode without "
+            "one (pipeline=None; serve.py: no --pipeline) for the single-device foresight round; "
+            "on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 shows two devices"
         )
     return devices[TARGET_STAGE], devices[DRAFT_STAGE]
 

@@ -423,7 +423,11 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     `(None, None)` for "ar"; a pipeline is refused here with fewer than two devices."""
     if options.method == "ar":
         if draft is not None:
-            raise ValueError("method 'ar' takes no draft model")
+            variant = getattr(getattr(draft, "config", None), "variant", "jetspec++")
+            raise ValueError(
+                f"method 'ar' (the default) takes no draft model; pass method={variant!r} to "
+                "decode with this draft"
+            )
         return None, None
     if draft is None:
         raise ValueError(

@@ -328,15 +328,21 @@ def _default_budget(default: int, prompt_ids: list[int], model: ModelInfo) -> in
 
 def _max_tokens(body: dict, name: str, default: int, prompt_ids: list[int], model: ModelInfo):
     value = body.get(name)
-    if value is None:
+    given = value is not None
+    if not given:
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RequestError(400, f"{name} must be an integer >= 1, got {value!r}", param=name)
     if len(prompt_ids) + value > model.context_length:
+        budget = (
+            f"{name} asks for {value}. Shorten the prompt or lower {name}."
+            if given
+            else "no token is left for the completion. Shorten the prompt."
+        )
         raise RequestError(
             400,
             f"this model's context is {model.context_length} tokens; the prompt has "
-            f"{len(prompt_ids)} and {name} asks for {value}. Shorten the prompt or lower {name}.",
+            f"{len(prompt_ids)} and {budget}",
             param="messages" if "messages" in body else "prompt",
             code="context_length_exceeded",
         )

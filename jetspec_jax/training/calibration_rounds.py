@@ -353,7 +353,11 @@ def held_out_sequences(rounds: Rounds, holdout_fraction: float, seed: int = 0) -
     check_holdout_fraction(holdout_fraction)
     sequences = np.unique(rounds.records)
     if len(sequences) < 2:
-        raise ValueError("splitting rounds into fit and held-out needs >= 2 source sequences")
+        raise ValueError(
+            f"splitting rounds into fit and held-out needs rounds from >= 2 source sequences; "
+            f"the {len(rounds.records)} rounds came from {len(sequences)} (rounds are taken "
+            "sequence by sequence: raise the number of rounds or lower the anchors per sequence)"
+        )
     shuffled = np.random.default_rng(seed).permutation(sequences)
     count = min(max(1, round(holdout_fraction * len(sequences))), len(sequences) - 1)
     return np.sort(shuffled[:count])
