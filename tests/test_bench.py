@@ -103,8 +103,9 @@ def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
     for ar, spec in (rows[0], rows[1]), (rows[2], rows[3]):  # over AR's at the same temperature
         rate = spec["decode_tokens_per_second"] / ar["decode_tokens_per_second"]
         assert spec["speedup"] == pytest.approx(rate)
-    assert rows[1]["greedy_matches_ar"] == 3  # the field's correctness check
-    assert rows[3]["greedy_matches_ar"] is None  # not checked when sampling
+    assert rows[1]["matches_ar"] == 3  # the field's correctness check
+    assert rows[3]["matches_ar"] == 3  # sampled: AR's draws with the same seed
+    assert rows[0]["matches_ar"] is rows[2]["matches_ar"] is None  # AR itself
     samples = (out / "samples.jsonl").read_text().splitlines()
     assert len(samples) == 3 * 4
 
@@ -185,7 +186,7 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     assert [r["method"] for r in rows] == ["ar", *methods.split(",")]
     assert rows[0]["foresight_hit_rate"] is None
     for r in rows[1:]:
-        assert 0.0 <= r["foresight_hit_rate"] <= 1.0 and r["greedy_matches_ar"] == 1
+        assert 0.0 <= r["foresight_hit_rate"] <= 1.0 and r["matches_ar"] == 1
 
 
 def test_bad_method_and_draft_pairings_fail_before_any_run(checkpoints, monkeypatch):

@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the report could not be written to {args.out}: {e}", file=sys.stderr)
         return 2
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
-    mismatches = [s for s in summaries if s.greedy_matches_ar not in (None, s.prompts)]
+    mismatches = [s for s in summaries if s.matches_ar not in (None, s.prompts)]
     for s in mismatches:
         print(
-            f"warning: {s.method} on {s.dataset}: greedy output differs from AR on "
-            f"{s.prompts - s.greedy_matches_ar} of {s.prompts} prompts",
+            f"warning: {s.method} on {s.dataset} at T={s.temperature:g}: the output differs from "
+            f"AR's (same seed) on {s.prompts - s.matches_ar} of {s.prompts} prompts",
             file=sys.stderr,
         )
     return 0

@@ -48,11 +48,11 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
     each prompt's first whose block was drafted ahead (blank without foresight)."""
     lines = [
         "| dataset | T | method | prompts | tokens | tau | decode tok/s | speedup vs AR "
-        "| prefill ms | ms / round | foresight hits | greedy = AR |",
+        "| prefill ms | ms / round | foresight hits | = AR |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for s in summaries:
-        check = "" if s.greedy_matches_ar is None else f"{s.greedy_matches_ar}/{s.prompts}"
+        check = "" if s.matches_ar is None else f"{s.matches_ar}/{s.prompts}"
         hits = "" if s.foresight_hit_rate is None else f"{s.foresight_hit_rate:.2f}"
         lines.append(
             f"| {s.dataset} | {s.temperature:g} | {s.method} | {s.prompts} | {s.new_tokens} "

@@ -40,7 +40,7 @@ class Sample:
     decode_seconds: float
     compile_seconds: float
     finish_reason: str
-    matches_ar: bool | None  # greedy speculative methods: tokens equal AR's
+    matches_ar: bool | None  # speculative methods: tokens equal AR's (same seed); None for AR
     foresight_hits: int | None  # hits in the rounds after the first (None: no foresight)
 
 
@@ -54,8 +54,8 @@ class Summary:
         speedup: decode tokens/s over AR's on the same prompts (this run).
         prefill_ms: mean prefill time per prompt.
         round_ms: mean time of one target forward (AR) / verification round (speculative).
-        greedy_matches_ar: prompts whose greedy output equals AR's, of `prompts` (None when not
-            checked: AR itself, or temperature > 0).
+        matches_ar: prompts whose output equals AR's, of `prompts` (sampled: with the same
+            seed, which a lossless method draws exactly as AR does); None for AR itself.
         foresight_hit_rate: pooled over the rounds after each prompt's first (the first cannot
             hit); None for methods without foresight.
     """
@@ -71,7 +71,7 @@ class Summary:
     prefill_ms: float
     round_ms: float
     compile_seconds: float
-    greedy_matches_ar: int | None
+    matches_ar: int | None
     foresight_hit_rate: float | None
 
 
@@ -174,7 +174,7 @@ def _side_by_side(target, data, methods, drafts, settings, warmup, progress) -> 
             if m.method == "ar":
                 ar_tokens, matches = result.tokens, None
             else:
-                matches = result.tokens == ar_tokens if temperature == 0 else None
+                matches = result.tokens == ar_tokens
             samples.append(_sample(data.name, prompt_id, m, temperature, result, matches))
             progress.update()
     return samples
@@ -228,7 +228,7 @@ def summarize(samples: Sequence[Sample]) -> list[Summary]:
                 prefill_ms=1e3 * sum(s.prefill_seconds for s in group) / len(group),
                 round_ms=1e3 * decode_seconds / rounds if rounds else 0.0,
                 compile_seconds=sum(s.compile_seconds for s in group),
-                greedy_matches_ar=sum(checked) if checked else None,
+                matches_ar=sum(checked) if checked else None,
                 foresight_hit_rate=_hit_rate(group),
             )
         )
