@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     level = logging.INFO if args.verbose or args.command is None else logging.WARNING
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
+    from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
+
+    enable_compile_cache()
     if args.command == "generate":
         return _generate(args)
     return _serve(args)

@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
+    from jetspec_jax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()
 
     try:
         commands = {

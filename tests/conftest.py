@@ -13,6 +13,10 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 
+# No persistent compilation cache: programs (and the CLI subprocesses, which inherit this) run
+# with the in-memory caches only, and write nothing outside the test session.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

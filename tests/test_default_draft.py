@@ -112,7 +112,11 @@ def test_readme_main_command_runs_jetspec_pp_with_no_flags(target, default_cache
     proc = subprocess.run(
         [sys.executable, "serve.py", "generate", prompt, "--max-new-tokens", "16"],
         cwd=ROOT,
-        env={**os.environ, "JETSPEC_JAX_CACHE": str(default_cache)},
+        env={
+            **os.environ,
+            "JETSPEC_JAX_CACHE": str(default_cache),
+            "JAX_ENABLE_COMPILATION_CACHE": "true",  # as on a user's machine
+        },
         capture_output=True,
         text=True,
         timeout=600,
@@ -120,6 +124,8 @@ def test_readme_main_command_runs_jetspec_pp_with_no_flags(target, default_cache
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == expected.strip()
     assert "[jetspec++ J0-R0]" in proc.stderr and "tau" in proc.stderr
+    # The compiled programs were kept for the next run, in the cache beside the default model.
+    assert any((default_cache / "xla").iterdir())
 
 
 def test_bench_harness_serves_jetspec_pp_with_the_shipped_draft(

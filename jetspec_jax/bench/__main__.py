@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     import jetspec_jax  # deferred so that --help answers at once
+    from jetspec_jax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()
     from jetspec_jax.bench.datasets import load_dataset
     from jetspec_jax.bench.methods import parse_methods
     from jetspec_jax.bench.report import check_out_dir, markdown_table, write_report
