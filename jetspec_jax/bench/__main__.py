@@ -23,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
     import jetspec_jax  # deferred so that --help answers at once
-    from jetspec_jax.compile_cache import enable_compile_cache
-
-    enable_compile_cache()
     from jetspec_jax.bench.datasets import load_dataset
     from jetspec_jax.bench.methods import parse_methods
     from jetspec_jax.bench.report import check_out_dir, markdown_table, write_report
     from jetspec_jax.bench.runner import run_benchmark
+    from jetspec_jax.compile_cache import enable_compile_cache
     from jetspec_jax.default_model import default_draft_dir
+
+    enable_compile_cache()
 
     try:
         check_out_dir(pathlib.Path(args.out))  # not after hours of runs
