@@ -140,7 +140,7 @@ def _server_config(args, draft, *, method: str | None = None):
 
 def _generate(args) -> int:
     import jetspec_jax
-    from jetspec_jax.prompting import encode_prompt
+    from jetspec_jax.prompting import encode_prompt, has_chat_template
     from jetspec_jax.serving.detokenize import IncrementalDetokenizer
 
     try:
@@ -166,7 +166,7 @@ def _generate(args) -> int:
         options = _decoding_options(args, draft)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
-        chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
+        chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat, system=args.system)
         request = dict(
             max_new_tokens=args.max_new_tokens,

@@ -5,6 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether `tokenizer` has a chat template: the default for `chat` wherever text is encoded
+    (the CLI, the benchmarks, evaluation prompts)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompt(
     tokenizer, text: str, *, chat: bool, system: str | None = None, thinking: bool = False
 ) -> list[int]:
@@ -26,7 +32,7 @@ def encode_prompt(
         if system is not None:
             raise ValueError("a system message needs the chat template (chat=True)")
         return tokenizer.encode(text, add_special_tokens=True)
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError("this tokenizer has no chat template; use a raw prompt (chat=False)")
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": text})

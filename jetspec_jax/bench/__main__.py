@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
     from jetspec_jax.default_model import default_draft_dir
+    from jetspec_jax.prompting import has_chat_template
 
     enable_compile_cache()
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             _add_draft(
                 drafts, sources, args.random_draft, draft, f"--random-draft {args.random_draft}"
             )
-        chat = args.chat if args.chat is not None else bool(target.tokenizer.chat_template)
+        chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         datasets = [
             load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
         ]

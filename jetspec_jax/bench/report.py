@@ -18,7 +18,14 @@ def write_jsonl(path: pathlib.Path, rows: Sequence) -> None:
     write_text_atomically(path, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows))
 
 
-REPORT_FILES = ("results.jsonl", "samples.jsonl", "results.md", "tau.png", "speedup.png")
+# The report's files by kind (the keys of `write_report`'s answer).
+REPORT_FILES = {
+    "results": "results.jsonl",
+    "samples": "samples.jsonl",
+    "table": "results.md",
+    "tau": "tau.png",
+    "speedup": "speedup.png",
+}
 
 
 def check_out_dir(out_dir: pathlib.Path) -> None:
@@ -38,7 +45,7 @@ def check_out_dir(out_dir: pathlib.Path) -> None:
             pass
     except OSError as e:
         raise ValueError(f"--out {out_dir} cannot be written into: {e}") from e
-    taken = [name for name in REPORT_FILES if (out_dir / name).is_dir()]
+    taken = [name for name in REPORT_FILES.values() if (out_dir / name).is_dir()]
     if taken:
         raise ValueError(f"--out {out_dir}: {', '.join(taken)} would be written over directories")
 
@@ -107,15 +114,11 @@ def write_report(
     the paths written, by kind.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "results": out_dir / "results.jsonl",
-        "samples": out_dir / "samples.jsonl",
-        "table": out_dir / "results.md",
-    }
+    paths = {kind: out_dir / REPORT_FILES[kind] for kind in ("results", "samples", "table")}
     write_jsonl(paths["results"], summaries)
     write_jsonl(paths["samples"], samples)
     write_text_atomically(paths["table"], markdown_table(summaries))
-    plots = {metric: out_dir / f"{metric}.png" for metric in ("tau", "speedup")}
+    plots = {metric: out_dir / REPORT_FILES[metric] for metric in ("tau", "speedup")}
     try:
         import matplotlib  # noqa: F401  (the plots' only optional dependency)
     except ImportError as e:

@@ -20,7 +20,7 @@ import math
 import secrets
 from typing import Any
 
-from jetspec_jax.prompting import encode_chat
+from jetspec_jax.prompting import encode_chat, has_chat_template
 from jetspec_jax.sampling import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -165,7 +165,7 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     _check_neutral(body, CHAT_EXTENSIONS_AT_NEUTRAL)
     messages = _messages(body["messages"])
     tokenizer = model.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
     try:
         prompt_ids = encode_chat(tokenizer, messages, thinking=_thinking(body))

@@ -18,7 +18,7 @@ from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX
 from jetspec_jax.data.regenerate import recorded_encoding
 from jetspec_jax.draft import Draft
 from jetspec_jax.generate import generate_batch
-from jetspec_jax.prompting import PromptEncoding
+from jetspec_jax.prompting import PromptEncoding, has_chat_template
 from jetspec_jax.target import Target
 
 logger = logging.getLogger(__name__)
@@ -168,5 +168,5 @@ def _prompt_ids(
     if math_suffix and record.get("source") in MATH_SOURCES:
         text += MATH_SUFFIX
     if encoding is None:
-        encoding = PromptEncoding(chat=bool(getattr(target.tokenizer, "chat_template", None)))
+        encoding = PromptEncoding(chat=has_chat_template(target.tokenizer))
     return encoding.encode(target.tokenizer, text)

@@ -300,16 +300,17 @@ class MetricsLog:
 
 def logged(run_dir: pathlib.Path, step: int, key: str) -> bool:
     """Whether `<run_dir>/metrics.jsonl` holds `key` at `step`: process 0's answer on every
-    process (only process 0 writes the log), so that all take the same branch."""
+    process (only process 0 writes the log), so that all take the same branch. Read after the
+    run's `MetricsLog` opened the file (which dropped a torn last line).
+
+    Raises:
+        ValueError: as `drop_rows_after`.
+    """
     found = False
     path = run_dir / "metrics.jsonl"
     if jax.process_index() == 0 and path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a torn last line
-                continue
-            found = found or (isinstance(row, dict) and row.get("step") == step and key in row)
+        lines = path.read_text(encoding="utf-8").split("\n")
+        found = any(r["step"] == step and key in r for _, r in _metric_rows(path, lines))
     if jax.process_count() > 1:
         found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
     return found
@@ -325,7 +326,24 @@ def drop_rows_after(path: pathlib.Path, step: int) -> None:
     if not path.exists():
         return
     *lines, torn = path.read_text(encoding="utf-8").split("\n")  # torn: "" after a full last line
-    kept = []
+    rows = list(_metric_rows(path, lines))
+    kept = [line for line, row in rows if row["step"] <= step]
+    if len(kept) == len(rows) and not torn:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _metric_rows(path: pathlib.Path, lines: list[str]) -> Iterator[tuple[str, dict]]:
+    """`(line, row)` of each non-blank complete line of the metrics file `path`.
+
+    Raises:
+        ValueError: a line is not a JSON object with an integer `step` (names the line).
+    """
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -335,13 +353,4 @@ def drop_rows_after(path: pathlib.Path, step: int) -> None:
             raise ValueError(f"{path}:{number} is not valid JSON: {e}") from e
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             raise ValueError(f"{path}:{number} is not a metrics row (no integer 'step')")
-        if row["step"] <= step:
-            kept.append(line)
-    if len(kept) == len([x for x in lines if x.strip()]) and not torn:
-        return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        yield line, row
