@@ -19,6 +19,7 @@ from jetspec_jax.decoding.session import (
     DecodeSession,
     GenerationResult,
     Timing,
+    check_token_ids,
 )
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target
@@ -79,6 +80,8 @@ def generate(
     Returns:
         A `GenerationResult`.
     """
+    # Checked as one prompt here: wrapped first, an int would read as a batch of one id.
+    check_token_ids(prompt_ids, target.config.vocab_size)
     (result,) = generate_batch(
         target,
         [prompt_ids],
@@ -244,6 +247,7 @@ def stream(
         or chunk_steps < 1
     ):
         raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
+    check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     session = DecodeSession(
         target,

@@ -207,6 +207,19 @@ def test_prompt_longer_than_the_context_is_refused(target):
         jetspec_jax.generate(target, [1] * (context - 4), max_new_tokens=5)
 
 
+def test_a_bad_prompt_is_named_as_one_prompt_or_by_its_index_in_a_batch(target):
+    context = target.config.max_position_embeddings
+    for call in (jetspec_jax.generate, jetspec_jax.stream):
+        with pytest.raises(ValueError, match="^prompt must be a list of token ids, got 5$"):
+            call(target, 5)
+    with pytest.raises(ValueError, match="^prompt 1 is empty"):
+        jetspec_jax.generate_batch(target, [[1, 2], []])
+    with pytest.raises(
+        ValueError, match=f"^prompt 1 of {context - 2} tokens \\+ max_new_tokens=5 exceeds"
+    ):
+        jetspec_jax.generate_batch(target, [[1, 2], [1] * (context - 2)], max_new_tokens=5)
+
+
 def test_a_draft_without_its_method_is_refused_naming_the_method(target, prompts):
     draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4)
     message = "method 'ar' \\(the default\\) takes no draft model; pass method='jetspec'"

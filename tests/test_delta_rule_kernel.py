@@ -154,3 +154,17 @@ def test_unit_lower_inverse_is_the_inverse(size):
     got = np.asarray(gated_deltanet.unit_lower_inverse(jnp.asarray(strict)))
     want = np.linalg.inv(np.eye(size) + strict.astype(np.float64))
     assert np.max(np.abs(got - want)) <= 1e-5
+
+
+def test_chunk_sizes_agree_and_must_be_powers_of_two():
+    """The chunking is an implementation detail: any power-of-two chunk gives the same result;
+    another size is refused by name (the blocked inverse doubles its blocks)."""
+    args = _operands(*CASES["gqa2-dk-ne-dv-37-not-a-chunk-multiple"][:-1])
+    want_out, want_state = gated_deltanet.chunked(*args, chunk_size=64)
+    for size in (4, 16):
+        out, state = gated_deltanet.chunked(*args, chunk_size=size)
+        assert float(jnp.max(jnp.abs(out - want_out))) <= 1e-5
+        assert float(jnp.max(jnp.abs(state - want_state))) <= 1e-5
+    for size in (0, 24):
+        with pytest.raises(ValueError, match=f"chunk_size must be a power of two, got {size}"):
+            gated_deltanet.chunked(*args, chunk_size=size)

@@ -244,12 +244,40 @@ def test_kernel_gradients_match_the_reference_and_layers_attention():
     [
         (dict(block_q=48), "block_q must be a power of two"),
         (dict(block_q=8), "block_q must be >= min_rows=16"),
+        (dict(block_kv=8), "block_kv must be >= min_rows=16"),
         (dict(kv_splits=0), "kv_splits must be >= 1"),
     ],
 )
 def test_bad_tilings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Tiling(**kwargs)
+
+
+def _replaced(index, shape):
+    """An edit of the operands that swaps operand `index` for zeros of `shape`."""
+    return lambda args: args[:index] + (jnp.zeros(shape),) + args[index + 1 :]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_replaced(0, (2, 2, 2, 16)), r"q must be \[B, C, K, N, D\]"),
+        (_replaced(2, (1, 5, 2, 16)), "context_k and context_v must both be"),
+        (lambda a: _replaced(2, (1, 4, 2, 8))(_replaced(1, (1, 4, 2, 8))(a)), "does not fit q"),
+        (_replaced(3, (1,)), r"context_lengths must be \[B, C\] = \(1, 1\)"),
+        (_replaced(4, (1, 1, 1, 2, 16)), r"block_k must be \[B, C, K, N_kv, D\]"),
+    ],
+)
+def test_bad_shapes_are_named(edit, message):
+    args = edit(_operands((1, 1, 2, 2, 2, 16, 4)))
+    with pytest.raises(ValueError, match=message):
+        refinement_attention(*args, causal=True)
+
+
+def test_query_heads_must_group_over_kv_heads():
+    q, k, v, lengths, bk, bv = _operands((1, 1, 2, 3, 2, 16, 4))
+    with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 KV heads"):
+        refinement_attention(q, k, v, lengths, bk, bv, causal=True)
 
 
 def test_impl_selection():

@@ -178,7 +178,10 @@ class DecodeSession:
         self._two_programs = None  # the MPMD pipeline's stage placement, built at start
         prompts = check_prompts(prompts, config.vocab_size)
         budgets = _per_row(max_new_tokens, len(prompts), "max_new_tokens")
-        budgets = [check_budget(config, len(p), n) for p, n in zip(prompts, budgets, strict=True)]
+        budgets = [
+            check_budget(config, len(p), n, _prompt_name(i, len(prompts)))
+            for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+        ]
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if not isinstance(sampling, Sequence):
@@ -451,9 +454,10 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     )
 
 
-def check_budget(config, prompt_length: int, max_new_tokens) -> int:
+def check_budget(config, prompt_length: int, max_new_tokens, what: str = "prompt") -> int:
     """`max_new_tokens` as an int, after checking it is an integer >= 1 (Python, NumPy or JAX)
-    and that the prompt plus that many tokens fits the model's context (ValueError otherwise)."""
+    and that the prompt (named `what` in the error) plus that many tokens fits the model's
+    context (ValueError otherwise)."""
     budget = as_int(max_new_tokens)
     if budget is None:
         raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
@@ -461,7 +465,7 @@ def check_budget(config, prompt_length: int, max_new_tokens) -> int:
         raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
     if prompt_length + budget > config.max_position_embeddings:
         raise ValueError(
-            f"prompt of {prompt_length} tokens + max_new_tokens={budget} exceeds the "
+            f"{what} of {prompt_length} tokens + max_new_tokens={budget} exceeds the "
             f"model's context of {config.max_position_embeddings} tokens"
         )
     return budget
@@ -482,7 +486,14 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
             "prompts must be a list of prompts (lists of token ids), got a list of token ids: "
             "pass [prompt] for one prompt, or use generate"
         )
-    return [check_token_ids(p, vocab_size) for p in prompts]
+    return [
+        check_token_ids(p, vocab_size, _prompt_name(i, len(prompts))) for i, p in enumerate(prompts)
+    ]
+
+
+def _prompt_name(index: int, count: int) -> str:
+    """How errors name a prompt: by its index when it is one of a batch."""
+    return f"prompt {index}" if count > 1 else "prompt"
 
 
 def check_token_ids(

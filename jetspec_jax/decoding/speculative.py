@@ -57,7 +57,14 @@ def start_speculative(
     prompt_lengths: jax.Array,
     capacity: int,
 ) -> SpecState:
-    """The carry after prefill: the sequence buffer holds the prompts and the first token."""
+    """The carry after prefill: the sequence buffer holds the prompts and the first token.
+
+    Args:
+        decode: the prefilled state (`decode.output` `[B, max_output]`, `last_token` `[B]`).
+        proposer_state: the proposer's `start` state.
+        prompts: `[B, T]` the prompts, padded; `prompt_lengths` `[B]` their real lengths.
+        capacity: the sequence buffer's length (the target cache's capacity).
+    """
     batch, max_output = decode.output.shape
     sequence = jnp.zeros((batch, capacity), jnp.int32).at[:, : prompts.shape[1]].set(prompts)
     rows = jnp.arange(batch)
@@ -153,9 +160,17 @@ def verify_block(params, config, tap_layers, decode, drafts, requests):
 
 
 def commit_round(s: SpecState, requests, cache, accepted, tokens) -> SpecState:
-    """The bookkeeping of a verified round: commit, the token sequence, the (k, a) logs. `cache`
-    is the target cache after the round (`verify_block`'s: rolled back to anchor + accepted + 1,
-    longer than the committed length only in a row's final, cut round)."""
+    """The bookkeeping of a verified round: commit, the token sequence, the (k, a) logs.
+
+    Args:
+        s: the carry before the round.
+        requests: the rows' budgets, stop ids and sampling (`Requests`).
+        cache: the target cache after the round (`verify_block`'s: rolled back to anchor +
+            accepted + 1, longer than the committed length only in a row's final, cut round).
+        accepted: `[B]` drafts accepted per row (the round commits `accepted + 1` tokens).
+        tokens: `[B, K]` the target's token at each block position (the first `accepted` equal
+            the drafts; `tokens[b, accepted[b]]` is the bonus token).
+    """
     d = s.decode
     active = ~d.done
     anchor_pos = d.cache.lengths

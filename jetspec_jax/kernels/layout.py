@@ -24,10 +24,12 @@ import numpy as np
 
 
 def next_pow2(x: int) -> int:
+    """The least power of two >= x (1 for x <= 1)."""
     return 1 << max(0, int(x) - 1).bit_length()
 
 
 def prev_pow2(x: int) -> int:
+    """The greatest power of two <= x (x >= 1)."""
     return 1 << (int(x).bit_length() - 1)
 
 
@@ -61,8 +63,11 @@ class Tiling:
             value = getattr(self, name)
             if value < 1 or value != next_pow2(value):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.block_q < self.min_rows:  # a query tile is a matmul operand too
-            raise ValueError(f"block_q must be >= min_rows={self.min_rows}, got {self.block_q}")
+        for name in ("block_q", "block_kv"):  # both tiles are matmul operands
+            if getattr(self, name) < self.min_rows:
+                raise ValueError(
+                    f"{name} must be >= min_rows={self.min_rows}, got {getattr(self, name)}"
+                )
         if self.kv_splits is not None and self.kv_splits < 1:
             raise ValueError(f"kv_splits must be >= 1, got {self.kv_splits}")
 

@@ -88,6 +88,7 @@ def refinement_attention(
     Returns:
         `[B, C, K, N, D]` in the dtype of `q`; scores and softmax statistics are float32.
     """
+    _check_shapes(q, context_k, context_v, context_lengths, block_k, block_v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, context_k, context_v, context_lengths, block_k, block_v)
     backend, interpret = select_launch(
@@ -102,6 +103,31 @@ def refinement_attention(
         tiling = TPU_TILING if backend == "tpu" else GPU_TILING
     options = KernelOptions(causal, scale, tiling, backend, interpret)
     return _kernel_attention(*args, options)
+
+
+def _check_shapes(q, context_k, context_v, context_lengths, block_k, block_v) -> None:
+    """Names the operand whose shape disagrees, before the reference's reshapes or the kernel's
+    layout fail with an anonymous broadcasting error."""
+    if q.ndim != 5:
+        raise ValueError(f"q must be [B, C, K, N, D], got shape {q.shape}")
+    b, c, k, n, d = q.shape
+    if context_k.ndim != 4 or context_k.shape != context_v.shape:
+        raise ValueError(
+            f"context_k and context_v must both be [B, S, N_kv, D], got {context_k.shape} and "
+            f"{context_v.shape}"
+        )
+    s, n_kv = context_k.shape[1], context_k.shape[2]
+    if context_k.shape != (b, s, n_kv, d):
+        raise ValueError(f"context_k {context_k.shape} does not fit q {q.shape} ([B, S, N_kv, D])")
+    if n % n_kv:
+        raise ValueError(f"{n} query heads are not a multiple of {n_kv} KV heads")
+    if context_lengths.shape != (b, c):
+        raise ValueError(f"context_lengths must be [B, C] = {(b, c)}, got {context_lengths.shape}")
+    for name, x in (("block_k", block_k), ("block_v", block_v)):
+        if x.shape != (b, c, k, n_kv, d):
+            raise ValueError(
+                f"{name} must be [B, C, K, N_kv, D] = {(b, c, k, n_kv, d)}, got {x.shape}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

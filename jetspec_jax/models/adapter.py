@@ -120,7 +120,8 @@ def extend_context(
         for i in config.module_layers(m):
             layer = params["layers"][i]
             rows = layers.rms_norm(layer["input_layernorm"], levels[m], c.rms_norm_eps)
-            k, v = keys_values(layer["self_attn"], c, rows.astype(cache.k.dtype), positions)
+            # Unrounded rows, as in training (`write` rounds k, v to the cache dtype).
+            k, v = keys_values(layer["self_attn"], c, rows, positions)
             cache = cache.write(i, k, v, positions)
     return cache.replace(lengths=cache.lengths + num_new)
 

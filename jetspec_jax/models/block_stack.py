@@ -47,6 +47,7 @@ class ContextCache:
     def zeros(
         cls, config: TransformerConfig, num_layers: int, batch_size: int, capacity: int, dtype
     ) -> ContextCache:
+        """An empty cache of `num_layers` layers, `capacity` slots per row (all lengths 0)."""
         shape = (num_layers, batch_size, capacity, config.num_kv_heads, config.head_dim)
         return cls(
             jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32)

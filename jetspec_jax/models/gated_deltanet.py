@@ -95,13 +95,15 @@ def chunked(
         k: `[B, T, H, Dk]` prepared keys; v: `[B, T, H, Dv]`.
         g: `[B, T, H]` log decays (<= 0); beta: `[B, T, H]` write strengths.
         state: `[B, H, Dk, Dv]` the state before position 0.
-        chunk_size: positions per chunk (the sequence is zero-padded to a multiple; padded
-            positions have g = beta = 0 and so change nothing).
+        chunk_size: positions per chunk, a power of two (the sequence is zero-padded to a
+            multiple; padded positions have g = beta = 0 and so change nothing).
 
     Returns:
         `(out, final_state)`: `[B, T, H, Dv]` float32 outputs (None without `q`) and the
         `[B, H, Dk, Dv]` float32 state after position T-1.
     """
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):  # the inverse doubles its blocks
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     f32 = jnp.float32
     length = k.shape[1]
     size = min(chunk_size, 1 << (length - 1).bit_length())  # a power of two (see the inverse)

@@ -79,6 +79,9 @@ class HybridCache:
         dtype: jnp.dtype,
         rollback_window: int = ROLLBACK_WINDOW,
     ) -> HybridCache:
+        """An empty cache: `capacity` positions per row for the attention layers, zero states
+        and convolution windows for the linear ones, room to roll back up to `rollback_window`
+        positions."""
         c, b, w = config, batch_size, rollback_window
         n_attn, n_lin = len(c.attention_layers), len(c.linear_layers)
         kv = (n_attn, b, capacity, c.num_kv_heads, c.head_dim)

@@ -32,6 +32,7 @@ class KVCache:
     def zeros(
         cls, config: TransformerConfig, batch_size: int, capacity: int, dtype: jnp.dtype
     ) -> KVCache:
+        """An empty cache of `capacity` positions per row (all lengths 0)."""
         shape = (config.num_layers, batch_size, capacity, config.num_kv_heads, config.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),

@@ -43,7 +43,7 @@ def rms_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:
 
 
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
-    """`down(silu(gate(x)) * up(x))`."""
+    """`down(silu(gate(x)) * up(x))`: `[..., H]` -> `[..., H]`."""
     return linear(
         params["down_proj"],
         jax.nn.silu(linear(params["gate_proj"], x)) * linear(params["up_proj"], x),
