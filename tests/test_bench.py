@@ -185,8 +185,12 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     rows = _results(out)
     assert [r["method"] for r in rows] == ["ar", *methods.split(",")]
     assert rows[0]["foresight_hit_rate"] is None
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     for r in rows[1:]:
-        assert 0.0 <= r["foresight_hit_rate"] <= 1.0 and r["matches_ar"] == 1
+        (sample,) = [s for s in samples if s["method"] == r["method"]]
+        chances = sample["rounds"] - 1  # the first round cannot hit: nothing was drafted ahead
+        assert chances > 0 and r["foresight_hit_rate"] == sample["foresight_hits"] / chances
+        assert r["matches_ar"] == 1
 
 
 def test_bad_method_and_draft_pairings_fail_before_any_run(checkpoints, monkeypatch):
@@ -219,32 +223,54 @@ def test_bad_method_and_draft_pairings_fail_before_any_run(checkpoints, monkeypa
         run_benchmark(target, data, parse_methods("ar"), {}, max_new_tokens=10**6)
 
 
-def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch):
+def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp_path, capsys):
     """Every method decodes prompt i (AR first) before any decodes prompt i + 1, so that load
-    drifting on a shared machine falls on all methods alike; repeated datasets, methods or
+    drifting on a shared machine falls on all methods alike; an output unlike AR's is counted
+    in the samples, the summary, the table and a warning; repeated datasets, methods or
     temperatures are refused (their summary rows would merge)."""
     from jetspec_jax.bench import runner
+    from jetspec_jax.bench.report import markdown_table
     from jetspec_jax.decoding.session import GenerationResult, Timing
 
-    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
+    target = jetspec_jax.load_target(target_dir)
     drafts = {"jetspec": jetspec_jax.init_draft(target, variant="jetspec", block_size=4)}
     calls = []
 
     def fake_generate(target, prompt, *, method, temperature, seed, **kwargs):
         calls.append((method, prompt[0], seed))
-        return GenerationResult([7, 8], [1, 1], "length", len(prompt), Timing(0.0, 0.01, 0.0))
+        tokens = [7, 9] if (method, seed) == ("jetspec", 1) else [7, 8]  # unlike AR on prompt 1
+        return GenerationResult(tokens, [1, 1], "length", len(prompt), Timing(0.0, 0.01, 0.0))
 
     monkeypatch.setattr(runner, "generate", fake_generate)
     data = [Dataset("tiny", ["p-0", "p-1"], [[1, 2], [3, 4]])]
     methods = parse_methods("jetspec,ar")
-    samples, _ = run_benchmark(target, data, methods, drafts, warmup=1)
+    samples, summaries = run_benchmark(target, data, methods, drafts, warmup=1)
     warmups = [("ar", 1, 0), ("jetspec", 1, 0)]
     timed = [("ar", 1, 0), ("jetspec", 1, 0), ("ar", 3, 1), ("jetspec", 3, 1)]
     assert calls == warmups + timed
     assert [(s.method, s.prompt_id) for s in samples] == [
         ("ar", "p-0"), ("jetspec", "p-0"), ("ar", "p-1"), ("jetspec", "p-1")
     ]  # fmt: skip
-    assert all(s.matches_ar for s in samples if s.method == "jetspec")
+    assert [s.matches_ar for s in samples] == [None, True, None, False]
+    assert [(s.method, s.prompts, s.matches_ar) for s in summaries] == [
+        ("ar", 2, None), ("jetspec", 2, 1)
+    ]  # fmt: skip
+    assert "| 1/2 |" in markdown_table(summaries)
+    # The CLI prints the table and warns of the mismatch.
+    argv = [
+        "--prompts", str(_prompt_file(tmp_path, ["Hi", "Sky"])),
+        "--target", str(target_dir),
+        "--methods", "jetspec",
+        "--random-draft", "jetspec",
+        "--random-draft-block", "4",
+        "--warmup", "0",
+        "--out", str(tmp_path / "bench"),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "| tiny | 0 | jetspec | 2 |" in out and "| 1/2 |" in out
+    assert "jetspec on tiny at T=0: the output differs from AR's (same seed) on 1 of 2" in err
     for kwargs, what in (
         (dict(datasets=data * 2), "dataset tiny given twice"),
         (dict(methods=[*methods, methods[0]]), "method jetspec given twice"),
@@ -293,7 +319,6 @@ def test_report_without_matplotlib_skips_the_plots(monkeypatch, tmp_path, capsys
 
 def test_load_test_counts_network_errors(capsys):
     """A refused connection is a failed request, not an aborted load test."""
-    pytest.importorskip("httpx")
     from jetspec_jax.bench.load import run_load
 
     with socket.socket() as s:  # a port held, bound but not listening: connections are refused

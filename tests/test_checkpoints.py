@@ -18,6 +18,7 @@ import transformers
 import jetspec_jax
 from jetspec_jax import CheckpointError
 from jetspec_jax.checkpoint.hf_params import INDEX_FILE, save_hf_params
+from tests import tiny_models
 from tests.text_fixtures import char_tokenizer
 
 IDS = np.random.default_rng(0).integers(0, 97, (1, 21))
@@ -87,7 +88,23 @@ def test_transformers4_config_layout_loads(checkpoints, tmp_path):
     np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "llama3_rope_bias"])
+def test_linear_rope_scaling_matches_transformers(checkpoints, tmp_path):
+    """Position interpolation (`rope_type: linear`, factor 4) over 300 positions, where a wrong
+    factor moves every rotation."""
+    config = tiny_models.hf_config("llama")
+    config.rope_parameters = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(tmp_path / "linear")
+    target = jetspec_jax.load_target(tmp_path / "linear")
+    assert (target.config.rope.rope_type, target.config.rope.factor) == ("linear", 4.0)
+    ids = np.random.default_rng(1).integers(0, 97, (1, 300))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(target.logits(ids)), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama3_rope_bias", "qwen3_5"])
 def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path, variant):
     target = jetspec_jax.load_target(checkpoints.get(variant)[0])
     out = target.save(tmp_path / "exported")

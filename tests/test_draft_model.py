@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import shutil
+import time
 import types
 
 import jax
@@ -19,7 +20,7 @@ import torch
 import transformers
 from dflash import model as dflash_model
 
-from jetspec_jax import CheckpointError, load_target
+from jetspec_jax import CheckpointError, generate, load_target
 from jetspec_jax.draft import default_target_layer_ids, init_draft, load_draft
 from jetspec_jax.models.draft import DraftConfig, draft_hidden, draft_logits, empty_cache
 from jetspec_jax.models.draft import extend_context as extend_draft_context
@@ -234,6 +235,53 @@ def test_a_ragged_batch_matches_the_reference_row_by_row(
     ours = _draft_rounds(draft, target, extensions, batched, jit=True)
     for row in range(2):
         _assert_rounds_close([got[row : row + 1] for got in ours], reference[row])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_decoding_equals_dflash_generate(checkpoints, tmp_path, monkeypatch, causal):
+    """End to end against the reference's own loop, `dflash.model.dflash_generate`: the same
+    tokens and the same acceptance length every round. A vocabulary of 8 makes a random draft
+    right often enough that rounds accept more than one token (the check asserts they do)."""
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # its stats time on CUDA
+    target_path, torch_target = checkpoints.get("qwen3_vocab8")
+    target = load_target(target_path)
+    torch.manual_seed(3)
+    config = transformers.Qwen3Config(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.3,
+        num_target_layers=3,
+        block_size=4,
+        dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2], "causal_head": causal},
+        is_causal=causal,
+    )
+    model = dflash_model.DFlashDraftModel(config).float().eval()
+    model.save_pretrained(tmp_path / "draft")
+    draft = load_draft(tmp_path / "draft", target)
+    accepted = []
+    for seed in range(3):
+        prompt = np.random.default_rng(seed).integers(0, 8, 9).tolist()
+        with torch.no_grad():
+            reference = dflash_model.dflash_generate(
+                model, torch_target, torch.tensor([prompt]), 24, None, return_stats=True
+            )
+        ours = generate(
+            target,
+            prompt,
+            draft=draft,
+            method=draft.config.variant,
+            max_new_tokens=24,
+            stop_token_ids=[],
+        )
+        assert ours.tokens == reference.output_ids[0, len(prompt) :].tolist(), seed
+        assert ours.acceptance_lengths[1:] == list(reference.acceptance_lengths), seed
+        accepted += ours.acceptance_lengths[1:]
+    assert max(accepted) > 1
 
 
 def test_logit_and_embedding_options_match_the_reference(reference_drafts, target, torch_target):

@@ -6,18 +6,16 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
+import torch
 
-torch = pytest.importorskip("torch")
-
-import jax.numpy as jnp  # noqa: E402
-import safetensors.numpy  # noqa: E402
-
-import jetspec_jax  # noqa: E402
-from jetspec_jax.checkpoint.errors import CheckpointError  # noqa: E402
-from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf  # noqa: E402
-from jetspec_jax.models.transformer import forward, init_cache, unembed  # noqa: E402
+import jetspec_jax
+from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
+from jetspec_jax.models.transformer import forward, init_cache, unembed
 
 TOL = 1e-4
 CONV_WINDOW, CHUNK = 4, 64  # the tiny config's conv window; gated_deltanet.DEFAULT_CHUNK

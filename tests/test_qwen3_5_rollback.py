@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import jetspec_jax  # noqa: E402
-from jetspec_jax.models.hybrid_cache import ROLLBACK_WINDOW  # noqa: E402
-from jetspec_jax.models.transformer import init_cache  # noqa: E402
-from tests.oracles import OracleDraft, OracleProposer  # noqa: E402
-from tests.test_qwen3_5_parity import append  # noqa: E402
+import jetspec_jax
+from jetspec_jax.models.hybrid_cache import ROLLBACK_WINDOW
+from jetspec_jax.models.transformer import init_cache
+from tests.oracles import OracleDraft, OracleProposer
+from tests.test_qwen3_5_parity import append
 
 N_NEW = 32
 BLOCK = 8

@@ -188,14 +188,19 @@ def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
         data_encoding([raw])
 
 
-def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, tmp_path):
+def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, uninterrupted, tmp_path):
     # Per-record seeds depend on the record's index only, not on which batch it lands in.
     sampling = jetspec_jax.SamplingParams(temperature=1.0, seed=3)
     kwargs = dict(batch_size=BATCH, max_new_tokens=MAX_NEW, sampling=sampling)
     regenerate(target, prompt_files, tmp_path / "full.jsonl", **kwargs)
     regenerate(target, prompt_files, tmp_path / "resumed.jsonl", limit=3, **kwargs)
     regenerate(target, prompt_files, tmp_path / "resumed.jsonl", **kwargs)
-    assert _read_by_id(tmp_path / "resumed.jsonl") == _read_by_id(tmp_path / "full.jsonl")
+    sampled = _read_by_id(tmp_path / "full.jsonl")
+    assert _read_by_id(tmp_path / "resumed.jsonl") == sampled
+    # Sampled, not greedy: the responses differ from the greedy run's.
+    greedy = _read_by_id(uninterrupted)
+    differing = [i for i in greedy if sampled[i]["response_ids"] != greedy[i]["response_ids"]]
+    assert len(differing) >= 3, differing
 
 
 def test_partial_trailing_line_is_truncated_and_regenerated(

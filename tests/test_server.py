@@ -7,6 +7,7 @@ tokens, so all requests share one compiled bucket per method.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import io
 import json
 import math
@@ -93,9 +94,16 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def _library(target, prompt_ids, max_tokens):
-    """The text and result of greedy decoding alone with the library, in the server's bucket."""
-    session = DecodeSession(target, [prompt_ids], max_new_tokens=max_tokens, pad_batch_to=BATCH)
+def _library(target, prompt_ids, max_tokens, sampling=None):
+    """The text and result of decoding alone with the library (greedy unless `sampling` says
+    otherwise), in the server's bucket."""
+    session = DecodeSession(
+        target,
+        [prompt_ids],
+        max_new_tokens=max_tokens,
+        sampling=SamplingParams() if sampling is None else sampling,
+        pad_batch_to=BATCH,
+    )
     session.start()
     session.advance()
     result = session.results()[0]
@@ -607,6 +615,24 @@ def test_top_p_zero_is_greedy_and_a_seed_is_any_64_bit_integer(http):
         assert answer.json()["choices"][0]["text"] == greedy
 
 
+def test_a_requests_sampling_settings_reach_decoding(target, http):
+    """A sampled request decodes with its own temperature, top-k and seed: its tokens are the
+    library's with those settings, in the server's bucket. Its seed is folded to 32 bits (2**32 +
+    13 draws as 13), and another seed draws other text: 16 tokens among 5 at temperature 1.5."""
+    ids = target.tokenizer.encode("Once upon")
+    sampled = dict(model=MODEL, prompt="Once upon", max_tokens=16, temperature=1.5, top_k=5)
+    sampling = SamplingParams(temperature=1.5, top_k=5, seed=13)
+    expected, result = _library(target, ids, 16, sampling)
+
+    def completion(seed):  # (text, tokens)
+        answer = http.post("/v1/completions", json={**sampled, "seed": seed})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"], answer.json()["usage"]["completion_tokens"]
+
+    assert completion(13) == completion(2**32 + 13) == (expected, len(result.tokens))
+    assert completion(14)[0] != expected
+
+
 def test_unknown_routes_and_methods_answer_json_errors(http):
     assert http.get("/v1/nothing").status_code == 404
     wrong = http.get("/v1/completions")
@@ -756,7 +782,8 @@ def test_metrics_parse(server, http):
         streamed = http.post("/v1/completions", json=body)
     assert streamed.status_code == 200 and "metrics broke" in streamed.text
     _, after = scrape()
-    assert after.get(("/v1/completions", "500"), 0) - requests.get(("/v1/completions", "500"), 0)
+    failed = ("/v1/completions", "500")
+    assert after.get(failed, 0) - requests.get(failed, 0) == 1  # that one stream, once
     assert after[("/v1/completions", "200")] == requests[("/v1/completions", "200")]
 
 
@@ -764,8 +791,9 @@ def test_a_server_that_cannot_bind_its_port_leaves_no_thread_behind(target, serv
     """The scheduler starts before the listener: a taken port must shut it down again."""
     before = set(threading.enumerate())
     taken = int(server.url.rsplit(":", 1)[1])
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as refused:
         BackgroundServer(target, None, CONFIG, port=taken).start()
+    assert refused.value.errno == errno.EADDRINUSE  # the bind's own failure, not another OSError
     assert _wait_for(lambda: set(threading.enumerate()) <= before) is None
     BackgroundServer(target, None, CONFIG).stop()  # never started: nothing to stop, no error
 

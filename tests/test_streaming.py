@@ -65,21 +65,21 @@ def test_generate_batch_with_a_progress_bar_gives_the_same_tokens(target, prompt
 
 
 def test_speculative_stream_equals_autoregressive(target, prompts):
+    """The streamed tokens are AR's, and the stream's rounds are `generate`'s with the same
+    settings: its acceptance lengths, outcomes and tau."""
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=5)
-    stream = jetspec_jax.stream(
-        target,
-        prompts[2],
-        chunk_steps=2,
-        draft=draft,
-        method="jetspec++",
-        refine_passes=1,
-        max_new_tokens=N_NEW,
-        stop_token_ids=[],
+    settings = dict(
+        draft=draft, method="jetspec++", refine_passes=1, max_new_tokens=N_NEW, stop_token_ids=[]
     )
+    stream = jetspec_jax.stream(target, prompts[2], chunk_steps=2, **settings)
     chunks = list(stream)
     assert all(len(c) <= 2 * 4 for c in chunks[1:])  # <= K tokens per round
     assert sum(chunks, []) == _ar(target, prompts[2]).tokens
-    assert stream.result.tau >= 1.0
+    whole = jetspec_jax.generate(target, prompts[2], **settings)
+    assert max(whole.acceptance_lengths) > 1  # a draft is accepted: a tau of 1 would differ
+    assert stream.result.acceptance_lengths == whole.acceptance_lengths
+    assert stream.result.outcomes == whole.outcomes
+    assert stream.result.tau == whole.tau
 
 
 def test_closing_a_stream_cancels_it(target, prompts):

@@ -29,7 +29,7 @@ from jetspec_jax.training.config import (
     TrainConfig,
 )
 from jetspec_jax.training.data import read_regenerated, training_dataset
-from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau
+from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau, prompts_tau
 from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.run_loop import has_checkpoint
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
@@ -111,6 +111,22 @@ def test_training_lowers_the_loss_and_beats_the_random_draft_on_tau(
     prompt = json.loads(data_files["train"].read_text().splitlines()[0])["prompt_ids"]
     spec = jetspec_jax.generate(target, prompt, draft=draft, method="jetspec++", max_new_tokens=20)
     assert spec.tokens == jetspec_jax.generate(target, prompt, max_new_tokens=20).tokens
+
+
+def test_eval_tau_pools_the_rounds_of_every_prompt(target, data_files, straight_run):
+    """The trainers' tau: tokens per verification round over all prompts' rounds together (not a
+    mean of per-prompt means), each prompt decoded as `generate` decodes it alone."""
+    draft = jetspec_jax.load_draft(straight_run[0].export_dir, target)
+    prompts = eval_prompt_ids(target, data_files["train"], num_prompts=3)
+    rounds = [
+        jetspec_jax.generate(
+            target, p, draft=draft, method="jetspec++", max_new_tokens=24
+        ).acceptance_lengths[1:]
+        for p in prompts
+    ]
+    pooled = sum(map(sum, rounds)) / sum(map(len, rounds))
+    assert pooled > 1.2  # trained: the check is not 1.0 == 1.0
+    assert prompts_tau(target, draft, prompts, max_new_tokens=24) == pytest.approx(pooled)
 
 
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(
