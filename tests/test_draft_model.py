@@ -45,6 +45,38 @@ def torch_target(checkpoints):
     return checkpoints.get("qwen3")[1]
 
 
+def _reference_draft(
+    causal: bool, *, vocab_size, mask_token_id, block_size, initializer_range, **options
+) -> dflash_model.DFlashDraftModel:
+    """A random reference draft over taps [0, 2] of a 3-layer target, norms randomised (they
+    start at 1) so that each one matters; `options`: extra `dflash_config` entries."""
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=initializer_range,
+        num_target_layers=3,
+        block_size=block_size,
+        dflash_config={
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": [0, 2],
+            "causal_head": causal,
+            **options,
+        },
+        is_causal=causal,
+    )
+    model = dflash_model.DFlashDraftModel(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
 @pytest.fixture(scope="module")
 def reference_drafts(tmp_path_factory):
     """`get(causal, **options)` -> (dir, model): a random reference draft saved with
@@ -55,30 +87,14 @@ def reference_drafts(tmp_path_factory):
         key = (causal, *sorted(options.items()))
         if key not in made:
             torch.manual_seed(int(causal))
-            config = transformers.Qwen3Config(
+            model = _reference_draft(
+                causal,
                 vocab_size=97,
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                initializer_range=0.1,  # peaked logits: a wrong mask or position shows clearly
-                num_target_layers=3,
+                mask_token_id=MASK,
                 block_size=BLOCK,
-                dflash_config={
-                    "mask_token_id": MASK,
-                    "target_layer_ids": [0, 2],
-                    "causal_head": causal,
-                    **options,
-                },
-                is_causal=causal,
+                initializer_range=0.1,  # peaked logits: a wrong mask or position shows clearly
+                **options,
             )
-            model = dflash_model.DFlashDraftModel(config).float().eval()
-            with torch.no_grad():  # norms start at 1; randomise them so that each one matters
-                for name, p in model.named_parameters():
-                    if "norm" in name:
-                        p.uniform_(0.5, 1.5)
             path = tmp_path_factory.mktemp("drafts") / f"causal_{causal}"
             model.save_pretrained(path)
             made[key] = (path, model)
@@ -246,21 +262,9 @@ def test_decoding_equals_dflash_generate(checkpoints, tmp_path, monkeypatch, cau
     target_path, torch_target = checkpoints.get("qwen3_vocab8")
     target = load_target(target_path)
     torch.manual_seed(3)
-    config = transformers.Qwen3Config(
-        vocab_size=8,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        initializer_range=0.3,
-        num_target_layers=3,
-        block_size=4,
-        dflash_config={"mask_token_id": 7, "target_layer_ids": [0, 2], "causal_head": causal},
-        is_causal=causal,
+    model = _reference_draft(
+        causal, vocab_size=8, mask_token_id=7, block_size=4, initializer_range=0.3
     )
-    model = dflash_model.DFlashDraftModel(config).float().eval()
     model.save_pretrained(tmp_path / "draft")
     draft = load_draft(tmp_path / "draft", target)
     accepted = []
