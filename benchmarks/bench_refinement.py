@@ -1,29 +1,40 @@
-"""The refinement ablation and foresight hit rates of a trained JetSpec++ checkpoint.
+"""tau of a trained draft per eval set: JetSpec++'s refinement ablation and foresight hit rates,
+or the one-pass baselines (DFlash, JetSpec) at the same size.
 
 For each eval prompt set and each setting, greedy decoding of the first N prompts (chat template,
 math suffix for math sets) with the same checkpoint:
 
-    J0, J1-R0, J1-R1, J3-R3       tau with the adapter + decoder proxy (the served path)
-    J1-R1*, J3-R3*                tau with the target itself as the proxy (true states)
+    DFlash, JetSpec               one pass of a DFlash / JetSpec draft (the baselines)
+    J0, J1-R0, J1-R1, J3-R3       a JetSpec++ checkpoint, with the adapter + decoder proxy (the
+                                  served path)
+    J1-R1*, J3-R3*                the same with the target itself as the proxy (true states)
     foresight B                   hit rate of drafting ahead for B outcomes (J1-R1 fallback), per
-                                  selection rule
+                                  selection rule (JetSpec++ only)
 
-and writes the table into docs/BENCHMARKS.md. Every setting is checked token-identical to AR:
-greedy, and with `--temperature` > 0 too, where prompt i is sampled with seed i by every method
-(randomness is keyed by position, so a lossless method draws exactly AR's tokens). A mismatch is
-counted and reported, not raised, so that a long run still writes its table.
+and writes the table into docs/BENCHMARKS.md. By default every setting the checkpoint's variant
+runs (a DFlash draft: DFlash; a JetSpec++ checkpoint: J0 to J3-R3*). Every setting is checked
+token-identical to AR: greedy, and with `--temperature` > 0 too, where prompt i is sampled with
+seed i by every method (randomness is keyed by position, so a lossless method draws exactly AR's
+tokens). A mismatch is counted and reported, not raised, so that a long run still writes its
+table.
 
     python benchmarks/bench_refinement.py --draft runs/smollm2_135m_cpu_budget/jetspec_pp \
         --sets gsm8k_test,math500 --num-prompts 8 --max-new-tokens 64
 
 `--settings J0,J3-R3 --foresight ""` runs a subset (e.g. at the full size, 50 prompts x 256
-tokens, where every setting costs minutes per set on a CPU); `--section` names the
-docs/BENCHMARKS.md section written (default: refinement_ablation).
+tokens, where every setting costs minutes per set on a CPU); a baseline draft runs with
+`--foresight ""`:
+
+    python benchmarks/bench_refinement.py --draft runs/smollm2_135m_cpu_budget_dflash/draft \
+        --foresight "" --num-prompts 50 --max-new-tokens 256 --results rows.jsonl
+
+`--section` names the docs/BENCHMARKS.md section written (default: refinement_ablation).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -33,6 +44,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+EVAL_DIR = ROOT.parent / "shared" / "data" / "eval"
 
 import numpy as np  # noqa: E402
 
@@ -43,8 +55,50 @@ from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
-SETTINGS = [("J0", 0, 0), ("J1-R0", 1, 0), ("J1-R1", 1, 1), ("J3-R3", 3, 3)]
-TRUE_STATE_SETTINGS = [("J1-R1*", 1, 1), ("J3-R3*", 3, 3)]
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One way of decoding with the checkpoint: `method` (the draft's variant), JetSpec++'s
+    `Jj-Rr`, and `true_states`: the target itself as the refinement proxy."""
+
+    method: str
+    refine_passes: int = 0
+    refreshes: int = 0
+    true_states: bool = False
+
+
+# Table order: the baselines, then JetSpec++ from one pass to the most refinement.
+SETTINGS = {
+    "DFlash": Setting("dflash"),
+    "JetSpec": Setting("jetspec"),
+    "J0": Setting("jetspec++"),
+    "J1-R0": Setting("jetspec++", 1, 0),
+    "J1-R1": Setting("jetspec++", 1, 1),
+    "J3-R3": Setting("jetspec++", 3, 3),
+    "J1-R1*": Setting("jetspec++", 1, 1, true_states=True),
+    "J3-R3*": Setting("jetspec++", 3, 3, true_states=True),
+}
+
+
+def check_runs(draft, labels: list[str], budgets: list[int], rules: list[str]) -> str | None:
+    """Why `draft` cannot run these settings and foresight budgets (None: it can). Checked before
+    the first set: a mismatch must fail now, not an hour in with the table unwritten."""
+    variant = draft.config.variant
+    wrong = [x for x in labels if SETTINGS[x].method != variant]
+    if wrong:
+        runs = [x for x, s in SETTINGS.items() if s.method == variant]
+        return (
+            f"--settings {','.join(wrong)}: not for a {variant} draft (it runs {', '.join(runs)})"
+        )
+    if budgets and variant != "jetspec++":
+        return f'--foresight: JetSpec++ only, not for a {variant} draft (pass --foresight "")'
+    refreshing = [x for x in labels if SETTINGS[x].refreshes and not SETTINGS[x].true_states]
+    if draft.adapter is None and (refreshing or budgets):
+        what = ",".join(refreshing) or "--foresight"
+        return f"{what}: needs a draft with an adapter (a JetSpec++ checkpoint with one)"
+    if budgets and "calibrated" in rules and draft.calibration is None:
+        return "--rules calibrated: the checkpoint has no calibration (train.py calibrate)"
+    return None
 
 
 def _run(target, prompts, max_new_tokens, temperature, *, draft=None, **options):
@@ -63,11 +117,16 @@ def _run(target, prompts, max_new_tokens, temperature, *, draft=None, **options)
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", required=True, help="JetSpec++ checkpoint (draft + adapter)")
+    parser.add_argument(
+        "--draft", required=True, help="a JetSpec++ checkpoint, or a DFlash / JetSpec draft"
+    )
     parser.add_argument("--target", default=None, help="HF target (default: the embedded one)")
     parser.add_argument(
-        "--sets", default="gsm8k_test", help="comma-separated names in ../shared/data/eval/"
+        "--sets",
+        default="gsm8k_test",
+        help="comma-separated names of files NAME.jsonl in --eval-dir",
     )
+    parser.add_argument("--eval-dir", type=pathlib.Path, default=EVAL_DIR)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument(
@@ -75,8 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--settings",
-        default=",".join(s[0] for s in SETTINGS + TRUE_STATE_SETTINGS),
-        help="comma-separated settings to run (J0, J1-R0, J1-R1, J3-R3, J1-R1*, J3-R3*)",
+        default="",
+        help=f"comma-separated settings to run ({', '.join(SETTINGS)}); default: every one of "
+        "the draft's variant",
     )
     parser.add_argument(
         "--foresight", default="4,16", help='comma-separated B values ("": no foresight)'
@@ -98,22 +158,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = _parser()
-    args = parser.parse_args()
-    known = {s[0]: s for s in SETTINGS + TRUE_STATE_SETTINGS}
+    args = parser.parse_args(argv)
     labels = [label for label in args.settings.split(",") if label]
-    if not labels or any(label not in known for label in labels):
-        parser.error(f"--settings {args.settings!r}: use some of {', '.join(known)}")
+    if any(label not in SETTINGS for label in labels):
+        parser.error(f"--settings {args.settings!r}: use some of {', '.join(SETTINGS)}")
     if args.temperature < 0:
         parser.error(f"--temperature {args.temperature}: must be >= 0")
-    settings = [known[label] for label in labels]
-    # The foresight runs come after every setting of the first set: a bad budget or rule must
-    # fail now, not hours in (the table would go unwritten).
+    set_paths = {name: args.eval_dir / f"{name}.jsonl" for name in args.sets.split(",")}
+    for name, path in set_paths.items():
+        if not path.is_file():
+            parser.error(f"--sets {name}: no such file {path}")
+    rules = args.rules.split(",")
     try:
         budgets = [int(b) for b in args.foresight.split(",") if b]
         for b in budgets:
-            for rule in args.rules.split(","):
+            for rule in rules:
                 options = dict(refine_passes=1, refreshes=1, foresight=b, foresight_rule=rule)
                 DecodingOptions("jetspec++", **options)
     except ValueError as e:
@@ -121,8 +182,11 @@ def main() -> None:
 
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
-    if budgets and "calibrated" in args.rules.split(",") and draft.calibration is None:
-        parser.error(f"--rules calibrated: {args.draft} has no calibration (train.py calibrate)")
+    if not labels:
+        labels = [x for x, s in SETTINGS.items() if s.method == draft.config.variant]
+    problem = check_runs(draft, labels, budgets, rules)
+    if problem:
+        parser.error(f"{args.draft}: {problem}")
     rows, hit_rows, mismatches, times = [], [], [], []
     run = functools.partial(
         _run, target, max_new_tokens=args.max_new_tokens, temperature=args.temperature
@@ -135,23 +199,22 @@ def main() -> None:
             print(f"{what}: only {same}/{len(want)} outputs equal AR's", flush=True)
         return same
 
-    for name in args.sets.split(","):
-        path = ROOT.parent / "shared" / "data" / "eval" / f"{name}.jsonl"
-        prompts = load_dataset(path, target.tokenizer, limit=args.num_prompts).prompts
+    for name in set_paths:
+        prompts = load_dataset(set_paths[name], target.tokenizer, limit=args.num_prompts).prompts
         start = time.perf_counter()
         ar = run(prompts)
         want = [r.tokens for r in ar]
         taus, seconds = {}, {"AR": time.perf_counter() - start}
         print(f"{name} AR: {seconds['AR']:.0f} s", flush=True)
-        for label, passes, refreshes in settings:
+        for label in labels:
+            setting = SETTINGS[label]
             setting_start = time.perf_counter()
-            used = TargetProxyDraft(draft) if label.endswith("*") else draft
             results = run(
                 prompts,
-                draft=used,
-                method="jetspec++",
-                refine_passes=passes,
-                refreshes=refreshes,
+                draft=TargetProxyDraft(draft) if setting.true_states else draft,
+                method=setting.method,
+                refine_passes=setting.refine_passes,
+                refreshes=setting.refreshes,
             )
             same = check(results, want, f"{name} {label}")
             taus[label] = float(np.mean([r.tau for r in results]))
@@ -178,7 +241,7 @@ def main() -> None:
         times.append((name, seconds))
         for b in budgets:
             hits = {}
-            for rule in args.rules.split(","):
+            for rule in rules:
                 results = run(
                     prompts,
                     draft=draft,
@@ -236,7 +299,6 @@ def main() -> None:
         lines.append(f"| {name} | {ar:.0f} s | {cells} |")
     if hit_rows:
         lines += ["", "Foresight hit rate (J1-R1 fallback; rounds after the first):", ""]
-        rules = args.rules.split(",")
         lines += ["| set | B | " + " | ".join(rules) + " |", "|---|---:|" + "---:|" * len(rules)]
         for name, b, hits in hit_rows:
             cells = " | ".join(f"{hits[r]:.2f}" for r in rules)

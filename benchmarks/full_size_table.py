@@ -25,11 +25,11 @@ import types
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_refinement import SETTINGS, TRUE_STATE_SETTINGS  # noqa: E402
+from benchmarks.bench_refinement import SETTINGS  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, write_section  # noqa: E402
 
 SETS = ("gsm8k_test", "math500", "humaneval", "mbpp_test", "mtbench")
-ORDER = [s[0] for s in SETTINGS + TRUE_STATE_SETTINGS]
+ORDER = list(SETTINGS)
 REQUIRED = ("set", "setting", "temperature", "prompts", "max_new_tokens", "tau")
 
 

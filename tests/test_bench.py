@@ -6,6 +6,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -448,3 +449,52 @@ def test_the_harness_takes_several_prompt_files_after_one_flag():
 
     args = _parser().parse_args(["--prompts", "a.jsonl", "b.jsonl", "--prompts", "c.jsonl"])
     assert args.prompts == ["a.jsonl", "b.jsonl", "c.jsonl"]
+
+
+def test_the_refinement_bench_runs_a_baseline_draft_one_pass(checkpoints, tmp_path, capsys):
+    from benchmarks import bench_refinement
+
+    target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
+    target = jetspec_jax.load_target(target_dir)
+    draft_dir = jetspec_jax.init_draft(target, variant="dflash", block_size=4, seed=3).save(
+        tmp_path / "dflash"
+    )
+    _prompt_file(tmp_path, ["Hi", "Sky", "2+2"])
+    rows, out = tmp_path / "rows.jsonl", tmp_path / "BENCHMARKS.md"
+    common = ["--target", str(target_dir), "--eval-dir", str(tmp_path), "--sets", "tiny"]
+    common += ["--num-prompts", "2", "--max-new-tokens", "6", "--foresight", ""]
+    # No --settings: every setting of the draft's variant, here one pass as DFlash.
+    bench_refinement.main(
+        ["--draft", str(draft_dir), *common, "--results", str(rows), "--out", str(out)]
+    )
+    (row,) = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert (row["set"], row["setting"], row["prompts"]) == ("tiny", "DFlash", 2)
+    assert row["identical_to_ar"] == 2
+    assert row["tau"] >= 1 and row["new_tokens"] == 12
+    assert f"| tiny | {row['tau']:.2f} |" in out.read_text()
+
+    for flags, message in (
+        (["--settings", "J0"], "--settings J0: not for a dflash draft \\(it runs DFlash\\)"),
+        (["--foresight", "4"], "--foresight: JetSpec\\+\\+ only, not for a dflash draft"),
+        (["--sets", "tiny,missing"], "--sets missing: no such file"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bench_refinement.main(["--draft", str(draft_dir), *common, "--out", str(out), *flags])
+        assert exit_.value.code == 2
+        assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_refinement_bench_refuses_refreshes_without_an_adapter_before_any_run():
+    from benchmarks.bench_refinement import check_runs
+
+    def draft(variant, adapter=None, calibration=None):
+        config = types.SimpleNamespace(variant=variant)
+        return types.SimpleNamespace(config=config, adapter=adapter, calibration=calibration)
+
+    bare = draft("jetspec++")
+    assert check_runs(bare, ["J0", "J1-R0", "J3-R3*"], [], ["calibrated"]) is None
+    assert check_runs(bare, ["J0", "J1-R1", "J3-R3"], [], []).startswith("J1-R1,J3-R3: needs")
+    assert check_runs(bare, ["J0"], [4], ["geometric"]).startswith("--foresight: needs")
+    assert "no calibration" in check_runs(draft("jetspec++", adapter=1), [], [4], ["calibrated"])
+    assert check_runs(draft("jetspec++", adapter=1), [], [4], ["geometric"]) is None
+    assert "it runs JetSpec)" in check_runs(draft("jetspec"), ["DFlash"], [], [])
