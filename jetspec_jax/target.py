@@ -65,16 +65,24 @@ class Target:
         """Exports an HF checkpoint directory (config, generation config, safetensors, tokenizer)
         that transformers loads.
 
+        The end-of-sequence ids are `stop_token_ids` (none: `null`, not transformers' Llama
+        default 2). A target loaded from a directory keeps that directory's generation settings
+        (sampling defaults, pad and bos ids) and its config's pad and bos ids.
+
         Written atomically: `out_dir` appears complete or not at all.
         """
+        hf = config_to_hf(self.config, self.dtype)
+        generation = {}
+        if self.path is not None and (self.path / "config.json").is_file():
+            source = read_hf_config(self.path)
+            hf |= {k: source[k] for k in ("bos_token_id", "pad_token_id") if k in source}
+        if self.path is not None and (self.path / "generation_config.json").is_file():
+            generation = read_json(self.path, "generation_config.json", "checkpoint directory", "")
+        # `generate` in transformers stops on generation_config.json's ids.
+        hf["eos_token_id"] = generation["eos_token_id"] = list(self.stop_token_ids) or None
         with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-            hf = config_to_hf(self.config, self.dtype)
-            if self.stop_token_ids:
-                hf["eos_token_id"] = list(self.stop_token_ids)
-                # `generate` in transformers stops on generation_config.json's ids.
-                generation = {"eos_token_id": list(self.stop_token_ids)}
-                (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
             save_hf_params(self.params, self.config, tmp)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import pathlib
 import re
 import shutil
 
@@ -152,6 +153,28 @@ def test_export_writes_the_stop_ids_where_transformers_generate_reads_them(check
     out = target.save(tmp_path / "exported")
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == [3, 5]
     assert jetspec_jax.load_target(out).stop_token_ids == (3, 5)
+
+
+def test_export_keeps_the_source_generation_settings(checkpoints, tmp_path):
+    source = pathlib.Path(shutil.copytree(checkpoints.get("llama")[0], tmp_path / "source"))
+    settings = dict(do_sample=True, temperature=0.6, top_p=0.9, pad_token_id=0, bos_token_id=1)
+    (source / "generation_config.json").write_text(json.dumps({**settings, "eos_token_id": 4}))
+    hf = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**hf, "pad_token_id": 0, "bos_token_id": 1}))
+    target = jetspec_jax.load_target(source)
+    out = target.save(tmp_path / "exported")
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert {k: getattr(generation, k) for k in settings} == settings
+    assert generation.eos_token_id == [4]
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, [4])
+
+    # No stop ids: none for transformers either (a Llama config without the field means id 2).
+    bare = dataclasses.replace(target, stop_token_ids=(), path=None)
+    out = bare.save(tmp_path / "bare")
+    assert transformers.AutoConfig.from_pretrained(out).eos_token_id is None
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id is None
+    assert jetspec_jax.load_target(out).stop_token_ids == ()
 
 
 def test_export_refuses_to_overwrite(checkpoints, tmp_path):
@@ -400,6 +423,42 @@ def test_a_published_directory_has_the_modes_the_umask_gives(tmp_path, umask, fi
     out = tmp_path / "ckpt"
     modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
     assert modes == {"ckpt": dir_mode, "sub": dir_mode, "weights": file_mode}
+
+
+def test_two_writers_of_one_text_file_never_publish_a_torn_file(tmp_path, monkeypatch):
+    """`write_text_atomically`: a second writer starting while the first is between its write
+    and its rename (here, inside the first's rename) neither tears nor fails the first."""
+    import os
+
+    from jetspec_jax.checkpoint import atomic
+
+    path, real_replace, calls = tmp_path / "BENCHMARKS.md", os.replace, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if len(calls) == 1:
+            atomic.write_text_atomically(path, "second, complete")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    atomic.write_text_atomically(path, "first, complete")
+    assert calls[0] != calls[1]  # each writer's own temporary file
+    assert path.read_text() == "first, complete"  # the later rename wins, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["BENCHMARKS.md"]  # no temporary left
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_a_text_file_written_atomically_has_the_mode_the_umask_gives(tmp_path, umask, mode):
+    import os
+
+    from jetspec_jax.checkpoint.atomic import write_text_atomically
+
+    previous = os.umask(umask)
+    try:
+        write_text_atomically(tmp_path / "notes.md", "text")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "notes.md").stat().st_mode & 0o777 == mode
 
 
 def test_config_json_that_is_not_an_object(checkpoints, tmp_path):

@@ -152,3 +152,21 @@ def test_zero_attention_heads_is_named(base):
     """Llama divides hidden_size by it for head_dim; Qwen3 (head_dim 128) by it in GQA checks."""
     with pytest.raises(CheckpointError, match="'num_attention_heads' must be positive, got 0"):
         config_from_hf({**base, "num_attention_heads": 0, "num_key_value_heads": None})
+
+
+@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}, HYBRID])
+@pytest.mark.parametrize("value", ["absent", None])
+def test_num_key_value_heads_defaults_as_transformers_reads_it(base, value):
+    """Absent: Qwen3's default is 32 KV heads, Qwen3.5's 4, Llama's num_attention_heads; null:
+    num_attention_heads (transformers refuses a null in Qwen3.5)."""
+    heads = 32  # a multiple of every default, so that each config is valid
+    hf = {**base, "num_attention_heads": heads, "hidden_size": 64 * heads // 4}
+    hf.pop("num_key_value_heads")
+    if value is None:
+        hf["num_key_value_heads"] = None
+    ours = config_from_hf(hf).num_kv_heads
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    if value is None and base is HYBRID:
+        assert ours == heads
+        return
+    assert ours == transformers.AutoConfig.for_model(hf["model_type"], **fields).num_key_value_heads

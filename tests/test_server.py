@@ -139,6 +139,12 @@ def test_models_health_and_api_key(server, http, client):
         assert answer.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    # A key that is not UTF-8 (httpx refuses to send one, so a raw request) is wrong, not a 500.
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        raw.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\r\n")
+        raw.sendall(b"Connection: close\r\n\r\n")
+        assert raw.makefile("rb").readline().split()[1] == b"401"
 
 
 def test_completion_equals_the_library_and_its_stream(target, client, http):
@@ -796,6 +802,12 @@ def test_a_server_that_cannot_bind_its_port_leaves_no_thread_behind(target, serv
     assert refused.value.errno == errno.EADDRINUSE  # the bind's own failure, not another OSError
     assert _wait_for(lambda: set(threading.enumerate()) <= before) is None
     BackgroundServer(target, None, CONFIG).stop()  # never started: nothing to stop, no error
+
+
+def test_a_server_on_an_ipv6_address_gives_a_url_that_reaches_it(target):
+    with BackgroundServer(target, None, CONFIG, host="::1") as running:
+        assert running.url.startswith("http://[::1]:")
+        assert httpx.get(running.url + "/health", timeout=60).status_code == 200
 
 
 def test_shutdown_fails_waiting_requests_with_503_and_stops_listening(target):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import secrets
 import shutil
 import stat
 import tempfile
@@ -74,9 +75,12 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Writes `text` (UTF-8) to `path` through a flushed hidden sibling and one rename: a crash
     leaves the old file or none, never half of one."""
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # A name of its own (two writers of one path must not share one), created as `open` creates
+    # files (mode 0666 under the umask; mkstemp's would be owner-only).
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with tmp.open("w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

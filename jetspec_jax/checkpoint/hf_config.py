@@ -41,6 +41,8 @@ _HF_MODEL_TYPES = {
 # transformers' defaults for fields a config.json may omit.
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "llama": None, "qwen3_5": 256}  # None: hidden_size // heads
 _DEFAULT_CONTEXT = {"qwen3": 32768, "llama": 2048, "qwen3_5": 32768}  # max_position_embeddings
+# num_key_value_heads when the field is absent (None: num_attention_heads; a null is that too).
+_DEFAULT_KV_HEADS = {"qwen3": 32, "llama": None, "qwen3_5": 4}
 _DEFAULT_ROPE_THETA = 10000.0
 # Qwen3_5TextConfig defaults.
 _QWEN3_5_DEFAULTS = dict(
@@ -99,7 +101,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             intermediate_size=_integer(hf, "intermediate_size"),
             num_layers=_integer(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=_integer(hf, "num_key_value_heads", None) or heads,
+            num_kv_heads=_kv_heads(hf, model_type, heads),
             head_dim=json_integer(head_dim, _field("head_dim"), whole_floats=True),
             rms_norm_eps=json_number(hf.get("rms_norm_eps", 1e-6), _field("rms_norm_eps")),
             rope=_rope_from_hf(hf, context, hybrid=model_type == "qwen3_5"),
@@ -127,6 +129,14 @@ def _integer(hf: dict[str, Any], name: str, default: Any = _REQUIRED) -> Any:
     if value is None and default is not _REQUIRED:
         return default
     return json_integer(value, _field(name), whole_floats=True)
+
+
+def _kv_heads(hf: dict[str, Any], model_type: str, heads: int) -> int:
+    """num_key_value_heads as transformers reads it: absent, the model type's default; null,
+    `heads` (multi-head attention)."""
+    if "num_key_value_heads" not in hf:
+        return _DEFAULT_KV_HEADS[model_type] or heads
+    return _integer(hf, "num_key_value_heads", None) or heads
 
 
 def _flag(hf: dict[str, Any], name: str) -> bool:

@@ -226,13 +226,13 @@ def load_hf_params(
 
     Raises:
         CheckpointError: a missing or malformed weights file, or tensors that do not match
-            `config` (the message starts with `checkpoint_dir`).
+            `config` (the message names `checkpoint_dir` or the file at fault).
     """
     files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
-    if config.is_hybrid:
-        files_by_name = _text_model_tensors(files_by_name)
     specs = tensor_specs(config)
     try:
+        if config.is_hybrid:
+            files_by_name = _text_model_tensors(files_by_name)
         validate_names_and_shapes(
             specs, {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
         )

@@ -153,7 +153,8 @@ async def _auth(request: web.Request, handler):
     if key and request.path.startswith("/v1/"):
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        # aiohttp keeps undecodable header bytes as surrogates: encode them back, not fail (500).
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
             raise RequestError(
                 401,
                 "invalid or missing API key: send 'Authorization: Bearer KEY'",

@@ -120,8 +120,9 @@ class Scheduler:
         max_batch_size: at most this many jobs per batch.
         queue_size: at most this many jobs waiting (not counting the running batch).
         chunk_steps: target forwards between two deliveries of new tokens.
-        pad_batch: pad every batch to `max_batch_size` rows: one compiled batch shape instead of
-            one per power of two, at the cost of computing padding rows.
+        pad_batch: pad every batch to the rows of a full one (`max_batch_size` rounded up to a
+            power of two): one compiled batch shape instead of one per power of two, at the cost
+            of computing padding rows.
         metrics: where to record batch sizes, phase times, tau and tokens.
     """
 

@@ -174,7 +174,7 @@ class BackgroundServer:
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
         host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def stop(self) -> None:
         """Graceful shutdown (as on SIGTERM), then the loop and thread end."""
