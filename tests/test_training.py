@@ -134,8 +134,12 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(
 ):
     straight, _ = straight_run
     config = _config(data_files, tmp_path / "resumed")
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, checkpoint_every=10))
     assert not has_checkpoint(tmp_path / "resumed")
     assert train(config, target=target, stop_after=37) is None  # "killed" after 37 steps
+    # Killed between two periodic checkpoints: the last (30) was followed by 7 more batches
+    # drawn and 7 more (donating) steps, which the resumed run must redo exactly.
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "37")
     assert has_checkpoint(tmp_path / "resumed")
     # As if the killed run had logged steps past its last checkpoint (37), then died mid-line:
     # the resumed run logs those steps again, so the file must not keep the stale rows.
@@ -333,6 +337,13 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "draft: {init_std: .nan}": "draft.init_std",
         "draft: {block_size: 1}": "draft.block_size",
         "draft: {num_layers: 0}": "draft.num_layers",
+        "draft: {num_heads: 0}": "draft.num_heads",
+        "draft: {mask_token_id: -1}": "draft.mask_token_id",
+        # Taps an adapter could never chain (it would fail only after the draft trained).
+        "draft: {target_layer_ids: [9, 1]}": r"draft.target_layer_ids \(distinct",
+        "draft: {target_layer_ids: [1, 1, 9]}": r"draft.target_layer_ids \(distinct",
+        "draft: {target_layer_ids: [-1, 2]}": r"draft.target_layer_ids \(distinct",
+        "draft: {target_layer_ids: []}": r"draft.target_layer_ids \(distinct",
         "adapter: {init_std: .inf}": "adapter.init_std",
         "run: {checkpoint_every: 0}": "run.checkpoint_every",
         "run: {keep_checkpoints: 0}": "run.keep_checkpoints",
@@ -572,6 +583,19 @@ def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):
         initial_draft(config, target)
 
+    # An imported draft with its own heads and mask token: named in the section, it is accepted.
+    imported = jetspec_jax.init_draft(
+        target, variant="dflash", block_size=4, num_heads=2, num_kv_heads=1, head_dim=8,
+        mask_token_id=7,
+    )  # fmt: skip
+    section = dict(variant="dflash", block_size=4, init_from=str(imported.save(tmp_path / "imp")))
+    config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
+    with pytest.raises(ValueError, match="mask_token_id 7 \\(configured"):
+        initial_draft(config, target)
+    section |= dict(num_heads=2, num_kv_heads=1, head_dim=8, mask_token_id=7)
+    config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
+    assert initial_draft(config, target).config == imported.config
+
 
 def test_init_from_is_checked_before_the_model_load_and_not_needed_to_resume(target, tmp_path):
     from jetspec_jax.training.config import TrainConfig, from_dict
@@ -646,6 +670,14 @@ def test_a_bad_evaluation_prompt_file_fails_before_training(target, data_files, 
     )
     with pytest.raises(ValueError, match="bad.jsonl:2 has neither 'prompt_ids' nor a string"):
         train(config, target=target)
+    # A prompt that with the evaluation's new tokens overflows the context: its first evaluation
+    # would fail, and every resume with it.
+    context = target.config.max_position_embeddings
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"prompt_ids": [1, 2]}\n' + json.dumps({"prompt_ids": [1] * (context - 2)}))
+    data = dataclasses.replace(config.data, eval_prompts=str(long), eval_max_new_tokens=16)
+    with pytest.raises(ValueError, match=f"long.jsonl: prompt 1 of {context - 2} tokens \\+"):
+        train(dataclasses.replace(config, data=data), target=target)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
 
 

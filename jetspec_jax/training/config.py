@@ -39,14 +39,19 @@ class DraftArchConfig:
 
     `init_from`: a saved draft (DFlash/JetSpec layout or JetSpec++ checkpoint) to start from
     instead of a random initialisation — to continue with more data, or to fine-tune an imported
-    draft. Its architecture must be the one this section describes.
+    draft. Its architecture must be the one this section describes: an imported draft whose
+    heads, head size or mask token differ from the target's defaults names them here.
     """
 
     variant: str = "jetspec++"
     num_layers: int = 1
     target_layer_ids: tuple[int, ...] | None = None
     block_size: int = 16
-    intermediate_size: int | None = None
+    intermediate_size: int | None = None  # None: the target's
+    num_heads: int | None = None  # None: the target's
+    num_kv_heads: int | None = None  # None: the target's
+    head_dim: int | None = None  # None: the target's
+    mask_token_id: int | None = None  # None: `init_draft`'s rule (the tokenizer's mask token, ...)
     init_std: float = 0.02
     init_from: str | None = None
 
@@ -134,17 +139,25 @@ class TrainConfig:
         )
         _check(self.draft.num_layers >= 1, "draft.num_layers", self.draft.num_layers)
         _check(self.draft.block_size >= 2, "draft.block_size", self.draft.block_size)
+        taps = self.draft.target_layer_ids
+        if taps is not None:
+            # Shallow to deep, as the default rule picks them and the adapter chains them: a
+            # draft trained on other taps could never get an adapter.
+            _check(
+                len(taps) >= 1 and taps[0] >= 0 and list(taps) == sorted(set(taps)),
+                "draft.target_layer_ids (distinct layers >= 0, in increasing order)",
+                taps,
+            )
         _check(
             math.isfinite(self.draft.init_std) and self.draft.init_std >= 0,
             "draft.init_std",
             self.draft.init_std,
         )
-        if self.draft.intermediate_size is not None:
-            _check(
-                self.draft.intermediate_size >= 1,
-                "draft.intermediate_size",
-                self.draft.intermediate_size,
-            )
+        for name in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self.draft, name)
+            _check(value is None or value >= 1, f"draft.{name}", value)
+        mask = self.draft.mask_token_id
+        _check(mask is None or mask >= 0, "draft.mask_token_id", mask)
         _check_optim(self.optim, "optim")
         _check_adapter(self.adapter, self.draft)
         _check(

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
+from jetspec_jax.decoding.session import check_budget
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
@@ -186,6 +187,10 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
         target_layer_ids=d.target_layer_ids,
         block_size=d.block_size,
         intermediate_size=d.intermediate_size,
+        num_heads=d.num_heads,
+        num_kv_heads=d.num_kv_heads,
+        head_dim=d.head_dim,
+        mask_token_id=d.mask_token_id,
         init_std=d.init_std,
         seed=config.optim.seed,
     )
@@ -239,12 +244,15 @@ def read_eval_prompts(
     config: TrainConfig, target: Target, records: list[dict]
 ) -> list[list[int]] | None:
     """The token ids of the evaluation prompts `config.data` names (None when it names none),
-    read before any training so that a missing or malformed file fails the run at once. Text
-    prompts are encoded as the training data was (`data_encoding`); those that are prompts of the
-    training `records` are counted in a warning.
+    read before any training so that a missing or malformed file, or a prompt too long for the
+    context, fails the run at once (not at its first evaluation, which would fail every resume
+    too). Text prompts are encoded as the training data was (`data_encoding`); those that are
+    prompts of the training `records` are counted in a warning.
 
     Raises:
-        FileNotFoundError, ValueError: as `eval_prompt_ids` and `data_encoding`.
+        FileNotFoundError, ValueError: as `eval_prompt_ids` and `data_encoding`; ValueError: a
+            prompt (named by index) that with `data.eval_max_new_tokens` exceeds the target's
+            context.
     """
     if not config.data.eval_prompts:
         return None
@@ -255,6 +263,9 @@ def read_eval_prompts(
         math_suffix=config.data.eval_math_suffix,
         encoding=data_encoding(config.data.files),
     )
+    for i, ids in enumerate(prompts):
+        what = f"data.eval_prompts {config.data.eval_prompts}: prompt {i}"
+        check_budget(target.config, len(ids), config.data.eval_max_new_tokens, what)
     repeated = count_training_prompts(prompts, records)
     if repeated:
         logger.warning(
