@@ -79,7 +79,7 @@ def main() -> None:
 
     @jax.jit
     def draft_part(pstate, anchor, pos, sequence):
-        return proposer.propose(dparams, tparams, pstate, anchor, pos, sequence)
+        return proposer.propose(dparams, tparams, pstate, anchor, pos, sequence)[0]
 
     @jax.jit
     def verify_part(cache, anchor, drafts):

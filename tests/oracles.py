@@ -45,7 +45,7 @@ class OracleProposer:
             drafts = drafts.at[:, self.wrong_at].set(
                 (drafts[:, self.wrong_at] + 1) % self.vocab_size
             )
-        return drafts.astype(jnp.int32)
+        return drafts.astype(jnp.int32), state
 
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         return state

@@ -48,9 +48,18 @@ def test_decoder_on_true_states_gives_the_target_logits(any_target, taps):
     cache = extend(params, cfg, first, cache, states[:, :PROMPT], lengths)
     blocks = jnp.stack([states[b, int(n) : int(n) + BLOCK] for b, n in enumerate(lengths)])
     logits = jax.jit(decoder.decoder_logits, static_argnums=(1, 2))
-    got = logits(params, cfg, first, cache, blocks)  # rows start at their own lengths
+    got, written = logits(params, cfg, first, cache, blocks)  # rows start at their own lengths
     for b, n in enumerate(lengths.tolist()):
         np.testing.assert_allclose(got[b], want[b, n : n + BLOCK], atol=1e-4, rtol=1e-4)
+    # The returned cache: the block's rows written past the lengths, as extending would write
+    # them, but nothing committed.
+    np.testing.assert_array_equal(written.lengths, lengths)
+    extended = extend(params, cfg, first, cache, blocks, jnp.asarray([BLOCK, BLOCK]))
+    np.testing.assert_array_equal(written.k, extended.k)
+    np.testing.assert_array_equal(written.v, extended.v)
+    for name in ("conv", "state", "start", "block_conv"):  # a hybrid's recurrence: unadvanced
+        if hasattr(cache, name):
+            np.testing.assert_array_equal(getattr(written, name), getattr(cache, name))
 
 
 def _adapter(target, taps=(0, 1, 2), per_module=(1, 2, 1), std=0.05):

@@ -101,7 +101,7 @@ def test_collected_outcomes_match_the_decode_loop(setup):
         draft.adapter.params, target.params, prompt, taps, jnp.asarray([t]), t + 2 * K
     )
     block = jnp.asarray([[seq[t], *rounds.drafts[i].tolist()]], jnp.int32)
-    _, logits = proxy.predict(draft.adapter.params, target.params, state, block)
+    _, logits, _ = proxy.predict(draft.adapter.params, target.params, state, block)
     np.testing.assert_allclose(logits[0], rounds.logits_hat[i], atol=1e-4, rtol=1e-4)
 
     fit, held = rounds.split(held_out_sequences(rounds, 0.25))

@@ -41,8 +41,8 @@ class ScaledTargetProxy(TargetProxy):
     the first for blocks whose first token is even, the second for odd ones."""
 
     def predict(self, params, target_params, state, block):
-        taps, logits = super().predict(params, target_params, state, block)
-        return taps, logits * params[block[:, 0] % 2][:, None, None]
+        taps, logits, state = super().predict(params, target_params, state, block)
+        return taps, logits * params[block[:, 0] % 2][:, None, None], state
 
 
 @dataclasses.dataclass(eq=False)

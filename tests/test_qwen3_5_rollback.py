@@ -30,10 +30,11 @@ class CyclingWrongProposer(OracleProposer):
     every block position gets rejected, and rows of one batch reject at different positions."""
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
-        drafts = super().propose(params, target_params, state, anchor, anchor_positions, sequence)
+        args = (params, target_params, state, anchor, anchor_positions, sequence)
+        drafts, _ = super().propose(*args)
         wrong = ((state + jnp.arange(drafts.shape[0])) % (self.block_size - 1))[:, None]
         hit = jnp.arange(self.block_size - 1)[None, :] == wrong
-        return jnp.where(hit, (drafts + 1) % self.vocab_size, drafts)
+        return jnp.where(hit, (drafts + 1) % self.vocab_size, drafts), state
 
     def observe(self, params, target_params, state, *_):
         return state + 1  # the state is the round counter (`start` gives 0)

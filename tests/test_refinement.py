@@ -13,9 +13,11 @@ import pytest
 import jetspec_jax
 from jetspec_jax import SamplingParams
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import DraftProposer
 from jetspec_jax.decoding.refinement import replace_first_disagreement
+from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.models.transformer import forward
 
@@ -50,6 +52,31 @@ def _generate(target, prompts, draft=None, **kwargs):
         stop_token_ids=[],
         **kwargs,
     )
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_refreshes_write_the_caches_in_place(target, draft, prompts, passes):
+    """A refresh writes predicted rows past the verified length into the draft's and the
+    decoder's caches. `propose` returns those caches for `observe` (which overwrites the rows), so
+    XLA writes them in place: the compiled loop copies no cache. (Had the round kept the caches it
+    gave `propose`, every refresh would copy both, keys and values: 4 copies for J1-R1.)"""
+    COMPILED.clear()
+    options = DecodingOptions("jetspec++", passes, passes)
+    session = DecodeSession(target, prompts, draft=draft, options=options, max_new_tokens=N_NEW)
+    session.start()
+    session.advance(1)
+    (loop,) = [
+        e.as_text()
+        for e in COMPILED._executables.values()
+        if e.as_text().startswith("HloModule jit_decode_speculative")
+    ]
+    refiner = session._state.proposer
+    caches = [refiner.draft.k, refiner.proxy.decoder.k, refiner.proxy.adapter.k]
+    shapes = {"[" + ",".join(map(str, c.shape)) + "]" for c in caches}
+    assert all(session._capacity in c.shape for c in caches)
+    copies = [line for line in loop.splitlines() if " copy(" in line]
+    assert copies  # the text is what is searched: other (small) copies are there
+    assert [line for line in copies if any(f"{shape}{{" in line for shape in shapes)] == []
 
 
 def test_replace_first_disagreement():
@@ -140,7 +167,7 @@ def test_each_pass_fixes_one_more_draft_and_extra_passes_change_nothing(target, 
         state = proposer.start(
             draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
         )
-        return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)
+        return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)[0]
 
     fixed = np.asarray(drafts(BLOCK - 1))
     np.testing.assert_array_equal(drafts(BLOCK + 2), fixed)

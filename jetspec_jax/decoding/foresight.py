@@ -191,18 +191,21 @@ class ForesightProposer:
     def propose_with_hits(
         self, params, target_params, state, anchor, anchor_positions, sequence, active=None
     ):
-        """`(drafts [B, K-1], hit [B])`: cached blocks on hits; the fallback drafts the rest (one
-        `lax.cond`: skipped when every `active` row hit)."""
+        """`(drafts [B, K-1], hit [B], state)`: cached blocks on hits; the fallback drafts the
+        rest (one `lax.cond`: skipped when every `active` row hit). The state replaces `state`
+        from then on (the fallback's refreshes write rows past the verified length: see
+        `RefiningProposer.propose`)."""
         hit, cached = self.lookup(state, anchor)
         need = ~hit if active is None else (~hit & active)
 
         def fallback():
-            drafts = self.refiner.propose(
+            drafts, refiner = self.refiner.propose(
                 params, target_params, state.refiner, anchor, anchor_positions, sequence
             )
-            return jnp.where(hit[:, None], cached, drafts)
+            return jnp.where(hit[:, None], cached, drafts), refiner
 
-        return jax.lax.cond(jnp.any(need), fallback, lambda: cached), hit
+        drafts, refiner = jax.lax.cond(jnp.any(need), fallback, lambda: (cached, state.refiner))
+        return drafts, hit, state.replace(refiner=refiner)
 
     def select(self, logits_hat, drafts, sampling):
         """`(k, a, valid)` `[B, C]` each: the candidate outcomes of a block under `self.rule`.
@@ -234,7 +237,7 @@ class ForesightProposer:
         drafter, draft_params = self.drafter, params["draft"]
         config = drafter.config
         anchor_pos = state.refiner.draft.lengths
-        taps, logits_hat = self.refiner.proxy.predict(
+        taps, logits_hat, proxy_state = self.refiner.proxy.predict(
             params["proxy"], target_params, state.refiner.proxy, block
         )
         k_sel, a_sel, valid = self.select(logits_hat, block[:, 1:], sampling)
@@ -249,7 +252,7 @@ class ForesightProposer:
                 draft_params, target_params, cache, a_sel, drafts, cand_anchor
             )
         return state.replace(
-            refiner=state.refiner.replace(draft=cache),
+            refiner=state.refiner.replace(draft=cache, proxy=proxy_state),
             blocks=drafts,
             keys_k=k_sel,
             keys_a=a_sel,
@@ -342,11 +345,11 @@ def foresight_round(params, proposer_params, s: SpecState, requests, config, pro
     active = ~d.done
     anchor, anchor_pos = d.last_token, d.cache.lengths
     pp = proposer_params
-    drafts, hit = proposer.propose_with_hits(
+    drafts, hit, proposed = proposer.propose_with_hits(
         pp, params, s.proposer, anchor, anchor_pos, s.sequence, active
     )
     block = jnp.concatenate([anchor[:, None], drafts], axis=1)
-    ahead = proposer.record(s.proposer, hit, active)
+    ahead = proposer.record(proposed, hit, active)
     ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
     cache, taps, accepted, tokens = verify_block(
         params, config, proposer.tap_layers, d, drafts, requests

@@ -163,9 +163,9 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
             )
 
         def idle_propose():
-            return jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool)
+            return jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool), s.proposer
 
-        drafts, hit = jax.lax.cond(is_draft, propose, idle_propose)
+        drafts, hit, proposed = jax.lax.cond(is_draft, propose, idle_propose)
         drafts = from_draft(drafts)
         block = jnp.concatenate([anchor[:, None], drafts], axis=1)
 
@@ -174,10 +174,10 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
             cache, taps, accepted, tokens = verify_block(
                 params, config, proposer.tap_layers, d, drafts, requests
             )
-            return cache, taps, accepted, tokens, s.proposer
+            return cache, taps, accepted, tokens, proposed
 
         def draft_side():
-            ahead = proposer.record(s.proposer, hit, active)
+            ahead = proposer.record(proposed, hit, active)
             ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
             shapes = jax.eval_shape(verify_side)
             taps = jnp.zeros(shapes[1].shape, shapes[1].dtype)

@@ -117,7 +117,7 @@ def propose_block(draft_params, target_params, side: DraftSide, *, proposer: For
     """Device 1: `(side, block [B, K])`, block t = [anchor, drafts] (cached on a hit), the
     round's hit and cache occupancy logged."""
     active = ~side.done
-    drafts, hit = proposer.propose_with_hits(
+    drafts, hit, proposed = proposer.propose_with_hits(
         draft_params,
         target_params,
         side.proposer,
@@ -127,7 +127,7 @@ def propose_block(draft_params, target_params, side: DraftSide, *, proposer: For
         active,
     )
     block = jnp.concatenate([side.anchor[:, None], drafts], axis=1)
-    return side.replace(proposer=proposer.record(side.proposer, hit, active)), block
+    return side.replace(proposer=proposer.record(proposed, hit, active)), block
 
 
 @functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("side",))

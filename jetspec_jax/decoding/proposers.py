@@ -4,11 +4,17 @@ A proposer is a hashable description (a static jit argument) with three pure fun
 own parameter pytree and state pytree:
 
     start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
-    propose(params, target_params, state, anchor, anchor_positions, sequence) -> drafts [B, K-1]
+    propose(params, target_params, state, anchor, anchor_positions, sequence)
+        -> (drafts [B, K-1], state)
     observe(params, target_params, state, block, block_taps, num_committed) -> state
 
 `prompts` `[B, T]` and `block` `[B, K]` are the tokens whose tap states are `prompt_taps` and
 `block_taps` `[n_taps, B, T|K, H]`; the first `prompt_lengths` / `num_committed` of them are real.
+
+`propose` returns the state to observe next, in place of the one it was given: refinement writes
+predicted rows past the verified length into its caches (stale there, never read; `observe`
+overwrites them with the true rows). A caller that threads the state through lets XLA update the
+caches in place; one that kept using the old state would force a copy of every cache per round.
 
 The parallel draft model is the proposer every method serves; `refinement.RefiningProposer` (Jj-Rr)
 wraps it through the same interface, and tests plug in oracles through it.
@@ -82,12 +88,13 @@ class DraftProposer:
         return extend_context(params, self.config, cache, prompt_taps, prompt_lengths)
 
     def propose(self, params, target_params, cache, anchor, anchor_positions, sequence):
-        """`[B, K-1]` drafts for the block after `anchor` (at `anchor_positions`)."""
+        """`([B, K-1] drafts, cache)` for the block after `anchor` (at `anchor_positions`); the
+        cache is unchanged."""
         del anchor_positions  # the draft cache's lengths are the anchor positions
         drafts = self.first_pass(params, target_params, cache, anchor, sequence)
         for _ in range(self.refine_passes):
             drafts = self._pass(params, target_params, cache, anchor, drafts)
-        return drafts
+        return drafts, cache
 
     def first_pass(self, params, target_params, cache, anchor, sequence):
         """`[B, K-1]` drafts of one pass over noise (token inputs) or mask tokens."""

@@ -31,7 +31,11 @@ A proxy is a hashable description with pure functions over its own params and st
 
     start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
     observe(params, target_params, state, block, block_taps, num_committed) -> state
-    predict(params, target_params, state, block) -> (taps [n, B, K, H], logits [B, K, V])
+    predict(params, target_params, state, block) -> (taps [n, B, K, H], logits [B, K, V], state)
+
+`predict` may write the block's rows past the verified length into its caches (stale there, never
+read; `observe` overwrites them) and returns the state to use from then on, as `propose` does
+(`decoding/proposers.py`): threaded through, the rows are written in place, not into a copy.
 
 `LearnedProxy` is the adapter + decoder; tests plug in the target itself as an oracle.
 """
@@ -116,10 +120,10 @@ class LearnedProxy:
     def predict(self, params, target_params, state, block):
         embedding = target_params["embed_tokens"]["embedding"]
         taps = adapter.predict_states(params, self.adapter, state.adapter, embedding, block)
-        logits = decoder.decoder_logits(
+        logits, decoder_cache = decoder.decoder_logits(
             target_params, self.target_config, self.first_target_layer, state.decoder, taps[-1]
         )
-        return taps, logits
+        return taps, logits, state.replace(decoder=decoder_cache)
 
 
 @flax.struct.dataclass
@@ -181,18 +185,20 @@ class RefiningProposer:
         )
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
-        """`[B, K-1]` drafts after `Jj-Rr` refinement of the block after `anchor`."""
+        """`([B, K-1] drafts, state)` after `Jj-Rr` refinement of the block after `anchor`; the
+        state's caches hold the refreshes' predicted rows past the verified length."""
         config, draft_params = self.drafter.config, params["draft"]
         drafts = self.drafter.first_pass(draft_params, target_params, state.draft, anchor, sequence)
         fixed = jnp.zeros(anchor.shape, jnp.int32)
-        cache = state.draft
+        verified = state.draft.lengths
+        cache, proxy_state = state.draft, state.proxy
         # c = 1 trusts no position: a refresh would fix nothing, so none is run (Jj-R0's drafts).
         refreshes = self.refreshes if self.replacement_confidence < 1.0 else 0
         for p in range(self.drafter.refine_passes):
             if p < refreshes:
                 block = jnp.concatenate([anchor[:, None], drafts], axis=1)
-                taps, logits = self.proxy.predict(
-                    params["proxy"], target_params, state.proxy, block
+                taps, logits, proxy_state = self.proxy.predict(
+                    params["proxy"], target_params, proxy_state, block
                 )
                 logits = logits[:, :-1].astype(jnp.float32)
                 guess = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -203,9 +209,12 @@ class RefiningProposer:
                 drafts, fixed = replace_first_disagreement(drafts, guess, fixed, trusted)
                 # Predicted rows of block positions 0 .. fixed-1 become context (from the true
                 # anchor position; rows past `fixed` are written but stay past the length).
-                cache = extend_context(draft_params, config, state.draft, taps, fixed)
+                cache = extend_context(
+                    draft_params, config, cache.replace(lengths=verified), taps, fixed
+                )
             drafts = self._redraft(draft_params, target_params, cache, anchor, drafts, fixed)
-        return drafts
+        # The predicted rows are past the verified length again: stale, overwritten by `observe`.
+        return drafts, RefinerState(draft=cache.replace(lengths=verified), proxy=proxy_state)
 
     def _redraft(self, draft_params, target_params, cache, anchor, drafts, fixed):
         """One pass from block position `fixed` (the cache's lengths are the anchor + `fixed`);

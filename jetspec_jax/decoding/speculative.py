@@ -129,7 +129,9 @@ def run_rounds(one_round, state: SpecState, max_rounds: jax.Array) -> SpecState:
 def _round(params, proposer_params, s: SpecState, requests, config, proposer) -> SpecState:
     d = s.decode
     anchor, anchor_pos = d.last_token, d.cache.lengths
-    drafts = proposer.propose(proposer_params, params, s.proposer, anchor, anchor_pos, s.sequence)
+    drafts, proposed = proposer.propose(
+        proposer_params, params, s.proposer, anchor, anchor_pos, s.sequence
+    )
     cache, taps, accepted, tokens = verify_block(
         params, config, proposer.tap_layers, d, drafts, requests
     )
@@ -137,7 +139,7 @@ def _round(params, proposer_params, s: SpecState, requests, config, proposer) ->
     block = jnp.concatenate([anchor[:, None], drafts], axis=1)
     s = commit_round(s, requests, cache, accepted, tokens)
     return s.replace(
-        proposer=proposer.observe(proposer_params, params, s.proposer, block, taps, num_committed)
+        proposer=proposer.observe(proposer_params, params, proposed, block, taps, num_committed)
     )
 
 

@@ -42,10 +42,12 @@ class TargetProxy:
         return forward(target_params, self.target_config, block, state, num_new=num_committed).cache
 
     def predict(self, params, target_params, state, block):
-        """`(taps [n, B, K, H], logits [B, K, V])` of `block` `[B, K]` after the cached context
-        (the advanced cache is dropped: only `observe` commits positions)."""
+        """`(taps [n, B, K, H], logits [B, K, V], state)` of `block` `[B, K]` after the cached
+        context. Only `observe` commits positions: the state keeps its lengths (and a hybrid
+        cache its recurrent state), with the block's key/value rows written past them."""
         out = forward(target_params, self.target_config, block, state, tap_layers=self.tap_layers)
-        return out.taps, unembed(target_params, self.target_config, out.hidden)
+        logits = unembed(target_params, self.target_config, out.hidden)
+        return out.taps, logits, state.replace(k=out.cache.k, v=out.cache.v)
 
 
 @dataclasses.dataclass(eq=False)

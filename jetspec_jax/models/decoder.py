@@ -86,20 +86,26 @@ def decoder_logits(
     first_layer: int,
     cache: KVCache | HybridCache,
     states: jax.Array,
-) -> jax.Array:
-    """`p̂` logits `[B, K, V]` (float32) of a block starting at each row's `cache.lengths`.
+) -> tuple[jax.Array, KVCache | HybridCache]:
+    """`p̂` logits of a block starting at each row's `cache.lengths`.
 
     Args:
         params, config: the target.
         first_layer: the first decoder layer (deepest tap + 1).
         cache: the upper layers' cache of the verified context.
         states: `[B, K, H]` (predicted) deepest-tap states of the block positions.
+
+    Returns:
+        `(logits [B, K, V] float32, cache)`: the cache to use from now on, with the block's key /
+        value rows written past its lengths (stale there, overwritten by `extend_context`);
+        lengths and any recurrent state are unchanged. Passing it on instead of the input lets
+        XLA write the rows in place rather than copy the whole cache.
     """
     if first_layer == config.num_layers:  # the deepest tap is the final-normed output
-        return unembed(params, config, states)
+        return unembed(params, config, states), cache
     sub_params, sub_config = upper_model(params, config, first_layer)
     out = forward(sub_params, sub_config, None, cache, inputs=_cast(states, cache))
-    return unembed(params, config, out.hidden)
+    return unembed(params, config, out.hidden), cache.replace(k=out.cache.k, v=out.cache.v)
 
 
 def _cast(states: jax.Array, cache) -> jax.Array:

@@ -185,11 +185,11 @@ def sequence_rounds(
     flat_anchors = anchors.reshape(-1)
     sequence = jnp.repeat(tokens, anchors.shape[1], axis=0)  # [B*A, S]
     anchor_tokens = tokens[rows, anchors].reshape(-1)
-    drafts = proposer.propose(
+    drafts, _ = proposer.propose(
         proposer_params, target_params, state, anchor_tokens, flat_anchors, sequence
     )
     block = jnp.concatenate([anchor_tokens[:, None], drafts], axis=1)
-    _, logits_hat = proxy.predict(proxy_params, target_params, proxy_state, block)
+    _, logits_hat, _ = proxy.predict(proxy_params, target_params, proxy_state, block)
 
     # The target's argmax at positions t .. t+K-1 (only there: [B, S, V] logits would be large).
     positions = anchors[:, :, None] + jnp.arange(k_len)  # [B, A, K]
