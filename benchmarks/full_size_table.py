@@ -8,6 +8,9 @@ all), wall time and speedup against AR where a row timed them, and a grouped bar
 
     python benchmarks/full_size_table.py                 # docs/data/full_size_results.jsonl
     python benchmarks/full_size_table.py --results rows.jsonl --num-prompts 8 --max-new-tokens 64
+    python benchmarks/full_size_table.py --results docs/data/equal_budget_results.jsonl \
+        --plot docs/img/equal_budget_tau.png --section equal_budget_table \
+        --title "The equal-budget drafts: tau by set and setting"
 
 Rows (JSON objects, one per line): set, setting, temperature, prompts, max_new_tokens, tau, and
 optionally seconds, ar_seconds, new_tokens, identical_to_ar, date, draft, note.
@@ -134,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
     parser.add_argument("--section", default="full_size_table")
+    parser.add_argument(
+        "--title", default="tau by set and setting", help="the section heading's first words"
+    )
     return parser
 
 
@@ -147,7 +153,7 @@ def main() -> None:
         size = f"{args.num_prompts} prompts x {args.max_new_tokens} tokens"
         parser.error(f"{args.results} has no rows of {size}")
     lines = [
-        f"## tau by set and setting, {args.num_prompts} prompts x {args.max_new_tokens} tokens "
+        f"## {args.title}, {args.num_prompts} prompts x {args.max_new_tokens} tokens "
         "(`benchmarks/full_size_table.py`)",
         "",
         f"Generated from `{os.path.relpath(args.results, ROOT)}` "
