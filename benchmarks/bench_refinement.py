@@ -80,16 +80,19 @@ SETTINGS = {
 }
 
 
+def settings_of(variant: str) -> list[str]:
+    """The settings a draft of `variant` runs, in table order."""
+    return [label for label, s in SETTINGS.items() if s.method == variant]
+
+
 def check_runs(draft, labels: list[str], budgets: list[int], rules: list[str]) -> str | None:
     """Why `draft` cannot run these settings and foresight budgets (None: it can). Checked before
     the first set: a mismatch must fail now, not an hour in with the table unwritten."""
     variant = draft.config.variant
     wrong = [x for x in labels if SETTINGS[x].method != variant]
     if wrong:
-        runs = [x for x, s in SETTINGS.items() if s.method == variant]
-        return (
-            f"--settings {','.join(wrong)}: not for a {variant} draft (it runs {', '.join(runs)})"
-        )
+        runs = ", ".join(settings_of(variant))
+        return f"--settings {','.join(wrong)}: not for a {variant} draft (it runs {runs})"
     if budgets and variant != "jetspec++":
         return f'--foresight: JetSpec++ only, not for a {variant} draft (pass --foresight "")'
     refreshing = [x for x in labels if SETTINGS[x].refreshes and not SETTINGS[x].true_states]
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)
     if not labels:
-        labels = [x for x, s in SETTINGS.items() if s.method == draft.config.variant]
+        labels = settings_of(draft.config.variant)
     problem = check_runs(draft, labels, budgets, rules)
     if problem:
         parser.error(f"{args.draft}: {problem}")
@@ -199,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{what}: only {same}/{len(want)} outputs equal AR's", flush=True)
         return same
 
-    for name in set_paths:
-        prompts = load_dataset(set_paths[name], target.tokenizer, limit=args.num_prompts).prompts
+    for name, path in set_paths.items():
+        prompts = load_dataset(path, target.tokenizer, limit=args.num_prompts).prompts
         start = time.perf_counter()
         ar = run(prompts)
         want = [r.tokens for r in ar]

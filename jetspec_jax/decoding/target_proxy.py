@@ -14,6 +14,7 @@ import dataclasses
 
 from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.models.kv_cache import uncommitted
 from jetspec_jax.models.transformer import forward, init_cache, unembed
 
 
@@ -43,11 +44,11 @@ class TargetProxy:
 
     def predict(self, params, target_params, state, block):
         """`(taps [n, B, K, H], logits [B, K, V], state)` of `block` `[B, K]` after the cached
-        context. Only `observe` commits positions: the state keeps its lengths (and a hybrid
-        cache its recurrent state), with the block's key/value rows written past them."""
+        context. Only `observe` commits positions: the state holds the block's rows uncommitted
+        (`kv_cache.uncommitted`)."""
         out = forward(target_params, self.target_config, block, state, tap_layers=self.tap_layers)
         logits = unembed(target_params, self.target_config, out.hidden)
-        return out.taps, logits, state.replace(k=out.cache.k, v=out.cache.v)
+        return out.taps, logits, uncommitted(state, out.cache)
 
 
 @dataclasses.dataclass(eq=False)

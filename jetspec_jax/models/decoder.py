@@ -27,7 +27,7 @@ import jax
 
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.hybrid_cache import HybridCache
-from jetspec_jax.models.kv_cache import KVCache
+from jetspec_jax.models.kv_cache import KVCache, uncommitted
 from jetspec_jax.models.transformer import forward, init_cache, unembed
 
 Params = dict
@@ -96,16 +96,14 @@ def decoder_logits(
         states: `[B, K, H]` (predicted) deepest-tap states of the block positions.
 
     Returns:
-        `(logits [B, K, V] float32, cache)`: the cache to use from now on, with the block's key /
-        value rows written past its lengths (stale there, overwritten by `extend_context`);
-        lengths and any recurrent state are unchanged. Passing it on instead of the input lets
-        XLA write the rows in place rather than copy the whole cache.
+        `(logits [B, K, V] float32, cache)`: the cache to use from now on, the block's rows
+        written but not committed (`kv_cache.uncommitted`; `extend_context` overwrites them).
     """
     if first_layer == config.num_layers:  # the deepest tap is the final-normed output
         return unembed(params, config, states), cache
     sub_params, sub_config = upper_model(params, config, first_layer)
     out = forward(sub_params, sub_config, None, cache, inputs=_cast(states, cache))
-    return unembed(params, config, out.hidden), cache.replace(k=out.cache.k, v=out.cache.v)
+    return unembed(params, config, out.hidden), uncommitted(cache, out.cache)
 
 
 def _cast(states: jax.Array, cache) -> jax.Array:

@@ -45,6 +45,15 @@ class KVCache:
         return self.replace(lengths=jnp.minimum(lengths.astype(jnp.int32), self.lengths))
 
 
+def uncommitted(cache, written):
+    """`cache` (a `KVCache` or `HybridCache`) holding the key/value rows `written` (the same cache
+    after a forward over a block) wrote past its lengths, with nothing committed: its lengths, and
+    a hybrid's recurrent state, stay `cache`'s. The rows are stale there (never attended to) until
+    a later write of the verified block overwrites them; passing this on instead of `cache` lets
+    XLA write them in place rather than copy the whole cache."""
+    return cache.replace(k=written.k, v=written.v)
+
+
 def write_layer(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Writes `new` `[B, T, N_kv, D]` into `cache[layer]` (`cache` is `[L, B, S, N_kv, D]`).
 
