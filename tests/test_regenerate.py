@@ -7,6 +7,7 @@ regeneration is model-agnostic, and the real default model's text path is tested
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -243,6 +244,34 @@ def test_a_prompt_file_is_refused_as_the_output(target, prompt_files, tmp_path):
     with pytest.raises(ValueError, match="is no regenerated record"):
         regenerate(target, prompt_files, other)
     assert prompt_files[0].read_bytes() == before == other.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "text", ["# My notes\nimportant last line", "one line, no newline", '{"a": 1}\n{"b": 2']
+)
+def test_another_file_given_as_the_output_is_refused_untouched(
+    target, prompt_files, tmp_path, text
+):
+    """A mistyped output path: its lines are checked before a partial last line is cut."""
+    other = tmp_path / "notes.md"
+    other.write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match="notes.md:1 is (not valid JSON|no regenerated record)"):
+        regenerate(target, prompt_files, other)
+    assert other.read_text(encoding="utf-8") == text
+
+
+def test_an_output_another_run_is_writing_is_refused(target, prompt_files, uninterrupted, tmp_path):
+    out = tmp_path / "out.jsonl"
+    shutil.copyfile(uninterrupted, out)
+    before = out.read_bytes()
+    with out.open("ab") as other_run:
+        fcntl.flock(other_run.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="being written by another regenerate run"):
+            regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert out.read_bytes() == before
+    # Released: the run resumes (nothing left to generate).
+    summary = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert (summary.written, summary.skipped_existing) == (0, 5)
 
 
 def test_empty_or_non_utf8_prompt_files_are_refused(target, tmp_path):

@@ -24,19 +24,21 @@ same order and the same settings (the limit may differ).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import tqdm
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
-from jetspec_jax.data.jsonl import read_jsonl
+from jetspec_jax.data.jsonl import is_json_object, read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
 from jetspec_jax.generate import generate_batch
 from jetspec_jax.prompting import PromptEncoding
@@ -188,7 +190,8 @@ def regenerate(
         FileNotFoundError: a prompt file does not exist.
         ValueError: bad arguments, a target without tokenizer, malformed or duplicate prompt
             records, an output path `check_output_path` refuses, an output file with a
-            malformed complete line, or one generated with other settings.
+            malformed complete line, one generated with other settings, or one another
+            regenerate run is writing.
     """
     start = time.perf_counter()
     _check_positive("batch_size", batch_size)
@@ -211,22 +214,23 @@ def regenerate(
         math_suffix_sources=sorted(math_suffix_sources),
         sampling=_json_ready(sampling),
     )
-    done = _existing_ids(out_path)
-    record_settings(settings_path(out_path), settings, resuming=bool(done))
-    pending = [r for r in records if r.id not in done]
-    encoding = PromptEncoding(chat=chat, system=system, thinking=thinking)
-    encoded = _encode(target, pending, max_new_tokens, encoding)
-    logger.info(
-        "%d records: %d already in %s, %d too long, %d to generate",
-        len(records),
-        len(records) - len(pending),
-        out_path,
-        len(pending) - len(encoded),
-        len(encoded),
-    )
-    written = _generate_into(
-        target, encoded, out_path, batch_size, max_new_tokens, sampling, show_progress
-    )
+    with _exclusively(out_path):
+        done = _existing_ids(out_path)
+        record_settings(settings_path(out_path), settings, resuming=bool(done))
+        pending = [r for r in records if r.id not in done]
+        encoding = PromptEncoding(chat=chat, system=system, thinking=thinking)
+        encoded = _encode(target, pending, max_new_tokens, encoding)
+        logger.info(
+            "%d records: %d already in %s, %d too long, %d to generate",
+            len(records),
+            len(records) - len(pending),
+            out_path,
+            len(pending) - len(encoded),
+            len(encoded),
+        )
+        written = _generate_into(
+            target, encoded, out_path, batch_size, max_new_tokens, sampling, show_progress
+        )
     return RegenerateSummary(
         written=written,
         skipped_existing=len(records) - len(pending),
@@ -382,17 +386,37 @@ def _json_ready(value) -> dict:
     return json.loads(json.dumps(fields))
 
 
-def _existing_ids(out_path: pathlib.Path) -> set[str]:
-    """Ids of the complete lines of `out_path` (empty if it does not exist).
+@contextlib.contextmanager
+def _exclusively(out_path: pathlib.Path) -> Iterator[None]:
+    """Holds an exclusive lock on `out_path` (created, with its directory, if missing): a
+    second run on the same output would append the same records again.
 
-    Creates the file's directory if needed, and truncates a partial last line left by a kill.
+    Raises:
+        ValueError: another process holds the lock.
     """
-    if not out_path.exists():
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        return set()
-    _truncate_partial_line(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("ab") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"{out_path} is being written by another regenerate run; wait for it, or give "
+                "another output file"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _existing_ids(out_path: pathlib.Path) -> set[str]:
+    """Ids of the complete lines of `out_path`.
+
+    Once every complete line has proved to be a regenerated record (so a mistyped path to
+    another file is refused untouched), truncates a partial last line left by a kill.
+    """
     ids = set()
-    for where, obj in read_jsonl(out_path, what="output file"):
+    for where, obj in read_jsonl(out_path, what="output file", skip_partial_tail=True):
         missing = [k for k in ("id", "prompt_ids", "response_ids") if k not in obj]
         if missing or not isinstance(obj["id"], str):
             raise ValueError(
@@ -400,12 +424,14 @@ def _existing_ids(out_path: pathlib.Path) -> set[str]:
                 "'response_ids'); is it an output file?"
             )
         ids.add(obj["id"])
+    _truncate_partial_line(out_path)
     return ids
 
 
 def _truncate_partial_line(path: pathlib.Path) -> None:
     """Cuts the file after its last newline if what follows is no complete JSON line (a line cut
-    by a kill); a complete last line without its newline gets one."""
+    by a kill: `read_jsonl(skip_partial_tail=True)` has checked it is one); a complete last line
+    without its newline gets one."""
     with path.open("r+b") as f:
         size = f.seek(0, os.SEEK_END)
         if size == 0:
@@ -415,7 +441,7 @@ def _truncate_partial_line(path: pathlib.Path) -> None:
             return
         keep = _end_of_last_line(f, size)
         f.seek(keep)
-        if _is_json_object(f.read(size - keep)):
+        if is_json_object(f.read(size - keep)):
             f.write(b"\n")
             f.flush()
             os.fsync(f.fileno())
@@ -429,13 +455,6 @@ def _truncate_partial_line(path: pathlib.Path) -> None:
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _is_json_object(data: bytes) -> bool:
-    try:
-        return isinstance(json.loads(data), dict)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        return False
 
 
 def _end_of_last_line(f, size: int, chunk: int = 1 << 16) -> int:
