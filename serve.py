@@ -312,13 +312,11 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
     )
     parser.add_argument(
         "--pipeline",
-        nargs="?",
-        const="spmd",
+        choices=("spmd", "mpmd"),
         default=default(None),
-        metavar="spmd|mpmd",
         help="jetspec++ with --foresight >= 1: verify on device 0 while device 1 drafts ahead "
-        "(needs >= 2 devices); spmd (the default form): one program, each device holding both "
-        "stages; mpmd: one program per device, each holding only its stage",
+        "(needs >= 2 devices); spmd: one program, each device holding both stages; mpmd: one "
+        "program per device, each holding only its stage",
     )
     parser.add_argument(
         "--chunk-steps",

@@ -49,18 +49,21 @@ def test_good_options():
 
 @pytest.mark.parametrize(
     "flags, pipeline",
-    [([], None), (["--pipeline"], "spmd"), (["--pipeline", "mpmd"], "mpmd")],
+    [([], None), (["--pipeline", "spmd"], "spmd"), (["--pipeline", "mpmd"], "mpmd")],
 )
-def test_serve_pipeline_flag(flags, pipeline):
+def test_serve_pipeline_flag(flags, pipeline, capsys):
     import serve
 
     args = serve._parser().parse_args(
         ["generate", "hi", "--method", "jetspec++", "--foresight", "2"] + flags
     )
     assert serve._decoding_options(args, None).pipeline == pipeline
-    bad = serve._parser().parse_args(["generate", "hi", "--pipeline", "ring"])
-    with pytest.raises(ValueError, match="got 'ring'"):
-        serve._decoding_options(bad, None)
+    # The form is required: a bare --pipeline would take the next word (the prompt, or
+    # `generate`) as its value.
+    for argv in (["generate", "hi", "--pipeline", "ring"], ["--pipeline", "generate", "hi"]):
+        with pytest.raises(SystemExit):
+            serve._parser().parse_args(argv)
+        assert "argument --pipeline: invalid choice" in capsys.readouterr().err
 
 
 def test_serve_replacement_confidence_flag():
