@@ -55,7 +55,10 @@ def test_method_specs():
     ]
     for bad, message in (
         ("medusa", "unknown method"),
-        ("dflash-J1", "'dflash-J1': refine_passes apply to method 'jetspec\\+\\+' only"),
+        ("dflash-J1", "'dflash-J1': only jetspec\\+\\+ takes settings"),
+        # Labels that would decode as AR (or DFlash) under another name.
+        ("ar-J0", "'ar-J0': only jetspec\\+\\+ takes settings .*use 'ar'"),
+        ("dflash-F0", "only jetspec\\+\\+ takes settings"),
         ("jetspec++-J1-R2", "refreshes must be in \\[0, refine_passes=1\\]"),
         ("jetspec++-spmd", "set foresight >= 1"),
         ("jetspec++-F4-ring", "unknown method"),
@@ -109,6 +112,7 @@ def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):
     assert rows[0]["matches_ar"] is rows[2]["matches_ar"] is None  # AR itself
     samples = (out / "samples.jsonl").read_text().splitlines()
     assert len(samples) == 3 * 4
+    assert not (out / "samples.partial.jsonl").exists()  # the report replaces the partial log
 
     table = (out / "results.md").read_text()
     assert table.count("\n") == 2 + 4 and "| tiny | 0 | jetspec++-J1 | 3 |" in table
@@ -280,6 +284,55 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
         args = {**dict(target=target, datasets=data, methods=methods, drafts=drafts), **kwargs}
         with pytest.raises(ValueError, match=what):
             run_benchmark(**args)
+
+
+def test_an_interrupted_run_keeps_the_runs_that_finished(checkpoints, monkeypatch, tmp_path):
+    from jetspec_jax.bench import runner
+    from jetspec_jax.decoding.session import GenerationResult, Timing
+
+    calls = []
+
+    def interrupted_generate(target, prompt, **kwargs):
+        calls.append(prompt)
+        if len(calls) == 3:  # AR on the second prompt
+            raise KeyboardInterrupt
+        return GenerationResult([7, 8], [1, 1], "length", len(prompt), Timing(0.0, 0.01, 0.0))
+
+    monkeypatch.setattr(runner, "generate", interrupted_generate)
+    out = tmp_path / "bench"
+    (out / "samples.partial.jsonl").parent.mkdir()
+    (out / "samples.partial.jsonl").write_text('{"an interrupted run before": 1}\n')
+    argv = [
+        "--prompts", str(_prompt_file(tmp_path, ["Hi", "Sky"])),
+        "--target", str(with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")),
+        "--methods", "jetspec",
+        "--random-draft", "jetspec",
+        "--random-draft-block", "4",
+        "--warmup", "0",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 130
+    rows = [json.loads(line) for line in (out / "samples.partial.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["prompt_id"]) for r in rows] == [("ar", "t-0"), ("jetspec", "t-0")]
+    assert not (out / "results.jsonl").exists()
+
+
+def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):
+    """And with the default target, the shipped draft is loaded only for a jetspec++ method."""
+    tokenizer = types.SimpleNamespace(chat_template=None)
+    monkeypatch.setattr(
+        jetspec_jax, "load_target", lambda *a, **k: types.SimpleNamespace(tokenizer=tokenizer)
+    )
+    loaded = []
+    variant = types.SimpleNamespace(config=types.SimpleNamespace(variant="jetspec++"))
+    monkeypatch.setattr(jetspec_jax, "load_draft", lambda path, *a: loaded.append(path) or variant)
+    prompts = str(tmp_path / "missing.jsonl")
+    assert main(["--prompts", prompts, "--target", "T", "--draft", "a"]) == 2
+    assert "no method of --methods 'ar' uses --draft a" in capsys.readouterr().err
+    assert main(["--prompts", prompts, "--methods", "ar"]) == 2  # then: the prompt file is missing
+    assert "missing.jsonl" in capsys.readouterr().err and loaded == ["a"]
+    assert main(["--prompts", prompts, "--methods", "jetspec++"]) == 2
+    assert len(loaded) == 2  # the shipped draft
 
 
 def test_two_drafts_of_one_variant_are_refused(monkeypatch, tmp_path, capsys):

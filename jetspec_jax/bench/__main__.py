@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     import jetspec_jax  # deferred so that --help answers at once
     from jetspec_jax.bench.datasets import load_dataset
     from jetspec_jax.bench.methods import parse_methods
-    from jetspec_jax.bench.report import check_out_dir, markdown_table, write_report
+    from jetspec_jax.bench.report import (
+        PARTIAL_SAMPLES,
+        check_out_dir,
+        log_sample,
+        markdown_table,
+        write_report,
+    )
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
     from jetspec_jax.default_model import default_draft_dir
@@ -33,15 +39,22 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compile_cache()
 
+    out = pathlib.Path(args.out)
     try:
-        check_out_dir(pathlib.Path(args.out))  # not after hours of runs
+        check_out_dir(out)  # not after hours of runs
         methods = parse_methods(args.methods)
+        variants = {m.method for m in methods}
         temperatures = _temperatures(args.temperatures)
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
         drafts, sources = {}, {}  # variant -> draft, and where it came from (for errors)
-        shipped = args.target is None and not args.draft and not args.random_draft
+        shipped = (
+            args.target is None
+            and not args.draft
+            and not args.random_draft
+            and "jetspec++" in variants
+        )
         for path in [default_draft_dir()] if shipped else args.draft:
             draft = jetspec_jax.load_draft(path, target)
             _add_draft(drafts, sources, draft.config.variant, draft, f"--draft {path}")
@@ -52,10 +65,17 @@ def main(argv: list[str] | None = None) -> int:
             _add_draft(
                 drafts, sources, args.random_draft, draft, f"--random-draft {args.random_draft}"
             )
+        unused = [source for variant, source in sources.items() if variant not in variants]
+        if unused:
+            raise ValueError(
+                f"no method of --methods {args.methods!r} uses {' or '.join(unused)} (a draft "
+                "serves the methods of its variant)"
+            )
         chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         datasets = [
             load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
         ]
+        (out / PARTIAL_SAMPLES).unlink(missing_ok=True)  # an interrupted run's, replaced
         samples, summaries = run_benchmark(
             target,
             datasets,
@@ -64,13 +84,21 @@ def main(argv: list[str] | None = None) -> int:
             temperatures=temperatures,
             max_new_tokens=args.max_new_tokens,
             warmup=args.warmup,
+            on_sample=lambda sample: log_sample(out, sample),
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, ImportError, OSError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if (out / PARTIAL_SAMPLES).exists():
+            print(
+                f"interrupted: the runs that finished are in {out / PARTIAL_SAMPLES}",
+                file=sys.stderr,
+            )
+        return 130
     print(markdown_table(summaries), end="")  # first: a failing write must not cost the figures
     try:
-        paths = write_report(pathlib.Path(args.out), samples, summaries)
+        paths = write_report(out, samples, summaries)
     except OSError as e:
         print(f"error: the report could not be written to {args.out}: {e}", file=sys.stderr)
         return 2

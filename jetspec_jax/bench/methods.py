@@ -56,6 +56,12 @@ def parse_method(name: str) -> MethodSpec:
             "jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]"
         )
     method, passes, refreshes, confidence, foresight, pipeline = match.groups()
+    if method != "jetspec++" and name != method:
+        # "ar-J0" would decode as AR under another label, and the speedups look AR up by "ar".
+        raise ValueError(
+            f"{name!r}: only jetspec++ takes settings (-J, -R, -C, -F, -spmd / -mpmd); "
+            f"use {method!r}"
+        )
     try:
         options = DecodingOptions(
             method,

@@ -18,6 +18,9 @@ def write_jsonl(path: pathlib.Path, rows: Sequence) -> None:
     write_text_atomically(path, "".join(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows))
 
 
+# What a run has measured so far, one sample per line: kept when it is interrupted or fails.
+PARTIAL_SAMPLES = "samples.partial.jsonl"
+
 # The report's files by kind (the keys of `write_report`'s answer).
 REPORT_FILES = {
     "results": "results.jsonl",
@@ -45,9 +48,19 @@ def check_out_dir(out_dir: pathlib.Path) -> None:
             pass
     except OSError as e:
         raise ValueError(f"--out {out_dir} cannot be written into: {e}") from e
-    taken = [name for name in REPORT_FILES.values() if (out_dir / name).is_dir()]
+    taken = [
+        name for name in (*REPORT_FILES.values(), PARTIAL_SAMPLES) if (out_dir / name).is_dir()
+    ]
     if taken:
         raise ValueError(f"--out {out_dir}: {', '.join(taken)} would be written over directories")
+
+
+def log_sample(out_dir: pathlib.Path, sample) -> None:
+    """Appends `sample` to `out_dir/PARTIAL_SAMPLES` (created with `out_dir` if missing), so an
+    interrupted run keeps what it measured; `write_report` removes the file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / PARTIAL_SAMPLES).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(dataclasses.asdict(sample)) + "\n")
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
@@ -107,7 +120,8 @@ def write_report(
     out_dir: pathlib.Path, samples: Sequence[Sample], summaries: Sequence[Summary]
 ) -> dict[str, pathlib.Path]:
     """Writes results.jsonl, samples.jsonl, results.md, tau.png and speedup.png into `out_dir`
-    (each file atomically; a previous run's files there are replaced).
+    (each file atomically; a previous run's files there are replaced), then removes the partial
+    log (`log_sample`).
 
     The plots need matplotlib (the `bench` extra); without it they are skipped, with a note on
     stderr, and a previous run's plots are removed (they would not match the tables). Returns
@@ -129,10 +143,11 @@ def write_report(
             'pip install -e ".[bench]"',
             file=sys.stderr,
         )
-        return paths
-    for metric, path in plots.items():
-        partial = path.with_name(f".{path.name}.tmp.png")  # the suffix tells savefig the format
-        plot(summaries, metric, partial)
-        partial.replace(path)
-        paths[metric] = path
+    else:
+        for metric, path in plots.items():
+            partial = path.with_name(f".{path.name}.tmp.png")  # the suffix tells savefig the format
+            plot(summaries, metric, partial)
+            partial.replace(path)
+            paths[metric] = path
+    (out_dir / PARTIAL_SAMPLES).unlink(missing_ok=True)
     return paths

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tqdm
 
@@ -85,6 +85,7 @@ def run_benchmark(
     max_new_tokens: int = 256,
     warmup: int = 1,
     show_progress: bool | None = None,
+    on_sample: Callable[[Sample], None] | None = None,
 ) -> tuple[list[Sample], list[Summary]]:
     """Runs every method on every prompt at every temperature.
 
@@ -97,6 +98,8 @@ def run_benchmark(
         max_new_tokens: budget per prompt.
         warmup: untimed runs of the first prompt per method and temperature.
         show_progress: a tqdm bar over the timed runs; None: only on a terminal.
+        on_sample: called with each sample as it is measured (to keep what an interrupted run
+            finished).
 
     Returns:
         `(samples, summaries)`.
@@ -149,11 +152,15 @@ def run_benchmark(
         for temperature in temperatures:
             for data in datasets:
                 settings = dict(temperature=temperature, max_new_tokens=max_new_tokens)
-                samples += _side_by_side(target, data, ordered, drafts, settings, warmup, progress)
+                samples += _side_by_side(
+                    target, data, ordered, drafts, settings, warmup, progress, on_sample
+                )
     return samples, summarize(samples)
 
 
-def _side_by_side(target, data, methods, drafts, settings, warmup, progress) -> list[Sample]:
+def _side_by_side(
+    target, data, methods, drafts, settings, warmup, progress, on_sample
+) -> list[Sample]:
     """Every method on prompt i (the first of `methods` is AR) before any on prompt i + 1."""
 
     def one(m: MethodSpec, i: int):
@@ -176,6 +183,8 @@ def _side_by_side(target, data, methods, drafts, settings, warmup, progress) -> 
             else:
                 matches = result.tokens == ar_tokens
             samples.append(_sample(data.name, prompt_id, m, temperature, result, matches))
+            if on_sample is not None:
+                on_sample(samples[-1])
             progress.update()
     return samples
 
