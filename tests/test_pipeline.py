@@ -19,7 +19,8 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline
 from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
-from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.decoding.placement import PLACED
+from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from tests.test_foresight import (
     BLOCK,
     HITS,
@@ -175,6 +176,52 @@ def test_mpmd_places_each_stage_on_its_own_device(target, draft, prompts):
     second.start()
     second.advance(1)
     assert second._two_programs.draft_target_params is stages.draft_target_params
+
+
+def test_mpmd_verification_writes_the_target_cache_in_place(target, draft, prompts):
+    """Device 0's round program copies no target cache (a `lax.cond` that skipped the round once
+    every row was done made XLA copy its keys and values, twice each, every round)."""
+    COMPILED.clear()
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=ScaledOracleDraft(draft, MIXED),
+        options=foresight_options(1, "mpmd"),
+        max_new_tokens=N_NEW,
+    )
+    session.start()
+    session.advance(1)
+    (verify,) = [
+        e.as_text()
+        for e in COMPILED._executables.values()
+        if e.as_text().startswith("HloModule jit_verify_and_commit")
+    ]
+    shape = "[" + ",".join(map(str, session._state.decode.cache.k.shape)) + "]"
+    copies = [line for line in verify.splitlines() if " copy(" in line]
+    assert copies  # the text is what is searched: other (small) copies are there
+    assert [line for line in copies if f"{shape}{{" in line] == []
+
+
+@pytest.mark.parametrize("form", PIPELINES)
+def test_sessions_with_other_drafts_share_the_placed_target(target, draft, prompts, form):
+    """One placed copy of the target, whatever the drafts: a copy per (target, draft) pair
+    would pin a target's worth of device memory per draft."""
+    PLACED.clear()
+    learned = draft.with_adapter(init_adapter(draft))
+    for proposing in (learned, learned.with_adapter(init_adapter(draft, seed=1))):
+        session = DecodeSession(
+            target,
+            prompts,
+            draft=proposing,
+            options=foresight_options(1, form),
+            max_new_tokens=N_NEW,
+        )
+        session.start()
+        session.advance(1)
+    # spmd: the target, then each draft's params; mpmd: the target on each device, each draft's.
+    assert len(PLACED) == {"spmd": 3, "mpmd": 4}[form]
+    PLACED.clear()
+    assert len(PLACED) == 0
 
 
 def test_mpmd_cancel_between_chunks(target, draft, prompts):

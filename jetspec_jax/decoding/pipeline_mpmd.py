@@ -149,21 +149,13 @@ def verify_and_commit(
 ) -> tuple[SpecState, Outcome]:
     """Device 0: verify block t (`block` `[B, K]` = [anchor, drafts]), commit; the outcome for
     device 1."""
-    drafts = block[:, 1:]
-
-    def verify():
-        cache, taps, accepted, tokens = verify_block(
-            params, config, tap_layers, state.decode, drafts, requests
-        )
-        return commit_round(state, requests, cache, accepted, tokens), taps, accepted, tokens
-
-    def skip():  # no active row: the round changes nothing
-        taps = jax.eval_shape(verify)[1]
-        zeros = jnp.zeros(drafts.shape[:1], jnp.int32)
-        tokens = jnp.zeros((drafts.shape[0], drafts.shape[1] + 1), jnp.int32)
-        return state, jnp.zeros(taps.shape, taps.dtype), zeros, tokens
-
-    state, taps, accepted, tokens = jax.lax.cond(jnp.any(~state.decode.done), verify, skip)
+    # The round the host dispatches after every row finished (it reads the done flags a round
+    # late) verifies too and commits nothing: a `lax.cond` skipping it made XLA copy the whole
+    # target cache every round.
+    cache, taps, accepted, tokens = verify_block(
+        params, config, tap_layers, state.decode, block[:, 1:], requests
+    )
+    state = commit_round(state, requests, cache, accepted, tokens)
     d = state.decode
     return state, Outcome(taps, accepted, tokens, d.last_token, d.cache.lengths, d.done)
 
@@ -239,6 +231,8 @@ class TwoProgramPipeline:
             self.draft_device,
         )
         self.draft_params = PLACED.put(proposer_params, self.draft_device)
+        # The transfers complete here, not inside the first session's timed prefill.
+        jax.block_until_ready((self.target_params, self.draft_target_params, self.draft_params))
 
     def prefill(
         self, prompts, prompt_lengths, requests, *, capacity: int, max_output: int

@@ -16,7 +16,10 @@ class PlacementCache:
     """`jax.device_put` results keyed by the identity of the source arrays and the destination.
 
     An entry holds its source arrays, so their ids cannot be reused by other arrays while it
-    lives; the least recently used entries are dropped beyond `size`.
+    lives; the least recently used entries are dropped beyond `size`. Place the trees that vary
+    independently (a target's weights, a draft's) as separate entries: one entry per (target,
+    draft) pair would hold a copy of the target per draft. `clear()` frees them all (a process
+    that loads model after model: deleting a `Target` does not release its placed copies).
     """
 
     def __init__(self, size: int = 8):
@@ -35,6 +38,13 @@ class PlacementCache:
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
         return placed
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drops every placed copy (and the references to their sources)."""
+        self._entries.clear()
 
 
 # Process-wide: sessions of the same target and draft share their placed weights.

@@ -305,7 +305,10 @@ class DecodeSession:
             static = dict(proposer=proposer)
         args = (*params, self._state, self._requests, jnp.int32(steps))
         if self._pipeline == "spmd":  # the loop's arguments live on the stage mesh
-            args = (*replicated_weights(params), *replicate(args[len(params) :]))
+            # Placed apart, so that sessions of one target with other drafts share its copy;
+            # waited for, so that the first session's decode time does not include the transfer.
+            weights = jax.block_until_ready(tuple(map(replicated_weights, params)))
+            args = (*weights, *replicate(args[len(params) :]))
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
