@@ -65,15 +65,44 @@ def read_rows(path: pathlib.Path, prompts: int, max_new_tokens: int) -> dict[tup
     return latest
 
 
+def drafts_line(rows: dict[tuple, dict]) -> str:
+    """Which draft each setting's column measured, e.g. "Drafts: `a` (DFlash); `b` (J0, J1-R1)".
+
+    Raises:
+        ValueError: a setting's rows come from several drafts (a column would mix them).
+    """
+    by_setting: dict[str, set] = {}
+    for (_, _, setting), row in rows.items():
+        by_setting.setdefault(setting, set()).add(row.get("draft", "unnamed"))
+    mixed = {x: sorted(d) for x, d in by_setting.items() if len(d) > 1}
+    if mixed:
+        raise ValueError(
+            "a setting's column would mix drafts: "
+            + "; ".join(f"{x}: {', '.join(d)}" for x, d in mixed.items())
+            + " (keep one draft's rows per file)"
+        )
+    settings_of: dict[str, list[str]] = {}
+    for setting in ORDER:
+        if setting in by_setting:
+            settings_of.setdefault(next(iter(by_setting[setting])), []).append(setting)
+    return "Drafts: " + "; ".join(f"`{d}` ({', '.join(x)})" for d, x in settings_of.items()) + "."
+
+
+def differs_from_ar(row: dict) -> bool:
+    """Whether the row counted outputs unlike AR's (rows that did not check count as equal)."""
+    return row.get("identical_to_ar", row["prompts"]) != row["prompts"]
+
+
 def tau_table(rows: dict[tuple, dict], temperature: float) -> list[str]:
-    """Markdown: sets down, settings across, and the mean of each complete column."""
+    """Markdown: sets down, settings across, and the mean of each complete column; a tau whose
+    run had outputs unlike AR's is marked `(≠AR n/N)`."""
     at = {(s, x): r for (t, s, x), r in rows.items() if t == temperature}
     sets = [s for s in SETS if any(k[0] == s for k in at)]
     sets += sorted({k[0] for k in at} - set(sets))
     labels = [x for x in ORDER if any(k[1] == x for k in at)]
     lines = ["| set | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
     for name in sets:
-        cells = [f"{at[name, x]['tau']:.2f}" if (name, x) in at else "" for x in labels]
+        cells = [_tau_cell(at[name, x]) if (name, x) in at else "" for x in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if set(SETS) <= set(sets):
         means = [
@@ -84,6 +113,13 @@ def tau_table(rows: dict[tuple, dict], temperature: float) -> list[str]:
         ]
         lines.append("| mean of the five | " + " | ".join(means) + " |")
     return lines
+
+
+def _tau_cell(row: dict) -> str:
+    cell = f"{row['tau']:.2f}"
+    if differs_from_ar(row):
+        cell += f" (≠AR {row['prompts'] - row['identical_to_ar']}/{row['prompts']})"
+    return cell
 
 
 def time_table(rows: dict[tuple, dict], temperature: float) -> list[str]:
@@ -148,7 +184,11 @@ def main() -> None:
     args = parser.parse_args()
     if not args.results.is_file():
         parser.error(f"--results {args.results}: no such file")
-    rows = read_rows(args.results, args.num_prompts, args.max_new_tokens)
+    try:
+        rows = read_rows(args.results, args.num_prompts, args.max_new_tokens)
+        drafts_line(rows)
+    except ValueError as e:
+        parser.error(str(e))
     if not rows:
         size = f"{args.num_prompts} prompts x {args.max_new_tokens} tokens"
         parser.error(f"{args.results} has no rows of {size}")
@@ -158,7 +198,10 @@ def main() -> None:
         "",
         f"Generated from `{os.path.relpath(args.results, ROOT)}` "
         "(one row per `bench_refinement.py --results` run and setting; the latest row of a set "
-        "and setting counts). Mean of per-prompt tau.",
+        "and setting counts). Mean of per-prompt tau; every output equal to AR's unless a cell "
+        "says `≠AR`.",
+        "",
+        drafts_line(rows),
     ]
     for temperature in sorted({k[0] for k in rows}):
         decoding = "greedy" if temperature == 0 else f"temperature {temperature:g}"

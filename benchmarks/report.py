@@ -50,13 +50,25 @@ def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> None:
-    """Replaces (or appends) the section between this benchmark's markers."""
+    """Replaces (or appends) the section between this benchmark's markers.
+
+    Raises:
+        ValueError: the file holds the markers other than once each, begin before end (a hand
+            edit lost one): replacing would cut the sections in between, appending would
+            duplicate.
+    """
     begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
     text = path.read_text() if path.exists() else _HEADER
     section = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
+    counts = (text.count(begin), text.count(end))
+    if counts == (0, 0):
+        text = text.rstrip() + "\n\n" + section + "\n"
+    elif counts == (1, 1) and text.index(begin) < text.index(end):
         text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
     else:
-        text = text.rstrip() + "\n\n" + section + "\n"
+        raise ValueError(
+            f"{path}: section {name!r} has {counts[0]} begin and {counts[1]} end markers (or "
+            "its end comes first); mend the file by hand, then rerun"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, text)  # a crash mid-write must not truncate the whole file

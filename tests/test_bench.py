@@ -454,7 +454,7 @@ def test_benchmark_scripts_import_without_running():
 
 
 def test_the_full_size_table_keeps_the_latest_row_and_averages_only_complete_columns(tmp_path):
-    from benchmarks.full_size_table import SETS, read_rows, tau_table, time_table
+    from benchmarks.full_size_table import SETS, drafts_line, read_rows, tau_table, time_table
 
     def row(name, setting, tau, prompts=50, **extra):
         return dict(set=name, setting=setting, temperature=0.0, prompts=prompts,
@@ -475,12 +475,45 @@ def test_the_full_size_table_keeps_the_latest_row_and_averages_only_complete_col
     assert lines[-1] == f"| mean of the five | {(2.0 + 1.1 + 1.2 + 1.3 + 1.4) / 5:.2f} |  |"
     assert time_table(latest, 0.0)[2] == "| gsm8k_test | J0 | 10 s | 40 s | 0.25x |  |  |"
 
+    # Which draft each column measured; a column of two drafts is refused.
+    assert drafts_line(latest) == "Drafts: `unnamed` (J0, J3-R3)."
+    named = {k: {**r, "draft": "b" if k[2] == "J0" else "a"} for k, r in latest.items()}
+    assert drafts_line(named) == "Drafts: `b` (J0); `a` (J3-R3)."
+    named[0.0, "math500", "J0"]["draft"] = "c"
+    with pytest.raises(ValueError, match="J0: b, c"):
+        drafts_line(named)
+    # A run whose outputs were not all AR's says so in its cell.
+    latest[0.0, "math500", "J3-R3"]["identical_to_ar"] = 48
+    assert tau_table(latest, 0.0)[3] == "| math500 | 1.10 | 3.00 (≠AR 2/50) |"
+
     path.write_text(json.dumps(row("gsm8k_test", "J0", 1.0)) + "\n" + '{"set": "x"}\n')
     with pytest.raises(ValueError, match=r"rows.jsonl:2: missing setting, temperature"):
         read_rows(path, prompts=50, max_new_tokens=256)
     path.write_text(json.dumps(row("gsm8k_test", "J2-R9", 1.0)) + "\n")
     with pytest.raises(ValueError, match=r"rows.jsonl:1: unknown setting 'J2-R9'"):
         read_rows(path, prompts=50, max_new_tokens=256)
+
+
+def test_a_section_with_unbalanced_markers_is_refused_untouched(tmp_path):
+    from benchmarks.report import write_section
+
+    path = tmp_path / "BENCHMARKS.md"
+    write_section("a", "first", path)
+    write_section("b", "second", path)
+    write_section("a", "first, again", path)
+    text = path.read_text()
+    assert text.count("first") == 1 and "first, again" in text and "second" in text
+    for broken in (
+        text.replace("<!-- end a -->", ""),  # a hand edit lost the end marker
+        text + "\n<!-- begin a -->\n",  # or doubled the begin marker
+        text.replace("<!-- begin a -->", "@")
+        .replace("<!-- end a -->", "<!-- begin a -->")
+        .replace("@", "<!-- end a -->"),
+    ):
+        path.write_text(broken)
+        with pytest.raises(ValueError, match="section 'a' has"):
+            write_section("a", "third", path)
+        assert path.read_text() == broken
 
 
 def test_a_section_command_names_the_flags_a_run_changed():
