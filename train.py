@@ -363,8 +363,9 @@ def _regenerate(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    if args.system is not None and not args.chat:
-        raise ValueError("--system needs the chat template; drop --no-chat")
+    for flag, given in (("--system", args.system is not None), ("--thinking", args.thinking)):
+        if given and not args.chat:
+            raise ValueError(f"{flag} is a chat-template setting; drop --no-chat")
     check_output_path(args.out, args.prompts)
     read_records(args.prompts)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)

@@ -119,7 +119,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    for flag in ("num_prompts", "max_new_tokens", "foresight"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
 
     target = jetspec_jax.load_target(None)
     if args.draft:

@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--settings {args.settings!r}: use some of {', '.join(SETTINGS)}")
     if args.temperature < 0:
         parser.error(f"--temperature {args.temperature}: must be >= 0")
+    for flag in ("num_prompts", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     set_paths = {name: args.eval_dir / f"{name}.jsonl" for name in args.sets.split(",")}
     for name, path in set_paths.items():
         if not path.is_file():

@@ -385,6 +385,14 @@ def test_load_test_counts_network_errors(capsys):
         run_load(f"http://127.0.0.1:{port}", "m", [], concurrency=1, requests=1)
 
 
+def test_load_test_without_httpx_says_how_to_install_it(monkeypatch, capsys):
+    from jetspec_jax.bench.load import main as load_main
+
+    monkeypatch.setitem(sys.modules, "httpx", None)  # `import httpx` raises ImportError
+    assert load_main(["--model", "m"]) == 2
+    assert "the load test needs httpx" in capsys.readouterr().err
+
+
 def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
     import http.server
     import threading
@@ -584,3 +592,12 @@ def test_the_refinement_bench_refuses_refreshes_without_an_adapter_before_any_ru
     assert "no calibration" in check_runs(draft("jetspec++", adapter=1), [], [4], ["calibrated"])
     assert check_runs(draft("jetspec++", adapter=1), [], [4], ["geometric"]) is None
     assert "it runs JetSpec)" in check_runs(draft("jetspec"), ["DFlash"], [], [])
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--max-new-tokens"])
+def test_the_refinement_bench_refuses_an_empty_run(flag, capsys):
+    from benchmarks import bench_refinement
+
+    with pytest.raises(SystemExit):
+        bench_refinement.main(["--draft", "d", flag, "0"])
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err

@@ -355,3 +355,10 @@ def test_cli_bad_argument_exits_2_without_traceback(prompt_files, tmp_path):
     assert proc.returncode == 2
     assert "error: --batch-size must be >= 1" in stderr and "Traceback" not in stderr
     assert not (tmp_path / "o.jsonl").exists()
+    # Refused before the model loads: a target that does not exist is never reached.
+    missing = str(tmp_path / "no_model")
+    for flag in (["--thinking"], ["--system", "Be brief."]):
+        proc = _start_cli([*args, "--target", missing, "--no-chat", *flag])
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 2 and "Traceback" not in stderr
+        assert f"error: {flag[0]} is a chat-template setting; drop --no-chat" in stderr

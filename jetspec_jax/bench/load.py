@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.data.prompts import read_prompts
 
     try:
+        import httpx  # noqa: F401  (the load test's client, not a core dependency)
+    except ImportError as e:
+        print(f'error: the load test needs httpx ({e}); pip install -e ".[bench]"', file=sys.stderr)
+        return 2
+
+    try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         prompts = (
             [r["prompt"] for r in read_prompts(args.prompts, limit=args.limit)]
