@@ -146,6 +146,7 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
             instead, or the draft does not fit the target (hidden size, vocabulary, target depth,
             tap layers, mask token), or a JetSpec++ checkpoint is malformed
             (`checkpoint.bundle.load_bundle`).
+        ValueError: `dtype` is neither "float32" nor "bfloat16".
     """
     from jetspec_jax.checkpoint.bundle import is_bundle, load_bundle  # imports this module
 
@@ -203,6 +204,10 @@ def init_draft(
         intermediate_size, num_heads, num_kv_heads, head_dim: None: the target's.
         init_std: standard deviation of the kernels.
         seed: seed of `jax.random`.
+
+    Raises:
+        ValueError: an unknown variant.
+        CheckpointError: tap layers or the mask token out of the target's range.
     """
     switches = DraftConfig.variant_switches(variant)
     if target_layer_ids is None:

@@ -73,7 +73,7 @@ def generate(
         temperature: 0 for greedy decoding, >= `sampling.MIN_TEMPERATURE` (1e-5) to sample.
         top_p: nucleus sampling mass in [0, 1]; 1 disables, 0 keeps only the most likely token.
         top_k: keep the k most likely tokens; 0 disables.
-        seed: random seed of the request; the same seed gives the same tokens.
+        seed: random seed of the request, in [0, 2**32); the same seed gives the same tokens.
         stop_token_ids: stop after generating any of these; None uses the target's end-of-sequence
             ids, [] disables stopping.
 

