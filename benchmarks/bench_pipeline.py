@@ -46,7 +46,8 @@ from jetspec_jax import DecodingOptions  # noqa: E402
 from jetspec_jax.adapter import init_adapter  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.decoding.pipeline_mpmd import DraftSide, draft_stage_target_params  # noqa: E402
-from jetspec_jax.decoding.session import pooled_hit_rate, resolve_proposer  # noqa: E402
+from jetspec_jax.decoding.results import pooled_hit_rate  # noqa: E402
+from jetspec_jax.decoding.session import resolve_proposer  # noqa: E402
 from jetspec_jax.decoding.speculative import prefill_speculative  # noqa: E402
 from jetspec_jax.decoding.state import Requests  # noqa: E402
 from jetspec_jax.sampling import RowSampling, SamplingParams  # noqa: E402

@@ -52,7 +52,7 @@ import jetspec_jax  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, write_section  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
-from jetspec_jax.decoding.session import pooled_hit_rate  # noqa: E402
+from jetspec_jax.decoding.results import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
 
 

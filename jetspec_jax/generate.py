@@ -14,13 +14,9 @@ import numpy as np
 import tqdm
 
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
-from jetspec_jax.decoding.session import (
-    GREEDY,
-    DecodeSession,
-    GenerationResult,
-    Timing,
-    check_token_ids,
-)
+from jetspec_jax.decoding.request_checks import check_token_ids
+from jetspec_jax.decoding.results import GenerationResult, Timing
+from jetspec_jax.decoding.session import GREEDY, DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.target import Target
 

@@ -9,7 +9,8 @@ import torch
 
 import jetspec_jax
 from jetspec_jax import SamplingParams
-from jetspec_jax.decoding.session import DecodeSession, check_token_ids
+from jetspec_jax.decoding.request_checks import check_token_ids
+from jetspec_jax.decoding.session import DecodeSession
 from tests.text_fixtures import EOS_ID, with_tokenizer
 
 

@@ -235,7 +235,7 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
     temperatures are refused (their summary rows would merge)."""
     from jetspec_jax.bench import runner
     from jetspec_jax.bench.report import markdown_table
-    from jetspec_jax.decoding.session import GenerationResult, Timing
+    from jetspec_jax.decoding.results import GenerationResult, Timing
 
     target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
     target = jetspec_jax.load_target(target_dir)
@@ -288,7 +288,7 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
 
 def test_an_interrupted_run_keeps_the_runs_that_finished(checkpoints, monkeypatch, tmp_path):
     from jetspec_jax.bench import runner
-    from jetspec_jax.decoding.session import GenerationResult, Timing
+    from jetspec_jax.decoding.results import GenerationResult, Timing
 
     calls = []
 

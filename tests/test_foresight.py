@@ -24,7 +24,8 @@ from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.refinement import RefiningProposer
-from jetspec_jax.decoding.session import DecodeSession, GenerationResult, Timing, pooled_hit_rate
+from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_rate
+from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy

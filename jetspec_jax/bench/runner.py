@@ -18,7 +18,8 @@ import tqdm
 
 from jetspec_jax.bench.datasets import Dataset
 from jetspec_jax.bench.methods import MethodSpec
-from jetspec_jax.decoding.session import check_budget, resolve_proposer
+from jetspec_jax.decoding.request_checks import check_budget
+from jetspec_jax.decoding.session import resolve_proposer
 from jetspec_jax.generate import generate
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,8 @@ of time, is logged, and is timed apart from prefill and decode.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ import numpy as np
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
-from jetspec_jax.decoding.foresight import ForesightState, foresight_proposer
+from jetspec_jax.decoding.foresight import foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.pipeline import (
     decode_loop,
@@ -42,6 +41,15 @@ from jetspec_jax.decoding.pipeline import (
 )
 from jetspec_jax.decoding.pipeline_mpmd import TwoProgramPipeline
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.request_checks import (
+    as_int,
+    check_budget,
+    check_prompts,
+    check_token_ids,
+    per_row,
+    prompt_name,
+)
+from jetspec_jax.decoding.results import GenerationResult, Timing, row_outputs, row_result
 from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling, SamplingParams
@@ -49,81 +57,6 @@ from jetspec_jax.sampling import RowSampling, SamplingParams
 GREEDY = SamplingParams()
 # One process-wide cache: every session (and every server batch) of a bucket reuses its executables.
 COMPILED = CompiledCache()
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """Wall-clock seconds of one batch (shared by its rows); compilation is counted apart.
-
-    Attributes:
-        prefill_seconds: the prompts' forward and the first token.
-        decode_seconds: the decode loop, first token excluded (all chunks together).
-        compile_seconds: compiling executables for new shape buckets (0 when all were cached).
-    """
-
-    prefill_seconds: float
-    decode_seconds: float
-    compile_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationResult:
-    """The outcome of one prompt.
-
-    Attributes:
-        tokens: the generated token ids (a final stop token included).
-        acceptance_lengths: tokens committed by each target forward that produced tokens for this
-            prompt, the prefill's first token included; sums to `len(tokens)`. All 1 for "ar".
-        finish_reason: "stop" (a stop token was generated), "length" (max_new_tokens reached),
-            "cancelled" (`DecodeSession.cancel` stopped it early), or None while the row is still
-            decoding (`DecodeSession.results` read before it finished).
-        prompt_length: number of prompt tokens.
-        timing: wall-clock times of the batch this prompt ran in.
-        outcomes: speculative methods: `(k, a)` of every verification round (k drafts accepted,
-            bonus token a); empty for "ar". The last round's, when a stop token or the budget cut
-            it, may name more tokens than were committed.
-        foresight_hits: with foresight, whether each verification round's block came from the
-            foresight cache (the first round never does); empty without foresight.
-        foresight_occupancy: with foresight, the candidate blocks cached when each round began.
-    """
-
-    tokens: list[int]
-    acceptance_lengths: list[int]
-    finish_reason: str | None
-    prompt_length: int
-    timing: Timing
-    outcomes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    foresight_hits: list[bool] = dataclasses.field(default_factory=list)
-    foresight_occupancy: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per verification round (the prefill's first token excluded;
-        1.0 when that token is the only one, 0.0 with none)."""
-        rounds = self.acceptance_lengths[1:] or self.acceptance_lengths
-        return float(np.mean(rounds)) if rounds else 0.0
-
-    @property
-    def foresight_hit_rate(self) -> float:
-        """The fraction of verification rounds after the first whose block was a foresight hit
-        (the first round has nothing drafted ahead; 0 without foresight)."""
-        return pooled_hit_rate([self])
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Tokens after the first, per second of the decode loop."""
-        n, seconds = len(self.tokens) - 1, self.timing.decode_seconds
-        return n / seconds if n > 0 and seconds > 0 else 0.0
-
-
-def pooled_hit_rate(results: Iterable[GenerationResult]) -> float:
-    """Foresight hits over the rounds that could hit, pooled across results: each prompt's
-    rounds after its first (0.0 when there are none, as without foresight)."""
-    hits = chances = 0
-    for result in results:
-        hits += sum(result.foresight_hits[1:])
-        chances += max(len(result.foresight_hits) - 1, 0)
-    return hits / chances if chances else 0.0
 
 
 class DecodeSession:
@@ -177,9 +110,9 @@ class DecodeSession:
         self._pipeline = options.pipeline
         self._two_programs = None  # the MPMD pipeline's stage placement, built at start
         prompts = check_prompts(prompts, config.vocab_size)
-        budgets = _per_row(max_new_tokens, len(prompts), "max_new_tokens")
+        budgets = per_row(max_new_tokens, len(prompts), "max_new_tokens")
         budgets = [
-            check_budget(config, len(p), n, _prompt_name(i, len(prompts)))
+            check_budget(config, len(p), n, prompt_name(i, len(prompts)))
             for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
         ]
         if isinstance(sampling, SamplingParams):
@@ -392,12 +325,12 @@ class DecodeSession:
         """Request `row`'s `GenerationResult` so far: a row that `row_done` reports finished can
         be answered while the others decode (fetches only that row's outputs)."""
         self._check_row(row)
-        return self._result(row, jax.device_get(_row_outputs(self._running_state(), row)))
+        return self._result(row, jax.device_get(row_outputs(self._running_state(), row)))
 
     def results(self) -> list[GenerationResult]:
         """One `GenerationResult` per request, in order (one transfer of the outputs, not of the
         caches)."""
-        outputs = jax.device_get(_row_outputs(self._running_state(), slice(None)))
+        outputs = jax.device_get(row_outputs(self._running_state(), slice(None)))
         return [
             self._result(row, {name: value[row] for name, value in outputs.items()})
             for row in range(self.num_rows)
@@ -405,7 +338,7 @@ class DecodeSession:
 
     def _result(self, row: int, outputs: dict) -> GenerationResult:
         stops, cancelled = self.stop_token_ids, row in self._cancelled
-        return _result(outputs, self.prompt_lengths[row], stops, self.timing, cancelled)
+        return row_result(outputs, self.prompt_lengths[row], stops, self.timing, cancelled)
 
     def _check_row(self, row) -> None:
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
@@ -454,154 +387,6 @@ def resolve_proposer(target, draft, options: DecodingOptions):
         pipeline_devices()  # refused with fewer than two
     return foresight_proposer(
         draft, proposer, params, options.foresight, rule=options.foresight_rule
-    )
-
-
-def check_budget(config, prompt_length: int, max_new_tokens, what: str = "prompt") -> int:
-    """`max_new_tokens` as an int, after checking it is an integer >= 1 (Python, NumPy or JAX)
-    and that the prompt (named `what` in the error) plus that many tokens fits the model's
-    context (ValueError otherwise)."""
-    budget = as_int(max_new_tokens)
-    if budget is None:
-        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-    if budget < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
-    if prompt_length + budget > config.max_position_embeddings:
-        raise ValueError(
-            f"{what} of {prompt_length} tokens + max_new_tokens={budget} exceeds the "
-            f"model's context of {config.max_position_embeddings} tokens"
-        )
-    return budget
-
-
-def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
-    """`prompts` (a non-empty sequence of prompts, each as `check_token_ids` takes it) as lists
-    of ints, or a ValueError saying what is wrong."""
-    iterable = hasattr(prompts, "__iter__") and getattr(prompts, "ndim", None) != 0
-    if isinstance(prompts, (str, bytes)) or not iterable:
-        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}")
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("prompts is empty")
-    # One prompt's ids where a batch of prompts belongs (`generate_batch(target, ids)`).
-    if any(as_int(p) is not None for p in prompts):
-        raise ValueError(
-            "prompts must be a list of prompts (lists of token ids), got a list of token ids: "
-            "pass [prompt] for one prompt, or use generate"
-        )
-    return [
-        check_token_ids(p, vocab_size, _prompt_name(i, len(prompts))) for i, p in enumerate(prompts)
-    ]
-
-
-def _prompt_name(index: int, count: int) -> str:
-    """How errors name a prompt: by its index when it is one of a batch."""
-    return f"prompt {index}" if count > 1 else "prompt"
-
-
-def check_token_ids(
-    ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False
-) -> list[int]:
-    """`ids` (a sequence of integer ids, or a 1-D NumPy/JAX integer array) as a list of ints in
-    [0, vocab_size), or a ValueError saying what is wrong."""
-    if isinstance(ids, (str, bytes)):
-        raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
-    if not hasattr(ids, "__iter__") or getattr(ids, "ndim", 1) != 1:  # 0-d arrays iterate no ids
-        raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
-    if hasattr(ids, "dtype"):  # an array: one dtype check, then Python ints
-        array = np.asarray(ids)
-        if not np.issubdtype(array.dtype, np.integer):  # bool is no integer dtype
-            raise ValueError(f"{what} must hold integer token ids, got an array of {array.dtype}")
-        ids = array.tolist()
-    ids = list(ids)
-    if not ids and not allow_empty:
-        raise ValueError(f"{what} is empty: at least one token id is needed")
-    checked = []
-    for i in ids:
-        token = as_int(i)
-        if token is None:
-            raise ValueError(f"{what} must hold integer token ids, got {i!r}")
-        if not 0 <= token < vocab_size:
-            raise ValueError(
-                f"{what} holds token id {token}, outside the vocabulary [0, {vocab_size})"
-            )
-        checked.append(token)
-    return checked
-
-
-def as_int(value) -> int | None:
-    """`value` as an int if it is an integer scalar (Python, NumPy, or a 0-d NumPy/JAX array of
-    an integer dtype), else None; bools are not integers here."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and getattr(value, "ndim", None) == 0 and np.issubdtype(dtype, np.integer):
-        return int(value)
-    return None
-
-
-def _per_row(value, rows: int, name: str) -> list:
-    """`value` per row: its items when it is a sequence (or 1-D NumPy/JAX array), else `value`
-    repeated."""
-    is_array = getattr(value, "ndim", None) == 1
-    if is_array or (isinstance(value, Sequence) and not isinstance(value, str)):
-        if len(value) != rows:
-            raise ValueError(f"got {len(value)} values of {name} for {rows} prompts")
-        return list(value)
-    return [value] * rows
-
-
-def _row_outputs(state, rows: int | slice) -> dict[str, jax.Array]:
-    """The arrays a `GenerationResult` is read from, at `rows` of the batch (device arrays; the
-    caches stay on the device)."""
-    decode = state.decode if isinstance(state, SpecState) else state
-    outputs = {
-        "output": decode.output[rows],
-        "num_generated": decode.num_generated[rows],
-        "done": decode.done[rows],
-        "round_lengths": decode.round_lengths[rows],
-        "num_rounds": decode.num_rounds[rows],
-    }
-    if isinstance(state, SpecState):
-        outputs["verify_rounds"] = state.num_verify_rounds[rows]
-        outputs["accepted"] = state.accepted[rows]
-        outputs["bonus"] = state.bonus[rows]
-        if isinstance(state.proposer, ForesightState):
-            outputs["foresight_rounds"] = state.proposer.num_rounds[rows]
-            outputs["hits"] = state.proposer.hits[rows]
-            outputs["occupancy"] = state.proposer.occupancy[rows]
-    return outputs
-
-
-def _result(row: dict, prompt_length, stops, timing, cancelled) -> GenerationResult:
-    """The `GenerationResult` of one row's host outputs (`_row_outputs` at that row)."""
-    tokens = row["output"][: int(row["num_generated"])].tolist()
-    outcomes, hits, occupancy = [], [], []
-    if "foresight_rounds" in row:
-        rounds = int(row["foresight_rounds"])
-        hits = row["hits"][:rounds].tolist()
-        occupancy = row["occupancy"][:rounds].tolist()
-    if "verify_rounds" in row:
-        rounds = int(row["verify_rounds"])
-        accepted, bonus = row["accepted"][:rounds].tolist(), row["bonus"][:rounds].tolist()
-        outcomes = list(zip(accepted, bonus, strict=True))
-    if tokens and tokens[-1] in stops:
-        reason = "stop"
-    elif cancelled:
-        reason = "cancelled"
-    else:
-        reason = "length" if bool(row["done"]) else None
-    return GenerationResult(
-        tokens=tokens,
-        acceptance_lengths=row["round_lengths"][: int(row["num_rounds"])].tolist(),
-        finish_reason=reason,
-        prompt_length=prompt_length,
-        timing=timing,
-        outcomes=outcomes,
-        foresight_hits=hits,
-        foresight_occupancy=occupancy,
     )
 
 

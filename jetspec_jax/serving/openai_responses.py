@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any
 
-from jetspec_jax.decoding.session import GenerationResult
+from jetspec_jax.decoding.results import GenerationResult
 
 
 def new_id(chat: bool) -> str:

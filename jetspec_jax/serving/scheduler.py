@@ -24,13 +24,9 @@ from collections import deque
 from collections.abc import Callable
 
 from jetspec_jax.decoding.options import DecodingOptions
-from jetspec_jax.decoding.session import (
-    DecodeSession,
-    GenerationResult,
-    Timing,
-    check_budget,
-    check_token_ids,
-)
+from jetspec_jax.decoding.request_checks import check_budget, check_token_ids
+from jetspec_jax.decoding.results import GenerationResult, Timing
+from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving.metrics import ServerMetrics
 

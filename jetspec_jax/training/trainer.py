@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
-from jetspec_jax.decoding.session import check_budget
+from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps

@@ -1,0 +1,105 @@
+"""Validation of decoding requests: prompts as token ids, per-row values, the budget against the
+context. Each check returns the value normalised (Python ints) or raises a ValueError that says
+what is wrong, naming the prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def check_budget(config, prompt_length: int, max_new_tokens, what: str = "prompt") -> int:
+    """`max_new_tokens` as an int, after checking it is an integer >= 1 (Python, NumPy or JAX)
+    and that the prompt (named `what` in the error) plus that many tokens fits the model's
+    context (ValueError otherwise)."""
+    budget = as_int(max_new_tokens)
+    if budget is None:
+        raise ValueError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if budget < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {budget}")
+    if prompt_length + budget > config.max_position_embeddings:
+        raise ValueError(
+            f"{what} of {prompt_length} tokens + max_new_tokens={budget} exceeds the "
+            f"model's context of {config.max_position_embeddings} tokens"
+        )
+    return budget
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """`prompts` (a non-empty sequence of prompts, each as `check_token_ids` takes it) as lists
+    of ints, or a ValueError saying what is wrong."""
+    iterable = hasattr(prompts, "__iter__") and getattr(prompts, "ndim", None) != 0
+    if isinstance(prompts, (str, bytes)) or not iterable:
+        raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    # One prompt's ids where a batch of prompts belongs (`generate_batch(target, ids)`).
+    if any(as_int(p) is not None for p in prompts):
+        raise ValueError(
+            "prompts must be a list of prompts (lists of token ids), got a list of token ids: "
+            "pass [prompt] for one prompt, or use generate"
+        )
+    return [
+        check_token_ids(p, vocab_size, prompt_name(i, len(prompts))) for i, p in enumerate(prompts)
+    ]
+
+
+def prompt_name(index: int, count: int) -> str:
+    """How errors name a prompt: by its index when it is one of a batch."""
+    return f"prompt {index}" if count > 1 else "prompt"
+
+
+def check_token_ids(
+    ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False
+) -> list[int]:
+    """`ids` (a sequence of integer ids, or a 1-D NumPy/JAX integer array) as a list of ints in
+    [0, vocab_size), or a ValueError saying what is wrong."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
+    if not hasattr(ids, "__iter__") or getattr(ids, "ndim", 1) != 1:  # 0-d arrays iterate no ids
+        raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
+    if hasattr(ids, "dtype"):  # an array: one dtype check, then Python ints
+        array = np.asarray(ids)
+        if not np.issubdtype(array.dtype, np.integer):  # bool is no integer dtype
+            raise ValueError(f"{what} must hold integer token ids, got an array of {array.dtype}")
+        ids = array.tolist()
+    ids = list(ids)
+    if not ids and not allow_empty:
+        raise ValueError(f"{what} is empty: at least one token id is needed")
+    checked = []
+    for i in ids:
+        token = as_int(i)
+        if token is None:
+            raise ValueError(f"{what} must hold integer token ids, got {i!r}")
+        if not 0 <= token < vocab_size:
+            raise ValueError(
+                f"{what} holds token id {token}, outside the vocabulary [0, {vocab_size})"
+            )
+        checked.append(token)
+    return checked
+
+
+def as_int(value) -> int | None:
+    """`value` as an int if it is an integer scalar (Python, NumPy, or a 0-d NumPy/JAX array of
+    an integer dtype), else None; bools are not integers here."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and getattr(value, "ndim", None) == 0 and np.issubdtype(dtype, np.integer):
+        return int(value)
+    return None
+
+
+def per_row(value, rows: int, name: str) -> list:
+    """`value` per row: its items when it is a sequence (or 1-D NumPy/JAX array), else `value`
+    repeated."""
+    is_array = getattr(value, "ndim", None) == 1
+    if is_array or (isinstance(value, Sequence) and not isinstance(value, str)):
+        if len(value) != rows:
+            raise ValueError(f"got {len(value)} values of {name} for {rows} prompts")
+        return list(value)
+    return [value] * rows
