@@ -346,6 +346,22 @@ def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_
     assert not (tmp_path / "run" / "adapter_run" / "checkpoints").exists()
 
 
+def test_the_eval_prompt_file_is_needed_only_when_tau_is_evaluated(
+    target, draft, data_file, tmp_path
+):
+    missing = str(tmp_path / "missing_eval.jsonl")
+    config = _config(data_file, tmp_path / "run", eval_tau=False)
+    config = dataclasses.replace(
+        config, data=dataclasses.replace(config.data, eval_prompts=missing)
+    )
+    assert train_adapter(config, target=target, draft=draft, stop_after=1) is None
+    evaluated = dataclasses.replace(
+        config, adapter=dataclasses.replace(config.adapter, eval_tau=True)
+    )
+    with pytest.raises(FileNotFoundError, match="missing_eval.jsonl"):
+        train_adapter(evaluated, target=target, draft=draft)
+
+
 def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path, monkeypatch):
     calls = []
 

@@ -197,11 +197,14 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
         changed = dataclasses.replace(config.optim, learning_rate=1e-4)
         train(dataclasses.replace(config, optim=changed), target=target, stop_after=1)
     (warning,) = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
-    assert "resuming with optim" in warning and "'learning_rate': 0.0001" in warning
-    # A train state of another shape cannot be resumed: said by run, not as orbax's tree diff.
+    assert "resuming with optim.learning_rate 0.0001 (the checkpoints': 0.005)" in warning, warning
+    # A train state of another shape cannot be resumed: said by run, not as orbax's tree diff,
+    # naming the setting that changed.
     deeper = dataclasses.replace(config.draft, num_layers=2)
-    with pytest.raises(ValueError, match="does not hold this run's train state.*new run.dir"):
+    with pytest.raises(ValueError, match="does not hold this run's train state") as refused:
         train(dataclasses.replace(config, draft=deeper), target=target, stop_after=1)
+    assert "changed since: draft.num_layers 2 (the checkpoints': 1)" in str(refused.value)
+    assert "new run.dir" in str(refused.value)
     # Each process saved its own data position: another process count is refused by name.
     recorded = json.loads((tmp_path / "run_setup.json").read_text())
     assert recorded["process_count"] == 1 and recorded["target"] == config.target
@@ -590,8 +593,10 @@ def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     )  # fmt: skip
     section = dict(variant="dflash", block_size=4, init_from=str(imported.save(tmp_path / "imp")))
     config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
-    with pytest.raises(ValueError, match="mask_token_id 7 \\(configured"):
+    with pytest.raises(ValueError, match="mask_token_id 7 \\(configured") as refused:
         initial_draft(config, target)
+    heads = target.config.num_heads
+    assert f"layers.num_heads 2 (configured {heads})" in str(refused.value)  # by field, not dump
     section |= dict(num_heads=2, num_kv_heads=1, head_dim=8, mask_token_id=7)
     config = from_dict(TrainConfig, dict(data=dict(files=["x.jsonl"]), draft=section), "")
     assert initial_draft(config, target).config == imported.config

@@ -122,7 +122,7 @@ def train_adapter(
             the draft is not a token-input (jetspec++) draft.
         CheckpointError: the draft directory is missing or does not fit the target.
     """
-    check_input_files(config, *config.adapter.eval_files)
+    check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
     if not isinstance(draft, Draft):  # checked before the run directory and the target load
         draft = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
         if not draft.is_dir():

@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.training.config import RunConfig
+from jetspec_jax.training.differences import leaf_differences
 from jetspec_jax.training.run_helpers import Throughput
 
 logger = logging.getLogger(__name__)
@@ -139,10 +140,13 @@ def opened_run(
     manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
     with contextlib.closing(manager):
         if manager.latest_step() is not None:
-            _check_process_count(run_dir, recorded_setup(run_dir), setup["process_count"])
-            state = restore_latest(manager, state, iterator)
+            recorded = recorded_setup(run_dir)
+            _check_process_count(run_dir, recorded, setup["process_count"])
+            changes = setup_changes(recorded, setup)
+            state = restore_latest(manager, state, iterator, changes)
             logger.info("%s: resumed from step %d", run_dir, int(state.step))
-            _warn_on_changed_setup(run_dir / SETUP_FILE, setup)
+            for change in changes:
+                logger.warning("%s: resuming with %s", run_dir, change)
         elif jax.process_index() == 0:
             _write_json_atomically(run_dir / SETUP_FILE, setup)
         with MetricsLog(run_dir, run.tensorboard, start_step=int(state.step)) as metrics_log:
@@ -169,22 +173,15 @@ def _check_process_count(run_dir: pathlib.Path, recorded: dict, count: int) -> N
         )
 
 
-def _warn_on_changed_setup(path: pathlib.Path, setup: dict) -> None:
-    if not path.is_file():  # checkpoints from before setups were recorded
-        return
-    recorded = json.loads(path.read_text(encoding="utf-8"))
+def setup_changes(recorded: dict, setup: dict) -> list[str]:
+    """Each setting `setup` changes from the `recorded` one, named by its dotted path, e.g.
+    `optim.learning_rate 0.0001 (the checkpoints': 0.001)`. Nothing for checkpoints written before
+    setups were recorded (`recorded` empty)."""
     current = json.loads(json.dumps(setup))  # tuples as lists, as they were recorded
-    # A key one side lacks is a change of this library's version, not of the run's setup.
-    for key in sorted(set(recorded) & set(current)):
-        was, now = recorded.get(key), current.get(key)
-        if was != now:
-            logger.warning(
-                "%s: resuming with %s %r, but the checkpoints were written with %r",
-                path.parent,
-                key,
-                now,
-                was,
-            )
+    return [
+        f"{path} {now!r} (the checkpoints': {was!r})"
+        for path, was, now in leaf_differences(recorded, current)
+    ]
 
 
 def has_checkpoint(run_dir: pathlib.Path) -> bool:
@@ -215,9 +212,10 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, state, iterator) 
     )
 
 
-def restore_latest(manager: ocp.CheckpointManager, state, iterator):
+def restore_latest(manager: ocp.CheckpointManager, state, iterator, changes=()):
     """The latest checkpoint's state (shaped and sharded like `state`); restores `iterator` in
-    place."""
+    place. `changes`: the setup changes since the checkpoints (`setup_changes`), named when the
+    state does not fit."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     step = manager.latest_step()
     try:
@@ -229,10 +227,12 @@ def restore_latest(manager: ocp.CheckpointManager, state, iterator):
             ),
         )
     except ValueError as e:  # orbax's message lists tree paths, not what to do
+        changed = f"; changed since: {'; '.join(changes)}" if changes else ""
         raise ValueError(
             f"{manager.directory}: checkpoint {step} does not hold this run's train state (another "
-            "draft or adapter architecture, or an optimizer state from an older jetspec_jax); "
-            f"resume it with the setup that wrote it, or start a new run.dir. Orbax: {e}"
+            f"draft or adapter architecture, or an optimizer state from an older jetspec_jax"
+            f"{changed}); resume it with the setup that wrote it, or start a new run.dir. "
+            f"Orbax: {e}"
         ) from e
     return restored["state"]
 

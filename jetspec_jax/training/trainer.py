@@ -30,6 +30,7 @@ from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
+from jetspec_jax.training.differences import leaf_differences
 from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids, prompts_tau
 from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
 from jetspec_jax.training.run_loop import has_checkpoint, logged, opened_run, run_steps
@@ -197,14 +198,13 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     if d.init_from is None or resuming:
         return draft
     start = load_draft(d.init_from, target, dtype="float32")
-    differ = [
-        f"{f.name} {getattr(start.config, f.name)!r} (configured {getattr(draft.config, f.name)!r})"
-        for f in dataclasses.fields(draft.config)
-        if getattr(start.config, f.name) != getattr(draft.config, f.name)
-    ]
+    differ = leaf_differences(start.config, draft.config)
     if differ:
+        named = "; ".join(f"{path} {was!r} (configured {now!r})" for path, was, now in differ)
         raise ValueError(
-            f"draft.init_from {d.init_from} is not the configured draft: {'; '.join(differ)}"
+            f"draft.init_from {d.init_from} is not the configured draft: {named}. The draft "
+            "section sets the variant, layers, taps, block size, mask token and the layers' "
+            "sizes; the other layer settings are the target's"
         )
     return dataclasses.replace(draft, params=start.params, dtype=start.dtype)
 
@@ -220,10 +220,10 @@ def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
     return global_batch // processes, global_batch
 
 
-def check_input_files(config: TrainConfig, *more: str) -> None:
+def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) -> None:
     """Refuses missing data or evaluation files (`data` and `more`) before the model load, which
-    can take minutes."""
-    eval_prompts = [config.data.eval_prompts] if config.data.eval_prompts else []
+    can take minutes. `eval_tau`: the run reads `data.eval_prompts` (when it names a file)."""
+    eval_prompts = [config.data.eval_prompts] if eval_tau and config.data.eval_prompts else []
     missing = [f for f in (*config.data.files, *eval_prompts, *more) if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
