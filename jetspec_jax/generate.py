@@ -77,14 +77,15 @@ def generate(
         A `GenerationResult`.
     """
     # Checked as one prompt here: wrapped first, an int would read as a batch of one id.
-    check_token_ids(prompt_ids, target.config.vocab_size)
+    prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # an iterator is read
     (result,) = generate_batch(
         target,
         [prompt_ids],
         draft=draft,
         method=method,
         max_new_tokens=max_new_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+        # One per row: the seed as given (one for all rows would be mixed with the row index).
+        sampling=[SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)],
         stop_token_ids=stop_token_ids,
         refine_passes=refine_passes,
         refreshes=refreshes,
@@ -127,7 +128,9 @@ def generate_batch(
         draft, method, stop_token_ids, refine_passes, refreshes, foresight, foresight_rule,
             pipeline, replacement_confidence: as in `generate`, shared by all rows.
         max_new_tokens: one budget for all rows, or one per row (each >= 1).
-        sampling: one `SamplingParams` for all rows, or one per row.
+        sampling: one `SamplingParams` for all rows (row i draws with the seed
+            `sampling.row_seed(seed, i)`, so rows are independent samples), or one per row
+            (each with its own seed, as given).
         show_progress: a tqdm bar over the generated tokens (None: only on a terminal). With a
             bar, the loop returns to the host every `PROGRESS_CHUNK_STEPS` target forwards to
             update it; without one it runs to the end in one call.
@@ -243,8 +246,8 @@ def stream(
         or chunk_steps < 1
     ):
         raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
-    check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
+    sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)]
     session = DecodeSession(
         target,
         [prompt_ids],

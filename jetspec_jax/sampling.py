@@ -50,8 +50,9 @@ class SamplingParams:
     def __post_init__(self):
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+            real = isinstance(value, (int, float, np.integer, np.floating))
+            if isinstance(value, bool) or not real:  # complex would pass the range checks
+                raise ValueError(f"{name} must be a real number, got {value!r}")
         if not 0 <= self.temperature <= _MAX_FLOAT32:  # NaN fails too; travels as float32
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -69,6 +70,15 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+def row_seed(base_seed: int, index: int) -> int:
+    """The seed of row `index` when one seed serves many rows (a batch given one
+    `SamplingParams`, the records of `regenerate`): a well-mixed uint32 of (base_seed, index).
+
+    Mixing (rather than base_seed + index) keeps runs with neighbouring base seeds unrelated.
+    """
+    return int(np.random.SeedSequence([base_seed, index]).generate_state(1)[0])
 
 
 @flax.struct.dataclass

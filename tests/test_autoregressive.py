@@ -80,6 +80,25 @@ def test_same_seed_same_tokens_other_seed_other_tokens(target, prompts):
     assert run(3) != run(4)
 
 
+def test_one_sampling_params_for_a_batch_gives_each_row_its_own_draws(target, prompts):
+    """The way to draw n samples of one prompt: rows are not copies of one draw; one
+    `SamplingParams` per row keeps each seed as given (`generate`'s)."""
+    params = SamplingParams(temperature=1.5, seed=7)
+    kwargs = dict(max_new_tokens=16, stop_token_ids=[])
+    rows = jetspec_jax.generate_batch(target, [prompts[1]] * 3, sampling=params, **kwargs)
+    assert len({tuple(r.tokens) for r in rows}) == 3
+    alone = jetspec_jax.generate(target, prompts[1], temperature=1.5, seed=7, **kwargs)
+    (given,) = jetspec_jax.generate_batch(target, [prompts[1]], sampling=[params], **kwargs)
+    assert given.tokens == alone.tokens
+
+
+def test_a_prompt_may_be_any_iterable_of_ids(target, prompts):
+    want = jetspec_jax.generate(target, prompts[0], max_new_tokens=4).tokens
+    assert jetspec_jax.generate(target, iter(prompts[0]), max_new_tokens=4).tokens == want
+    streamed = jetspec_jax.stream(target, iter(prompts[0]), max_new_tokens=4)
+    assert [t for chunk in streamed for t in chunk] == want
+
+
 def test_stop_token_ends_generation_and_is_included(target, prompts):
     free = jetspec_jax.generate(target, prompts[0], max_new_tokens=32, stop_token_ids=[]).tokens
     stop = free[5]
@@ -121,9 +140,11 @@ def test_max_new_tokens_is_respected(target, prompts):
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=1e-39), "0 \\(greedy\\) or >= 1e-05"),
         (dict(temperature=1e39), "temperature must be a finite number"),  # inf as float32
-        (dict(temperature=True), "temperature must be a number"),
-        (dict(temperature="1"), "temperature must be a number"),
-        (dict(top_p=True), "top_p must be a number"),
+        (dict(temperature=True), "temperature must be a real number"),
+        (dict(temperature="1"), "temperature must be a real number"),
+        (dict(top_p=True), "top_p must be a real number"),
+        (dict(temperature=np.complex64(1 + 5j)), "temperature must be a real number"),
+        (dict(top_p=np.complex64(0.5)), "top_p must be a real number"),
         (dict(top_p=-0.1), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),

@@ -20,8 +20,9 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.data.prompts import MATH_SUFFIX
-from jetspec_jax.data.regenerate import regenerate, row_seed, settings_path
+from jetspec_jax.data.regenerate import regenerate, settings_path
 from jetspec_jax.prompting import PromptEncoding, encode_prompt
+from jetspec_jax.sampling import row_seed
 from tests.text_fixtures import with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -101,7 +101,7 @@ def _library(target, prompt_ids, max_tokens, sampling=None):
         target,
         [prompt_ids],
         max_new_tokens=max_tokens,
-        sampling=SamplingParams() if sampling is None else sampling,
+        sampling=[SamplingParams() if sampling is None else sampling],  # the seed as given
         pad_batch_to=BATCH,
     )
     session.start()

@@ -42,7 +42,7 @@ from jetspec_jax.data.jsonl import is_json_object, read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
 from jetspec_jax.generate import generate_batch
 from jetspec_jax.prompting import PromptEncoding
-from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.sampling import SamplingParams, row_seed
 from jetspec_jax.target import Target
 
 logger = logging.getLogger(__name__)
@@ -143,14 +143,6 @@ def check_output_path(
         raise ValueError(f"the output {out_path} is a directory; give a file path")
     if any(out_path.resolve() == pathlib.Path(f).resolve() for f in prompt_files):
         raise ValueError(f"the output {out_path} is one of the prompt files")
-
-
-def row_seed(base_seed: int, index: int) -> int:
-    """The sampling seed of record `index`: a well-mixed uint32 of (base_seed, index).
-
-    Mixing (rather than base_seed + index) keeps runs with neighbouring base seeds unrelated.
-    """
-    return int(np.random.SeedSequence([base_seed, index]).generate_state(1)[0])
 
 
 def regenerate(

@@ -21,6 +21,7 @@ of time, is logged, and is timed apart from prefill and decode.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 
@@ -52,7 +53,7 @@ from jetspec_jax.decoding.request_checks import (
 from jetspec_jax.decoding.results import GenerationResult, Timing, row_outputs, row_result
 from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
-from jetspec_jax.sampling import RowSampling, SamplingParams
+from jetspec_jax.sampling import RowSampling, SamplingParams, row_seed
 
 GREEDY = SamplingParams()
 # One process-wide cache: every session (and every server batch) of a bucket reuses its executables.
@@ -92,7 +93,9 @@ class DecodeSession:
             options: the method and its settings, shared by all rows; None: `DecodingOptions()`
                 ("ar").
             max_new_tokens: one budget for all rows, or one per row (each >= 1).
-            sampling: one `SamplingParams` for all rows, or one per row.
+            sampling: one `SamplingParams` for all rows (row i draws with the seed
+                `sampling.row_seed(seed, i)`, so rows are independent samples), or one per row
+                (each with its own seed, as given).
             stop_token_ids: shared by all rows; None: the target's end-of-sequence ids; [] never
                 stops early.
             pad_batch_to: pad the batch to at least this many rows (>= 1; then to a power of
@@ -115,8 +118,11 @@ class DecodeSession:
             check_budget(config, len(p), n, prompt_name(i, len(prompts)))
             for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
         ]
-        if isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
+        if isinstance(sampling, SamplingParams):  # each row its own draws, not copies of one
+            sampling = [
+                dataclasses.replace(sampling, seed=row_seed(sampling.seed, i))
+                for i in range(len(prompts))
+            ]
         if not isinstance(sampling, Sequence):
             kind = type(sampling).__name__
             raise ValueError(f"sampling must be a SamplingParams or one per prompt, got {kind}")
