@@ -6,6 +6,7 @@ tokens, so all requests share one compiled bucket per method.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import errno
 import io
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import jinja2
@@ -137,6 +139,9 @@ def test_models_health_and_api_key(server, http, client):
         answer = httpx.get(server.url + "/v1/models", headers=headers)
         assert answer.status_code == 401
         assert answer.json()["error"]["code"] == "invalid_api_key"
+    for scheme in ("bearer", "BEARER"):  # auth schemes are case-insensitive (RFC 9110)
+        answer = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert answer.status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     # A key that is not UTF-8 (httpx refuses to send one, so a raw request) is wrong, not a 500.
@@ -335,6 +340,50 @@ def test_a_stream_whose_client_hung_up_ends_quietly(server, http, monkeypatch, c
     assert _complete(http).status_code == 200
 
 
+def test_a_failure_mid_stream_is_an_error_event_then_done(http, monkeypatch, caplog):
+    """Once the event stream's headers are out, an unexpected error cannot be a new HTTP response
+    (it would be written into the body): the client gets an error event and `[DONE]`."""
+    add = app_module._Output.add
+
+    def fails_after_some_text(self, tokens):
+        if self.tokens >= 3:
+            raise KeyError("boom")
+        return add(self, tokens)
+
+    monkeypatch.setattr(app_module._Output, "add", fails_after_some_text)
+    labels = dict(endpoint="/v1/completions", status="500")
+    failed = _labelled(http, "jetspec_requests_total", **labels)
+    with caplog.at_level("ERROR"):
+        raw = _complete(http, max_tokens=16, stream=True)
+    assert raw.status_code == 200
+    data = [line[6:] for line in raw.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and "HTTP/1.1" not in raw.text
+    assert json.loads(data[-2])["error"]["type"] == "server_error"
+    assert "streaming /v1/completions failed" in caplog.text
+    _wait_for(lambda: _labelled(http, "jetspec_requests_total", **labels) - failed == 1)
+
+
+@pytest.mark.parametrize("accepting, status", [(True, "499"), (False, "503")])
+def test_a_cancelled_request_is_the_clients_unless_the_server_shuts_down(accepting, status):
+    """A handler cancelled while the server accepts requests lost its client (499); one cancelled
+    once the shutdown began was cancelled by the server, past its shutdown timeout (503)."""
+    counted = []
+    requests = types.SimpleNamespace(
+        labels=lambda *labels: types.SimpleNamespace(inc=lambda: counted.append(labels))
+    )
+    scheduler = types.SimpleNamespace(
+        accepting=accepting, metrics=types.SimpleNamespace(requests=requests)
+    )
+    request = types.SimpleNamespace(path="/v1/completions", app={SCHEDULER: scheduler})
+
+    async def cancelled(request):
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(app_module._count(request, cancelled))
+    assert counted == [("/v1/completions", status)]
+
+
 def test_every_chunk_of_a_stream_carries_the_streams_created_time(http, monkeypatch):
     """OpenAI's chunks share one `created`; a clock read per chunk would give each its own."""
     from jetspec_jax.serving import openai_responses
@@ -507,6 +556,8 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", repetition_penalty=1.2), 400, "1.2"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", ignore_eos=True), 400, "ignore_eos"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", min_tokens=4), 400, "min_tokens"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", truncate_prompt_tokens=1), 400, "truncate"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", presence_penalty=False), 400, "presence"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", add_special_tokens=False), 400, "add_s"),
     (
         "/v1/chat/completions",

@@ -258,6 +258,21 @@ def test_incremental_detokenizer_is_correct_across_chunk_boundaries(make):
         assert not any("\ufffd" in d for d in deltas)  # no half character is ever emitted
 
 
+def test_a_run_of_invalid_bytes_streams_on_and_characters_stay_whole():
+    """A lone continuation byte decodes as U+FFFD for good: only the last 3 tokens (an incomplete
+    character's most) are held, so a degenerate loop of them streams instead of waiting for the
+    end; a character split over tokens is still never emitted in halves."""
+    tokenizer = _byte_level_tokenizer()
+    coffee = tokenizer.encode("☕")  # 3 byte tokens
+    ids = [coffee[1]] * 40 + tokenizer.encode("a ☕ b") + [coffee[1]] * 5 + coffee + [coffee[1]]
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([i]) for i in ids]
+    assert "".join(deltas[:40]).count("\ufffd") >= 40 - 3
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert "".join(deltas).count("☕") == 2
+
+
 def test_stop_strings_cut_the_text_and_hold_back_possible_starts():
     stops = StopStrings(["END", "##"])
     out = [stops.feed(d) for d in ("ab", "cE", "N", "xy#", "z", "E", "ND tail")]

@@ -104,7 +104,8 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
 @web.middleware
 async def _count(request: web.Request, handler):
     """Counts every answer by route and status (`jetspec_requests_total`); a request whose client
-    went away (its handler cancelled) counts as 499, nginx's "client closed request", and a
+    went away (its handler cancelled) counts as 499, nginx's "client closed request" (503 when
+    the server's shutdown cancelled it), and a
     stream that ended in an error event counts as that error's status, not the 200 its headers
     went out with."""
     endpoint = request.path if request.path in _ROUTES else "other"
@@ -118,7 +119,8 @@ async def _count(request: web.Request, handler):
         status = e.status
         raise
     except (asyncio.CancelledError, ConnectionResetError):
-        status = 499
+        # Cancelled while the server shuts down: by the server, past its shutdown timeout.
+        status = 499 if request.app[SCHEDULER].accepting else 503
         raise
     finally:
         request.app[SCHEDULER].metrics.requests.labels(endpoint, str(status)).inc()
@@ -151,8 +153,8 @@ async def _errors(request: web.Request, handler):
 async def _auth(request: web.Request, handler):
     key = request.app[API_KEY]
     if key and request.path.startswith("/v1/"):
-        header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else ""
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        given = given.strip() if scheme.lower() == "bearer" else ""  # schemes ignore case
         # aiohttp keeps undecodable header bytes as surrogates: encode them back, not fail (500).
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
             raise RequestError(
@@ -337,6 +339,16 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
                 raise
             _STREAM_ERROR_STATUS.set(error.status)
             await send(error.body())
+        except ConnectionResetError:
+            raise
+        except Exception:
+            # Headers are out: a new (500) response would be written into the event stream's
+            # body and corrupt it, so the error is an event like the others.
+            if response is None:
+                raise
+            logger.exception("streaming %s failed", request.path)
+            _STREAM_ERROR_STATUS.set(500)
+            await send(RequestError(500, "internal server error", type="server_error").body())
         else:
             result = output.result
             await send(responses.chunk(**chunk_ids, finish_reason=output.finish_reason(result)))

@@ -4,8 +4,9 @@ A token may hold part of a multi-byte character (byte-level BPE), and some token
 token differently at the start of a text (SentencePiece drops a leading space). So text is never
 decoded token by token: each step decodes a short window that starts a few tokens back and emits
 what it adds to the text of the window's already-emitted part, holding back a trailing U+FFFD (an
-incomplete character) until the next token completes it. The concatenation of all deltas is the
-text of all tokens.
+incomplete character) until the next token completes it. An incomplete character is at most 3 bytes,
+so only the last 3 tokens are ever held: a run of invalid bytes (a degenerate sampling loop) streams
+on, and the window stays short. The concatenation of all deltas is the text of all tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 _INCOMPLETE = "\ufffd"
+_MAX_HELD_TOKENS = 3  # an incomplete UTF-8 character holds at most 3 bytes, so 3 tokens
 
 
 class IncrementalDetokenizer:
@@ -46,12 +48,26 @@ class IncrementalDetokenizer:
         decode = self._decode
         emitted = decode(self._ids[self._prefix : self._read])
         text = decode(self._ids[self._prefix :])
-        if len(text) <= len(emitted) or (text.endswith(_INCOMPLETE) and not final):
+        if text.endswith(_INCOMPLETE) and not final:
+            return self._before_held_tokens(emitted, text)
+        if len(text) <= len(emitted):
             if final:  # nothing printable: still consume the tokens
                 self._prefix = self._read = len(self._ids)
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(emitted) :]
+
+    def _before_held_tokens(self, emitted: str, text: str) -> str:
+        """The text before the last `_MAX_HELD_TOKENS` tokens, when the window's text starts with
+        it: a U+FFFD there is an invalid byte for good, not a character the next token completes."""
+        cut = len(self._ids) - _MAX_HELD_TOKENS
+        if cut <= self._read:
+            return ""
+        head = self._decode(self._ids[self._prefix : cut])
+        if len(head) <= len(emitted) or not text.startswith(head):
+            return ""
+        self._prefix, self._read = self._read, cut
+        return head[len(emitted) :]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)

@@ -46,6 +46,7 @@ EXTENSIONS_AT_NEUTRAL = {
     "structured_outputs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
+    "truncate_prompt_tokens": (),  # would cut the prompt
 }
 # vLLM's chat-only extensions: how the prompt is rendered (ours: `prompting.encode_chat`).
 CHAT_EXTENSIONS_AT_NEUTRAL = {
@@ -200,7 +201,8 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
     if not (logprobs is None or logprobs is False) or body.get("top_logprobs") is not None:
         raise RequestError(400, "logprobs are not supported", param="logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value != 0):  # False == 0
             raise RequestError(400, f"{name} is not supported (must be 0)", param=name)
     if body.get("logit_bias"):
         raise RequestError(400, "logit_bias is not supported", param="logit_bias")
