@@ -41,9 +41,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0].startswith("--config"):
-        argv = ["draft", *argv]  # `train.py --config X` is the main job
+    argv = _with_default_command(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
@@ -389,9 +387,31 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = ("regenerate", "draft", "adapter", "calibrate", "export", "evaluate")
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """`train.py --config X` (its flags in any order, no command named) is the main job, `draft`."""
+    config = any(a == "--config" or a.startswith("--config=") for a in argv)
+    if config and argv[0].startswith("-") and not set(argv) & set(COMMANDS):
+        return ["draft", *argv]
+    return argv
+
+
 def _float_list(text: str) -> list[float]:
-    """`--flag 0,0.5,1` -> [0.0, 0.5, 1.0] (argparse reports the ValueError as a usage error)."""
-    return [float(part) for part in text.split(",") if part.strip()]
+    """`--flag 0,0.5,1` -> [0.0, 0.5, 1.0] (argparse reports the errors as usage errors)."""
+    values = [float(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no value: give e.g. 0,0.5,1")
+    return values
+
+
+def _count(text: str) -> int:
+    """An integer >= 0 (refinement passes, refreshes), checked before any model loads."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -489,8 +509,8 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--anchors-per-sequence", type=int, default=16, help="anchors per sequence (one batch)"
     )
-    calibrate.add_argument("--refine-passes", type=int, default=1, help="J of the served Jj-Rr")
-    calibrate.add_argument("--refreshes", type=int, default=1, help="R of the served Jj-Rr")
+    calibrate.add_argument("--refine-passes", type=_count, default=1, help="J of the served Jj-Rr")
+    calibrate.add_argument("--refreshes", type=_count, default=1, help="R of the served Jj-Rr")
     calibrate.add_argument(
         "--confidence-grid",
         type=_float_list,
@@ -559,7 +579,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     evaluate.add_argument("--num-prompts", type=int, default=50)
     evaluate.add_argument("--max-new-tokens", type=int, default=256)
-    evaluate.add_argument("--refine-passes", type=int, default=0)
+    evaluate.add_argument("--refine-passes", type=_count, default=0)
     evaluate.add_argument("-v", "--verbose", action="store_true")
     return parser
 

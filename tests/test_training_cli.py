@@ -150,6 +150,33 @@ def test_process_counts_without_a_coordinator_are_refused(command, capsys):
     assert "need --coordinator" in capsys.readouterr().err
 
 
+def test_config_flags_in_any_order_run_the_main_job():
+    import train
+
+    for argv in (["--set", "optim.steps=5", "--config", "c.yaml"], ["-v", "--config=c.yaml"]):
+        args = train._parser().parse_args(train._with_default_command(argv))
+        assert args.command == "draft" and args.config == "c.yaml"
+    assert train._with_default_command(["evaluate", "--config", "c.yaml"])[0] == "evaluate"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["calibrate", "--refreshes", "-1"], "--refreshes: must be >= 0, got -1"),
+        (["calibrate", "--refine-passes", "-2"], "--refine-passes: must be >= 0, got -2"),
+        (["calibrate", "--confidence-grid", ""], "--confidence-grid: '' holds no value"),
+        (["evaluate", "--refine-passes", "-1"], "--refine-passes: must be >= 0, got -1"),
+    ],
+)
+def test_negative_passes_and_an_empty_grid_are_usage_errors(argv, message, capsys):
+    """Refused as the arguments are read, before the target and the data load."""
+    import train
+
+    with pytest.raises(SystemExit) as exited:
+        train._parser().parse_args(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_rerun_of_a_finished_draft_run_says_so(tmp_path, monkeypatch, capsys):
     """No loss or tau to print (nothing was trained): not "loss nan; eval tau n/a"."""
     import train
