@@ -61,7 +61,9 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         """Mean tokens committed per verification round (the prefill's first token excluded;
-        1.0 when that token is the only one, 0.0 with none)."""
+        1.0 when that token is the only one, 0.0 with none). A last round cut by a stop token or
+        the budget counts what it committed, so this reads slightly below the paper's mean of
+        accepted + 1 (`outcomes` holds each round's k)."""
         rounds = self.acceptance_lengths[1:] or self.acceptance_lengths
         return float(np.mean(rounds)) if rounds else 0.0
 
