@@ -384,6 +384,16 @@ def test_a_cancelled_request_is_the_clients_unless_the_server_shuts_down(accepti
     assert counted == [("/v1/completions", status)]
 
 
+def test_a_body_over_the_limit_gets_413_naming_it(http):
+    """The limit follows the context (64 bytes a token), 1 MiB at least: the tiny model's."""
+    assert app_module.max_body_bytes(131072) == 8 * 2**20
+    prompt = "x" * (2**20 + 1)
+    answer = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=1))
+    assert answer.status_code == 413
+    assert "Maximum request body size 1048576 exceeded" in answer.json()["error"]["message"]
+    assert _complete(http).status_code == 200
+
+
 def test_every_chunk_of_a_stream_carries_the_streams_created_time(http, monkeypatch):
     """OpenAI's chunks share one `created`; a clock read per chunk would give each its own."""
     from jetspec_jax.serving import openai_responses

@@ -59,6 +59,17 @@ _STREAM_ERROR_STATUS: contextvars.ContextVar[int | None] = contextvars.ContextVa
 )
 
 
+# A request body may carry a whole context: as token ids (up to ~8 bytes each in JSON) or as text
+# escaped character by character (`\uXXXX`, several characters a token). aiohttp's default, 1 MiB,
+# stays the floor; a 128k-token context allows 8 MiB.
+BODY_BYTES_PER_CONTEXT_TOKEN = 64
+
+
+def max_body_bytes(context_length: int) -> int:
+    """The largest request body the server reads (larger ones get 413, naming the limit)."""
+    return max(2**20, BODY_BYTES_PER_CONTEXT_TOKEN * context_length)
+
+
 def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = None):
     """The application; starting it starts the scheduler, shutting it down drains and stops it.
 
@@ -67,7 +78,10 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
         model: the served model's name, tokenizer and limits.
         api_key: when set, required as a bearer token on /v1/*.
     """
-    app = web.Application(middlewares=[_count, _errors, _auth])
+    app = web.Application(
+        middlewares=[_count, _errors, _auth],
+        client_max_size=max_body_bytes(model.context_length),
+    )
     app[SCHEDULER] = scheduler
     app[MODEL] = model
     app[API_KEY] = api_key or ""
@@ -136,7 +150,8 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:  # unknown route, wrong method, body too large
         if e.status < 400:
             raise
-        error = RequestError(e.status, e.reason or "error", code=str(e.status))
+        message = e.text if e.status == 413 and e.text else e.reason  # 413: names the limit
+        error = RequestError(e.status, message or "error", code=str(e.status))
         allow = e.headers.get("Allow")  # a 405 names the methods the route takes
         return web.json_response(
             error.body(), status=e.status, headers={"Allow": allow} if allow else None
