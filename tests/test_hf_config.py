@@ -37,13 +37,17 @@ HYBRID = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e4},
 )
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA3 = {**LLAMA3_SCALING, "rope_theta": 5e5}
 
 
 def _transformers_rope(hf: dict) -> dict:
-    """The rope parameters transformers 5 builds from this config.json (which it edits in place,
-    hence the copy)."""
+    """The rope parameters a transformers 5 model runs from this config.json (which it edits in
+    place, hence the copy): standardised again as the model builds its rotary embedding, when a
+    top-level original_max_position_embeddings overrides the rope dict's."""
     fields = {k: v for k, v in copy.deepcopy(hf).items() if k != "model_type"}
-    return transformers.AutoConfig.for_model(hf["model_type"], **fields).rope_parameters
+    config = transformers.AutoConfig.for_model(hf["model_type"], **fields)
+    config.standardize_rope_params()
+    return config.rope_parameters
 
 
 @pytest.mark.parametrize(
@@ -61,10 +65,19 @@ def _transformers_rope(hf: dict) -> dict:
             rope_theta=123.0,
         ),
         # llama3 without original_max_position_embeddings: the model's max_position_embeddings,
-        # also when that is itself the default (Llama's 2048); a top-level one is not read.
+        # also when that is itself the default (Llama's 2048); a top-level one wins, over the
+        # rope dict's too.
         dict(rope_parameters={**LLAMA3_SCALING, "rope_theta": 5e5}),
         dict(rope_scaling=LLAMA3_SCALING, rope_theta=5e5, max_position_embeddings=None),
         dict(rope_scaling=LLAMA3_SCALING, original_max_position_embeddings=1024),
+        dict(
+            rope_parameters={
+                **LLAMA3_SCALING,
+                "rope_theta": 5e5,
+                "original_max_position_embeddings": 512,
+            },
+            original_max_position_embeddings=64,
+        ),
     ],
 )
 def test_rope_is_read_as_transformers_reads_it(changes):

@@ -288,18 +288,21 @@ def _rope_from_hf(hf: dict[str, Any], context: int, hybrid: bool = False) -> Rop
         factor=field("factor", defaults.factor),
         low_freq_factor=field("low_freq_factor", defaults.low_freq_factor),
         high_freq_factor=field("high_freq_factor", defaults.high_freq_factor),
-        # transformers 5 (`standardize_rope_params`) defaults it, for llama3, to the model's
-        # max_position_embeddings (a top-level original_max_position_embeddings is not read for
-        # Llama / Qwen models). The other types do not use it.
-        original_max_position_embeddings=json_integer(
-            params.get(
-                "original_max_position_embeddings",
-                context if rope_type == "llama3" else defaults.original_max_position_embeddings,
-            ),
-            _field(f"{source}.original_max_position_embeddings"),
-            whole_floats=True,
-        ),
+        original_max_position_embeddings=_original_context(hf, params, source, rope_type, context),
     )
+
+
+def _original_context(hf: dict, params: dict, source: str, rope_type: str, context: int) -> int:
+    """llama3's original_max_position_embeddings as the model runs it: transformers 5
+    (`standardize_rope_params`, run again as the model builds its rotary embedding) takes a
+    top-level one over the rope dict's, and defaults it to max_position_embeddings. The other
+    types do not use it."""
+    name = "original_max_position_embeddings"
+    if rope_type == "llama3" and hf.get(name) is not None:
+        return json_integer(hf[name], _field(name), whole_floats=True)
+    if name in params:
+        return json_integer(params[name], _field(f"{source}.{name}"), whole_floats=True)
+    return context if rope_type == "llama3" else RopeConfig().original_max_position_embeddings
 
 
 def _field(name: str) -> str:

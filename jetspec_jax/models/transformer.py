@@ -2,7 +2,8 @@
 
 Data flow of `forward`:
     tokens [B, T] -> embed -> L x (attention over [cache; new keys] + SwiGLU MLP) -> final norm
-    -> hidden [B, T, H]  (and the un-normed outputs of the requested tap layers)
+    -> hidden [B, T, H]  (and the outputs of the requested tap layers: un-normed, but the last
+    layer's final-normed, as HF's `hidden_states[L]`)
 `unembed` turns hidden states into logits; it is separate so that decoders compute logits only for
 the positions they need (the last prompt token, the verified block), not the whole prefill.
 
