@@ -6,25 +6,26 @@
         --out runs/data/gsm8k_train.jsonl [--target DIR] [--batch-size 8] [--max-new-tokens 512]
 
     # 2. Train the draft (resumes from the run's latest checkpoint; exports <run.dir>/draft).
+    #    (2a, the baselines: README.md.)
     python train.py --config configs/smollm2_135m.yaml       # = train.py draft --config ...
     python train.py draft --config CFG --coordinator HOST:PORT --num-processes 2 --process-id 0
 
-    # 3. Train the adapter for that draft (resumable; exports draft + adapter, a JetSpec++
+    # 2b. Train the adapter for that draft (resumable; exports draft + adapter, a JetSpec++
     #    checkpoint, to <run.dir>/jetspec_pp).
     python train.py adapter --config configs/smollm2_135m.yaml [--draft DIR] [--stop-after N]
 
-    # 4. Tau of a draft through the inference path.
+    # 3. Tau of a draft through the inference path.
     python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl \\
         [--num-prompts 50] [--max-new-tokens 256] [--refine-passes J]
 
-    # 5. Fit the calibration of a JetSpec++ checkpoint (draft + adapter) on held-out regenerated
+    # 4. Fit the calibration of a JetSpec++ checkpoint (draft + adapter) on held-out regenerated
     #    sequences: refinement's replacement confidence, then the outcome-score temperatures;
     #    writes its calibration.json (the bundle is rewritten atomically).
-    python train.py calibrate --target DIR --draft runs/x/jetspec_pp --data held_out.jsonl \\
+    python train.py calibrate [--target DIR] --draft runs/x/jetspec_pp --data held_out.jsonl \\
         [--num-rounds 512] [--refine-passes 1 --refreshes 1] [--confidence-grid 0,0.5,0.9,1] \\
         [--replacement-confidence C] [--out DIR] [--report FILE.json]
 
-    # 6. Re-save a draft or JetSpec++ checkpoint in another dtype (e.g. bfloat16 to ship it);
+    # 5. Re-save a draft or JetSpec++ checkpoint in another dtype (e.g. bfloat16 to ship it);
     #    --adapter-from pairs a plain draft with another checkpoint's adapter (same taps).
     python train.py export --draft runs/x/draft --adapter-from runs/y/jetspec_pp --out DIR \\
         [--dtype bfloat16]

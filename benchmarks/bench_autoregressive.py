@@ -35,7 +35,7 @@ from jetspec_jax.prompting import encode_prompt  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "bench_autoregressive.json"))
     return parser
 

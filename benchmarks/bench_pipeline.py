@@ -109,7 +109,7 @@ def memory_rows(target, draft, foresight: int, batch: int, capacity: int, max_ou
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft", default=None, help="JetSpec++ checkpoint (default: random)")
     parser.add_argument("--set", default="gsm8k_test", help="a name in ../shared/data/eval/")
     parser.add_argument("--num-prompts", type=int, default=4)

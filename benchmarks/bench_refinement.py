@@ -119,7 +119,7 @@ def _run(target, prompts, max_new_tokens, temperature, *, draft=None, **options)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--draft", required=True, help="a JetSpec++ checkpoint, or a DFlash / JetSpec draft"
     )

@@ -38,7 +38,7 @@ ROUNDS, REPEATS, BLOCK = 64, 7, 16
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
     return parser
 

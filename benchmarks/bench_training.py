@@ -29,7 +29,7 @@ from jetspec_jax.training.trainer import initial_draft  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m.yaml"))
     parser.add_argument("--steps", type=int, default=10)
     return parser

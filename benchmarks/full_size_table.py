@@ -162,7 +162,7 @@ def plot_tau(rows: dict[tuple, dict], path: pathlib.Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--results", type=pathlib.Path, default=ROOT / "docs" / "data" / "full_size_results.jsonl"
     )
