@@ -78,7 +78,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterTrainConfig:
-    """The adapter to train for the draft (`train.py adapter`; see `jetspec_jax.adapter.init_adapter`).
+    """The adapter to train for the draft (`train.py adapter`; `jetspec_jax.adapter.init_adapter`).
 
     Blocks are the draft's `block_size` positions from random anchors; position j of a block
     weighs `kappa**j` (its chance of being reached), normalised per block.
