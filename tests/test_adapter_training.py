@@ -379,6 +379,17 @@ def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path,
     assert [r["prompt_ids"].tolist() for r in calls] != first
 
 
+def test_fewer_eval_batches_than_configured_are_warned_about(target, data_file, tmp_path, caplog):
+    config = _config(data_file, tmp_path, eval_batches=9)
+    records = read_regenerated([data_file])
+    with caplog.at_level("WARNING"):
+        batches = _eval_batches(
+            config, 2, _batch_sharding(config), target.config.vocab_size, records
+        )
+    assert len(batches) == 4  # the file's 8 records, 2 a batch
+    assert "adapter.eval_batches 9: 8 records make only 4 batches of 2" in caplog.text
+
+
 def _batch_sharding(config):
     return batch_sharding(make_mesh(config.mesh))
 

@@ -352,6 +352,7 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "run: {keep_checkpoints: 0}": "run.keep_checkpoints",
         "run: {eval_every: -1}": "run.eval_every",
         "data: {files: [a.jsonl], eval_num_prompts: 0}": "data.eval_num_prompts",
+        "data: {files: [a.jsonl, b.jsonl, a.jsonl]}": "data.files",  # trained on twice
         "data: {files: [a.jsonl], eval_max_new_tokens: 0}": "data.eval_max_new_tokens",
         "data: {files: [a.jsonl], max_length: 64}\noptim: {anchors_per_sequence: 65}": (
             r"optim.anchors_per_sequence \(<= data.max_length 64\): 65"
@@ -444,7 +445,18 @@ def test_epochs_that_leave_only_warmup_steps_are_warned_about(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         optim = resolve_steps(load_train_config(path), 40).optim
     assert optim.steps == optim.warmup_steps == 10
+    assert "optim.warmup_steps 30 >= the 10 steps" in caplog.text
     assert "the whole run warms up and the learning rate never decays" in caplog.text
+    # The adapter's own section is named as its own.
+    from jetspec_jax.training.adapter_trainer import adapter_optim
+
+    path.write_text(
+        "data: {files: [a.jsonl]}\nadapter: {optim: {epochs: 1, batch_size: 4, warmup_steps: 30}}\n"
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        adapter_optim(load_train_config(path), 40)
+    assert "adapter.optim.warmup_steps 30 >= the 10 steps" in caplog.text
 
 
 def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path):

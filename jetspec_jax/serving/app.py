@@ -117,11 +117,10 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
 
 @web.middleware
 async def _count(request: web.Request, handler):
-    """Counts every answer by route and status (`jetspec_requests_total`); a request whose client
-    went away (its handler cancelled) counts as 499, nginx's "client closed request" (503 when
-    the server's shutdown cancelled it), and a
-    stream that ended in an error event counts as that error's status, not the 200 its headers
-    went out with."""
+    """Counts every answer by route and status (`jetspec_requests_total`): a request whose client
+    went away (its handler cancelled) as 499, nginx's "client closed request" (503 when the
+    server's shutdown cancelled it), and a stream that ended in an error event as that error's
+    status, not the 200 its headers went out with."""
     endpoint = request.path if request.path in _ROUTES else "other"
     status = 500
     _STREAM_ERROR_STATUS.set(None)  # requests of one keep-alive connection share a task

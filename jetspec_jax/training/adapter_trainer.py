@@ -261,8 +261,10 @@ def train_adapter(
 
 def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
     """The adapter's optimisation settings (its own, else the draft's), epochs resolved."""
-    optim = config.optim if config.adapter.optim is None else config.adapter.optim
-    return resolve_steps(dataclasses.replace(config, optim=optim), num_examples).optim
+    own = config.adapter.optim is not None
+    optim = config.adapter.optim if own else config.optim
+    where = "adapter.optim" if own else "optim"
+    return resolve_steps(dataclasses.replace(config, optim=optim), num_examples, where).optim
 
 
 def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
@@ -316,6 +318,16 @@ def _eval_batches(
     if num_batches == 0:
         raise ValueError(
             f"adapter evaluation needs at least {local_batch} records per process in {list(files)}"
+        )
+    if num_batches < config.adapter.eval_batches:
+        logger.warning(
+            "adapter.eval_batches %d: %d records make only %d batches of %d per process; "
+            "evaluating on %d",
+            config.adapter.eval_batches,
+            len(records),
+            num_batches,
+            local_batch,
+            num_batches,
         )
     # Regenerated files are in generation order, shortest prompts first: a sample drawn with a
     # fixed seed (the same on every process and run) stands for the whole file.

@@ -166,6 +166,8 @@ class TrainConfig:
             self.data.max_length,
         )
         _check(bool(self.data.files), "data.files", self.data.files)
+        # Listed twice, a file would be trained on twice as often as the others, silently.
+        _check(len(set(self.data.files)) == len(self.data.files), "data.files", self.data.files)
         for name in ("eval_num_prompts", "eval_max_new_tokens"):
             _check(getattr(self.data, name) >= 1, f"data.{name}", getattr(self.data, name))
         for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
@@ -248,16 +250,18 @@ def _check_adapter(adapter: AdapterTrainConfig, draft: DraftArchConfig) -> None:
         _check_optim(adapter.optim, "adapter.optim")
 
 
-def resolve_steps(config: TrainConfig, num_examples: int) -> TrainConfig:
-    """`config` with `optim.steps` derived from `optim.epochs` (unchanged without epochs)."""
+def resolve_steps(config: TrainConfig, num_examples: int, where: str = "optim") -> TrainConfig:
+    """`config` with `optim.steps` derived from `optim.epochs` (unchanged without epochs);
+    `where`: the section the optimisation settings came from, for the warning."""
     if config.optim.epochs is None:
         return config
     steps = max(1, math.ceil(config.optim.epochs * num_examples / config.optim.batch_size))
     warmup = min(config.optim.warmup_steps, steps)
     if warmup == steps:
         logger.warning(
-            "optim.warmup_steps %d >= the %d steps of %s epoch(s) over %d examples: the whole run "
+            "%s.warmup_steps %d >= the %d steps of %s epoch(s) over %d examples: the whole run "
             "warms up and the learning rate never decays",
+            where,
             config.optim.warmup_steps,
             steps,
             config.optim.epochs,
