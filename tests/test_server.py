@@ -630,11 +630,16 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
         skip_special_tokens=True,
         response_format={"type": "text"},
         guided_json=None,
+        presence_penalty=0.0,
+        top_logprobs=0,
+        logit_bias={"5": 0},
     )
     plain = _complete(http, prompt="The sky", max_tokens=4).json()
     same = _complete(http, prompt="The sky", max_tokens=4, add_special_tokens=True, **neutral)
     assert same.status_code == 200, same.text
     assert same.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    unset = dict(stream=True, stream_options={"include_usage": None})  # null: the default, false
+    assert _complete(http, prompt="The sky", max_tokens=4, **unset).status_code == 200
     chat = dict(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )

@@ -198,13 +198,13 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
         raise RequestError(400, "n must be 1 (send concurrent requests instead)", param="n")
     # Identity, not equality: logprobs=0 asks for the chosen tokens' logprobs (and 0 == False).
     logprobs = body.get("logprobs")
-    if not (logprobs is None or logprobs is False) or body.get("top_logprobs") is not None:
+    if not (logprobs is None or logprobs is False) or not _is_zero(body.get("top_logprobs")):
         raise RequestError(400, "logprobs are not supported", param="logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or value != 0):  # False == 0
+        if not _is_zero(body.get(name)):
             raise RequestError(400, f"{name} is not supported (must be 0)", param=name)
-    if body.get("logit_bias"):
+    bias = body.get("logit_bias")
+    if bias and not (isinstance(bias, dict) and all(_is_zero(v) for v in bias.values())):
         raise RequestError(400, "logit_bias is not supported", param="logit_bias")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
@@ -239,6 +239,13 @@ def _is_one(value: Any) -> bool:
     return value is None or (type(value) is int and value == 1)
 
 
+def _is_zero(value) -> bool:
+    """Absent, null or a numeric 0 (not `False`, which equals 0): a neutral penalty or bias."""
+    return value is None or (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
+    )
+
+
 def _check_neutral(body: dict, extensions: dict[str, tuple]) -> None:
     """Refuses an extension (`{name: neutral values}`) given at a value that is not neutral;
     absent or null always is."""
@@ -265,7 +272,8 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
     options = options or {}
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options must be an object", param="stream_options")
-    include_usage = options.get("include_usage", False)
+    include_usage = options.get("include_usage")
+    include_usage = False if include_usage is None else include_usage
     if not isinstance(include_usage, bool):
         raise RequestError(
             400, "stream_options.include_usage must be a boolean", param="stream_options"
