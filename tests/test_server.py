@@ -657,6 +657,21 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
     assert same.json()["choices"][0]["message"] == plain["choices"][0]["message"]
 
 
+def test_chat_text_parts_are_joined_by_newlines(http):
+    def reply(content):
+        body = dict(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=6)
+        answer = http.post("/v1/chat/completions", json={**body, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["message"]["content"]
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    assert reply(parts) == reply("Hello\nthere")
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    body = dict(model=MODEL, messages=[{"role": "user", "content": image}])
+    refused = http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and "only text parts" in refused.json()["error"]["message"]
+
+
 def test_chat_template_kwargs_pass_enable_thinking_to_the_template():
     class Recording:
         chat_template = "{{ messages }}"

@@ -2,15 +2,15 @@
 
 Supported: `/v1/completions` (`prompt`: a string, a list of token ids, or a one-element list of
 either) and `/v1/chat/completions` (`messages` of system / user / assistant turns; string or
-text-part content), with `model`, `max_tokens` (chat: also `max_completion_tokens`),
-`temperature` (0..2), `top_p` (0 keeps only the most likely token), `top_k` (an extension, as in
-vLLM), `seed` (any 64-bit integer, folded to 32 bits), `stop` (up to 4 strings), `stream`,
-`stream_options.include_usage` and chat's `chat_template_kwargs.enable_thinking` (vLLM's).
-Fields that would change the output in ways this server does not implement (`n` > 1, `logprobs`,
-`echo`, non-zero penalties, `logit_bias`, `tools`, `suffix`, `best_of` > 1, a `response_format`
-other than text, and vLLM's extensions away from their neutral values: `EXTENSIONS_AT_NEUTRAL`,
-`CHAT_EXTENSIONS_AT_NEUTRAL`) are refused with 400 rather than
-silently ignored; other unknown fields are ignored, as clients send many.
+text-part content, the parts joined by newlines as vLLM joins them), with `model`, `max_tokens`
+(chat: also `max_completion_tokens`), `temperature` (0..2), `top_p` (0 keeps only the most likely
+token), `top_k` (an extension, as in vLLM), `seed` (any 64-bit integer, folded to 32 bits), `stop`
+(up to 4 strings), `stream`, `stream_options.include_usage` and chat's
+`chat_template_kwargs.enable_thinking` (vLLM's). Fields that would change the output in ways this
+server does not implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`, `tools`,
+`suffix`, `best_of` > 1, a `response_format` other than text, and vLLM's extensions away from
+their neutral values: `EXTENSIONS_AT_NEUTRAL`, `CHAT_EXTENSIONS_AT_NEUTRAL`) are refused with 400
+rather than silently ignored; other unknown fields are ignored, as clients send many.
 """
 
 from __future__ import annotations
@@ -421,7 +421,7 @@ def _content(content: Any, where: str) -> str:
                     400, f"{where}.content: only text parts are supported", param=where
                 )
             texts.append(part["text"])
-        return _unicode("".join(texts), where)
+        return _unicode("\n".join(texts), where)  # as vLLM joins a message's text parts
     raise RequestError(
         400, f"{where}.content must be a string or a list of text parts", param=where
     )
