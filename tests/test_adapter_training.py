@@ -362,6 +362,20 @@ def test_the_eval_prompt_file_is_needed_only_when_tau_is_evaluated(
         train_adapter(evaluated, target=target, draft=draft)
 
 
+def test_the_adapter_stage_reads_the_draft_in_the_export_dtype(target, draft, data_file, tmp_path):
+    """With `export_dtype: float32` and a bfloat16 target, the draft stage's float32 export is
+    read back in float32, and the adapter trained for it is exported in float32 too."""
+    from jetspec_jax.checkpoint.bundle import read_manifest
+
+    bf16_target = jetspec_jax.load_target(target.path, dtype="bfloat16")
+    draft.save(tmp_path / "run" / "draft")  # the draft stage's export, float32
+    config = _config(data_file, tmp_path / "run", eval_tau=False)
+    config = dataclasses.replace(config, target_dtype="bfloat16", export_dtype="float32")
+    result = train_adapter(config, target=bf16_target)
+    assert result.adapter.dtype == "float32"
+    assert read_manifest(result.export_dir)["dtype"] == "float32"
+
+
 def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path, monkeypatch):
     calls = []
 

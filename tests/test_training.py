@@ -920,3 +920,22 @@ def test_a_mesh_on_several_processes_takes_as_many_devices_of_each():
     for data, fsdp in ((1, 4), (1, 6)):
         with pytest.raises(ValueError, match="the same number of devices of each"):
             make_mesh(MeshConfig(data=data, fsdp=fsdp), devices)
+
+
+def test_export_dtype_keeps_a_bfloat16_targets_draft_in_float32(target, data_files, tmp_path):
+    """By default the export is in the target's dtype; `export_dtype: float32` keeps the float32
+    master weights unrounded, and the adapter stage reads the draft back in it."""
+    bf16_target = jetspec_jax.load_target(target.path, dtype="bfloat16")
+    config = _config(data_files, tmp_path, steps=2, warmup_steps=1)
+    data = dataclasses.replace(config.data, eval_prompts=None)
+    config = dataclasses.replace(config, data=data, export_dtype="float32")
+    result = train(config, target=bf16_target)
+    assert result.draft.dtype == "float32"
+    saved = jetspec_jax.load_draft(result.export_dir, bf16_target, dtype="float32")
+    leaves = jax.tree.leaves(saved.params)
+    for got, want in zip(leaves, jax.tree.leaves(result.draft.params), strict=True):
+        np.testing.assert_array_equal(got, want)
+    # Weights bfloat16 cannot hold: the export was not rounded on the way.
+    assert any(np.any(x != x.astype(jnp.bfloat16).astype(np.float32)) for x in leaves)
+    with pytest.raises(ValueError, match="invalid value for export_dtype"):
+        dataclasses.replace(config, export_dtype="float16")

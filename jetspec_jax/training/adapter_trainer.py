@@ -135,8 +135,8 @@ def train_adapter(
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
-    if not isinstance(draft, Draft):
-        draft = load_draft(draft, target)
+    if not isinstance(draft, Draft):  # in the dtype it was exported in, by default
+        draft = load_draft(draft, target, dtype=config.export_dtype)
     if not draft.config.token_inputs:  # refreshes feed the draft tokens, not mask embeddings
         raise ValueError(
             f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "

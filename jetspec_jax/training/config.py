@@ -124,6 +124,9 @@ class TrainConfig:
     data: DataConfig
     target: str | None = None  # HF directory; None: the embedded default model
     target_dtype: str = "bfloat16"
+    # The exported draft's and adapter's dtype; None: the target's. float32 keeps the master
+    # weights unrounded (a bfloat16 target's export is otherwise bfloat16).
+    export_dtype: str | None = None
     draft: DraftArchConfig = DraftArchConfig()
     optim: OptimConfig = OptimConfig()
     adapter: AdapterTrainConfig = AdapterTrainConfig()
@@ -132,6 +135,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _check(self.target_dtype in ("float32", "bfloat16"), "target_dtype", self.target_dtype)
+        dtypes = (None, "float32", "bfloat16")
+        _check(self.export_dtype in dtypes, "export_dtype", self.export_dtype)
         _check(
             self.draft.variant in ("dflash", "jetspec", "jetspec++"),
             "draft.variant",

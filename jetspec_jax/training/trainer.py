@@ -45,7 +45,7 @@ class TrainResult:
     """What a run produced.
 
     Attributes:
-        draft: the trained draft (params in the target's dtype).
+        draft: the trained draft (params in `export_dtype`, by default the target's).
         steps: optimisation steps done in total (including those of resumed checkpoints).
         metrics: the last logged step's metrics (floats); empty when this call trained no step
             (a finished run whose export was cut short is exported again).
@@ -133,11 +133,12 @@ def train(
         draft=dataclasses.asdict(config.draft),
         optim=dataclasses.asdict(config.optim),
     )
+    export_dtype = config.export_dtype or target.dtype
     with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
         finished_before = int(state.step) >= config.optim.steps
 
         def evaluate(step: int, state) -> float | None:
-            trained = _as_draft(draft, state, target)
+            trained = _as_draft(draft, state, export_dtype)
             return _evaluate(config, target, trained, eval_prompts, log, step)
 
         state, metrics = run_steps(
@@ -159,7 +160,7 @@ def train(
         )
         if int(state.step) < config.optim.steps:
             return None
-        trained = _as_draft(draft, state, target)
+        trained = _as_draft(draft, state, export_dtype)
         export_dir = run_dir / "draft"
         if finished_before and (export_dir / "config.json").is_file():
             eval_tau = None
@@ -277,12 +278,11 @@ def read_eval_prompts(
     return prompts
 
 
-def _as_draft(draft: Draft, state, target: Target) -> Draft:
-    """The trained weights as a `Draft` in the target's dtype (on the host's default device).
-    Every process must call it (gathers fsdp shards held by other processes)."""
-    dtype = jnp.dtype(target.params["embed_tokens"]["embedding"].dtype)
-    params = host_params(state.params, dtype)
-    return dataclasses.replace(draft, params=params, dtype=target.dtype, path=None)
+def _as_draft(draft: Draft, state, dtype: str) -> Draft:
+    """The trained weights as a `Draft` in `dtype` ("float32" / "bfloat16"; on the host's default
+    device). Every process must call it (gathers fsdp shards held by other processes)."""
+    params = host_params(state.params, jnp.dtype(dtype))
+    return dataclasses.replace(draft, params=params, dtype=dtype, path=None)
 
 
 def _evaluate(config, target, trained: Draft, prompts, metrics_log, step) -> float | None:
