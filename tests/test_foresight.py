@@ -22,7 +22,7 @@ import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
-from jetspec_jax.decoding.outcomes import Calibration
+from jetspec_jax.decoding.outcomes import Calibration, select_for_rule
 from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_rate
 from jetspec_jax.decoding.session import DecodeSession
@@ -262,6 +262,26 @@ def test_greedy_rows_select_on_the_raw_proxy_logits(target, draft):
     # Top-k = 1 leaves the sampled row only the argmax, which the drafts are: one possible
     # outcome, every draft accepted.
     assert int(valid[2].sum()) == 1 and int(k[2, 0]) == BLOCK - 1
+
+
+def test_the_calibration_shapes_greedy_rows_only(target, draft):
+    """`train.py calibrate` fits its temperatures on greedy outcomes: a greedy row scores with
+    them, a sampled row (temperature 1, no filter: its shaped p̂ is the raw one) without."""
+    refiner, _ = ScaledOracleDraft(draft, 1.0).proposer(target, method="jetspec++")
+    sharp = Calibration(acceptance_temperature=0.2, bonus_temperature=0.2)
+    proposer = ForesightProposer(refiner, 8, rule="calibrated", calibration=sharp)
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(1, BLOCK, 97)), jnp.float32)
+    logits, drafts = jnp.tile(logits, (2, 1, 1)), jnp.tile(jnp.argmax(logits[:, :-1], -1), (2, 1))
+    rows = RowSampling.from_params([SamplingParams(), SamplingParams(temperature=1.0)])
+    k, a, _ = proposer.select(logits, drafts, rows)
+    calibrated = select_for_rule("calibrated", logits, drafts, 8, sharp)
+    plain = select_for_rule("uncalibrated", logits, drafts, 8)
+    assert (calibrated[0][0].tolist(), calibrated[1][0].tolist()) != (
+        plain[0][0].tolist(),
+        plain[1][0].tolist(),
+    )  # the test can tell them apart
+    assert (k[0].tolist(), a[0].tolist()) == (calibrated[0][0].tolist(), calibrated[1][0].tolist())
+    assert (k[1].tolist(), a[1].tolist()) == (plain[0][1].tolist(), plain[1][1].tolist())
 
 
 def test_hit_rates_leave_out_each_prompt_first_round():

@@ -46,7 +46,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.decoding.outcomes import SELECTION_RULES, Calibration, select_for_rule
+from jetspec_jax.decoding.outcomes import (
+    SELECTION_RULES,
+    Calibration,
+    outcome_log_scores_at,
+    select_for_rule,
+    select_outcomes,
+)
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions
 from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
 from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
@@ -212,12 +218,26 @@ class ForesightProposer:
 
         Sampled rows score `p̂` shaped as their tokens are drawn (temperature, top-k, top-p);
         greedy rows score the raw logits, whose softmax stands for the uncertainty of the
-        argmax. The geometric fan-out ranks the raw logits for every row."""
-        if self.rule != "geometric":
-            shaped = sampling_logits(logits_hat, sampling)
-            greedy = (sampling.temperature <= 0)[:, None, None]
-            logits_hat = jnp.where(greedy, logits_hat, shaped)
-        return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates, self.calibration)
+        argmax (**[decision]**: an imperfect proxy's argmax is not certain, and the calibration
+        fitted on greedy rounds sharpens it as far as it earns). The calibration's temperatures
+        apply to greedy rows only: `train.py calibrate` fits them on greedy outcomes, and on top
+        of a sampled row's shaped `p̂` they would misstate its law. The geometric fan-out ranks
+        the raw logits for every row."""
+        if self.rule == "geometric":
+            return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates)
+        greedy = (sampling.temperature <= 0)[:, None, None]
+        logits_hat = jnp.where(greedy, logits_hat, sampling_logits(logits_hat, sampling))
+        if self.rule == "uncalibrated":
+            return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates)
+        c = self.calibration
+        scores = outcome_log_scores_at(
+            logits_hat,
+            drafts,
+            jnp.where(greedy, c.acceptance_temperature, 1.0),
+            jnp.where(greedy, c.bonus_temperature, 1.0),
+        )
+        k, a, top = select_outcomes(scores, self.num_candidates)
+        return k, a, jnp.isfinite(top)
 
     def draft_ahead(self, params, target_params, state, block, sequence, sampling):
         """Drafts the next block for the top-C outcomes of `block` (not yet verified).

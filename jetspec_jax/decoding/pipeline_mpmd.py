@@ -28,8 +28,9 @@ row's anchor, its position and its done flag), kept in step by the outcome devic
 this costs host time, not device time, while the host keeps ahead of the devices. The host reads
 the previous round's done flags after dispatching the next round, so one round is always in
 flight and the devices never wait on the host. So when every row is done, one more round has been
-dispatched; each stage program skips its work when no row is active, and that round changes
-nothing.
+dispatched: the draft-side programs skip their work when no row is active, verification still runs
+its target forward (a `lax.cond` around it made XLA copy the target cache every round), and the
+round changes no row's tokens or results (a done row's token sequence past its end is scratch).
 
 The prefill is split the same way: the target's on device 0, then the prompts' tap states go to
 device 1, where the proposer starts. The computation is `foresight.foresight_round`'s, split
@@ -150,8 +151,8 @@ def verify_and_commit(
     """Device 0: verify block t (`block` `[B, K]` = [anchor, drafts]), commit; the outcome for
     device 1."""
     # The round the host dispatches after every row finished (it reads the done flags a round
-    # late) verifies too and commits nothing: a `lax.cond` skipping it made XLA copy the whole
-    # target cache every round.
+    # late) verifies too and commits no row's tokens: a `lax.cond` skipping it made XLA copy the
+    # whole target cache every round.
     cache, taps, accepted, tokens = verify_block(
         params, config, tap_layers, state.decode, block[:, 1:], requests
     )
