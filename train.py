@@ -53,15 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     enable_compile_cache()
 
     try:
-        commands = {
-            "regenerate": _regenerate,
-            "draft": _train,
-            "adapter": _train_adapter,
-            "evaluate": _evaluate,
-            "calibrate": _calibrate,
-            "export": _export,
-        }
-        return commands[args.command](args)
+        return COMMANDS[args.command](args)
     except (ValueError, OSError, ImportError, CheckpointError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -388,9 +380,6 @@ def _regenerate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = ("regenerate", "draft", "adapter", "calibrate", "export", "evaluate")
-
-
 def _with_default_command(argv: list[str]) -> list[str]:
     """`train.py --config X` (its flags in any order, no command named) is the main job, `draft`."""
     config = any(a == "--config" or a.startswith("--config=") for a in argv)
@@ -419,6 +408,16 @@ def _add_multihost_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", default=None, help="multi-host: coordinator HOST:PORT")
     parser.add_argument("--num-processes", type=int, default=None, help="with --coordinator")
     parser.add_argument("--process-id", type=int, default=None, help="with --coordinator")
+
+
+COMMANDS = {  # the subcommands `_parser` declares, and what runs each
+    "regenerate": _regenerate,
+    "draft": _train,
+    "adapter": _train_adapter,
+    "evaluate": _evaluate,
+    "calibrate": _calibrate,
+    "export": _export,
+}
 
 
 def _parser() -> argparse.ArgumentParser:
