@@ -34,7 +34,7 @@ from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import (
     DraftConfig,
     block_drafts,
-    draft_hidden,
+    draft_hidden_candidates,
     empty_cache,
     extend_context,
 )
@@ -93,7 +93,7 @@ class DraftProposer:
         del anchor_positions  # the draft cache's lengths are the anchor positions
         drafts = self.first_pass(params, target_params, cache, anchor, sequence)
         for _ in range(self.refine_passes):
-            drafts = self._pass(params, target_params, cache, anchor, drafts)
+            drafts = self.block_pass(params, target_params, cache, _with_anchor(anchor, drafts))
         return drafts, cache
 
     def first_pass(self, params, target_params, cache, anchor, sequence):
@@ -103,18 +103,41 @@ class DraftProposer:
             inputs = _first_pass_noise(sequence, cache.lengths, config.block_size - 1)
         else:
             inputs = jnp.full((anchor.shape[0], config.block_size - 1), config.mask_token_id)
-        return self._pass(params, target_params, cache, anchor, inputs.astype(jnp.int32))
+        block = _with_anchor(anchor, inputs.astype(jnp.int32))
+        return self.block_pass(params, target_params, cache, block)
 
-    def _pass(self, params, target_params, cache, anchor, inputs):
+    def block_pass(self, params, target_params, cache, block):
+        """`[B, K-1]` drafts of one pass over `block` `[B, K]` (its anchor first), which starts
+        at each row's `cache.lengths`."""
+        blocks, context = block[:, None], cache.lengths[:, None]
+        return self.candidates_pass(params, target_params, cache, blocks, context)[:, 0]
+
+    def candidates_pass(self, params, target_params, cache, blocks, context_lengths):
+        """`[B, C, K-1]` drafts of one pass over C candidate blocks per row.
+
+        Args:
+            params, target_params: the draft's; the target's (its embedding and LM head).
+            cache: the draft's context; candidate (b, c) reads its first `context_lengths[b, c]`
+                rows.
+            blocks: `[B, C, K]` each candidate's inputs, its anchor first (at position
+                `context_lengths[b, c]`).
+            context_lengths: `[B, C]` int32.
+        """
         embedding = target_params["embed_tokens"]["embedding"]
         lm_head = output_kernel(target_params, self.target_config)
-        block = jnp.concatenate([anchor[:, None], inputs], axis=1)
-        hidden = draft_hidden(params, self.config, cache, embedding, block)
+        hidden = draft_hidden_candidates(
+            params, self.config, cache, embedding, blocks, context_lengths
+        )
         return block_drafts(self.config, lm_head, hidden)
 
     def observe(self, params, target_params, cache, block, block_taps, num_committed):
         """Extends the draft's context with the newly verified block positions."""
         return extend_context(params, self.config, cache, block_taps, num_committed)
+
+
+def _with_anchor(anchor: jax.Array, drafts: jax.Array) -> jax.Array:
+    """The block `[B, K]` = `[anchor, d_1 .. d_(K-1)]`."""
+    return jnp.concatenate([anchor[:, None], drafts], axis=1)
 
 
 def _first_pass_noise(sequence, anchor_positions, count):

@@ -55,8 +55,7 @@ from jetspec_jax.models import adapter, decoder
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.draft import block_drafts, draft_hidden, extend_context
-from jetspec_jax.models.transformer import output_kernel
+from jetspec_jax.models.draft import extend_context
 
 
 @flax.struct.dataclass
@@ -219,15 +218,11 @@ class RefiningProposer:
     def _redraft(self, draft_params, target_params, cache, anchor, drafts, fixed):
         """One pass from block position `fixed` (the cache's lengths are the anchor + `fixed`);
         drafts at indices < `fixed` are kept, the rest replaced by the pass's predictions."""
-        config = self.drafter.config
-        k_len = config.block_size
-        embedding = target_params["embed_tokens"]["embedding"]
-        lm_head = output_kernel(target_params, self.drafter.target_config)
+        k_len = self.block_size
         # Block positions fixed .. fixed+K-1; past K-1 the inputs do not matter (causal draft).
         padded = jnp.concatenate([anchor[:, None], drafts, jnp.repeat(drafts[:, -1:], k_len, 1)], 1)
         block = jnp.take_along_axis(padded, fixed[:, None] + jnp.arange(k_len)[None], axis=1)
-        hidden = draft_hidden(draft_params, config, cache, embedding, block)
-        new = block_drafts(config, lm_head, hidden)
+        new = self.drafter.block_pass(draft_params, target_params, cache, block)
         index = jnp.arange(k_len - 1)[None]
         from_new = jnp.take_along_axis(new, jnp.clip(index - fixed[:, None], 0, k_len - 2), 1)
         return jnp.where(index < fixed[:, None], drafts, from_new)
