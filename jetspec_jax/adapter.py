@@ -9,7 +9,7 @@ import jax
 from jetspec_jax import random_streams
 from jetspec_jax.checkpoint.adapter_files import adapter_tensor_specs
 from jetspec_jax.checkpoint.hf_params import tree_from_tensors
-from jetspec_jax.draft import Draft, _draft_layers, _random_tensor
+from jetspec_jax.draft import Draft, layers_like_target, random_tensor
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.target import DTYPES
 
@@ -52,14 +52,14 @@ def init_adapter(
     taps = draft.config.target_layer_ids
     per_module = (1,) * len(taps) if layers_per_module is None else tuple(layers_per_module)
     config = AdapterConfig(
-        layers=_draft_layers(draft.target_config, 1, intermediate_size, None, None, None),
+        layers=layers_like_target(draft.target_config, 1, intermediate_size, None, None, None),
         target_layer_ids=tuple(taps),
         layers_per_module=per_module,
     )
     specs = adapter_tensor_specs(config)
     keys = jax.random.split(random_streams.stream(seed, random_streams.ADAPTER_INIT), len(specs))
     tensors = {
-        spec.hf_name: _random_tensor(spec, key, init_std)
+        spec.hf_name: random_tensor(spec, key, init_std)
         for spec, key in zip(specs, keys, strict=True)
     }
     params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])

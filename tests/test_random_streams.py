@@ -34,9 +34,9 @@ def test_init_step_and_eval_keys_never_coincide(checkpoints, monkeypatch):
 
         return random_tensor
 
-    original = jetspec_jax.draft._random_tensor
-    monkeypatch.setattr(jetspec_jax.draft, "_random_tensor", recording("draft"))
-    monkeypatch.setattr(jetspec_jax.adapter, "_random_tensor", recording("adapter"))
+    original = jetspec_jax.draft.random_tensor
+    monkeypatch.setattr(jetspec_jax.draft, "random_tensor", recording("draft"))
+    monkeypatch.setattr(jetspec_jax.adapter, "random_tensor", recording("adapter"))
     target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
     draft = jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, seed=SEED)
     init_adapter(draft, seed=SEED)

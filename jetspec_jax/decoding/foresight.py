@@ -57,12 +57,7 @@ from jetspec_jax.decoding.proposers import DraftProposer, noise_positions
 from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
 from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.draft import (
-    block_drafts,
-    draft_hidden_candidates,
-    extend_context,
-)
-from jetspec_jax.models.transformer import output_kernel
+from jetspec_jax.models.draft import extend_context
 from jetspec_jax.sampling import sampling_logits
 
 
@@ -77,8 +72,10 @@ class ForesightState:
         keys_a: `[B, C]` int32 the outcome's bonus token a (the candidate's anchor).
         valid: `[B, C]` bool candidates that hold a block (impossible outcomes do not).
         last_k: `[B]` int32 drafts accepted in the row's latest verified round (-1 before any).
-        hits: `[B, R]` bool per verification round of the row: its drafts came from the cache.
-        occupancy: `[B, R]` int32 per round: valid cache entries when its block was looked up.
+        hits: `[B, capacity]` bool per verification round of the row (a round commits at least
+            one position, so `capacity` bounds them): its drafts came from the cache.
+        occupancy: `[B, capacity]` int32 per round: valid cache entries when its block was
+            looked up.
         num_rounds: `[B]` int32 rounds recorded (rounds in which the row was active).
     """
 
@@ -266,10 +263,11 @@ class ForesightProposer:
         )
         cand_anchor = anchor_pos[:, None] + k_sel + 1  # [B, C]
         noise = _candidate_noise(sequence, block, anchor_pos, cand_anchor, a_sel)
-        drafts = self._candidate_pass(draft_params, target_params, cache, a_sel, noise, cand_anchor)
-        for _ in range(drafter.refine_passes):
-            drafts = self._candidate_pass(
-                draft_params, target_params, cache, a_sel, drafts, cand_anchor
+        drafts = noise
+        for _ in range(1 + drafter.refine_passes):
+            candidates = jnp.concatenate([a_sel[..., None], drafts], axis=-1)
+            drafts = drafter.candidates_pass(
+                draft_params, target_params, cache, candidates, cand_anchor
             )
         return state.replace(
             refiner=state.refiner.replace(draft=cache, proxy=proxy_state),
@@ -278,15 +276,6 @@ class ForesightProposer:
             keys_a=a_sel,
             valid=valid,
         )
-
-    def _candidate_pass(self, draft_params, target_params, cache, anchors, inputs, context):
-        """One draft pass over the `[B, C]` candidate blocks `[anchor, inputs]`; `[B, C, K-1]`."""
-        config = self.drafter.config
-        embedding = target_params["embed_tokens"]["embedding"]
-        lm_head = output_kernel(target_params, self.drafter.target_config)
-        tokens = jnp.concatenate([anchors[..., None], inputs], axis=-1)
-        hidden = draft_hidden_candidates(draft_params, config, cache, embedding, tokens, context)
-        return block_drafts(config, lm_head, hidden)
 
     def record(self, state: ForesightState, hit, active) -> ForesightState:
         """Logs the round's hit and cache occupancy for the active rows."""
@@ -324,7 +313,8 @@ def foresight_proposer(
     """Wraps the proposer of a "jetspec++" draft for foresight drafting.
 
     Args:
-        draft: the `Draft` (its adapter is the proxy, its calibration scores "calibrated").
+        draft: the `Draft`, or a stand-in such as `TargetProxyDraft` (its `calibration` scores
+            "calibrated"; a `Draft`'s adapter is the proxy).
         base, base_params: `draft.proposer(...)`'s result: a `RefiningProposer` (its proxy is
             used) or a `DraftProposer` (then the draft's adapter is needed).
         num_candidates: B >= 1 candidate blocks per round.
@@ -339,7 +329,7 @@ def foresight_proposer(
     elif isinstance(base, DraftProposer):
         if not base.config.token_inputs:
             raise ValueError("foresight drafting needs a token-input (jetspec++) draft")
-        adapter = getattr(draft, "adapter", None)
+        adapter = draft.adapter  # a `DraftProposer` comes from a `Draft`
         if adapter is None:
             raise ValueError(
                 "foresight needs a draft with an adapter (Draft.with_adapter, or a JetSpec++ "
@@ -350,8 +340,7 @@ def foresight_proposer(
         params = {"draft": base_params, "proxy": adapter.params}
     else:
         raise ValueError(f"foresight drafting needs a jetspec++ draft, got a {type(base).__name__}")
-    calibration = getattr(draft, "calibration", None)
-    proposer = ForesightProposer(refiner, num_candidates, rule, calibration)
+    proposer = ForesightProposer(refiner, num_candidates, rule, draft.calibration)
     return proposer, params
 
 

@@ -58,6 +58,7 @@ class TargetProxyDraft:
     calibration: foresight takes `foresight_rule="uncalibrated"` (or "geometric")."""
 
     draft: object
+    calibration = None
 
     @property
     def config(self):

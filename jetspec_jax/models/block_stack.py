@@ -1,6 +1,6 @@
 """Decoder layers over candidate blocks that attend to a shared, already projected context.
 
-The draft, the adapter and the decoder all run the same computation: a few pre-norm decoder layers
+The draft and the adapter both run this computation: a few pre-norm decoder layers
 whose queries are the rows of one or more candidate blocks, and whose keys/values are
 
     [context rows of that layer (projected once, cached, valid below a per-block length);

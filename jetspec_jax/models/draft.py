@@ -274,7 +274,7 @@ def _block_stack(params, config, embedding, block_tokens, positions, context_len
     return layers.rms_norm(params["norm"], x, config.layers.rms_norm_eps)
 
 
-# --- Foresight drafting (decoding/foresight.py) -------------------------------------------------
+# --- Candidate blocks: every draft pass (C = 1) and foresight's candidates (C = B) --------------
 
 
 def draft_hidden_candidates(

@@ -77,12 +77,11 @@ class HybridCache:
         batch_size: int,
         capacity: int,
         dtype: jnp.dtype,
-        rollback_window: int = ROLLBACK_WINDOW,
     ) -> HybridCache:
         """An empty cache: `capacity` positions per row for the attention layers, zero states
-        and convolution windows for the linear ones, room to roll back up to `rollback_window`
-        positions."""
-        c, b, w = config, batch_size, rollback_window
+        and convolution windows for the linear ones, room to roll back up to `ROLLBACK_WINDOW`
+        positions (the bound `checkpoint/draft_hf.py` holds a draft's block size to)."""
+        c, b, w = config, batch_size, ROLLBACK_WINDOW
         n_attn, n_lin = len(c.attention_layers), len(c.linear_layers)
         kv = (n_attn, b, capacity, c.num_kv_heads, c.head_dim)
         hv, hk = c.linear_num_value_heads, c.linear_num_key_heads
