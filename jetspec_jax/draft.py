@@ -30,7 +30,7 @@ from jetspec_jax.checkpoint.hf_config import read_hf_config
 from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
-from jetspec_jax.decoding.refinement import LearnedProxy, RefiningProposer
+from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.target import DTYPES, Target, check_dtype
@@ -126,8 +126,9 @@ class Draft:
             calibration = self.calibration or Calibration()
             replacement_confidence = calibration.replacement_confidence
         proxy = LearnedProxy(self.adapter.config, target.config)
-        params = {"draft": self.params, "proxy": self.adapter.params}
-        return RefiningProposer(proposer, proxy, refreshes, replacement_confidence), params
+        return refining_proposer(
+            proposer, proxy, refreshes, self.params, self.adapter.params, replacement_confidence
+        )
 
 
 def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = None) -> Draft:

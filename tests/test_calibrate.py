@@ -14,12 +14,14 @@ import jetspec_jax
 import train
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.refinement import LearnedProxy
+from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
 from jetspec_jax.training.calibration import fit_calibration
 from jetspec_jax.training.calibration_rounds import (
     collect_rounds,
     evaluate_rounds,
     held_out_sequences,
+    sequence_rounds,
 )
 from jetspec_jax.training.replacement_fit import fit_replacement_confidence
 
@@ -145,6 +147,33 @@ def test_replacement_confidence_fit_scores_the_served_refinement(setup):
     ):
         with pytest.raises(ValueError, match=message):
             fit_replacement_confidence(target, draft, records, **{**common, **kwargs})
+
+
+def test_confidences_below_one_share_one_compiled_program(setup):
+    """c is a traced scalar of the proposer's params: the rounds of a whole grid of confidences
+    below 1 run one compiled program (per length bucket), and so does the decode loop; c = 1
+    (no refresh) builds its own."""
+    target, draft, records = setup
+    common = dict(num_rounds=8, anchors_per_sequence=8)
+    sequence_rounds.clear_cache()
+    collect_rounds(target, draft, records, replacement_confidence=0.3, **common)
+    programs = sequence_rounds._cache_size()
+    for c in (0.0, 0.7):
+        collect_rounds(target, draft, records, replacement_confidence=c, **common)
+    assert sequence_rounds._cache_size() == programs
+    collect_rounds(target, draft, records, replacement_confidence=1.0, **common)
+    assert sequence_rounds._cache_size() == 2 * programs
+
+    COMPILED.clear()
+    for c in (0.2, 0.6):
+        jetspec_jax.generate_batch(
+            target,
+            [records[0]["prompt_ids"]],
+            draft=draft,
+            max_new_tokens=4,
+            **{**SPEC, "replacement_confidence": c},
+        )
+    assert len(COMPILED._executables) == 2  # prefill and the decode loop
 
 
 def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypatch):

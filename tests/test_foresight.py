@@ -23,7 +23,7 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import Calibration, select_for_rule
-from jetspec_jax.decoding.refinement import RefiningProposer
+from jetspec_jax.decoding.refinement import refining_proposer
 from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_rate
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
@@ -67,9 +67,9 @@ class ScaledOracleDraft:
     ):
         drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
         proxy = ScaledTargetProxy(target.config, self.draft.config.target_layer_ids)
-        proposer = RefiningProposer(drafter, proxy, refreshes, replacement_confidence or 0.0)
         scale = jnp.broadcast_to(jnp.asarray(self.scale, jnp.float32), (2,))
-        return proposer, {"draft": params, "proxy": scale}
+        c = replacement_confidence or 0.0
+        return refining_proposer(drafter, proxy, refreshes, params, scale, c)
 
 
 def make_draft(target):

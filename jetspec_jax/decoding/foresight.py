@@ -54,7 +54,12 @@ from jetspec_jax.decoding.outcomes import (
     select_outcomes,
 )
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions
-from jetspec_jax.decoding.refinement import LearnedProxy, RefinerState, RefiningProposer
+from jetspec_jax.decoding.refinement import (
+    LearnedProxy,
+    RefinerState,
+    RefiningProposer,
+    refining_proposer,
+)
 from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import extend_context
@@ -336,8 +341,7 @@ def foresight_proposer(
                 "checkpoint that holds one): it predicts the outcomes and the candidates' context"
             )
         proxy = LearnedProxy(adapter.config, base.target_config)
-        refiner = RefiningProposer(base, proxy, 0)
-        params = {"draft": base_params, "proxy": adapter.params}
+        refiner, params = refining_proposer(base, proxy, 0, base_params, adapter.params)
     else:
         raise ValueError(f"foresight drafting needs a jetspec++ draft, got a {type(base).__name__}")
     proposer = ForesightProposer(refiner, num_candidates, rule, draft.calibration)

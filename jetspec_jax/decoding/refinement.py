@@ -22,7 +22,9 @@ position ends the prefix unreplaced (the pass redrafts from there). c = 0 is the
 (every position trusted); c = 1 trusts nothing and `Jj-Rr` drafts exactly as `Jj-R0`. A proxy
 that disagrees with the target more often than the draft does makes replacements cost tau (the
 CPU-budget adapter: J1-R1 below J1-R0); `train.py calibrate` fits c on held-out rounds
-(`training/replacement_fit.py`) and stores it in the checkpoint's calibration.
+(`training/replacement_fit.py`) and stores it in the checkpoint's calibration. c is a traced
+scalar of the proposer's params, not part of the (static) proposer, so a grid of c values runs
+one compiled program; only c = 1 builds another, with no refresh at all (`refining_proposer`).
 
 Fixed prefixes only grow: the adapter and the draft are causal, so a rewrite at position i never
 changes predictions before i.
@@ -135,20 +137,21 @@ class RefinerState:
 
 @dataclasses.dataclass(frozen=True)
 class RefiningProposer:
-    """A token-input draft refined `Jj-Rr` (params: `{"draft": ..., "proxy": ...}`).
+    """A token-input draft refined `Jj-Rr` (build it with `refining_proposer`).
+
+    Params: `{"draft": ..., "proxy": ..., "replacement_confidence": float32 []}`, the last the
+    c in [0, 1] the decoder's probability of the proxy's argmax must exceed for the proxy to be
+    trusted (module docstring; 0: the paper's rule).
 
     Attributes:
         drafter: the draft proposer; its `refine_passes` is j.
         proxy: predicts tap states and target argmaxes of a block (`LearnedProxy`).
         refreshes: r <= j, the passes preceded by a refresh with anchor replacement.
-        replacement_confidence: c in [0, 1], the decoder probability the proxy's argmax must
-            exceed to be trusted (module docstring); 0: the paper's rule, 1: no refresh.
     """
 
     drafter: DraftProposer
     proxy: Any
     refreshes: int
-    replacement_confidence: float = 0.0
 
     def __post_init__(self):
         if not 0 <= self.refreshes <= self.drafter.refine_passes:
@@ -156,8 +159,6 @@ class RefiningProposer:
                 f"refreshes must be in [0, refine_passes={self.drafter.refine_passes}] (each "
                 f"refresh precedes a refinement pass), got {self.refreshes}"
             )
-        confidence = check_replacement_confidence(self.replacement_confidence)
-        object.__setattr__(self, "replacement_confidence", confidence)
         if not self.drafter.config.token_inputs:
             raise ValueError("refinement needs a token-input (jetspec++) draft")
 
@@ -191,20 +192,17 @@ class RefiningProposer:
         fixed = jnp.zeros(anchor.shape, jnp.int32)
         verified = state.draft.lengths
         cache, proxy_state = state.draft, state.proxy
-        # c = 1 trusts no position: a refresh would fix nothing, so none is run (Jj-R0's drafts).
-        refreshes = self.refreshes if self.replacement_confidence < 1.0 else 0
         for p in range(self.drafter.refine_passes):
-            if p < refreshes:
+            if p < self.refreshes:
                 block = jnp.concatenate([anchor[:, None], drafts], axis=1)
                 taps, logits, proxy_state = self.proxy.predict(
                     params["proxy"], target_params, proxy_state, block
                 )
                 logits = logits[:, :-1].astype(jnp.float32)
                 guess = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                trusted = None  # c = 0: the paper's rule, every position (no softmax needed)
-                if self.replacement_confidence > 0.0:
-                    top = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
-                    trusted = top > jnp.log(self.replacement_confidence)
+                # log(c = 0) = -inf: every position trusted, the paper's rule.
+                top = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+                trusted = top > jnp.log(params["replacement_confidence"])
                 drafts, fixed = replace_first_disagreement(drafts, guess, fixed, trusted)
                 # Predicted rows of block positions 0 .. fixed-1 become context (from the true
                 # anchor position; rows past `fixed` are written but stay past the length).
@@ -226,6 +224,35 @@ class RefiningProposer:
         index = jnp.arange(k_len - 1)[None]
         from_new = jnp.take_along_axis(new, jnp.clip(index - fixed[:, None], 0, k_len - 2), 1)
         return jnp.where(index < fixed[:, None], drafts, from_new)
+
+
+def refining_proposer(
+    drafter: DraftProposer,
+    proxy: Any,
+    refreshes: int,
+    draft_params: Any,
+    proxy_params: Any,
+    replacement_confidence: float = 0.0,
+) -> tuple[RefiningProposer, dict]:
+    """`(proposer, params)` of `drafter` refined `Jj-Rr` with `proxy` (j: the drafter's
+    `refine_passes`, r: `refreshes`) and the replacement confidence c (module docstring).
+
+    c = 1 trusts no position, so a refresh would fix nothing: the proposer then runs none, and
+    drafts as `Jj-R0` without its proxy calls.
+
+    Raises:
+        ValueError: c outside [0, 1], refreshes outside [0, j], or a mask-input draft.
+    """
+    confidence = check_replacement_confidence(replacement_confidence)
+    proposer = RefiningProposer(drafter, proxy, refreshes)
+    if confidence == 1.0:
+        proposer = dataclasses.replace(proposer, refreshes=0)
+    params = {
+        "draft": draft_params,
+        "proxy": proxy_params,
+        "replacement_confidence": jnp.asarray(confidence, jnp.float32),
+    }
+    return proposer, params
 
 
 def replace_first_disagreement(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jetspec_jax.decoding.refinement import RefiningProposer
+from jetspec_jax.decoding.refinement import refining_proposer
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.kv_cache import uncommitted
 from jetspec_jax.models.transformer import forward, init_cache, unembed
@@ -78,5 +78,5 @@ class TargetProxyDraft:
         everywhere (`replacement_confidence` 0)."""
         drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
         proxy = TargetProxy(target.config, tuple(self.draft.config.target_layer_ids))
-        refiner = RefiningProposer(drafter, proxy, refreshes, replacement_confidence or 0.0)
-        return refiner, {"draft": params, "proxy": ()}
+        confidence = replacement_confidence or 0.0
+        return refining_proposer(drafter, proxy, refreshes, params, (), confidence)
