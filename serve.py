@@ -250,6 +250,14 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _nonempty(text: str) -> str:
+    # An unset shell variable (`--draft "$DRAFT"`) must not pass for "no draft", nor an empty
+    # host for "every interface".
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False) -> None:
     """The model and decoding flags. They are accepted before and after `generate`: the
     subcommand's copies default to SUPPRESS, as their defaults would overwrite the flags given
@@ -260,6 +268,7 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
 
     parser.add_argument(
         "--target",
+        type=_nonempty,
         default=default(None),
         help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
     )
@@ -272,6 +281,7 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
     )
     parser.add_argument(
         "--draft",
+        type=_nonempty,
         default=default(None),
         help="draft head directory: DFlash/JetSpec layout or a JetSpec++ checkpoint (default: "
         "the draft shipped for the default model, when --target is not given)",
@@ -338,7 +348,9 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     _add_model_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
+    parser.add_argument(
+        "--host", type=_nonempty, default="127.0.0.1", help="bind address (default: localhost)"
+    )
     parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument(
         "--model-name",

@@ -397,7 +397,7 @@ def _float_list(text: str) -> list[float]:
 
 
 def _count(text: str) -> int:
-    """An integer >= 0 (refinement passes, refreshes), checked before any model loads."""
+    """An integer >= 0 (refinement passes, refreshes, a seed), checked before any model loads."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
@@ -536,7 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--max-length", type=int, default=None, help="truncate sequences (default: the target's)"
     )
-    calibrate.add_argument("--seed", type=int, default=0, help="sequence order, anchors, split")
+    calibrate.add_argument("--seed", type=_count, default=0, help="sequence order, anchors, split")
     calibrate.add_argument(
         "--out", default=None, help="new checkpoint to write (default: rewrite --draft in place)"
     )

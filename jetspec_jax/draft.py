@@ -33,7 +33,7 @@ from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
-from jetspec_jax.target import DTYPES, Target, check_dtype
+from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
 
 __all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft"]
 
@@ -151,6 +151,7 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
     """
     from jetspec_jax.checkpoint.bundle import is_bundle, load_bundle  # imports this module
 
+    check_is_target(target)
     dtype = target.dtype if dtype is None else dtype
     check_dtype(dtype)
     path = pathlib.Path(path)
@@ -209,7 +210,9 @@ def init_draft(
     Raises:
         ValueError: an unknown variant.
         CheckpointError: tap layers or the mask token out of the target's range.
+        TypeError: `target` is not a `Target`.
     """
+    check_is_target(target)
     switches = DraftConfig.variant_switches(variant)
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(target.config.num_layers, num_layers)

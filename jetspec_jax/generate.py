@@ -18,7 +18,7 @@ from jetspec_jax.decoding.request_checks import check_token_ids
 from jetspec_jax.decoding.results import GenerationResult, Timing
 from jetspec_jax.decoding.session import GREEDY, DecodeSession
 from jetspec_jax.sampling import SamplingParams
-from jetspec_jax.target import Target
+from jetspec_jax.target import Target, check_is_target
 
 __all__ = [
     "METHODS",
@@ -76,6 +76,7 @@ def generate(
     Returns:
         A `GenerationResult`.
     """
+    check_is_target(target)
     # Checked as one prompt here: wrapped first, an int would read as a batch of one id.
     prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # an iterator is read
     (result,) = generate_batch(
@@ -138,6 +139,7 @@ def generate_batch(
     Returns:
         One `GenerationResult` per prompt, in order.
     """
+    check_is_target(target)
     options = DecodingOptions(
         method=method,
         refine_passes=refine_passes,
@@ -246,6 +248,7 @@ def stream(
         or chunk_steps < 1
     ):
         raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
+    check_is_target(target)
     prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
     sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)]
     session = DecodeSession(

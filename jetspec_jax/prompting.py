@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jinja2
+
 
 def has_chat_template(tokenizer) -> bool:
     """Whether `tokenizer` has a chat template: the default for `chat` wherever text is encoded
@@ -45,11 +47,15 @@ def encode_chat(tokenizer, messages: list[dict], *, thinking: bool = False) -> l
     the benchmarks and the server's chat endpoint share.
 
     Raises:
-        whatever the template raises for messages it refuses (jinja's `raise_exception`).
+        ValueError: the template refuses the messages (jinja's `raise_exception`, e.g. a system
+            message in a template without that role).
     """
-    rendered = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template refuses these messages: {e}") from e
     # The template already holds every special token; encoding must not add a second BOS.
     return tokenizer.encode(rendered, add_special_tokens=False)
 

@@ -31,6 +31,16 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def check_is_target(value: object) -> None:
+    """TypeError unless `value` is a loaded `Target` (a checkpoint path where one belongs is the
+    usual slip)."""
+    if not isinstance(value, Target):
+        raise TypeError(
+            f"target must be a Target (jetspec_jax.load_target(path)), got a "
+            f"{type(value).__name__}: {value!r:.80}"
+        )
+
+
 def check_dtype(dtype: str) -> None:
     """ValueError unless `dtype` names one of `DTYPES` (the dtypes models load and run in)."""
     if dtype not in DTYPES:

@@ -223,6 +223,23 @@ def test_numpy_and_jax_integers_are_accepted(target, prompts):
             DecodeSession(target, [prompts[0]], max_new_tokens=budget)
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda path: jetspec_jax.generate(path, [1, 2]),
+        lambda path: jetspec_jax.generate_batch(path, [[1, 2]]),
+        lambda path: jetspec_jax.stream(path, [1, 2]),
+        lambda path: jetspec_jax.init_draft(path),
+        lambda path: jetspec_jax.load_draft(path, path),
+    ],
+)
+def test_a_path_where_a_target_belongs_is_refused_by_name(call):
+    """The usual slip, a checkpoint path for the loaded target, is named as such, not an
+    AttributeError from inside."""
+    with pytest.raises(TypeError, match="target must be a Target .*got a str: 'ckpt/qwen3'"):
+        call("ckpt/qwen3")
+
+
 def test_prompt_longer_than_the_context_is_refused(target):
     context = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds the model's context"):

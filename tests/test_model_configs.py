@@ -56,3 +56,21 @@ def test_a_draft_softcap_must_be_positive(cap):
     with pytest.raises(ValueError, match="final_logit_softcapping must be > 0"):
         DraftConfig(QWEN3, target_layer_ids=(0,), final_logit_softcapping=cap)
     assert DraftConfig(QWEN3, target_layer_ids=(0,), final_logit_softcapping=30.0)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps=nan must be a finite number > 0"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps=0.0 must be a finite number > 0"),
+        (dict(rms_norm_eps=-1.0), "rms_norm_eps=-1.0 must be a finite number > 0"),
+        (dict(max_position_embeddings=0), "max_position_embeddings=0 must be >= 1"),
+        (dict(head_dim=0), "head_dim=0 must be >= 1"),
+        (dict(intermediate_size=0), "intermediate_size=0 must be >= 1"),
+    ],
+)
+def test_sizes_and_epsilons_that_would_compute_nonsense_are_refused(fields, message):
+    """A NaN or non-positive epsilon makes every logit NaN (decoding then returns token 0 with
+    no error); a zero context refuses every request, a zero head_dim divides by zero."""
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(QWEN3, **fields)

@@ -163,8 +163,10 @@ def test_each_pass_fixes_one_more_draft_and_extra_passes_change_nothing(target, 
         )
         return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)[0]
 
-    fixed = np.asarray(drafts(BLOCK - 1))
-    np.testing.assert_array_equal(drafts(BLOCK + 2), fixed)
+    fixed = np.asarray(drafts(BLOCK - 1))  # the most passes a proposer takes
+    np.testing.assert_array_equal(drafts(BLOCK - 2), fixed)
+    with pytest.raises(ValueError, match="refine_passes must be <= block_size - 1 = 5"):
+        DraftProposer(draft.config, target.config, BLOCK)
     for passes in range(BLOCK - 1):
         got = np.asarray(drafts(passes))
         np.testing.assert_array_equal(got[:, : passes + 1], fixed[:, : passes + 1])

@@ -7,6 +7,8 @@ regeneration is model-agnostic, and the real default model's text path is tested
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import fcntl
 import json
 import logging
@@ -319,6 +321,27 @@ def test_bad_arguments_are_rejected(target, prompt_files, tmp_path):
         regenerate(target, prompt_files, tmp_path / "out.jsonl", batch_size=0)
     with pytest.raises(ValueError, match="list of paths"):
         regenerate(target, prompt_files[0], tmp_path / "out.jsonl")
+    context = target.config.max_position_embeddings
+    with pytest.raises(
+        ValueError, match=f"no room for a prompt in the target's context of {context}"
+    ):
+        regenerate(target, prompt_files, tmp_path / "run" / "out.jsonl", max_new_tokens=context)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_the_chat_template_refuses_writes_nothing(target, prompt_files, tmp_path):
+    """Templates without a system role refuse `system` (jinja's raise_exception): a ValueError,
+    before the output or its settings file exist."""
+    tokenizer = copy.copy(target.tokenizer)
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    refusing = dataclasses.replace(target, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="the chat template refuses these messages: System role"):
+        regenerate(refusing, prompt_files, tmp_path / "run" / "out.jsonl", system="Be brief.")
+    assert not (tmp_path / "run").exists()
 
 
 def test_target_without_tokenizer_is_rejected(checkpoints, prompt_files, tmp_path):

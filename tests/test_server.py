@@ -961,6 +961,17 @@ def test_serve_py_server_answers_and_stops_on_sigterm(target_dir):
             proc.wait()
 
 
+@pytest.mark.parametrize("flag", ["--target", "--draft", "--host"])
+def test_serve_py_refuses_an_empty_path_or_host(flag, capsys):
+    """An unset shell variable (`--draft "$DRAFT"`) would otherwise decode without the draft,
+    and an empty host bind every interface."""
+    argv = [flag, " "] if flag == "--host" else ["generate", "P", flag, ""]
+    with pytest.raises(SystemExit) as exited:
+        serve_py._parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert f"argument {flag}: must not be empty" in capsys.readouterr().err
+
+
 def test_serve_py_takes_the_model_flags_before_or_after_generate():
     def parse(*argv):
         return vars(serve_py._parser().parse_args(argv))

@@ -164,6 +164,7 @@ def test_config_flags_in_any_order_run_the_main_job():
     [
         (["calibrate", "--refreshes", "-1"], "--refreshes: must be >= 0, got -1"),
         (["calibrate", "--refine-passes", "-2"], "--refine-passes: must be >= 0, got -2"),
+        (["calibrate", "--seed", "-1"], "--seed: must be >= 0, got -1"),
         (["calibrate", "--confidence-grid", ""], "--confidence-grid: '' holds no value"),
         (["evaluate", "--refine-passes", "-1"], "--refine-passes: must be >= 0, got -1"),
     ],

@@ -194,9 +194,18 @@ def regenerate(
         raise ValueError(f"target {target.path} has no tokenizer; regeneration needs one")
     if thinking and not chat:
         raise ValueError("thinking is a chat-template switch: it needs chat=True")
+    context = target.config.max_position_embeddings
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's "
+            f"context of {context} tokens"
+        )
     records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     out_path = pathlib.Path(out_path)
     check_output_path(out_path, prompt_files)
+    # Before any file is made: a prompt the chat template refuses fails with nothing written.
+    encoding = PromptEncoding(chat=chat, system=system, thinking=thinking)
+    encoded = _encode(target, records, max_new_tokens, encoding)
     settings = dict(
         target=dict(config=_json_ready(target.config), dtype=target.dtype),
         max_new_tokens=max_new_tokens,
@@ -209,24 +218,24 @@ def regenerate(
     with _exclusively(out_path):
         done = _existing_ids(out_path)
         record_settings(settings_path(out_path), settings, resuming=bool(done))
-        pending = [r for r in records if r.id not in done]
-        encoding = PromptEncoding(chat=chat, system=system, thinking=thinking)
-        encoded = _encode(target, pending, max_new_tokens, encoding)
+        existing = sum(r.id in done for r in records)
+        todo = [(r, ids) for r, ids in encoded if r.id not in done]
+        too_long = len(records) - existing - len(todo)
         logger.info(
             "%d records: %d already in %s, %d too long, %d to generate",
             len(records),
-            len(records) - len(pending),
+            existing,
             out_path,
-            len(pending) - len(encoded),
-            len(encoded),
+            too_long,
+            len(todo),
         )
         written = _generate_into(
-            target, encoded, out_path, batch_size, max_new_tokens, sampling, show_progress
+            target, todo, out_path, batch_size, max_new_tokens, sampling, show_progress
         )
     return RegenerateSummary(
         written=written,
-        skipped_existing=len(records) - len(pending),
-        skipped_too_long=len(pending) - len(encoded),
+        skipped_existing=existing,
+        skipped_too_long=too_long,
         total=len(records),
         seconds=time.perf_counter() - start,
     )

@@ -65,6 +65,14 @@ class DraftProposer:
     def __post_init__(self):
         if self.refine_passes < 0:
             raise ValueError(f"refine_passes must be >= 0, got {self.refine_passes}")
+        most = self.config.block_size - 1
+        if self.refine_passes > most:
+            # The passes unroll in the jitted loop: a large J would compile for minutes.
+            raise ValueError(
+                f"refine_passes must be <= block_size - 1 = {most}, got {self.refine_passes}: "
+                "each pass fixes at least one more of a causal block's drafts, so later passes "
+                "change nothing"
+            )
         if self.refine_passes and not self.config.token_inputs:
             raise ValueError(
                 f"refinement passes need a token-input (jetspec++) draft; this draft is "

@@ -7,6 +7,7 @@ Python values (tuples, never lists or dicts): equal configs hash equally and sha
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jetspec_jax.kernels.select import check_impl
 
@@ -105,10 +106,17 @@ class TransformerConfig:
                 f"unsupported model_type {self.model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim")
+        for name in (*sizes, "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_heads < 1 or self.num_kv_heads < 1:
             raise ValueError(
                 f"num_heads={self.num_heads} and num_kv_heads={self.num_kv_heads} must be >= 1"
             )
+        # A zero, negative or NaN epsilon turns every logit into NaN without an error.
+        if not math.isfinite(self.rms_norm_eps) or self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be a finite number > 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

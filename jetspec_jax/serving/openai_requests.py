@@ -170,10 +170,8 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
         raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
     try:
         prompt_ids = encode_chat(tokenizer, messages, thinking=_thinking(body))
-    except Exception as e:  # templates reject messages with jinja's raise_exception
-        raise RequestError(
-            400, f"the chat template refused the messages: {e}", param="messages"
-        ) from None
+    except ValueError as e:  # the template refuses them (jinja's raise_exception)
+        raise RequestError(400, str(e), param="messages") from None
     default = _default_budget(model.default_max_tokens, prompt_ids, model)
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

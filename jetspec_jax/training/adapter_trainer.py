@@ -130,8 +130,6 @@ def train_adapter(
                 f"draft {draft} does not exist: train the draft first (train.py draft) or give "
                 "its directory"
             )
-    run_dir = adapter_run_dir(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
@@ -143,6 +141,8 @@ def train_adapter(
             f"{draft.config.variant!r}"
         )
     check_fits_context(config, target)
+    run_dir = adapter_run_dir(config)  # made once the draft has proved to be one
+    run_dir.mkdir(parents=True, exist_ok=True)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
