@@ -106,10 +106,13 @@ class TransformerConfig:
                 f"unsupported model_type {self.model_type!r}; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim")
+        # (num_layers may be 0: the decoder above a draft's deepest tap can be empty.)
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "head_dim")
         for name in (*sizes, "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers={self.num_layers} must be >= 0")
         if self.num_heads < 1 or self.num_kv_heads < 1:
             raise ValueError(
                 f"num_heads={self.num_heads} and num_kv_heads={self.num_kv_heads} must be >= 1"
