@@ -75,6 +75,9 @@ class Target:
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
         _check_token_range(ids, self.config.vocab_size)  # before int32 could wrap a large id
+        context = self.config.max_position_embeddings
+        if ids.shape[1] > context:  # RoPE past its range computes, but nothing trained for it
+            raise ValueError(f"{ids.shape[1]} tokens exceed the model's context of {context}")
         return _full_logits(self.params, self.config, jnp.asarray(ids, jnp.int32))
 
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:

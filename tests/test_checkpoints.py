@@ -340,6 +340,16 @@ def test_bad_dtype_is_refused(checkpoints):
         jetspec_jax.load_target(checkpoints.get("qwen3")[0], dtype="float8")
 
 
+def test_a_save_under_a_file_names_that_file(checkpoints, tmp_path):
+    """Not "[Errno 17] File exists: 'prompts.jsonl'" from mkdir: the path and the file in it."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    out = tmp_path / "prompts.jsonl" / "ckpt" / "x"
+    with pytest.raises(NotADirectoryError, match=f"cannot write {out}: .*prompts.jsonl is a file"):
+        target.save(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+
+
 def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeypatch):
     """`atomic_directory(overwrite=True)`: if moving the new copy in fails after the old one was
     moved aside, the old one is restored (not left hidden) and nothing else remains."""

@@ -32,6 +32,12 @@ def _cached_logits(target, cache, tokens, num_new=None):
     return np.asarray(logits), cache
 
 
+def test_logits_refuse_more_tokens_than_the_context(target):
+    context = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"{context + 1} tokens exceed the model's context"):
+        target.logits(np.zeros((1, context + 1), np.int32))
+
+
 def test_prefill_then_chunks_then_single_tokens_equal_full_forward(target):
     ids = np.random.default_rng(0).integers(0, 97, (2, 20))
     full = np.asarray(target.logits(ids))

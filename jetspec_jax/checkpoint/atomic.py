@@ -44,10 +44,16 @@ def atomic_directory(
     Raises:
         FileExistsError: without `overwrite`, `out_dir` exists before the body runs; or a
             non-directory appears at `out_dir` while it runs (there is no copy to keep).
+        NotADirectoryError: a parent of `out_dir` is a file.
     """
     out = pathlib.Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+    for parent in out.parents:  # mkdir would say only "File exists", naming the file
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"cannot write {out}: {parent} is a file")
+            break
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
