@@ -1,7 +1,7 @@
 """Proposers: what drafts a block for the speculative loop.
 
-A proposer is a hashable description (a static jit argument) with three pure functions over its
-own parameter pytree and state pytree:
+A proposer (`Proposer`) is a hashable description (a static jit argument) with three pure
+functions over its own parameter pytree and state pytree:
 
     start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
     propose(params, target_params, state, anchor, anchor_positions, sequence)
@@ -25,6 +25,7 @@ wraps it through the same interface, and tests plug in oracles through it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,33 @@ from jetspec_jax.models.transformer import output_kernel
 # blocks draw the same noise, so a hit equals the fallback's block under an exact proxy
 # when the fallback refreshes nothing (r = 0; candidates are never refreshed).
 NOISE_KEY = 0x5EED
+
+
+class Proposer(Protocol):
+    """The interface of the speculative loop's proposers (module docstring); `DraftProposer` and
+    `refinement.RefiningProposer` implement it, and tests plug oracles in through it."""
+
+    @property
+    def block_size(self) -> int:
+        """K, the verified block: the anchor and K-1 drafts."""
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers whose states `start` and `observe` take."""
+
+    def start(
+        self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity: int
+    ) -> Any:
+        """The state after the prompts `[B, T]` (their taps `[n_taps, B, T, H]`)."""
+
+    def propose(
+        self, params, target_params, state, anchor, anchor_positions, sequence
+    ) -> tuple[jax.Array, Any]:
+        """`(drafts [B, K-1], state)` for the block after `anchor` `[B]`; `sequence` `[B, S]`
+        holds the committed tokens by position."""
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
+        """The state after the verified `block` `[B, K]`, its first `num_committed` `[B]` real."""
 
 
 @dataclasses.dataclass(frozen=True)

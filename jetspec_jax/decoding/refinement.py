@@ -29,7 +29,7 @@ one compiled program; only c = 1 builds another, with no refresh at all (`refini
 Fixed prefixes only grow: the adapter and the draft are causal, so a rewrite at position i never
 changes predictions before i.
 
-A proxy is a hashable description with pure functions over its own params and state:
+A proxy (`Proxy`) is a hashable description with pure functions over its own params and state:
 
     start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
     observe(params, target_params, state, block, block_taps, num_committed) -> state
@@ -45,7 +45,7 @@ read; `observe` overwrites them) and returns the state to use from then on, as `
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import flax.struct
 import jax
@@ -58,6 +58,28 @@ from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import extend_context
+
+
+class Proxy(Protocol):
+    """The interface of refinement's proxies (module docstring): `LearnedProxy`, and the target
+    itself (`target_proxy.TargetProxy`) as the oracle."""
+
+    @property
+    def first_target_layer(self) -> int:
+        """The lowest target layer the proxy runs (the drafting side must hold it and above)."""
+
+    def start(
+        self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity: int
+    ) -> Any:
+        """The state after the prompts, as `Proposer.start`."""
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
+        """The state after a verified block, as `Proposer.observe`."""
+
+    def predict(self, params, target_params, state, block) -> tuple[jax.Array, jax.Array, Any]:
+        """`(taps [n_taps, B, K, H], logits [B, K, V], state)`: the block's predicted tap states
+        and target logits; the state to use from then on (its caches may hold the block's rows
+        past the verified length)."""
 
 
 @flax.struct.dataclass
@@ -150,7 +172,7 @@ class RefiningProposer:
     """
 
     drafter: DraftProposer
-    proxy: Any
+    proxy: Proxy
     refreshes: int
 
     def __post_init__(self):
@@ -228,7 +250,7 @@ class RefiningProposer:
 
 def refining_proposer(
     drafter: DraftProposer,
-    proxy: Any,
+    proxy: Proxy,
     refreshes: int,
     draft_params: Any,
     proxy_params: Any,

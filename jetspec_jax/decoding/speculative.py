@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.proposers import Proposer
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.decoding.verify import verify_chain
 from jetspec_jax.models.config import TransformerConfig
@@ -89,7 +90,7 @@ def decode_speculative(
     max_rounds: jax.Array,
     *,
     config: TransformerConfig,
-    proposer: Any,
+    proposer: Proposer,
 ) -> SpecState:
     """Runs verification rounds until every row is done or `max_rounds` have run.
 
@@ -207,7 +208,7 @@ def prefill_speculative(
     requests: Requests,
     *,
     config: TransformerConfig,
-    proposer: Any,
+    proposer: Proposer,
     capacity: int,
     max_output: int,
 ) -> SpecState:
