@@ -31,6 +31,7 @@ from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
+from jetspec_jax.decoding.request_checks import as_int
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
@@ -208,19 +209,41 @@ def init_draft(
         seed: seed of `jax.random`.
 
     Raises:
-        ValueError: an unknown variant.
+        ValueError: an unknown variant, or a size, seed or tap list that is not one (each named).
         CheckpointError: tap layers or the mask token out of the target's range.
         TypeError: `target` is not a `Target`.
     """
     check_is_target(target)
     switches = DraftConfig.variant_switches(variant)
+    num_layers = _integer("num_layers", num_layers, 1)
+    block_size = _integer("block_size", block_size, 2)
+    sizes = dict(
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    sizes = {k: None if v is None else _integer(k, v, 1) for k, v in sizes.items()}
+    seed = _integer("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(target.config.num_layers, num_layers)
+        # The reference's rule, kept as it is: for very shallow targets it can repeat a tap or
+        # go down (e.g. (1, 0) for 3 target layers and 2 draft layers).
+        taps = default_target_layer_ids(target.config.num_layers, num_layers)
+    else:
+        try:
+            taps = tuple(as_int(i) for i in target_layer_ids)
+        except TypeError:  # not a sequence
+            taps = (None,)
+        if None in taps or list(taps) != sorted(set(taps)):
+            raise ValueError(
+                f"target_layer_ids must be distinct layer indices in increasing order, got "
+                f"{target_layer_ids!r}"
+            )
     config = DraftConfig(
-        layers=layers_like_target(
-            target.config, num_layers, intermediate_size, num_heads, num_kv_heads, head_dim
-        ),
-        target_layer_ids=tuple(target_layer_ids),
+        layers=layers_like_target(target.config, num_layers, *sizes.values()),
+        target_layer_ids=taps,
         block_size=block_size,
         mask_token_id=_default_mask_token_id(target) if mask_token_id is None else mask_token_id,
         **switches,
@@ -234,6 +257,13 @@ def init_draft(
     }
     params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
     return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
+
+
+def _integer(name: str, value, minimum: int) -> int:
+    number = as_int(value)
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
 
 
 def layers_like_target(

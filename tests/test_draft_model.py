@@ -532,6 +532,27 @@ def test_init_mask_token_prefers_the_tokenizers(target):
     assert init_draft(with_tokenizer).config.mask_token_id == 5
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seed=1.5), "seed must be an integer >= 0, got 1.5"),
+        (dict(seed=-1), "seed must be an integer >= 0, got -1"),
+        (dict(seed=2**40), "seed must be in \\[0, 2\\*\\*32\\)"),
+        (dict(num_layers=1.5), "num_layers must be an integer >= 1"),
+        (dict(block_size="4"), "block_size must be an integer >= 2, got '4'"),
+        (dict(head_dim=0), "head_dim must be an integer >= 1, got 0"),
+        (dict(target_layer_ids=1), "target_layer_ids must be distinct .* increasing order, got 1"),
+        (dict(target_layer_ids=(2, 0)), "distinct layer indices in increasing order"),
+        (dict(target_layer_ids=(1, 1)), "distinct layer indices in increasing order"),
+    ],
+)
+def test_init_names_a_bad_argument(target, kwargs, message):
+    """Refused by name, not as a TypeError from inside JAX (a float seed), a ZeroDivisionError at
+    the first decode (head_dim 0), or a failure at `with_adapter` (taps out of order)."""
+    with pytest.raises(ValueError, match=message):
+        init_draft(target, **kwargs)
+
+
 def test_init_refuses_taps_outside_the_target(target):
     with pytest.raises(CheckpointError, match=r"\[3\] outside the target's layers \[0, 3\)"):
         init_draft(target, target_layer_ids=(0, 3))
