@@ -242,7 +242,7 @@ def init_draft(
                 f"{target_layer_ids!r}"
             )
     config = DraftConfig(
-        layers=layers_like_target(target.config, num_layers, *sizes.values()),
+        layers=layers_like_target(target.config, num_layers, **sizes),
         target_layer_ids=taps,
         block_size=block_size,
         mask_token_id=_default_mask_token_id(target) if mask_token_id is None else mask_token_id,
