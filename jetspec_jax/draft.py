@@ -31,7 +31,7 @@ from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
-from jetspec_jax.decoding.request_checks import as_int
+from jetspec_jax.decoding.request_checks import as_int, check_int
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
@@ -215,16 +215,16 @@ def init_draft(
     """
     check_is_target(target)
     switches = DraftConfig.variant_switches(variant)
-    num_layers = _integer("num_layers", num_layers, 1)
-    block_size = _integer("block_size", block_size, 2)
+    num_layers = check_int("num_layers", num_layers, 1)
+    block_size = check_int("block_size", block_size, 2)
     sizes = dict(
         intermediate_size=intermediate_size,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
     )
-    sizes = {k: None if v is None else _integer(k, v, 1) for k, v in sizes.items()}
-    seed = _integer("seed", seed, 0)
+    sizes = {k: None if v is None else check_int(k, v, 1) for k, v in sizes.items()}
+    seed = check_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     if target_layer_ids is None:
@@ -257,13 +257,6 @@ def init_draft(
     }
     params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
     return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
-
-
-def _integer(name: str, value, minimum: int) -> int:
-    number = as_int(value)
-    if number is None or number < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return number
 
 
 def layers_like_target(

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import tqdm
 
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
-from jetspec_jax.decoding.request_checks import check_token_ids
+from jetspec_jax.decoding.request_checks import check_int, check_token_ids
 from jetspec_jax.decoding.results import GenerationResult, Timing
 from jetspec_jax.decoding.session import GREEDY, DecodeSession
 from jetspec_jax.sampling import SamplingParams
@@ -242,12 +241,7 @@ def stream(
     Returns:
         A `TokenStream`; after it is exhausted, `.result` is the `GenerationResult`.
     """
-    if (
-        isinstance(chunk_steps, bool)
-        or not isinstance(chunk_steps, (int, np.integer))
-        or chunk_steps < 1
-    ):
-        raise ValueError(f"chunk_steps must be an integer >= 1, got {chunk_steps!r}")
+    check_int("chunk_steps", chunk_steps, 1)
     check_is_target(target)
     prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
     sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)]

@@ -53,7 +53,7 @@ from jetspec_jax.decoding.outcomes import (
     select_for_rule,
     select_outcomes,
 )
-from jetspec_jax.decoding.proposers import DraftProposer, noise_positions
+from jetspec_jax.decoding.proposers import DraftProposer, noise_positions, with_anchor
 from jetspec_jax.decoding.refinement import (
     LearnedProxy,
     RefinerState,
@@ -270,7 +270,7 @@ class ForesightProposer:
         noise = _candidate_noise(sequence, block, anchor_pos, cand_anchor, a_sel)
         drafts = noise
         for _ in range(1 + drafter.refine_passes):
-            candidates = jnp.concatenate([a_sel[..., None], drafts], axis=-1)
+            candidates = with_anchor(a_sel, drafts)
             drafts = drafter.candidates_pass(
                 draft_params, target_params, cache, candidates, cand_anchor
             )
@@ -361,7 +361,7 @@ def foresight_round(params, proposer_params, s: SpecState, requests, config, pro
     drafts, hit, proposed = proposer.propose_with_hits(
         pp, params, s.proposer, anchor, anchor_pos, s.sequence, active
     )
-    block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    block = with_anchor(anchor, drafts)
     ahead = proposer.record(proposed, hit, active)
     ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
     cache, taps, accepted, tokens = verify_block(

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from jetspec_jax.decoding.outcomes import SELECTION_RULES
 from jetspec_jax.decoding.refinement import check_replacement_confidence
+from jetspec_jax.decoding.request_checks import check_int
 
 METHODS = ("ar", "dflash", "jetspec", "jetspec++")
 PIPELINES = ("spmd", "mpmd")
@@ -69,10 +68,8 @@ class DecodingOptions:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
         for name in ("refine_passes", "refreshes", "foresight"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-            object.__setattr__(self, name, int(value))  # NumPy integers: plain ints downstream
+            # NumPy integers become plain ints downstream (the options are a static jit arg).
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 0))
         if self.pipeline is not None and self.pipeline not in PIPELINES:
             raise ValueError(
                 f"pipeline must be None or one of {', '.join(map(repr, PIPELINES))}, got "

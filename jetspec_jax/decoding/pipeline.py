@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from jetspec_jax.decoding.foresight import ForesightProposer, decode_foresight
 from jetspec_jax.decoding.placement import PLACED
+from jetspec_jax.decoding.proposers import with_anchor
 from jetspec_jax.decoding.speculative import (
     SpecState,
     commit_round,
@@ -187,7 +188,7 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
 
         drafts, hit, proposed = jax.lax.cond(is_draft, propose, idle_propose)
         drafts = from_draft(drafts)
-        block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+        block = with_anchor(anchor, drafts)
 
         # 3. in parallel: the target stage verifies, the draft stage drafts ahead.
         def verify_side():

@@ -55,6 +55,7 @@ from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.pipeline import pipeline_devices
 from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.proposers import with_anchor
 from jetspec_jax.decoding.speculative import (
     SpecState,
     commit_round,
@@ -127,7 +128,7 @@ def propose_block(draft_params, target_params, side: DraftSide, *, proposer: For
         side.sequence,
         active,
     )
-    block = jnp.concatenate([side.anchor[:, None], drafts], axis=1)
+    block = with_anchor(side.anchor, drafts)
     return side.replace(proposer=proposer.record(proposed, hit, active)), block
 
 

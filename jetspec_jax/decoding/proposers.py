@@ -129,7 +129,7 @@ class DraftProposer:
         del anchor_positions  # the draft cache's lengths are the anchor positions
         drafts = self.first_pass(params, target_params, cache, anchor, sequence)
         for _ in range(self.refine_passes):
-            drafts = self.block_pass(params, target_params, cache, _with_anchor(anchor, drafts))
+            drafts = self.block_pass(params, target_params, cache, with_anchor(anchor, drafts))
         return drafts, cache
 
     def first_pass(self, params, target_params, cache, anchor, sequence):
@@ -139,7 +139,7 @@ class DraftProposer:
             inputs = _first_pass_noise(sequence, cache.lengths, config.block_size - 1)
         else:
             inputs = jnp.full((anchor.shape[0], config.block_size - 1), config.mask_token_id)
-        block = _with_anchor(anchor, inputs.astype(jnp.int32))
+        block = with_anchor(anchor, inputs.astype(jnp.int32))
         return self.block_pass(params, target_params, cache, block)
 
     def block_pass(self, params, target_params, cache, block):
@@ -171,9 +171,10 @@ class DraftProposer:
         return extend_context(params, self.config, cache, block_taps, num_committed)
 
 
-def _with_anchor(anchor: jax.Array, drafts: jax.Array) -> jax.Array:
-    """The block `[B, K]` = `[anchor, d_1 .. d_(K-1)]`."""
-    return jnp.concatenate([anchor[:, None], drafts], axis=1)
+def with_anchor(anchor: jax.Array, drafts: jax.Array) -> jax.Array:
+    """The block `[..., K]` = `[anchor, d_1 .. d_(K-1)]` from `anchor` `[...]` and `drafts`
+    `[..., K-1]` (one block per row, or per candidate)."""
+    return jnp.concatenate([anchor[..., None], drafts], axis=-1)
 
 
 def _first_pass_noise(sequence, anchor_positions, count):

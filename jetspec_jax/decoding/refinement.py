@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax.decoding.proposers import DraftProposer
+from jetspec_jax.decoding.proposers import DraftProposer, with_anchor
 from jetspec_jax.models import adapter, decoder
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.block_stack import ContextCache
@@ -216,7 +216,7 @@ class RefiningProposer:
         cache, proxy_state = state.draft, state.proxy
         for p in range(self.drafter.refine_passes):
             if p < self.refreshes:
-                block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+                block = with_anchor(anchor, drafts)
                 taps, logits, proxy_state = self.proxy.predict(
                     params["proxy"], target_params, proxy_state, block
                 )

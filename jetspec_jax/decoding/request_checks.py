@@ -94,6 +94,15 @@ def as_int(value) -> int | None:
     return None
 
 
+def check_int(name: str, value, minimum: int) -> int:
+    """`value` as an int (`as_int`'s integer scalars) after checking it is >= `minimum`;
+    ValueError naming `name` otherwise."""
+    number = as_int(value)
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return number
+
+
 def per_row(value, rows: int, name: str) -> list:
     """`value` per row: its items when it is a sequence (or 1-D NumPy/JAX array), else `value`
     repeated."""

@@ -43,8 +43,8 @@ from jetspec_jax.decoding.pipeline import (
 from jetspec_jax.decoding.pipeline_mpmd import TwoProgramPipeline
 from jetspec_jax.decoding.prefill import prefill
 from jetspec_jax.decoding.request_checks import (
-    as_int,
     check_budget,
+    check_int,
     check_prompts,
     check_token_ids,
     per_row,
@@ -136,9 +136,7 @@ class DecodeSession:
         self.stop_token_ids = tuple(
             check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
         )
-        pad_to = as_int(pad_batch_to)
-        if pad_to is None or pad_to < 1:
-            raise ValueError(f"pad_batch_to must be an integer >= 1, got {pad_batch_to!r}")
+        pad_to = check_int("pad_batch_to", pad_batch_to, 1)
 
         # Bucketed shapes; padding rows have a zero budget and are done after prefill. A
         # verification writes a whole block past the committed length: a block of headroom.

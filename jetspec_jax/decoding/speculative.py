@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.decoding.prefill import prefill
-from jetspec_jax.decoding.proposers import Proposer
+from jetspec_jax.decoding.proposers import Proposer, with_anchor
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.decoding.verify import verify_chain
 from jetspec_jax.models.config import TransformerConfig
@@ -137,7 +137,7 @@ def _round(params, proposer_params, s: SpecState, requests, config, proposer) ->
         params, config, proposer.tap_layers, d, drafts, requests
     )
     num_committed = jnp.where(~d.done, accepted + 1, 0)
-    block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    block = with_anchor(anchor, drafts)
     s = commit_round(s, requests, cache, accepted, tokens)
     return s.replace(
         proposer=proposer.observe(proposer_params, params, proposed, block, taps, num_committed)
@@ -154,7 +154,7 @@ def verify_block(params, config, tap_layers, decode, drafts, requests):
     Returns `(cache, taps [n, B, K, H], accepted [B], tokens [B, K])`.
     """
     anchor, anchor_pos = decode.last_token, decode.cache.lengths
-    block = jnp.concatenate([anchor[:, None], drafts], axis=1)
+    block = with_anchor(anchor, drafts)
     out = forward(params, config, block, decode.cache, tap_layers=tap_layers)
     logits = unembed(params, config, out.hidden)
     accepted, tokens = verify_chain(logits, drafts, requests.sampling, anchor_pos)
