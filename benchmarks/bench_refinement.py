@@ -16,7 +16,8 @@ runs (a DFlash draft: DFlash; a JetSpec++ checkpoint: J0 to J3-R3*). Every setti
 token-identical to AR: greedy, and with `--temperature` > 0 too, where prompt i is sampled with
 seed i by every method (randomness is keyed by position, so a lossless method draws exactly AR's
 tokens). A mismatch is counted and reported, not raised, so that a long run still writes its
-table.
+table; the run then exits with status 1 (all of it runs in float32, where a lossless method has
+no excuse to differ).
 
     python benchmarks/bench_refinement.py --draft runs/smollm2_135m_cpu_budget/jetspec_pp \
         --sets gsm8k_test,math500 --num-prompts 8 --max-new-tokens 64
@@ -161,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     labels = [label for label in args.settings.split(",") if label]
@@ -312,7 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     body = "\n".join(lines)
     print(body)
     write_section(args.section, body, args.out)
+    if mismatches:
+        print(f"error: outputs unlike AR's: {', '.join(mismatches)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -272,10 +272,14 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
         "--warmup", "0",
         "--out", str(tmp_path / "bench"),
     ]  # fmt: skip
-    assert main(argv) == 0
+    assert main(argv) == 1  # float32: a failure, after the report
     out, err = capsys.readouterr()
     assert "| tiny | 0 | jetspec | 2 |" in out and "| 1/2 |" in out
-    assert "jetspec on tiny at T=0: the output differs from AR's (same seed) on 1 of 2" in err
+    differs = "jetspec on tiny at T=0: the output differs from AR's (same seed) on 1 of 2"
+    assert f"error: {differs}" in err
+    assert (tmp_path / "bench" / "samples.jsonl").exists()
+    assert main([*argv, "--dtype", "bfloat16"]) == 0  # a near-tie may round apart: a warning
+    assert f"warning: {differs}" in capsys.readouterr().err
     for kwargs, what in (
         (dict(datasets=data * 2), "dataset tiny given twice"),
         (dict(methods=[*methods, methods[0]]), "method jetspec given twice"),
@@ -545,7 +549,9 @@ def test_the_harness_takes_several_prompt_files_after_one_flag():
     assert args.prompts == ["a.jsonl", "b.jsonl", "c.jsonl"]
 
 
-def test_the_refinement_bench_runs_a_baseline_draft_one_pass(checkpoints, tmp_path, capsys):
+def test_the_refinement_bench_runs_a_baseline_draft_one_pass(
+    checkpoints, tmp_path, capsys, monkeypatch
+):
     from benchmarks import bench_refinement
 
     target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
@@ -558,14 +564,28 @@ def test_the_refinement_bench_runs_a_baseline_draft_one_pass(checkpoints, tmp_pa
     common = ["--target", str(target_dir), "--eval-dir", str(tmp_path), "--sets", "tiny"]
     common += ["--num-prompts", "2", "--max-new-tokens", "6", "--foresight", ""]
     # No --settings: every setting of the draft's variant, here one pass as DFlash.
-    bench_refinement.main(
-        ["--draft", str(draft_dir), *common, "--results", str(rows), "--out", str(out)]
-    )
+    argv = ["--draft", str(draft_dir), *common, "--results", str(rows), "--out", str(out)]
+    assert bench_refinement.main(argv) == 0
     (row,) = [json.loads(line) for line in rows.read_text().splitlines()]
     assert (row["set"], row["setting"], row["prompts"]) == ("tiny", "DFlash", 2)
     assert row["identical_to_ar"] == 2
     assert row["tau"] >= 1 and row["new_tokens"] == 12
     assert f"| tiny | {row['tau']:.2f} |" in out.read_text()
+
+    # An output unlike AR's is counted, the table still written, and the run fails.
+    run = bench_refinement._run
+
+    def one_token_off(*args, draft=None, **kwargs):
+        results = run(*args, draft=draft, **kwargs)
+        if draft is not None:
+            results[0].tokens[-1] += 1
+        return results
+
+    monkeypatch.setattr(bench_refinement, "_run", one_token_off)
+    out.unlink()
+    assert bench_refinement.main(argv) == 1
+    assert "error: outputs unlike AR's: tiny DFlash 1/2" in capsys.readouterr().err
+    assert "token-identical to AR except (outputs equal / all): tiny DFlash 1/2" in out.read_text()
 
     for flags, message in (
         (["--settings", "J0"], "--settings J0: not for a dflash draft \\(it runs DFlash\\)"),
