@@ -49,9 +49,7 @@ import jax.numpy as jnp
 from jetspec_jax.decoding.outcomes import (
     SELECTION_RULES,
     Calibration,
-    outcome_log_scores_at,
     select_for_rule,
-    select_outcomes,
 )
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions, with_anchor
 from jetspec_jax.decoding.refinement import (
@@ -227,19 +225,17 @@ class ForesightProposer:
         the raw logits for every row."""
         if self.rule == "geometric":
             return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates)
-        greedy = (sampling.temperature <= 0)[:, None, None]
-        logits_hat = jnp.where(greedy, logits_hat, sampling_logits(logits_hat, sampling))
-        if self.rule == "uncalibrated":
-            return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates)
-        c = self.calibration
-        scores = outcome_log_scores_at(
+        greedy = sampling.temperature <= 0
+        shaped = sampling_logits(logits_hat, sampling)
+        logits_hat = jnp.where(greedy[:, None, None], logits_hat, shaped)
+        return select_for_rule(
+            self.rule,
             logits_hat,
             drafts,
-            jnp.where(greedy, c.acceptance_temperature, 1.0),
-            jnp.where(greedy, c.bonus_temperature, 1.0),
+            self.num_candidates,
+            self.calibration or Calibration(),  # None: the uncalibrated rule, which ignores it
+            calibrated_rows=greedy,
         )
-        k, a, top = select_outcomes(scores, self.num_candidates)
-        return k, a, jnp.isfinite(top)
 
     def draft_ahead(self, params, target_params, state, block, sequence, sampling):
         """Drafts the next block for the top-C outcomes of `block` (not yet verified).
@@ -364,12 +360,11 @@ def foresight_round(params, proposer_params, s: SpecState, requests, config, pro
     block = with_anchor(anchor, drafts)
     ahead = proposer.record(proposed, hit, active)
     ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
-    cache, taps, accepted, tokens = verify_block(
-        params, config, proposer.tap_layers, d, drafts, requests
+    verified = verify_block(params, config, proposer.tap_layers, d, drafts, requests)
+    s = commit_round(s, requests, verified)
+    return s.replace(
+        proposer=proposer.observe(pp, params, ahead, block, verified.taps, verified.num_committed)
     )
-    num_committed = jnp.where(active, accepted + 1, 0)
-    s = commit_round(s, requests, cache, accepted, tokens)
-    return s.replace(proposer=proposer.observe(pp, params, ahead, block, taps, num_committed))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "proposer"), donate_argnames=("state",))

@@ -268,6 +268,7 @@ def select_for_rule(
     num: int,
     calibration: Calibration = Calibration(),
     *,
+    calibrated_rows: jax.Array | None = None,
     ratio: float = 0.5,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The `num` outcomes a selection rule drafts ahead for (foresight and its calibration both
@@ -277,12 +278,22 @@ def select_for_rule(
         rule: one of `SELECTION_RULES` (static). `calibrated` scores with `calibration`,
             `uncalibrated` with temperatures 1, `geometric` ignores `calibration` and uses `ratio`.
         logits_hat: `[B, K, V]` decoder logits; drafts: `[B, K-1]`; num: static.
+        calibrated_rows: `[B]` bool, the rows `calibration` applies to (the others score with
+            temperatures 1); None: every row.
 
     Returns:
         `(k, a, valid)`, each `[B, num]`: the outcomes, and which of them have a finite score
         (fewer than `num` outcomes can be possible, e.g. under top-k; geometric: all valid).
     """
-    if rule == "calibrated":
+    if rule == "calibrated" and calibrated_rows is not None:
+        rows = calibrated_rows[:, None, None]
+        scores = outcome_log_scores_at(
+            logits_hat,
+            drafts,
+            jnp.where(rows, calibration.acceptance_temperature, 1.0),
+            jnp.where(rows, calibration.bonus_temperature, 1.0),
+        )
+    elif rule == "calibrated":
         scores = outcome_log_scores(logits_hat, drafts, calibration)
     elif rule == "uncalibrated":
         scores = outcome_log_scores(logits_hat, drafts)

@@ -192,32 +192,31 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
 
         # 3. in parallel: the target stage verifies, the draft stage drafts ahead.
         def verify_side():
-            cache, taps, accepted, tokens = verify_block(
-                params, config, proposer.tap_layers, d, drafts, requests
-            )
-            return cache, taps, accepted, tokens, proposed
+            verified = verify_block(params, config, proposer.tap_layers, d, drafts, requests)
+            return verified, proposed
 
         def draft_side():
             ahead = proposer.record(proposed, hit, active)
             ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
-            shapes = jax.eval_shape(verify_side)
-            taps = jnp.zeros(shapes[1].shape, shapes[1].dtype)
-            zeros = jnp.zeros((batch,), jnp.int32)
-            return d.cache, taps, zeros, jnp.zeros((batch, k_len), jnp.int32), ahead
+            shapes = jax.eval_shape(verify_side)[0]._replace(cache=())
+            idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            return idle._replace(cache=d.cache), ahead
 
-        cache, taps, accepted, tokens, pstate = jax.lax.cond(is_draft, draft_side, verify_side)
+        own, pstate = jax.lax.cond(is_draft, draft_side, verify_side)
 
         # 4-5. the outcome and the true states go to the draft stage; both commit alike.
-        taps, accepted, tokens = from_target((taps, accepted, tokens))
-        num_committed = jnp.where(active, accepted + 1, 0)
+        outcome = from_target(own._replace(cache=()))
         # The draft stage's target cache is never written: only its lengths advance.
-        cache = cache.replace(lengths=anchor_pos + num_committed)
-        s = commit_round(s, requests, cache, accepted, tokens)
+        cache = own.cache.replace(lengths=anchor_pos + outcome.num_committed)
+        verified = outcome._replace(cache=cache)
+        s = commit_round(s, requests, verified)
 
         # 6. the draft stage extends its contexts with the true states.
         pstate = jax.lax.cond(
             is_draft,
-            lambda: proposer.observe(pp, params, pstate, block, taps, num_committed),
+            lambda: proposer.observe(
+                pp, params, pstate, block, verified.taps, verified.num_committed
+            ),
             lambda: pstate,
         )
         return s.replace(proposer=pstate)

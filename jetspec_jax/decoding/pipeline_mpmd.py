@@ -59,6 +59,7 @@ from jetspec_jax.decoding.proposers import with_anchor
 from jetspec_jax.decoding.speculative import (
     SpecState,
     commit_round,
+    round_commits,
     start_speculative,
     verify_block,
     write_round_tokens,
@@ -154,12 +155,18 @@ def verify_and_commit(
     # The round the host dispatches after every row finished (it reads the done flags a round
     # late) verifies too and commits no row's tokens: a `lax.cond` skipping it made XLA copy the
     # whole target cache every round.
-    cache, taps, accepted, tokens = verify_block(
-        params, config, tap_layers, state.decode, block[:, 1:], requests
-    )
-    state = commit_round(state, requests, cache, accepted, tokens)
+    verified = verify_block(params, config, tap_layers, state.decode, block[:, 1:], requests)
+    state = commit_round(state, requests, verified)
     d = state.decode
-    return state, Outcome(taps, accepted, tokens, d.last_token, d.cache.lengths, d.done)
+    outcome = Outcome(
+        taps=verified.taps,
+        accepted=verified.accepted,
+        tokens=verified.tokens,
+        anchor=d.last_token,
+        anchor_pos=d.cache.lengths,
+        done=d.done,
+    )
+    return state, outcome
 
 
 @functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("side",))
@@ -169,7 +176,7 @@ def observe_outcome(
     """Device 1: the contexts extended with the true states of block t; the commit mirrored."""
 
     def observe():
-        num_committed = jnp.where(side.done, 0, outcome.accepted + 1)
+        num_committed = round_commits(outcome.accepted, ~side.done)
         state = proposer.observe(
             draft_params, target_params, side.proposer, block, outcome.taps, num_committed
         )

@@ -16,7 +16,7 @@ with their caches frozen until every row is done.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -49,6 +49,31 @@ class SpecState:
     accepted: jax.Array
     bonus: jax.Array
     num_verify_rounds: jax.Array
+
+
+class Verified(NamedTuple):
+    """A verified block: `verify_block`'s result, what `commit_round` commits.
+
+    Attributes:
+        cache: the target cache rolled back to `anchor_pos + num_committed`.
+        taps: `[n, B, K, H]` the target's tap states over the block (the proposer's true states).
+        accepted: `[B]` int32 drafts accepted per row.
+        tokens: `[B, K]` int32 the target's token at each block position (the first `accepted`
+            equal the drafts; `tokens[b, accepted[b]]` is the bonus token).
+        num_committed: `[B]` int32 block positions the round keeps: `round_commits`.
+    """
+
+    cache: Any
+    taps: jax.Array
+    accepted: jax.Array
+    tokens: jax.Array
+    num_committed: jax.Array
+
+
+def round_commits(accepted: jax.Array, active: jax.Array) -> jax.Array:
+    """`[B]` block positions a round keeps in the cache: the anchor and the accepted drafts of
+    active rows (`accepted + 1`), none of finished rows (whose caches are frozen)."""
+    return jnp.where(active, accepted + 1, 0)
 
 
 def start_speculative(
@@ -133,47 +158,44 @@ def _round(params, proposer_params, s: SpecState, requests, config, proposer) ->
     drafts, proposed = proposer.propose(
         proposer_params, params, s.proposer, anchor, anchor_pos, s.sequence
     )
-    cache, taps, accepted, tokens = verify_block(
-        params, config, proposer.tap_layers, d, drafts, requests
-    )
-    num_committed = jnp.where(~d.done, accepted + 1, 0)
+    verified = verify_block(params, config, proposer.tap_layers, d, drafts, requests)
     block = with_anchor(anchor, drafts)
-    s = commit_round(s, requests, cache, accepted, tokens)
+    s = commit_round(s, requests, verified)
     return s.replace(
-        proposer=proposer.observe(proposer_params, params, proposed, block, taps, num_committed)
+        proposer=proposer.observe(
+            proposer_params, params, proposed, block, verified.taps, verified.num_committed
+        )
     )
 
 
-def verify_block(params, config, tap_layers, decode, drafts, requests):
+def verify_block(params, config, tap_layers, decode, drafts, requests) -> Verified:
     """The target side of a round: one forward over `[anchor, drafts]` (`drafts` `[B, K-1]`),
     acceptance, and the cache rolled back to `anchor_pos + accepted + 1` for active rows (the
     anchor and the accepted drafts; finished rows keep their length). When a stop token or the
     budget cuts the round, fewer tokens are committed than that: the row is then done and its
     cache no longer read (`DecodeState.cache`).
-
-    Returns `(cache, taps [n, B, K, H], accepted [B], tokens [B, K])`.
     """
     anchor, anchor_pos = decode.last_token, decode.cache.lengths
     block = with_anchor(anchor, drafts)
     out = forward(params, config, block, decode.cache, tap_layers=tap_layers)
     logits = unembed(params, config, out.hidden)
     accepted, tokens = verify_chain(logits, drafts, requests.sampling, anchor_pos)
-    num_committed = jnp.where(~decode.done, accepted + 1, 0)
-    return out.cache.rolled_back(anchor_pos + num_committed), out.taps, accepted, tokens
+    num_committed = round_commits(accepted, ~decode.done)
+    cache = out.cache.rolled_back(anchor_pos + num_committed)
+    return Verified(cache, out.taps, accepted, tokens, num_committed)
 
 
-def commit_round(s: SpecState, requests, cache, accepted, tokens) -> SpecState:
+def commit_round(s: SpecState, requests, verified: Verified) -> SpecState:
     """The bookkeeping of a verified round: commit, the token sequence, the (k, a) logs.
 
     Args:
         s: the carry before the round.
         requests: the rows' budgets, stop ids and sampling (`Requests`).
-        cache: the target cache after the round (`verify_block`'s: rolled back to anchor +
-            accepted + 1, longer than the committed length only in a row's final, cut round).
-        accepted: `[B]` drafts accepted per row (the round commits `accepted + 1` tokens).
-        tokens: `[B, K]` the target's token at each block position (the first `accepted` equal
-            the drafts; `tokens[b, accepted[b]]` is the bonus token).
+        verified: the round's verification (`verify_block`'s). Its cache is longer than the
+            committed length only in a row's final round, when a stop token or the budget cuts
+            the `accepted + 1` tokens.
     """
+    cache, accepted, tokens = verified.cache, verified.accepted, verified.tokens
     d = s.decode
     active = ~d.done
     anchor_pos = d.cache.lengths

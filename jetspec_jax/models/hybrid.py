@@ -85,9 +85,8 @@ def forward(
 
 def offset_rms_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:
     """HF `Qwen3_5RMSNorm`: `rmsnorm(x) * (1 + weight)`, all in float32, cast back at the end."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * (1.0 + params["scale"].astype(jnp.float32))).astype(x.dtype)
+    scale = 1.0 + params["scale"].astype(jnp.float32)
+    return (layers.rms_normalized(x, eps) * scale).astype(x.dtype)
 
 
 def _gated_attention(params, config, index, h, positions, inv_freq, kv):

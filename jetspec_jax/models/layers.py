@@ -35,11 +35,16 @@ def linear(params: Params, x: jax.Array) -> jax.Array:
     return y
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """`x / sqrt(mean(x^2) + eps)` over the last axis, in float32: the core of every RMSNorm
+    variant (each casts and scales it the way its HF counterpart does)."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, statistics in float32, output in the input dtype (as HF)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return params["scale"] * x32.astype(x.dtype)
+    return params["scale"] * rms_normalized(x, eps).astype(x.dtype)
 
 
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.kernels.delta_rule import chunked_delta_rule
 from jetspec_jax.models import gated_deltanet
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.layers import linear
+from jetspec_jax.models.layers import linear, rms_normalized
 
 Params = dict
 
@@ -130,9 +130,5 @@ def _gated_rms_norm(params: Params, x: jax.Array, gate: jax.Array, eps: float) -
 
     Unlike the model's other norms this one scales by `weight` itself (initialised to ones).
     """
-    x32 = x.astype(jnp.float32)
-    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(
-        x.dtype
-    )
-    y = params["scale"] * normed
+    y = params["scale"] * rms_normalized(x, eps).astype(x.dtype)
     return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
