@@ -24,16 +24,37 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import time
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
+# The flags of the server alone: given with `generate`, they would be ignored without a word.
+SERVER_FLAGS = (
+    "host",
+    "port",
+    "model_name",
+    "api_key",
+    "max_batch_size",
+    "queue_size",
+    "default_max_tokens",
+    "max_model_len",
+    "pad_batch",
+    "shutdown_timeout",
+)
+
 logger = logging.getLogger("serve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        ignored = [name for name in SERVER_FLAGS if getattr(args, name) != parser.get_default(name)]
+        if ignored:
+            flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+            parser.error(f"{flags}: flags of the server, which `generate` does not use")
     level = logging.INFO if args.verbose or args.command is None else logging.WARNING
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
@@ -115,8 +136,26 @@ def _check_before_loading(args, *, server: bool) -> None:
     method = args.method or "jetspec++"
     if server:
         _server_config(args, None, method=method)
+        _check_address(args.host, args.port)
     else:
         _decoding_options(args, None, method=method)
+
+
+def _check_address(host: str, port: int) -> None:
+    """Resolves `host` and binds `port` once (then lets go), so that a mistyped host or a port in
+    use fails before the model load rather than after it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
 
 
 def _server_config(args, draft, *, method: str | None = None):

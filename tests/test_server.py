@@ -972,6 +972,41 @@ def test_serve_py_refuses_an_empty_path_or_host(flag, capsys):
     assert f"argument {flag}: must not be empty" in capsys.readouterr().err
 
 
+def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):
+    """`serve.py --port 9000 generate P` would otherwise run, its --port ignored."""
+    with pytest.raises(SystemExit) as exited:
+        serve_py.main(["--port", "9000", "--pad-batch", "generate", "P"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--port, --pad-batch: flags of the server, which `generate` does not use" in err
+    for name in serve_py.SERVER_FLAGS:  # each names a flag of the parser
+        assert name in vars(serve_py._parser().parse_args([]))
+
+
+def test_serve_py_checks_the_address_before_loading(monkeypatch, capsys):
+    """A port in use or a host that does not resolve fails at once, not after the model load."""
+
+    def no_load(args):
+        raise AssertionError("the models were loaded")
+
+    monkeypatch.setattr(serve_py, "_load_models", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve_py.main(["--method", "ar", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--host 127.0.0.1 --port {port}: cannot bind: Address already in use" in err
+
+    def unresolvable(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    assert serve_py.main(["--method", "ar", "--host", "no-such-host.invalid"]) == 2
+    err = capsys.readouterr().err
+    assert "--host 'no-such-host.invalid' cannot be resolved: Name or service not known" in err
+
+
 def test_serve_py_takes_the_model_flags_before_or_after_generate():
     def parse(*argv):
         return vars(serve_py._parser().parse_args(argv))
