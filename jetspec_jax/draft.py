@@ -31,9 +31,10 @@ from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
-from jetspec_jax.decoding.request_checks import as_int, check_int
+from jetspec_jax.decoding.request_checks import check_int
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
+from jetspec_jax.scalars import as_int
 from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
 
 __all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft"]

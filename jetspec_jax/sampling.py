@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.scalars import as_int, as_real
+
 MAX_TOP_K = 2**31 - 1  # top_k travels as int32 (any value >= the vocabulary keeps everything)
 # Far below this (T ~ 1e-36) logits / T overflow float32, or T flushes to zero as a subnormal, and
 # the softmax turns NaN. 1e-5 leaves a wide margin; there, any logit gap above ~1e-3 is one-hot.
@@ -48,11 +50,18 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            real = isinstance(value, (int, float, np.integer, np.floating))
-            if isinstance(value, bool) or not real:  # complex would pass the range checks
-                raise ValueError(f"{name} must be a real number, got {value!r}")
+        # Python, NumPy and 0-d JAX scalars are kept as Python numbers (they compare and hash
+        # alike); complex numbers are refused here, as they would pass the range checks.
+        for name, convert, kind in (
+            ("temperature", as_real, "a real number"),
+            ("top_p", as_real, "a real number"),
+            ("top_k", as_int, "an integer >= 0"),
+            ("seed", as_int, "an integer"),
+        ):
+            value = convert(getattr(self, name))
+            if value is None:
+                raise ValueError(f"{name} must be {kind}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
         if not 0 <= self.temperature <= _MAX_FLOAT32:  # NaN fails too; travels as float32
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -60,14 +69,10 @@ class SamplingParams:
                 f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
                 f"{self.temperature:g}: far smaller values overflow the scaled logits"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 

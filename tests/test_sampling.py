@@ -158,3 +158,24 @@ def test_temperature_zero_is_argmax():
     sampling = RowSampling.from_params([SamplingParams(), SamplingParams(top_k=3, seed=9)])
     tokens = select_tokens(logits, sampling, jnp.zeros((2, 5), jnp.int32))
     np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
+
+
+def test_parameters_given_as_numpy_or_jax_scalars_are_kept_as_python_numbers():
+    """A temperature computed in JAX or a seed read from an array is accepted, and stored as the
+    Python number it holds, so that equal parameters compare and hash alike."""
+    given = SamplingParams(
+        temperature=jnp.float32(0.5), top_k=np.int64(3), top_p=jnp.asarray(0.75), seed=jnp.uint32(9)
+    )
+    assert given == SamplingParams(temperature=0.5, top_k=3, top_p=0.75, seed=9)
+    assert hash(given) == hash(SamplingParams(temperature=0.5, top_k=3, top_p=0.75, seed=9))
+    assert [type(v) for v in (given.temperature, given.top_k, given.top_p, given.seed)] == [
+        float, int, float, int
+    ]  # fmt: skip
+    for kwargs, message in (
+        (dict(temperature=jnp.asarray([0.5])), "temperature must be a real number"),
+        (dict(temperature=jnp.asarray(True)), "temperature must be a real number"),
+        (dict(top_k=jnp.float32(3.0)), "top_k must be an integer >= 0"),
+        (dict(seed=np.float64(1.0)), "seed must be an integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jetspec_jax.scalars import as_int
+
 
 def check_budget(config, prompt_length: int, max_new_tokens, what: str = "prompt") -> int:
     """`max_new_tokens` as an int, after checking it is an integer >= 1 (Python, NumPy or JAX)
@@ -79,19 +81,6 @@ def check_token_ids(
             )
         checked.append(token)
     return checked
-
-
-def as_int(value) -> int | None:
-    """`value` as an int if it is an integer scalar (Python, NumPy, or a 0-d NumPy/JAX array of
-    an integer dtype), else None; bools are not integers here."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and getattr(value, "ndim", None) == 0 and np.issubdtype(dtype, np.integer):
-        return int(value)
-    return None
 
 
 def check_int(name: str, value, minimum: int) -> int:
