@@ -112,6 +112,7 @@ def _decoding_options(args, draft, *, method: str | None = None):
         foresight=args.foresight,
         foresight_rule=args.foresight_rule,
         pipeline=args.pipeline,
+        block_size=args.block_size,
     )
 
 
@@ -251,10 +252,11 @@ def _generate(args) -> int:
 
 
 def _label(options) -> str:
-    """The method as the statistics line names it, e.g. "jetspec++ J1-R1 F4 mpmd"."""
+    """The method as the statistics line names it, e.g. "jetspec++ K8 J1-R1 F4 mpmd"."""
+    label = options.method + (f" K{options.block_size}" if options.block_size else "")
     if options.method != "jetspec++":
-        return options.method
-    label = f"jetspec++ J{options.refine_passes}-R{options.refreshes}"
+        return label
+    label += f" J{options.refine_passes}-R{options.refreshes}"
     label += f" F{options.foresight}" if options.foresight else ""
     return label + (f" {options.pipeline}" if options.pipeline else "")
 
@@ -324,6 +326,15 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
         default=default(None),
         help="draft head directory: DFlash/JetSpec layout or a JetSpec++ checkpoint (default: "
         "the draft shipped for the default model, when --target is not given)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=default(None),
+        metavar="K",
+        help="speculative methods: draft blocks of K positions, at most the draft's trained "
+        "block (causal drafts only); fewer positions to verify per round, cheaper where the "
+        "target's forward is compute-bound (a CPU, a large batch); default: as trained",
     )
     parser.add_argument(
         "--refine-passes",

@@ -50,7 +50,7 @@ EVAL_DIR = ROOT.parent / "shared" / "data" / "eval"
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, write_section  # noqa: E402
+from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, publish  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.results import pooled_hit_rate  # noqa: E402
@@ -310,13 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, b, hits in hit_rows:
             cells = " | ".join(f"{hits[r]:.2f}" for r in rules)
             lines.append(f"| {name} | {b} | {cells} |")
-    body = "\n".join(lines)
-    print(body)
-    write_section(args.section, body, args.out)
-    if mismatches:
-        print(f"error: outputs unlike AR's: {', '.join(mismatches)}", file=sys.stderr)
-        return 1
-    return 0
+    return publish(args.section, "\n".join(lines), args.out, mismatches)
 
 
 if __name__ == "__main__":

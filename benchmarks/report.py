@@ -8,6 +8,7 @@ import os
 import pathlib
 import platform
 import shlex
+import sys
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 
@@ -72,3 +73,15 @@ def write_section(name: str, body: str, path: pathlib.Path = BENCHMARKS_MD) -> N
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, text)  # a crash mid-write must not truncate the whole file
+
+
+def publish(name: str, body: str, path: pathlib.Path, mismatches: list[str]) -> int:
+    """Prints `body` and writes it as section `name` of `path`; returns the run's exit status:
+    1, with an error line, when `mismatches` names outputs unlike AR's (a lossless method's
+    benchmark fails then, its figures still written), else 0."""
+    print(body)
+    write_section(name, body, path)
+    if mismatches:
+        print(f"error: outputs unlike AR's: {', '.join(mismatches)}", file=sys.stderr)
+        return 1
+    return 0

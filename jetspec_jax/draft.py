@@ -104,19 +104,22 @@ class Draft:
         refine_passes: int = 0,
         refreshes: int = 0,
         replacement_confidence: float | None = None,
+        block_size: int | None = None,
     ):
         """`(proposer, params)` drafting for `target` with `method` (the decode loop's interface):
         `Jj` Jacobi passes, the first `refreshes` of them after a context refresh (`Jj-Rr`) whose
         anchor replacement trusts the proxy above `replacement_confidence` (None: the
-        calibration's value; 0, the paper's rule, for a draft without a calibration).
+        calibration's value; 0, the paper's rule, for a draft without a calibration), over
+        blocks of `block_size` positions (None: as trained; `DraftConfig.with_block_size`).
 
         Raises:
             ValueError: `method` is not this draft's variant, refinement on a mask-input draft,
-                refreshes without an adapter, or more refreshes than passes.
+                refreshes without an adapter, more refreshes than passes, or a block size the
+                draft cannot draft.
             CheckpointError: the draft does not fit `target` (hidden size, vocabulary, taps).
         """
         check_draft_matches_target(self.config, target.config, self.target_config.num_layers)
-        proposer = draft_proposer(self.config, target.config, method, refine_passes)
+        proposer = draft_proposer(self.config, target.config, method, refine_passes, block_size)
         if not refreshes:
             return proposer, self.params
         if self.adapter is None:

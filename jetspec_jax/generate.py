@@ -52,6 +52,7 @@ def generate(
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
+    block_size: int | None = None,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
@@ -60,9 +61,10 @@ def generate(
         prompt_ids: the prompt's token ids (a non-empty list of ints, or a 1-D integer array).
         draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
         method, refine_passes, refreshes, foresight, foresight_rule, pipeline,
-            replacement_confidence: how to decode; see `jetspec_jax.DecodingOptions` (method
-            "ar", autoregressive, by default; the speculative methods "dflash", "jetspec",
-            "jetspec++" give the same tokens with fewer target forwards; the rest are
+            replacement_confidence, block_size: how to decode; see
+            `jetspec_jax.DecodingOptions` (method "ar", autoregressive, by default; the
+            speculative methods "dflash", "jetspec", "jetspec++" give the same tokens with fewer
+            target forwards; `block_size` drafts shorter blocks than trained; the rest are
             JetSpec++'s `Jj-Rr` refinement and foresight).
         max_new_tokens: at most this many new tokens (>= 1).
         temperature: 0 for greedy decoding, >= `sampling.MIN_TEMPERATURE` (1e-5) to sample.
@@ -93,6 +95,7 @@ def generate(
         foresight_rule=foresight_rule,
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
+        block_size=block_size,
     )
     return result
 
@@ -112,6 +115,7 @@ def generate_batch(
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
+    block_size: int | None = None,
     show_progress: bool | None = False,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
@@ -126,7 +130,7 @@ def generate_batch(
         prompts: one prompt per request, each a list of token ids (or a 1-D integer array);
             a single prompt is `[prompt_ids]` (or use `generate`).
         draft, method, stop_token_ids, refine_passes, refreshes, foresight, foresight_rule,
-            pipeline, replacement_confidence: as in `generate`, shared by all rows.
+            pipeline, replacement_confidence, block_size: as in `generate`, shared by all rows.
         max_new_tokens: one budget for all rows, or one per row (each >= 1).
         sampling: one `SamplingParams` for all rows (row i draws with the seed
             `sampling.row_seed(seed, i)`, so rows are independent samples), or one per row
@@ -147,6 +151,7 @@ def generate_batch(
         foresight_rule=foresight_rule,
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
+        block_size=block_size,
     )
     session = DecodeSession(
         target,
@@ -225,6 +230,7 @@ def stream(
     foresight_rule: str = "calibrated",
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
+    block_size: int | None = None,
 ) -> TokenStream:
     """Generates like `generate`, yielding the new tokens as they are produced.
 
@@ -257,6 +263,7 @@ def stream(
             foresight_rule=foresight_rule,
             pipeline=pipeline,
             replacement_confidence=replacement_confidence,
+            block_size=block_size,
         ),
         max_new_tokens=max_new_tokens,
         sampling=sampling,

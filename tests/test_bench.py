@@ -41,6 +41,7 @@ def _results(out):
 
 def test_method_specs():
     specs = "jetspec++-J2,jetspec++-J3-R3,jetspec++-J1-R1-F4-mpmd,jetspec++-J3-R3-C0.75"
+    specs += ",jetspec-K4,jetspec++-K8-J2"
     assert parse_methods(specs) == [
         MethodSpec("ar", DecodingOptions("ar")),
         MethodSpec("jetspec++-J2", DecodingOptions("jetspec++", 2)),
@@ -52,13 +53,17 @@ def test_method_specs():
             "jetspec++-J3-R3-C0.75",
             DecodingOptions("jetspec++", 3, 3, replacement_confidence=0.75),
         ),
+        MethodSpec("jetspec-K4", DecodingOptions("jetspec", block_size=4)),
+        MethodSpec("jetspec++-K8-J2", DecodingOptions("jetspec++", 2, block_size=8)),
     ]
     for bad, message in (
         ("medusa", "unknown method"),
-        ("dflash-J1", "'dflash-J1': only jetspec\\+\\+ takes settings"),
+        ("dflash-J1", "'dflash-J1': only jetspec\\+\\+ takes -J"),
         # Labels that would decode as AR (or DFlash) under another name.
-        ("ar-J0", "'ar-J0': only jetspec\\+\\+ takes settings .*use 'ar'"),
-        ("dflash-F0", "only jetspec\\+\\+ takes settings"),
+        ("ar-J0", "'ar-J0': only jetspec\\+\\+ takes -J.*use 'ar'"),
+        ("dflash-F0", "only jetspec\\+\\+ takes -J"),
+        ("ar-K4", "'ar-K4': block_size sizes a speculative method's drafted blocks"),
+        ("jetspec-K1", "block_size must be an integer >= 2, got 1"),
         ("jetspec++-J1-R2", "refreshes must be in \\[0, refine_passes=1\\]"),
         ("jetspec++-spmd", "set foresight >= 1"),
         ("jetspec++-F4-ring", "unknown method"),

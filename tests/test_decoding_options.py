@@ -25,6 +25,9 @@ from jetspec_jax import DecodingOptions
         (dict(method="jetspec++", foresight_rule="geometric"), "set foresight >= 1"),
         (dict(method="ar", foresight_rule="uncalibrated"), "set foresight >= 1"),
         (dict(method="jetspec++", replacement_confidence=0.5), "set refreshes >= 1"),
+        (dict(method="jetspec", block_size=1), "block_size must be an integer >= 2, got 1"),
+        (dict(method="jetspec", block_size=4.0), "block_size must be an integer >= 2"),
+        (dict(method="ar", block_size=4), "method 'ar' drafts none"),
         (
             dict(method="jetspec++", refine_passes=1, refreshes=1, replacement_confidence=1.5),
             "replacement_confidence must be in \\[0, 1\\], got 1.5",
@@ -43,6 +46,7 @@ def test_good_options():
     assert type(options.refine_passes) is int  # NumPy counts become plain ints
     assert hash(options) == hash(DecodingOptions("jetspec++", 3, 3, 4, "geometric", "mpmd"))
     assert options.replacement_confidence is None  # the draft's calibration decides
+    assert DecodingOptions("jetspec", block_size=np.int32(4)).block_size == 4
     options = DecodingOptions("jetspec++", 1, 1, replacement_confidence=np.float32(0.5))
     assert options.replacement_confidence == 0.5 and type(options.replacement_confidence) is float
 
@@ -85,6 +89,7 @@ def test_serve_replacement_confidence_flag():
         (["--refine-passes", "1", "--refreshes", "2"], "refreshes"),
         (["generate", "hi", "--chunk-steps", "0"], "--chunk-steps must be >= 1"),
         (["generate", "hi", "--top-p", "1.5"], "top_p"),
+        (["generate", "hi", "--method", "ar", "--block-size", "4"], "method 'ar' drafts none"),
     ],
 )
 def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, capsys):

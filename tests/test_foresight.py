@@ -64,8 +64,11 @@ class ScaledOracleDraft:
         refine_passes: int = 0,
         refreshes: int = 0,
         replacement_confidence: float | None = None,
+        block_size: int | None = None,
     ):
-        drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
+        drafter, params = self.draft.proposer(
+            target, method=method, refine_passes=refine_passes, block_size=block_size
+        )
         proxy = ScaledTargetProxy(target.config, self.draft.config.target_layer_ids)
         scale = jnp.broadcast_to(jnp.asarray(self.scale, jnp.float32), (2,))
         c = replacement_confidence or 0.0

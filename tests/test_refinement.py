@@ -173,6 +173,45 @@ def test_each_pass_fixes_one_more_draft_and_extra_passes_change_nothing(target, 
     assert not np.array_equal(drafts(0), fixed)  # the passes do change this draft's proposals
 
 
+def test_a_shorter_block_drafts_the_full_blocks_first_drafts(target, draft, prompts):
+    """A causal draft's first drafts attend to no later position, so a block of K' < K
+    positions drafts exactly the first K'-1 drafts of the full block, after any number of
+    passes; decoding with it stays token-identical to AR, refreshes and foresight included."""
+    tokens = jnp.asarray([np.random.default_rng(5).integers(0, 97, 12)], jnp.int32)
+    taps = forward(target.params, target.config, tokens, tap_layers=draft.config.target_layer_ids)
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def drafts(config, passes):
+        proposer = DraftProposer(config, target.config, passes)
+        state = proposer.start(
+            draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
+        )
+        return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)[0]
+
+    short = draft.config.with_block_size(4)
+    for passes in (0, 2):
+        got, full = np.asarray(drafts(short, passes)), np.asarray(drafts(draft.config, passes))
+        assert got.shape == (1, 3)
+        np.testing.assert_array_equal(got, full[:, :3])
+
+    want = [r.tokens for r in _generate(target, prompts)]
+    for options in (dict(), dict(refine_passes=1, refreshes=1, foresight=2)):
+        rule = dict(foresight_rule="uncalibrated") if options else {}
+        got = _generate(target, prompts, draft, block_size=4, **options, **rule)
+        assert [r.tokens for r in got] == want
+        assert all(k <= 3 for r in got for k, _ in r.outcomes)  # at most K'-1 drafts accepted
+
+    for kwargs, message in (
+        (dict(block_size=BLOCK + 1), f"block_size must be in \\[2, {BLOCK}\\]"),
+        (dict(block_size=3, refine_passes=3), "refine_passes must be <= block_size - 1 = 2"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _generate(target, prompts, draft, **kwargs)
+    dflash = jetspec_jax.init_draft(target, variant="dflash", num_layers=1, block_size=BLOCK)
+    with pytest.raises(ValueError, match="dflash draft attends bidirectionally"):
+        jetspec_jax.generate(target, prompts[0], draft=dflash, method="dflash", block_size=4)
+
+
 def test_an_oracle_proxy_never_lowers_tau(target, draft, prompts):
     """With the target itself as the proxy, every replaced token is right, so refreshing can
     only lengthen the accepted prefix."""

@@ -158,10 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods",
         default="ar",
-        help="comma-separated (default: ar alone): ar, dflash, jetspec, "
-        "jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd] (refinement passes, refreshes, "
-        "replacement confidence, foresight candidates, pipeline form; ar is always run: it is the "
-        "baseline)",
+        help="comma-separated (default: ar alone): ar, dflash, jetspec[-K<k>], "
+        "jetspec++[-K<k>][-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd] (a shorter block than "
+        "trained, refinement passes, refreshes, replacement confidence, foresight candidates, "
+        "pipeline form; ar is always run: it is the baseline)",
     )
     parser.add_argument("--target", default=None, help="HF directory (default: the default model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -1,12 +1,14 @@
 """Benchmark method specs: a method name and JetSpec++'s settings in one label.
 
-    ar | dflash | jetspec | jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]
+    ar | dflash[-K<k>] | jetspec[-K<k>] | jetspec++[-K<k>][-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]
 
-`-J<j>` refinement passes, `-R<r>` context refreshes (r <= j; needs an adapter), `-C<c>` their
-replacement confidence in [0, 1] (default: the draft's calibration; `-C0`: the paper's rule),
-`-F<b>` foresight with B candidate blocks (needs an adapter and a calibration: the outcomes are
-scored "calibrated"), `-spmd` / `-mpmd` the foresight round pipelined over two devices. Each
-spec is a `DecodingOptions`, which validates it.
+`-K<k>` drafts blocks of k positions, shorter than the draft's trained block (causal drafts:
+JetSpec, JetSpec++); then JetSpec++'s settings: `-J<j>` refinement passes, `-R<r>` context
+refreshes (r <= j; needs an adapter), `-C<c>` their replacement confidence in [0, 1] (default:
+the draft's calibration; `-C0`: the paper's rule), `-F<b>` foresight with B candidate blocks
+(needs an adapter and a calibration: the outcomes are scored "calibrated"), `-spmd` / `-mpmd`
+the foresight round pipelined over two devices. Each spec is a `DecodingOptions`, which
+validates it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import re
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
 
 _SPEC = re.compile(
-    r"^(ar|dflash|jetspec|jetspec\+\+)(?:-J(\d+))?(?:-R(\d+))?(?:-C(\d+(?:\.\d+)?))?(?:-F(\d+))?"
-    r"(?:-(spmd|mpmd))?$"
+    r"^(ar|dflash|jetspec|jetspec\+\+)(?:-K(\d+))?(?:-J(\d+))?(?:-R(\d+))?"
+    r"(?:-C(\d+(?:\.\d+)?))?(?:-F(\d+))?(?:-(spmd|mpmd))?$"
 )
 
 
@@ -53,18 +55,19 @@ def parse_method(name: str) -> MethodSpec:
     if match is None:
         raise ValueError(
             f"unknown method {name!r}; use {', '.join(METHODS)} or "
-            "jetspec++[-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]"
+            "jetspec++[-K<k>][-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]"
         )
-    method, passes, refreshes, confidence, foresight, pipeline = match.groups()
-    if method != "jetspec++" and name != method:
+    method, block, passes, refreshes, confidence, foresight, pipeline = match.groups()
+    jetspec_pp_settings = (passes, refreshes, confidence, foresight, pipeline)
+    if method != "jetspec++" and any(x is not None for x in jetspec_pp_settings):
         # "ar-J0" would decode as AR under another label, and the speedups look AR up by "ar".
         raise ValueError(
-            f"{name!r}: only jetspec++ takes settings (-J, -R, -C, -F, -spmd / -mpmd); "
-            f"use {method!r}"
+            f"{name!r}: only jetspec++ takes -J, -R, -C, -F, -spmd / -mpmd; use {method!r}"
         )
     try:
         options = DecodingOptions(
             method,
+            block_size=None if block is None else int(block),
             refine_passes=int(passes or 0),
             refreshes=int(refreshes or 0),
             replacement_confidence=None if confidence is None else float(confidence),

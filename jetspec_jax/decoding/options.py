@@ -45,6 +45,12 @@ class DecodingOptions:
         foresight_rule: how the B outcomes are chosen: "calibrated" (the draft's calibration;
             with foresight on, a draft without one is refused when the session builds its
             proposer), "uncalibrated" or "geometric" (SSD's fixed fan-out).
+        block_size: speculative methods only: K, positions per drafted block (the anchor and
+            K-1 drafts), at least 2 and at most the draft's trained block size (checked when
+            the session builds its proposer). Shorter blocks verify fewer positions per round,
+            which is cheaper where the target's forward is compute-bound (a CPU, a large batch),
+            and cap tau at K. Causal drafts only (JetSpec, JetSpec++: their first drafts are the
+            full block's). None: the draft's trained block size.
         pipeline: run the foresight round pipelined over two devices, device 0 verifying while
             device 1 drafts ahead (needs foresight >= 1 and >= 2 visible devices): "spmd", one
             `shard_map` program, every device holding both stages (`decoding/pipeline.py`);
@@ -63,6 +69,7 @@ class DecodingOptions:
     foresight_rule: str = "calibrated"
     pipeline: str | None = None
     replacement_confidence: float | None = None
+    block_size: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -70,6 +77,13 @@ class DecodingOptions:
         for name in ("refine_passes", "refreshes", "foresight"):
             # NumPy integers become plain ints downstream (the options are a static jit arg).
             object.__setattr__(self, name, check_int(name, getattr(self, name), 0))
+        if self.block_size is not None:
+            object.__setattr__(self, "block_size", check_int("block_size", self.block_size, 2))
+            if self.method == "ar":
+                raise ValueError(
+                    "block_size sizes a speculative method's drafted blocks; method 'ar' drafts "
+                    "none"
+                )
         if self.pipeline is not None and self.pipeline not in PIPELINES:
             raise ValueError(
                 f"pipeline must be None or one of {', '.join(map(repr, PIPELINES))}, got "

@@ -199,9 +199,15 @@ def noise_positions(anchor_pos: jax.Array, count: int) -> jax.Array:
 
 
 def draft_proposer(
-    config: DraftConfig, target_config: TransformerConfig, method: str, refine_passes: int
+    config: DraftConfig,
+    target_config: TransformerConfig,
+    method: str,
+    refine_passes: int,
+    block_size: int | None = None,
 ) -> DraftProposer:
-    """The proposer of a draft for `method`, which must be the draft's own variant.
+    """The proposer of a draft for `method`, which must be the draft's own variant, drafting
+    blocks of `block_size` positions (None: the trained `config.block_size`; shorter:
+    `DraftConfig.with_block_size`).
 
     The three variants share an implementation but not their weights: a draft trained with mask
     inputs in place cannot serve token inputs shifted, so a mismatch is refused.
@@ -211,4 +217,6 @@ def draft_proposer(
             f"this draft is a {config.variant!r} draft (causal={config.causal}, "
             f"token_inputs={config.token_inputs}); it cannot serve method {method!r}"
         )
+    if block_size is not None:
+        config = config.with_block_size(block_size)
     return DraftProposer(config, target_config, refine_passes)

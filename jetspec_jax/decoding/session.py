@@ -384,6 +384,7 @@ def resolve_proposer(target, draft, options: DecodingOptions):
         refine_passes=options.refine_passes,
         refreshes=options.refreshes,
         replacement_confidence=options.replacement_confidence,
+        block_size=options.block_size,
     )
     if not options.foresight:
         return proposer, params

@@ -72,11 +72,14 @@ class TargetProxyDraft:
         refine_passes: int = 0,
         refreshes: int = 0,
         replacement_confidence: float | None = None,
+        block_size: int | None = None,
     ):
         """As `Draft.proposer`, but always a `RefiningProposer` (even with `refreshes=0`: its
         proxy is then foresight's); the oracle is always right, so the default trusts it
         everywhere (`replacement_confidence` 0)."""
-        drafter, params = self.draft.proposer(target, method=method, refine_passes=refine_passes)
+        drafter, params = self.draft.proposer(
+            target, method=method, refine_passes=refine_passes, block_size=block_size
+        )
         proxy = TargetProxy(target.config, tuple(self.draft.config.target_layer_ids))
         confidence = replacement_confidence or 0.0
         return refining_proposer(drafter, proxy, refreshes, params, (), confidence)

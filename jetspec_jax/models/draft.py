@@ -104,6 +104,30 @@ class DraftConfig:
                 f"[0, {self.layers.vocab_size})"
             )
 
+    def with_block_size(self, block_size: int) -> DraftConfig:
+        """This draft drafting shorter blocks: `block_size` positions (the anchor and
+        `block_size - 1` drafts), at most the trained `self.block_size`. Fewer drafts per round
+        make verification cheaper where the target's forward is compute-bound (a CPU, a large
+        batch) and cap tau at `block_size`. Causal variants only: their first drafts attend to
+        no later position, so they are exactly the full block's; every draft of a bidirectional
+        (DFlash) block would change.
+
+        Raises:
+            ValueError: fewer than 2 or more positions than trained, or a DFlash draft.
+        """
+        if not self.causal:
+            raise ValueError(
+                f"block_size={block_size}: a {self.variant} draft attends bidirectionally within "
+                f"its block, so a shorter block would change every draft; it drafts "
+                f"{self.block_size} positions, as trained"
+            )
+        if not 2 <= block_size <= self.block_size:
+            raise ValueError(
+                f"block_size must be in [2, {self.block_size}] (this draft's trained block), "
+                f"got {block_size}"
+            )
+        return dataclasses.replace(self, block_size=block_size)
+
     @property
     def variant(self) -> str:
         """ "dflash", "jetspec" or "jetspec++" (the decoding method this draft serves)."""
