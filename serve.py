@@ -143,20 +143,21 @@ def _check_before_loading(args, *, server: bool) -> None:
 
 
 def _check_address(host: str, port: int) -> None:
-    """Resolves `host` and binds `port` once (then lets go), so that a mistyped host or a port in
-    use fails before the model load rather than after it."""
+    """Resolves `host` and binds `port` on each of its addresses, as the server will (then lets
+    go), so that a mistyped host or a port in use fails before the model load, not after it."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise ValueError(f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            try:
+                probe.bind(address)
+            except OSError as e:
+                raise ValueError(
+                    f"--host {host} --port {port}: cannot bind {address[0]}: {e.strerror}"
+                ) from None
 
 
 def _server_config(args, draft, *, method: str | None = None):

@@ -7,6 +7,8 @@ numbers here, and complex numbers are not real.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 
@@ -26,7 +28,10 @@ def as_real(value) -> float | None:
     if isinstance(value, int | float) or any(
         _array_scalar_of(value, kind) for kind in (jnp.integer, jnp.floating)
     ):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a Python int beyond float range: out of every range checked
+            return math.inf if value > 0 else -math.inf
     return None
 
 

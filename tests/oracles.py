@@ -60,8 +60,11 @@ class OracleDraft:
     vocab_size: int
     wrong_at: int | None = None
 
-    def proposer(self, target, *, method: str, **_):
-        """The oracle serves every method and setting alike (`Draft.proposer`'s keywords)."""
+    def proposer(self, target, *, method: str, block_size: int | None = None, **_):
+        """The oracle serves every method and setting alike (`Draft.proposer`'s keywords), at
+        its own block size."""
+        if block_size is not None:
+            raise ValueError("an oracle drafts blocks of its own block_size")
         proposer = OracleProposer(self.block_size, self.vocab_size, self.wrong_at)
         return proposer, jnp.asarray(self.continuation, jnp.int32)
 

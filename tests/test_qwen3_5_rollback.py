@@ -42,7 +42,9 @@ class CyclingWrongProposer(OracleProposer):
 
 @dataclasses.dataclass(eq=False)
 class CyclingWrongDraft(OracleDraft):
-    def proposer(self, target, *, method: str, **_):
+    def proposer(self, target, *, method: str, block_size: int | None = None, **_):
+        if block_size is not None:
+            raise ValueError("an oracle drafts blocks of its own block_size")
         proposer = CyclingWrongProposer(self.block_size, self.vocab_size)
         return proposer, jnp.asarray(self.continuation, jnp.int32)
 

@@ -202,14 +202,17 @@ def test_a_shorter_block_drafts_the_full_blocks_first_drafts(target, draft, prom
         assert all(k <= 3 for r in got for k, _ in r.outcomes)  # at most K'-1 drafts accepted
 
     for kwargs, message in (
-        (dict(block_size=BLOCK + 1), f"block_size must be in \\[2, {BLOCK}\\]"),
+        (dict(block_size=BLOCK + 1), f"block_size must be an integer in \\[2, {BLOCK}\\]"),
         (dict(block_size=3, refine_passes=3), "refine_passes must be <= block_size - 1 = 2"),
     ):
         with pytest.raises(ValueError, match=message):
             _generate(target, prompts, draft, **kwargs)
+    with pytest.raises(ValueError, match="block_size must be an integer in"):
+        draft.config.with_block_size(4.0)
     dflash = jetspec_jax.init_draft(target, variant="dflash", num_layers=1, block_size=BLOCK)
     with pytest.raises(ValueError, match="dflash draft attends bidirectionally"):
         jetspec_jax.generate(target, prompts[0], draft=dflash, method="dflash", block_size=4)
+    assert dflash.config.with_block_size(BLOCK) is dflash.config  # as trained: nothing changes
 
 
 def test_an_oracle_proxy_never_lowers_tau(target, draft, prompts):

@@ -176,6 +176,7 @@ def test_parameters_given_as_numpy_or_jax_scalars_are_kept_as_python_numbers():
         (dict(temperature=jnp.asarray(True)), "temperature must be a real number"),
         (dict(top_k=jnp.float32(3.0)), "top_k must be an integer >= 0"),
         (dict(seed=np.float64(1.0)), "seed must be an integer"),
+        (dict(temperature=10**400), "temperature must be a finite number"),  # no OverflowError
     ):
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)

@@ -1,13 +1,13 @@
 """Benchmark method specs: a method name and JetSpec++'s settings in one label.
 
-    ar | dflash[-K<k>] | jetspec[-K<k>] | jetspec++[-K<k>][-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]
+    ar | dflash | jetspec[-K<k>] | jetspec++[-K<k>][-J<j>][-R<r>][-C<c>][-F<b>][-spmd|-mpmd]
 
-`-K<k>` drafts blocks of k positions, shorter than the draft's trained block (causal drafts:
-JetSpec, JetSpec++); then JetSpec++'s settings: `-J<j>` refinement passes, `-R<r>` context
-refreshes (r <= j; needs an adapter), `-C<c>` their replacement confidence in [0, 1] (default:
-the draft's calibration; `-C0`: the paper's rule), `-F<b>` foresight with B candidate blocks
-(needs an adapter and a calibration: the outcomes are scored "calibrated"), `-spmd` / `-mpmd`
-the foresight round pipelined over two devices. Each spec is a `DecodingOptions`, which
+`-K<k>` drafts blocks of k positions, shorter than the draft's trained block (causal drafts
+only: a DFlash draft refuses it); then JetSpec++'s settings: `-J<j>` refinement passes, `-R<r>`
+context refreshes (r <= j; needs an adapter), `-C<c>` their replacement confidence in [0, 1]
+(default: the draft's calibration; `-C0`: the paper's rule), `-F<b>` foresight with B candidate
+blocks (needs an adapter and a calibration: the outcomes are scored "calibrated"), `-spmd` /
+`-mpmd` the foresight round pipelined over two devices. Each spec is a `DecodingOptions`, which
 validates it.
 """
 
@@ -62,7 +62,8 @@ def parse_method(name: str) -> MethodSpec:
     if method != "jetspec++" and any(x is not None for x in jetspec_pp_settings):
         # "ar-J0" would decode as AR under another label, and the speedups look AR up by "ar".
         raise ValueError(
-            f"{name!r}: only jetspec++ takes -J, -R, -C, -F, -spmd / -mpmd; use {method!r}"
+            f"{name!r}: only jetspec++ takes -J, -R, -C, -F, -spmd / -mpmd; use "
+            f"{method + ('' if block is None else f'-K{block}')!r}"
         )
     try:
         options = DecodingOptions(

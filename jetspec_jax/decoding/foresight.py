@@ -233,7 +233,8 @@ class ForesightProposer:
             logits_hat,
             drafts,
             self.num_candidates,
-            self.calibration or Calibration(),  # None: the uncalibrated rule, which ignores it
+            # None only under another rule ("calibrated" without one is refused on construction)
+            self.calibration or Calibration(),
             calibrated_rows=greedy,
         )
 

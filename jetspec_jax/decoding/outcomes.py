@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.decoding.refinement import check_replacement_confidence
+from jetspec_jax.scalars import as_real
 
 SELECTION_RULES = ("calibrated", "uncalibrated", "geometric")
 
@@ -65,14 +66,12 @@ class Calibration:
 
     def __post_init__(self):
         for name in ("acceptance_temperature", "bonus_temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(
-                value, (int, float, np.integer, np.floating)
-            ):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-            object.__setattr__(self, name, float(value))
+            value = as_real(getattr(self, name))
+            if value is None or not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{name} must be a positive finite number, got {getattr(self, name)!r}"
+                )
+            object.__setattr__(self, name, value)
         confidence = check_replacement_confidence(self.replacement_confidence)
         object.__setattr__(self, "replacement_confidence", confidence)
 
@@ -285,16 +284,14 @@ def select_for_rule(
         `(k, a, valid)`, each `[B, num]`: the outcomes, and which of them have a finite score
         (fewer than `num` outcomes can be possible, e.g. under top-k; geometric: all valid).
     """
-    if rule == "calibrated" and calibrated_rows is not None:
-        rows = calibrated_rows[:, None, None]
+    if rule == "calibrated":
+        rows = True if calibrated_rows is None else calibrated_rows[:, None, None]
         scores = outcome_log_scores_at(
             logits_hat,
             drafts,
             jnp.where(rows, calibration.acceptance_temperature, 1.0),
             jnp.where(rows, calibration.bonus_temperature, 1.0),
         )
-    elif rule == "calibrated":
-        scores = outcome_log_scores(logits_hat, drafts, calibration)
     elif rule == "uncalibrated":
         scores = outcome_log_scores(logits_hat, drafts)
     elif rule == "geometric":

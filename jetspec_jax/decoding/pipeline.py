@@ -59,8 +59,10 @@ from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.proposers import with_anchor
 from jetspec_jax.decoding.speculative import (
     SpecState,
+    Verified,
     commit_round,
     decode_speculative,
+    round_commits,
     run_rounds,
     verify_block,
 )
@@ -198,6 +200,7 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
         def draft_side():
             ahead = proposer.record(proposed, hit, active)
             ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
+            # This stage verifies nothing: zeros shaped as the outcome, its cache unchanged.
             shapes = jax.eval_shape(verify_side)[0]._replace(cache=())
             idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             return idle._replace(cache=d.cache), ahead
@@ -205,10 +208,11 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
         own, pstate = jax.lax.cond(is_draft, draft_side, verify_side)
 
         # 4-5. the outcome and the true states go to the draft stage; both commit alike.
-        outcome = from_target(own._replace(cache=()))
+        taps, accepted, tokens = from_target((own.taps, own.accepted, own.tokens))
+        num_committed = round_commits(accepted, active)  # both stages hold the same done flags
         # The draft stage's target cache is never written: only its lengths advance.
-        cache = own.cache.replace(lengths=anchor_pos + outcome.num_committed)
-        verified = outcome._replace(cache=cache)
+        cache = own.cache.replace(lengths=anchor_pos + num_committed)
+        verified = Verified(cache, taps, accepted, tokens, num_committed)
         s = commit_round(s, requests, verified)
 
         # 6. the draft stage extends its contexts with the true states.

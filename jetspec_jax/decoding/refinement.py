@@ -50,7 +50,6 @@ from typing import Any, Protocol
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jetspec_jax.decoding.proposers import DraftProposer, with_anchor
 from jetspec_jax.models import adapter, decoder
@@ -58,6 +57,7 @@ from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import extend_context
+from jetspec_jax.scalars import as_real
 
 
 class Proxy(Protocol):
@@ -308,8 +308,9 @@ def replace_first_disagreement(
 
 def check_replacement_confidence(value) -> float:
     """`value` as a float after checking it is a number in [0, 1] (ValueError otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+    confidence = as_real(value)
+    if confidence is None:
         raise ValueError(f"replacement_confidence must be a number in [0, 1], got {value!r}")
-    if not 0.0 <= float(value) <= 1.0:
+    if not 0.0 <= confidence <= 1.0:
         raise ValueError(f"replacement_confidence must be in [0, 1], got {value!r}")
-    return float(value)
+    return confidence

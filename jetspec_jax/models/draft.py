@@ -39,6 +39,7 @@ from jetspec_jax.models.block_stack import (
     keys_values,
 )
 from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.scalars import as_int
 
 Params = dict
 VARIANTS = ("dflash", "jetspec", "jetspec++")
@@ -113,20 +114,24 @@ class DraftConfig:
         (DFlash) block would change.
 
         Raises:
-            ValueError: fewer than 2 or more positions than trained, or a DFlash draft.
+            ValueError: not an integer, fewer than 2 or more positions than trained, or a
+                shorter block for a DFlash draft.
         """
+        if as_int(block_size) == self.block_size:
+            return self
         if not self.causal:
             raise ValueError(
                 f"block_size={block_size}: a {self.variant} draft attends bidirectionally within "
                 f"its block, so a shorter block would change every draft; it drafts "
                 f"{self.block_size} positions, as trained"
             )
-        if not 2 <= block_size <= self.block_size:
+        size = as_int(block_size)
+        if size is None or not 2 <= size <= self.block_size:
             raise ValueError(
-                f"block_size must be in [2, {self.block_size}] (this draft's trained block), "
-                f"got {block_size}"
+                f"block_size must be an integer in [2, {self.block_size}] (this draft's trained "
+                f"block), got {block_size!r}"
             )
-        return dataclasses.replace(self, block_size=block_size)
+        return dataclasses.replace(self, block_size=size)
 
     @property
     def variant(self) -> str:
