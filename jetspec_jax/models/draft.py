@@ -117,7 +117,8 @@ class DraftConfig:
             ValueError: not an integer, fewer than 2 or more positions than trained, or a
                 shorter block for a DFlash draft.
         """
-        if as_int(block_size) == self.block_size:
+        size = as_int(block_size)
+        if size == self.block_size:
             return self
         if not self.causal:
             raise ValueError(
@@ -125,7 +126,6 @@ class DraftConfig:
                 f"its block, so a shorter block would change every draft; it drafts "
                 f"{self.block_size} positions, as trained"
             )
-        size = as_int(block_size)
         if size is None or not 2 <= size <= self.block_size:
             raise ValueError(
                 f"block_size must be an integer in [2, {self.block_size}] (this draft's trained "
