@@ -90,7 +90,52 @@ def _load_models(args):
         logger.info(
             "loaded %s %s (%s) in %.1f s", parts, draft_dir, draft.config.variant, _since(start)
         )
+    _check_draft_serves_flags(args, draft, draft_dir)
     return target, draft
+
+
+def _check_draft_serves_flags(args, draft, draft_dir) -> None:
+    """Refuses, in the command line's terms, flags the loaded draft cannot serve (the library
+    refuses them too, but in its Python API's terms: `Draft.with_adapter`, `load_draft`)."""
+    method = args.method or (draft.config.variant if draft is not None else "ar")
+    if method == "ar":
+        return
+    if draft is None:
+        raise ValueError(
+            f"--method {method} needs a draft of that variant: pass --draft DIR (or leave out "
+            "--target: the default model comes with its draft)"
+        )
+    variant = draft.config.variant
+    if method != variant:
+        raise ValueError(
+            f"--method {method}: the draft at {draft_dir} is a {variant!r} draft; pass --method "
+            f"{variant}, or no --method"
+        )
+    trained = draft.config.block_size
+    if args.block_size is not None and args.block_size != trained:
+        if not draft.config.causal:
+            raise ValueError(
+                f"--block-size {args.block_size}: a {variant} draft attends bidirectionally "
+                f"within its block, so it drafts only the {trained} positions it was trained on"
+            )
+        if args.block_size > trained:
+            raise ValueError(
+                f"--block-size must be at most {trained}, the block the draft at {draft_dir} was "
+                f"trained on; got {args.block_size}"
+            )
+    needing = [f"--{name}" for name in ("refreshes", "foresight") if getattr(args, name)]
+    if needing and draft.adapter is None:
+        raise ValueError(
+            f"{' and '.join(needing)} {'need' if len(needing) > 1 else 'needs'} a draft with an "
+            f"adapter, and the draft at {draft_dir} has none: pass a JetSpec++ checkpoint "
+            "(`train.py adapter` writes one)"
+        )
+    if args.foresight and args.foresight_rule == "calibrated" and draft.calibration is None:
+        raise ValueError(
+            f"--foresight-rule calibrated (the default) scores outcomes with the draft's "
+            f"calibration, and the draft at {draft_dir} has none: pass --foresight-rule "
+            "uncalibrated, or a calibrated checkpoint (`train.py calibrate` writes one)"
+        )
 
 
 def _since(start: float) -> float:

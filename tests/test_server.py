@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import jetspec_jax
 import serve as serve_py
 from jetspec_jax import DecodingOptions
+from jetspec_jax.adapter import init_adapter
 from jetspec_jax.bench.load import markdown, run_load
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.prompting import encode_prompt
@@ -1090,6 +1091,37 @@ def test_serve_py_generate_streams_the_autoregressive_completion_with_a_draft(
     monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
     assert serve_py.main(["generate", "P", "--no-chat", "--system", "Be brief."]) == 2
     assert "--system is a chat message" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "variant, parts, flags, message",
+    [
+        ("jetspec", "plain", ["--method", "jetspec++"], "is a 'jetspec' draft; pass --method"),
+        ("jetspec++", "plain", ["--refine-passes", "1", "--refreshes", "1"], "--refreshes needs a"),
+        ("jetspec++", "plain", ["--foresight", "4"], "--foresight needs a draft with an adapter"),
+        ("jetspec++", "adapter", ["--foresight", "4"], "pass --foresight-rule uncalibrated"),
+        (None, None, ["--method", "jetspec"], "--method jetspec needs a draft of that variant"),
+        ("jetspec", "plain", ["--block-size", "8"], "--block-size must be at most 4"),
+        ("dflash", "plain", ["--block-size", "2"], "drafts only the 4 positions it was trained"),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_serve_py_names_its_flags_when_the_draft_cannot_serve_them(
+    target, target_dir, tmp_path, capsys, command, variant, parts, flags, message
+):
+    """A flag the loaded draft cannot serve is refused in the command line's terms, not the
+    Python API's (`Draft.with_adapter`, `load_draft`), for `generate` and the server alike."""
+    argv = ["--target", str(target_dir), *flags]
+    if variant is not None:
+        draft = jetspec_jax.init_draft(target, variant=variant, block_size=4)
+        if parts == "adapter":  # a JetSpec++ checkpoint before `train.py calibrate`
+            draft = draft.with_adapter(init_adapter(draft))
+        argv += ["--draft", str(draft.save(tmp_path / "draft"))]
+    argv = ["generate", "P", *argv] if command == "generate" else ["--port", "0", *argv]
+    assert serve_py.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Draft." not in err and "load_draft" not in err and "=" not in err
 
 
 def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):
