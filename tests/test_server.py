@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import errno
 import io
 import json
@@ -1091,6 +1092,31 @@ def test_serve_py_generate_streams_the_autoregressive_completion_with_a_draft(
     monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
     assert serve_py.main(["generate", "P", "--no-chat", "--system", "Be brief."]) == 2
     assert "--system is a chat message" in capsys.readouterr().err
+
+
+def test_compare_ar_measures_the_speedup_and_checks_the_tokens(
+    target, target_dir, tmp_path, capsys
+):
+    """`serve.py generate --compare-ar` runs AR on the same prompt and says whether the tokens
+    agree; a result that differs from AR's is called out."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=4)
+    prompt = "What is 2 + 2?"
+    argv = ["generate", prompt, "--target", str(target_dir), "--max-new-tokens", "8"]
+    argv += ["--draft", str(draft.save(tmp_path / "d")), "--compare-ar"]
+    assert serve_py.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "speedup " in err and "x measured:" in err and "AR output identical" in err
+
+    args = serve_py._parser().parse_args(argv)
+    options = serve_py._decoding_options(args, draft)
+    ids = encode_prompt(target.tokenizer, prompt, chat=True)
+    request = dict(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    decoding = dataclasses.asdict(options)
+    result = jetspec_jax.generate(target, ids, draft=draft, **decoding, **request)
+    vocab = target.config.vocab_size
+    wrong = dataclasses.replace(result, tokens=[(result.tokens[0] + 1) % vocab, *result.tokens[1:]])
+    line = serve_py._speedup_line(args, options, jetspec_jax, target, ids, request, wrong)
+    assert line.endswith("AR output DIFFERENT)")
 
 
 @pytest.mark.parametrize(
