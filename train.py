@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 import sys
 
@@ -160,6 +161,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             f"--refreshes {args.refreshes} > --refine-passes {args.refine_passes} (each refresh "
             "precedes a refinement pass)"
         )
+    _require("--draft", [args.draft], directory=True)
+    _require("--data", args.data)
+    _check_greedy(args.data)
     import jetspec_jax
     from jetspec_jax.checkpoint.atomic import write_text_atomically
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
@@ -293,6 +297,34 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require(flag: str, paths: list[str], *, directory: bool = False) -> None:
+    """Refuses a missing `flag` path before the target loads (minutes for a large model), as
+    training does (`check_input_files`)."""
+    kind, exists = ("directory", os.path.isdir) if directory else ("file", os.path.isfile)
+    for path in paths:
+        if not exists(path):
+            raise FileNotFoundError(f"{flag} {path}: no such {kind}")
+
+
+def _check_greedy(data_files: list[str]) -> None:
+    """Refuses `--data` that `train.py regenerate` sampled (temperature > 0): calibration scores
+    the drafts against the target's greedy continuation (`calibration_rounds`), which sampled
+    responses are not; their rounds that depart from it are dropped, and the rest bias the fit
+    toward where sampling happened to pick the greedy token. Files without recorded settings
+    (written before they were recorded, or not by `regenerate`) are accepted: nothing says how
+    they were generated, and greedy data written then is still valid."""
+    from jetspec_jax.data.regenerate import recorded_temperature
+
+    for path in data_files:
+        temperature = recorded_temperature(path)
+        if temperature is not None and temperature > 0:
+            raise ValueError(
+                f"--data {path} was regenerated at temperature {temperature:g} (its "
+                ".settings.json says); calibration needs greedy data: regenerate it with "
+                "--temperature 0"
+            )
+
+
 def _export(args: argparse.Namespace) -> int:
     """Re-saves a draft or JetSpec++ checkpoint in `--dtype`, optionally with another adapter."""
     import jetspec_jax
@@ -301,6 +333,8 @@ def _export(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     if out.exists():
         raise ValueError(f"--out {out} exists; not replacing it")
+    _require("--draft", [args.draft], directory=True)
+    _require("--adapter-from", [args.adapter_from] if args.adapter_from else [], directory=True)
     if args.adapter_from is not None and not is_bundle(args.adapter_from):
         raise ValueError(f"--adapter-from {args.adapter_from} is not a JetSpec++ checkpoint")
     target = jetspec_jax.load_target(args.target)
@@ -325,6 +359,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    _require("--draft", [args.draft], directory=True)
+    _require("--prompts", [args.prompts])
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     # Read and checked before the draft loads (a file may hold fewer than --num-prompts).
     prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts)

@@ -188,8 +188,40 @@ def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
     with pytest.raises(ValueError, match="'chat' and 'thinking' must be booleans"):
         data_encoding([raw])
     settings_path(raw).write_text("[]")
-    with pytest.raises(ValueError, match="holds no regeneration settings"):
+    with pytest.raises(ValueError, match="is not a JSON object"):
         data_encoding([raw])
+
+
+def test_a_damaged_settings_file_is_named(tmp_path):
+    """An empty, cut or non-object `<out>.settings.json` is named as damaged, by its path, when
+    resuming and when its encoding or temperature is read: not a bare JSON error or TypeError."""
+    from jetspec_jax.data.regenerate import (
+        record_settings,
+        recorded_encoding,
+        recorded_temperature,
+    )
+
+    out = tmp_path / "out.jsonl"
+    path = settings_path(out)
+    for text, problem in (
+        ("", "not valid JSON"),
+        ('{"chat": tr', "not valid JSON"),
+        ("[1]", "not a JSON object"),
+    ):
+        path.write_text(text)
+        for read in (
+            lambda: record_settings(path, {"chat": True}, resuming=True),
+            lambda: recorded_encoding(out),
+            lambda: recorded_temperature(out),
+        ):
+            with pytest.raises(ValueError, match=f"{path} is {problem}"):
+                read()
+    path.write_text(json.dumps({"sampling": {"temperature": 0.7, "seed": 0}}))
+    assert recorded_temperature(out) == 0.7
+    path.write_text(json.dumps({"chat": True}))  # recorded before sampling was
+    assert recorded_temperature(out) is None
+    path.unlink()
+    assert recorded_temperature(out) is None and recorded_encoding(out) is None
 
 
 def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, uninterrupted, tmp_path):

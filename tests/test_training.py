@@ -486,6 +486,92 @@ def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path
     assert (optim.steps, optim.epochs, optim.batch_size, optim.warmup_steps) == (300, None, 16, 7)
 
 
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    """PyYAML keeps the last of two identical keys silently: a second `optim:` section, or
+    `steps:` twice in one, would drop settings."""
+    from jetspec_jax.training.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    for text, key, line in (
+        (
+            "data: {files: [a.jsonl]}\noptim: {batch_size: 4}\nrun: {dir: x}\noptim: {steps: 9}\n",
+            "optim",
+            4,
+        ),
+        (
+            "data: {files: [a.jsonl]}\noptim:\n  steps: 9\n  warmup_steps: 1\n  steps: 3\n",
+            "steps",
+            5,
+        ),
+    ):
+        path.write_text(text)
+        with pytest.raises(
+            ValueError,
+            match=f"not valid YAML: duplicate key '{key}' on line {line} \\(first given on line",
+        ):
+            load_train_config(path)
+    path.write_text("data: {files: [a.jsonl]}\n")
+    with pytest.raises(ValueError, match="override.*duplicate key 'a' on line 1"):
+        load_train_config(path, ["data.files={a: 1, a: 2}"])
+    # A merge key's values may still be overridden by the mapping's own keys.
+    path.write_text(
+        "data: {files: [a.jsonl]}\n"
+        "adapter: {optim: &b {steps: 9, batch_size: 4, warmup_steps: 1}}\n"
+        "optim: {<<: *b, steps: 3}\n"
+    )
+    optim = load_train_config(path).optim
+    assert (optim.steps, optim.batch_size) == (3, 4)
+
+
+def test_data_files_are_compared_by_real_path(tmp_path, monkeypatch):
+    """`a.jsonl`, `./a.jsonl` and a link to it are one file, which would be trained on twice."""
+    from jetspec_jax.training.config import load_train_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "a.jsonl")
+    path = tmp_path / "c.yaml"
+    for files in ("[runs/a.jsonl, ./runs/a.jsonl]", f"[a.jsonl, {tmp_path}/link.jsonl]"):
+        path.write_text(f"data: {{files: {files}}}\n")
+        with pytest.raises(ValueError, match="invalid value for data.files: .* are one file"):
+            load_train_config(path)
+    with pytest.raises(ValueError, match="'a.jsonl' and 'a.jsonl' are one file"):
+        TrainConfig(data=DataConfig(files=("a.jsonl", "a.jsonl")))  # one string object twice
+    path.write_text("data: {files: [a.jsonl, b.jsonl]}\n")
+    assert load_train_config(path).data.files == ("a.jsonl", "b.jsonl")
+
+
+def test_a_null_adapter_budget_override_keeps_the_top_level_budget(tmp_path):
+    """`--set adapter.optim.epochs=null` on a config whose adapter inherits `optim: {epochs: 2}`
+    gives no budget: the adapter keeps the epochs, not the built-in default steps."""
+    from jetspec_jax.training.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {files: [a.jsonl]}\noptim: {epochs: 2, batch_size: 4}\n")
+    for overrides in (["adapter.optim.epochs=null"], ["adapter.optim.steps=null"]):
+        optim = load_train_config(path, overrides).adapter.optim
+        assert (optim.epochs, optim.batch_size) == (2, 4), overrides
+    optim = load_train_config(
+        path, ["adapter.optim.steps=300", "adapter.optim.epochs=null"]
+    ).adapter.optim
+    assert (optim.steps, optim.epochs, optim.batch_size) == (300, None, 4)
+
+
+def test_an_empty_section_takes_its_defaults(tmp_path):
+    """`adapter:` with every key commented out loads as null: its defaults, as an override
+    (`--set adapter.kappa=0.3`) takes it, not "adapter must be a mapping"."""
+    from jetspec_jax.training.config import AdapterTrainConfig, load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {files: [a.jsonl]}\nadapter:\n  # kappa: 0.3\noptim:\nrun:\n")
+    config = load_train_config(path)
+    assert config.adapter == AdapterTrainConfig() and config.optim == OptimConfig()
+    assert config.run == RunConfig()
+    assert load_train_config(path, ["adapter.kappa=0.3"]).adapter.kappa == 0.3
+    path.write_text("data:\n")
+    with pytest.raises(ValueError, match="missing required key data"):
+        load_train_config(path)
+
+
 def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
     """Chunks of 3 of 8 anchors (the last padded), of 1, and all at once equal the loss written
     out whole: the `[B, A, K, V]` logits of both models in one piece (the oracle)."""

@@ -217,3 +217,77 @@ def test_evaluate_names_the_prompts_it_used(checkpoints, tmp_path, capsys):
     argv = ["evaluate", "--target", str(target_dir), "--draft", str(draft)]
     assert train.main([*argv, "--prompts", str(prompts), "--max-new-tokens", "4"]) == 0
     assert re.fullmatch(r"tau \d\.\d{3} \(jetspec\+\+, J0, 1 prompts\)\n", capsys.readouterr().out)
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """`jetspec_jax.load_target` failing the test: the commands must refuse bad paths first."""
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the paths were checked")
+
+    monkeypatch.setattr(jetspec_jax, "load_target", no_load)
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("calibrate", "--data"),
+        ("calibrate", "--draft"),
+        ("evaluate", "--prompts"),
+        ("evaluate", "--draft"),
+        ("export", "--draft"),
+        ("export", "--adapter-from"),
+    ],
+)
+def test_missing_paths_are_refused_before_the_target_loads(
+    command, flag, tmp_path, no_target_load, capsys
+):
+    """Loading a large target takes minutes: a mistyped path fails at once, named by its flag."""
+    import train
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    argv = {
+        "calibrate": ["--draft", str(draft), "--data", str(data)],
+        "evaluate": ["--draft", str(draft), "--prompts", str(data)],
+        "export": [
+            "--draft",
+            str(draft),
+            "--adapter-from",
+            str(draft),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    }[command]
+    missing = tmp_path / "missing"
+    argv[argv.index(flag) + 1] = str(missing)
+    assert train.main([command, *argv]) == 2
+    kind = "file" if flag in ("--data", "--prompts") else "directory"
+    assert f"error: {flag} {missing}: no such {kind}" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_sampled_data_before_the_target_loads(tmp_path, no_target_load, capsys):
+    """Calibration fits the draft against the target's greedy continuation: data that `train.py
+    regenerate` sampled (its settings file records the temperature) is refused, by its path;
+    greedy data, and data without a settings file, pass this check."""
+    import train
+    from jetspec_jax.data.regenerate import settings_path
+
+    draft = tmp_path / "draft"
+    draft.mkdir()  # no JetSpec++ checkpoint: refused next, still before the target loads
+    files = [tmp_path / f"{name}.jsonl" for name in ("greedy", "unrecorded", "sampled")]
+    for file in files:
+        file.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    for file, temperature in ((files[0], 0.0), (files[2], 0.8)):
+        settings = {"sampling": {"temperature": temperature, "top_k": 0, "top_p": 1.0, "seed": 0}}
+        settings_path(file).write_text(json.dumps(settings))
+    argv = ["calibrate", "--draft", str(draft), "--data"]
+    assert train.main([*argv, *map(str, files)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --data {files[2]} was regenerated at temperature 0.8" in err
+    assert "calibration needs greedy data" in err
+    assert train.main([*argv, *map(str, files[:2])]) == 2
+    assert "is not a JetSpec++ checkpoint" in capsys.readouterr().err

@@ -334,6 +334,26 @@ def settings_path(out_path: pathlib.Path) -> pathlib.Path:
     return out_path.with_name(out_path.name + ".settings.json")
 
 
+def read_settings(path: pathlib.Path) -> dict:
+    """The settings recorded at `path` (a `<out>.settings.json`).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not valid JSON (empty, or cut short), or not a JSON object — named, so
+            that it can be repaired or deleted (not a bare parser error or TypeError).
+    """
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); damaged regeneration settings") from e
+    if not isinstance(settings, dict):
+        raise ValueError(
+            f"{path} is not a JSON object (got {type(settings).__name__}); damaged regeneration "
+            "settings"
+        )
+    return settings
+
+
 def recorded_encoding(out_path: str | os.PathLike) -> PromptEncoding | None:
     """The prompt encoding `regenerate` recorded for the output file `out_path`; None when it
     recorded no settings (a file from before they were recorded, or not written by `regenerate`).
@@ -344,13 +364,13 @@ def recorded_encoding(out_path: str | os.PathLike) -> PromptEncoding | None:
     path = settings_path(pathlib.Path(out_path))
     if not path.is_file():
         return None
+    settings = read_settings(path)
     try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
         encoding = PromptEncoding(
             chat=settings["chat"], system=settings["system"], thinking=settings["thinking"]
         )
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
-        raise ValueError(f"{path} holds no regeneration settings: {e!r}") from e
+    except KeyError as e:
+        raise ValueError(f"{path} holds no regeneration settings: no {e}") from e
     if not isinstance(encoding.chat, bool) or not isinstance(encoding.thinking, bool):
         raise ValueError(f"{path}: 'chat' and 'thinking' must be booleans")
     if encoding.system is not None and not isinstance(encoding.system, str):
@@ -358,12 +378,31 @@ def recorded_encoding(out_path: str | os.PathLike) -> PromptEncoding | None:
     return encoding
 
 
+def recorded_temperature(out_path: str | os.PathLike) -> float | None:
+    """The sampling temperature `regenerate` recorded for the output file `out_path` (0:
+    greedy); None when it recorded none (no settings file, or one without sampling settings).
+
+    Raises:
+        ValueError: a damaged settings file (`read_settings`), or a temperature that is no number.
+    """
+    path = settings_path(pathlib.Path(out_path))
+    if not path.is_file():
+        return None
+    sampling = read_settings(path).get("sampling")
+    if sampling is None:
+        return None
+    temperature = sampling.get("temperature") if isinstance(sampling, dict) else None
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise ValueError(f"{path}: 'sampling' must hold a numeric 'temperature', got {sampling!r}")
+    return float(temperature)
+
+
 def record_settings(path: pathlib.Path, settings: dict, *, resuming: bool) -> None:
     """Records `settings` at `path`; `resuming` an output file, refuses (ValueError) settings
     that differ from those recorded. An output written before settings were recorded gets the
     current ones (unchecked); a new output replaces the settings of a deleted one."""
     if resuming and path.is_file():
-        recorded = json.loads(path.read_text(encoding="utf-8"))
+        recorded = read_settings(path)
         changed = [
             f"{key} {settings.get(key)!r} (generated with {recorded.get(key)!r})"
             for key in sorted(set(recorded) | set(settings))

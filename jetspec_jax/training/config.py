@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import pathlib
 import types
 import typing
@@ -171,8 +172,17 @@ class TrainConfig:
             self.data.max_length,
         )
         _check(bool(self.data.files), "data.files", self.data.files)
-        # Listed twice, a file would be trained on twice as often as the others, silently.
-        _check(len(set(self.data.files)) == len(self.data.files), "data.files", self.data.files)
+        # Listed twice, a file would be trained on twice as often as the others, silently; by its
+        # real path, since `a.jsonl`, `./a.jsonl` and a symlink to it are one file.
+        seen: dict[str, str] = {}  # real path -> the entry that named it first
+        for name in self.data.files:
+            real = os.path.realpath(name)
+            if real in seen:
+                raise ValueError(
+                    f"invalid value for data.files: {seen[real]!r} and {name!r} are one file, "
+                    "listed twice (it would be trained on twice as often as the others)"
+                )
+            seen[real] = name
         for name in ("eval_num_prompts", "eval_max_new_tokens"):
             _check(getattr(self.data, name) >= 1, f"data.{name}", getattr(self.data, name))
         for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
@@ -289,7 +299,8 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: malformed YAML or override, an unknown key, a missing required key, a wrong
+        ValueError: malformed YAML or override, a key given twice (named with its line; YAML
+            would keep the last silently), an unknown key, a missing required key, a wrong
             type or an invalid value, named by its dotted path; an `optim` section with both
             `steps` and `epochs` (epochs would silently win).
     """
@@ -297,7 +308,7 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     if not path.is_file():
         raise FileNotFoundError(f"training config {path} not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid YAML: {e}") from e
     data = {} if data is None else data
@@ -317,15 +328,41 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     return from_dict(TrainConfig, data, "")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` refusing a key given twice in one mapping: PyYAML keeps the last one
+    silently, so a second `optim:` section, or `steps:` twice in one, would drop settings."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}  # key -> the line (1-based) it is first given on
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges keys the mapping's own ones may override
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line
+                try:
+                    if key in lines:
+                        raise yaml.constructor.ConstructorError(
+                            problem=f"duplicate key {key!r} on line {line + 1} (first given on "
+                            f"line {lines[key]}): YAML would keep only the last; give it once"
+                        )
+                    lines[key] = line + 1
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader names it
+        return super().construct_mapping(node, deep=deep)
+
+
 _BUDGET_KEYS = ("steps", "epochs")
 
 
 def _inherit_optim(data: dict) -> None:
     """An `adapter.optim` made by overrides alone changes the optim the adapter ran with (the
-    top-level one, overrides applied), not the built-in defaults: only its given keys differ."""
+    top-level one, overrides applied), not the built-in defaults: only its given keys differ.
+    A null budget key means "not given" (`--set adapter.optim.epochs=null` must not replace the
+    top-level budget with the built-in default steps)."""
     base, given = data.get("optim") or {}, data["adapter"]["optim"]
     if not isinstance(base, dict):
         return  # from_dict names the malformed section
+    given = {k: v for k, v in given.items() if not (k in _BUDGET_KEYS and v is None)}
     if any(given.get(k) is not None for k in _BUDGET_KEYS):  # one budget: the override's
         base = {k: v for k, v in base.items() if k not in _BUDGET_KEYS}
     data["adapter"]["optim"] = {**base, **given}
@@ -344,7 +381,7 @@ def _apply_override(data: dict, override: str) -> None:
     if not sep or not all(keys):
         raise ValueError(f"override {override!r} must look like section.key=value")
     try:
-        value = yaml.safe_load(text)
+        value = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"override {override!r}: the value is not valid YAML: {e}") from e
     node = data
@@ -376,7 +413,10 @@ def from_dict(cls, data: Any, where: str):
         )
     kwargs = {}
     for name, field in fields.items():
-        if name in data:
+        # A null section (`adapter:` with every key commented out) is absent, its defaults, as
+        # `_apply_override` takes it; one that may be None (`adapter.optim: null`) stays None.
+        null_section = data.get(name) is None and dataclasses.is_dataclass(hints[name])
+        if name in data and not null_section:
             kwargs[name] = _convert(hints[name], data[name], _join(where, name))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ValueError(f"missing required key {_join(where, name)}")
