@@ -84,7 +84,8 @@ class Draft:
         written as a JetSpec++ checkpoint instead (`checkpoint/bundle.py`: draft in that layout
         under `draft/`, plus `adapter/` and the calibration).
 
-        Written atomically: `out_dir` appears complete or not at all.
+        Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
+        only a checkpoint directory (or an empty one): anything else there is refused.
         """
         if self.adapter is not None:
             from jetspec_jax.checkpoint.bundle import save_bundle  # imports this module
@@ -173,7 +174,10 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
             f"{path} is a target model checkpoint (architectures {hf.get('architectures')}), not "
             "a draft: pass it as the target; a draft's config.json names DFlashDraftModel"
         )
-    config = draft_config_from_hf(hf, target.config)
+    try:
+        config = draft_config_from_hf(hf, target.config)
+    except CheckpointError as e:  # its messages name fields, not the directory (a bundle's draft/)
+        raise CheckpointError(f"{path}: {e}") from e
     params = load_draft_params(path, config, DTYPES[dtype])
     return Draft(config=config, params=params, dtype=dtype, target_config=target.config, path=path)
 

@@ -88,7 +88,8 @@ class Target:
         default 2). A target loaded from a directory keeps that directory's generation settings
         (sampling defaults, pad and bos ids) and its config's pad and bos ids.
 
-        Written atomically: `out_dir` appears complete or not at all.
+        Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
+        only a checkpoint directory (or an empty one): anything else there is refused.
         """
         hf = config_to_hf(self.config, self.dtype)
         generation = {}

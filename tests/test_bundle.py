@@ -165,6 +165,20 @@ def test_refusals(target, saved, tmp_path, break_it, message):
         jetspec_jax.load_draft(path, target)
 
 
+def test_refusals_name_the_part_directory(target, saved, tmp_path):
+    """A draft/ or adapter/ that does not fit is named by its directory, as a target is."""
+    path = _copy(saved, tmp_path)
+    _edit(path / "draft" / "config.json", hidden_size=32)
+    with pytest.raises(CheckpointError) as failure:
+        jetspec_jax.load_draft(path, target)
+    assert str(failure.value).startswith(f"{path / 'draft'}: draft hidden_size 32 != target")
+    path = _copy(saved, tmp_path / "again")
+    _edit(path / "adapter" / "config.json", target_layer_ids=[0, 1])
+    with pytest.raises(CheckpointError) as failure:
+        jetspec_jax.load_draft(path, target)
+    assert str(failure.value).startswith(f"{path / 'adapter'}: adapter target_layer_ids [0, 1]")
+
+
 def _edit(file, **changes):
     data = json.loads(file.read_text())
     data.update(changes)

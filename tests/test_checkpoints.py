@@ -359,7 +359,7 @@ def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeyp
 
     out = tmp_path / "ckpt"
     out.mkdir()
-    (out / "weights").write_text("old")
+    (out / "config.json").write_text("old")
     real_replace, calls = os.replace, []
 
     def replace(src, dst):
@@ -371,10 +371,50 @@ def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeyp
     monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises(OSError, match="disk trouble"):
         with atomic.atomic_directory(out, overwrite=True) as tmp:
-            (tmp / "weights").write_text("new")
+            (tmp / "config.json").write_text("new")
     assert len(calls) == 3  # aside, in (failed), back
-    assert (out / "weights").read_text() == "old"
+    assert (out / "config.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_dangling_symlink_is_refused_before_any_work(tmp_path):
+    """`atomic_directory`: a symlink to nowhere at `out` is an existing entry, refused before the
+    body runs (with or without overwrite), not after it with a misleading race message."""
+    from jetspec_jax.checkpoint.atomic import atomic_directory
+
+    out = tmp_path / "ckpt"
+    out.symlink_to(tmp_path / "nowhere")
+    for overwrite, message in [(False, "already exists"), (True, "is a symlink")]:
+        with pytest.raises(FileExistsError, match=message):
+            with atomic_directory(out, overwrite=overwrite):
+                pytest.fail("the body ran")
+    assert out.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("kind", ["a file", "a tree", "a checkpoint", "a bundle", "empty"])
+def test_overwrite_replaces_only_a_checkpoint_or_empty_directory(tmp_path, kind):
+    """`atomic_directory(overwrite=True)` replaces (deletes) a checkpoint directory or an empty
+    one; a file or an unrelated directory tree is refused, by path, before the body runs."""
+    from jetspec_jax.checkpoint.atomic import atomic_directory
+
+    out = tmp_path / "work"
+    marker = {"a checkpoint": "config.json", "a bundle": "jetspec_pp.json", "a tree": "notes.txt"}
+    if kind == "a file":
+        out.write_text("old")
+    else:
+        out.mkdir()
+        if kind in marker:
+            (out / marker[kind]).write_text("old")
+    if kind in ("a file", "a tree"):
+        with pytest.raises(FileExistsError, match=f"{out} is not a"):
+            with atomic_directory(out, overwrite=True):
+                pytest.fail("the body ran")
+        assert (out if kind == "a file" else out / "notes.txt").read_text() == "old"
+    else:
+        with atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("new")
+        assert [p.read_text() for p in out.iterdir()] == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
 
 
 @pytest.mark.parametrize("theirs", ["empty", "filled", "filled during our rename", "a file"])
@@ -537,6 +577,35 @@ def test_a_tensor_in_two_shards_is_refused(checkpoints, tmp_path):
     safetensors.numpy.save_file({**tensors, name: tensor}, second, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"tensor {name} is in two shards"):
         jetspec_jax.load_target(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "weight_map, message",
+    [
+        ({"a": "s1", "b": "s2", "c": "s2"}, r"absent from their shards: b \(stored in s1\."),
+        ({"a": "s1", "b": "s1", "c": "../s2"}, "plain file names.*'../s2"),
+        ({"a": "s1", "b": "s1", "c": "ABS"}, "plain file names.*/s2.safetensors'"),
+    ],
+)
+def test_an_index_must_name_each_tensors_own_shard_beside_it(tmp_path, weight_map, message):
+    """A shard index names files in its own directory (no path outside it is read), and each
+    tensor must be in the shard the index names (as transformers reads it)."""
+    from jetspec_jax.checkpoint.hf_params import locate_tensors
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for shard, names in (("s1", "ab"), ("s2", "c")):
+        arrays = {n: np.zeros(2, np.float32) for n in names}
+        safetensors.numpy.save_file(arrays, str(ckpt / f"{shard}.safetensors"))
+    shutil.copy(ckpt / "s2.safetensors", tmp_path / "s2.safetensors")  # what `..` would reach
+    absolute = str(tmp_path / "s2")
+    weight_map = {n: f"{absolute if f == 'ABS' else f}.safetensors" for n, f in weight_map.items()}
+    (ckpt / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"{INDEX_FILE}.*{message}"):
+        locate_tensors(ckpt)
+    correct = {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}
+    (ckpt / INDEX_FILE).write_text(json.dumps({"weight_map": correct}))
+    assert sorted(locate_tensors(ckpt)) == ["a", "b", "c"]
 
 
 def test_a_hybrid_target_refuses_a_loaded_draft_block_it_cannot_roll_back(checkpoints):

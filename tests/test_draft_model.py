@@ -394,6 +394,11 @@ def _set(**changes):
             _set_dflash(target_layer_ids=None),
             r"target_layer_ids .* the reference's default taps for this config would be \[1, 0\]",
         ),
+        (  # no draft layers: no default taps to suggest (it used to raise a bare ValueError)
+            lambda c: _set(num_hidden_layers=0)(c) or _set_dflash(target_layer_ids=None)(c),
+            r"lacks the required field\(s\) target_layer_ids \(in dflash_config or at the top "
+            r"level\)$",
+        ),
         (_drop("num_target_layers"), "lacks the required field 'num_target_layers'"),
         (_drop("hidden_size"), "lacks the required field 'hidden_size'"),
         (_set(model_type="llama"), "must have model_type 'qwen3', got 'llama'"),

@@ -259,7 +259,8 @@ def _write_gguf(
         writer.add_tokenizer_model("llama")
         writer.add_token_list(vocab)
         writer.add_token_scores([-float(i) for i in range(len(vocab))])
-        writer.add_token_types([2, 3, 3] + [1] * (len(vocab) - 3))  # unknown, control, normal
+        types = [2, 3, 3] + [1] * (len(vocab) - 3)  # unknown, control, normal
+        writer.add_token_types(types[: len(vocab)])
         writer.add_unk_token_id(0)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
@@ -272,11 +273,16 @@ def _write_gguf(
     return path
 
 
+TINY_VOCAB = ["<unk>", "<s>", "</s>", "a", "b"]
+
+
 def _tiny_llama_gguf(
-    path: Path, extra_tensors: dict[str, np.ndarray] | None = None, vocab: list[str] | None = None
+    path: Path,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    vocab: list[str] | None = TINY_VOCAB,
 ) -> Path:
-    """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head), without a tokenizer unless `vocab`
-    (see `_write_gguf`)."""
+    """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head) with the tokenizer of `vocab` (see
+    `_write_gguf`); None: without a tokenizer."""
     fields = {
         "block_count": 1,
         "embedding_length": 8,
@@ -331,6 +337,39 @@ def test_unsupported_architecture(tmp_path):
 def test_unknown_tensor_is_an_error(tmp_path):
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf", {"blk.0.attn_q.bias": np.zeros(8, np.float32)})
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.bias"):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("kind", ["a text file", "a directory", "a truncated GGUF"])
+def test_a_path_that_is_not_a_gguf_file_is_named(tmp_path, kind):
+    path = tmp_path / "model.gguf"
+    if kind == "a directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"GGUF\x03\x00" if kind == "a truncated GGUF" else b"not a GGUF file")
+    with pytest.raises(CheckpointError, match=f"{path} is not a readable GGUF file"):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize(
+    "vocab, message",
+    [
+        (None, r"has no tokenizer \(metadata key 'tokenizer\.ggml\.tokens'\)"),
+        (["<unk>", "<s>"], "tokenizer.ggml.eos_token_id 2 is outside its 2 tokens"),
+    ],
+)
+def test_unusable_tokenizer_metadata_is_refused_before_any_tensor(
+    tmp_path, monkeypatch, vocab, message
+):
+    """The tokenizer is written last: what it cannot use is refused before the tensors are
+    converted, not as a KeyError / IndexError after all of them."""
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab)
+    monkeypatch.setattr(
+        gguf_to_hf, "_convert_tensors", lambda *a, **k: pytest.fail("tensors converted")
+    )
+    with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
     assert list(tmp_path.iterdir()) == [path]
 

@@ -131,6 +131,16 @@ def test_a_quantized_checkpoint_is_refused_by_name(where):
     config_from_hf({**LLAMA, "quantization_config": None})  # null: not quantized
 
 
+@pytest.mark.parametrize("where", ["top level", "text_config"])
+def test_a_missing_field_is_named_where_it_belongs(where):
+    """A multimodal Qwen3.5 config holds the text model's fields in text_config: named so."""
+    text = {k: v for k, v in HYBRID.items() if k != "hidden_size"}
+    hf = text if where == "top level" else {"model_type": "qwen3_5", "text_config": text}
+    field = "hidden_size" if where == "top level" else "text_config.hidden_size"
+    with pytest.raises(CheckpointError, match=rf"lacks the required field '{field}'$"):
+        config_from_hf(hf)
+
+
 def test_a_null_partial_rotary_factor_is_absent():
     """As in transformers 5: Llama / Qwen3 rotate every channel; a Qwen3.5 null drops the
     config class's 0.25 default (it only fills an absent key), so the whole head rotates."""

@@ -178,7 +178,10 @@ def load_adapter(path: str | pathlib.Path, draft):
         path, CONFIG_FILE, "adapter directory", "an adapter directory needs a config.json"
     )
     config = adapter_config_from_dict(data, str(config_file))
-    check_adapter_matches_draft(config, draft)
+    try:
+        check_adapter_matches_draft(config, draft)
+    except CheckpointError as e:  # its message names fields, not the directory
+        raise CheckpointError(f"{path}: {e}") from e
     located = locate_tensors(path)
     specs = adapter_tensor_specs(config)
     try:

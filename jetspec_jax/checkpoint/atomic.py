@@ -11,6 +11,10 @@ import stat
 import tempfile
 from collections.abc import Iterator
 
+# Files that mark a directory `overwrite=True` may replace: an HF / plain-draft checkpoint, a
+# JetSpec++ bundle (`bundle.MANIFEST`; not imported: bundle.py imports this module).
+_CHECKPOINT_MARKERS = ("config.json", "jetspec_pp.json")
+
 
 @contextlib.contextmanager
 def atomic_directory(
@@ -31,6 +35,9 @@ def atomic_directory(
         out_dir: the directory to create.
         overwrite: replace an existing `out_dir` (removed only after the new one is complete;
             if another writer creates `out_dir` while the body runs, ours replaces theirs).
+            Only a checkpoint directory is replaced (one holding `config.json` or
+            `jetspec_pp.json`) or an empty one; anything else there (a file, a symlink, another
+            directory tree) is refused, before any work or just before the rename.
             Without it an existing `out_dir` is an error raised before any work; and if another
             writer creates `out_dir` while the body runs, theirs is kept and ours discarded.
 
@@ -42,13 +49,18 @@ def atomic_directory(
     like another writer's without it.
 
     Raises:
-        FileExistsError: without `overwrite`, `out_dir` exists before the body runs; or a
-            non-directory appears at `out_dir` while it runs (there is no copy to keep).
+        FileExistsError: without `overwrite`, `out_dir` exists before the body runs (a dangling
+            symlink included); with it, something other than a checkpoint or empty directory is
+            there; or a non-directory appears at `out_dir` while it runs (there is no copy to
+            keep).
         NotADirectoryError: a parent of `out_dir` is a file.
     """
     out = pathlib.Path(out_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+    # `lexists`, not `exists`: a dangling symlink is an entry too, refused now, not after the work.
+    if os.path.lexists(out):
+        if not overwrite:
+            raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+        _check_replaceable(out)
     for parent in out.parents:  # mkdir would say only "File exists", naming the file
         if parent.exists():
             if not parent.is_dir():
@@ -59,7 +71,8 @@ def atomic_directory(
     try:
         yield tmp
         _finalize_tree(tmp)
-        if overwrite and out.exists():
+        if overwrite and os.path.lexists(out):
+            _check_replaceable(out)  # again: it may have been replaced while the body ran
             old = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
             os.replace(out, old / out.name)
             try:
@@ -94,6 +107,22 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _check_replaceable(out: pathlib.Path) -> None:
+    """Refuses to let `overwrite` replace (and so delete) anything but one of our or HF's
+    checkpoint directories, or an empty directory: a mistyped path must not cost a tree."""
+    if out.is_symlink() or not out.is_dir():
+        kind = "a symlink" if out.is_symlink() else "not a directory"
+        raise FileExistsError(
+            f"{out} is {kind}; overwrite=True replaces only a checkpoint directory"
+        )
+    if not any((out / name).is_file() for name in _CHECKPOINT_MARKERS) and any(out.iterdir()):
+        markers = " or ".join(_CHECKPOINT_MARKERS)
+        raise FileExistsError(
+            f"{out} is not a checkpoint directory (it holds no {markers}); overwrite=True "
+            "replaces only a checkpoint directory or an empty one: delete it or choose another path"
+        )
 
 
 def _rename_to_new(tmp: pathlib.Path, out: pathlib.Path) -> bool:

@@ -52,7 +52,8 @@ def save_bundle(draft, out_dir: str | pathlib.Path, *, overwrite: bool = False) 
 
     Raises:
         ValueError: the draft has no adapter.
-        FileExistsError: `out_dir` exists and `overwrite` is False.
+        FileExistsError: `out_dir` exists and `overwrite` is False, or `out_dir` is not a
+            checkpoint (or empty) directory that `overwrite` may replace.
     """
     if draft.adapter is None:
         raise ValueError(

@@ -291,10 +291,13 @@ def _missing_fields_message(missing: list[str], hf: dict[str, Any]) -> str:
         "(in dflash_config or at the top level)"
     )
     if "target_layer_ids" in missing:
-        rule = default_target_layer_ids(
-            json_integer(hf["num_target_layers"], "draft num_target_layers"),
-            int(hf["num_hidden_layers"]),
-        )
+        try:
+            rule = default_target_layer_ids(
+                json_integer(hf["num_target_layers"], "draft num_target_layers"),
+                int(hf["num_hidden_layers"]),
+            )
+        except ValueError:  # e.g. no draft layers: no hint, and the missing fields still named
+            return message
         message += f"; the reference's default taps for this config would be {list(rule)}"
     return message
 

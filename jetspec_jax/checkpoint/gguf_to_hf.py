@@ -66,19 +66,25 @@ def convert_gguf_to_hf(
     ``show_progress``: a progress bar over the tensors (None: only on a terminal).
 
     Raises:
-        CheckpointError (a ``ValueError``): the architecture is not ``llama``,
-            a required metadata key is missing, or a tensor is unknown or missing.
+        CheckpointError (a ``ValueError``): ``gguf_path`` is not a readable GGUF
+            file, the architecture is not ``llama``, a required metadata key is
+            missing, the tokenizer metadata is incomplete, or a tensor is unknown
+            or missing.
         FileExistsError: ``out_dir`` exists already.
     """
     gguf_path = pathlib.Path(gguf_path)
     out = pathlib.Path(out_dir)
-    reader = gguf.GGUFReader(gguf_path)  # validate before touching the filesystem
+    try:  # validate before touching the filesystem
+        reader = gguf.GGUFReader(gguf_path)
+    except (OSError, ValueError, IndexError) as e:  # gguf names no file; IndexError: truncated
+        raise CheckpointError(f"{gguf_path} is not a readable GGUF file: {e}") from e
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"cannot convert {gguf_path.name}: GGUF architecture {arch!r} is not "
             f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    _check_tokenizer_metadata(reader, gguf_path)
 
     with atomic_directory(out) as tmp:
         _write_checkpoint(reader, tmp, show_progress=show_progress)
@@ -198,6 +204,24 @@ def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def _check_tokenizer_metadata(reader: gguf.GGUFReader, gguf_path: pathlib.Path) -> None:
+    """Refuses what `_save_tokenizer` cannot use, before the tensors are converted (it runs
+    last): no token list, or a special-token id outside it."""
+    tokens = _field(reader, "tokenizer.ggml.tokens", default=None)
+    if not tokens:
+        raise CheckpointError(
+            f"{gguf_path} has no tokenizer (metadata key 'tokenizer.ggml.tokens'), which the "
+            "converted checkpoint needs"
+        )
+    for key in ("bos", "eos", "unknown", "padding"):
+        token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", default=None)
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise CheckpointError(
+                f"{gguf_path}: tokenizer.ggml.{key}_token_id {token_id} is outside its "
+                f"{len(tokens)} tokens"
+            )
 
 
 def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:

@@ -76,9 +76,11 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     model_type = _HF_MODEL_TYPES[hf_type]
     assert model_type in SUPPORTED_MODEL_TYPES
     _refuse_quantization(hf)
+    within = ""  # where the fields below are: a multimodal config holds them in `text_config`
     if hf_type == "qwen3_5":
         hf = _text_config(hf)
-        _refuse_quantization(hf, "text_config.")
+        within = "text_config."
+        _refuse_quantization(hf, within)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(
             f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported"
@@ -113,7 +115,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             **(_hybrid_fields(hf) if model_type == "qwen3_5" else {}),
         )
     except KeyError as e:
-        raise CheckpointError(f"config.json lacks the required field {e.args[0]!r}") from e
+        raise CheckpointError(f"config.json lacks the required field {within + e.args[0]!r}") from e
     except (TypeError, ValueError) as e:  # inconsistent sizes (TransformerConfig's checks)
         if isinstance(e, CheckpointError):
             raise

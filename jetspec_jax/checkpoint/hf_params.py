@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -360,6 +361,13 @@ def locate_tensors(
         ):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
         files = sorted(set(weight_map.values()))
+        # A shard is a file beside the index: an absolute or `../` name would read elsewhere.
+        outside = [f for f in files if f in ("", ".", "..") or os.path.basename(f) != f]
+        if outside:
+            raise CheckpointError(
+                f"{index}: shard names must be plain file names in its directory, got "
+                f"{', '.join(map(repr, outside))}"
+            )
     else:
         raise CheckpointError(f"{checkpoint_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -378,11 +386,16 @@ def locate_tensors(
                     located[name] = (path, tuple(f.get_slice(name).get_shape()))
         except safetensors.SafetensorError as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
-    if weight_map is not None:
-        missing = sorted(n for n, f in weight_map.items() if n not in located)
+    if weight_map is not None:  # each tensor where the index says, as transformers reads it
+        missing = sorted(
+            n for n, f in weight_map.items() if n not in located or located[n][0].name != f
+        )
         if missing:
             raise CheckpointError(
-                f"{index} lists tensors absent from their shards: {', '.join(missing)}"
+                f"{index} lists tensors absent from their shards: "
+                + ", ".join(
+                    f"{n} (stored in {located[n][0].name})" if n in located else n for n in missing
+                )
             )
     return located
 
