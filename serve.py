@@ -90,14 +90,14 @@ def _load_models(args):
         logger.info(
             "loaded %s %s (%s) in %.1f s", parts, draft_dir, draft.config.variant, _since(start)
         )
-    _check_draft_serves_flags(args, draft, draft_dir)
+    _check_draft_serves_flags(args, draft)
     return target, draft
 
 
-def _check_draft_serves_flags(args, draft, draft_dir) -> None:
+def _check_draft_serves_flags(args, draft) -> None:
     """Refuses, in the command line's terms, flags the loaded draft cannot serve (the library
     refuses them too, but in its Python API's terms: `Draft.with_adapter`, `load_draft`)."""
-    method = args.method or (draft.config.variant if draft is not None else "ar")
+    method = _method(args, draft)
     if method == "ar":
         return
     if draft is None:
@@ -105,7 +105,7 @@ def _check_draft_serves_flags(args, draft, draft_dir) -> None:
             f"--method {method} needs a draft of that variant: pass --draft DIR (or leave out "
             "--target: the default model comes with its draft)"
         )
-    variant = draft.config.variant
+    variant, draft_dir = draft.config.variant, draft.path
     if method != variant:
         raise ValueError(
             f"--method {method}: the draft at {draft_dir} is a {variant!r} draft; pass --method "
@@ -138,6 +138,11 @@ def _check_draft_serves_flags(args, draft, draft_dir) -> None:
         )
 
 
+def _method(args, draft) -> str:
+    """--method; without it, the draft's own variant, or autoregressive decoding without one."""
+    return args.method or (draft.config.variant if draft is not None else "ar")
+
+
 def _since(start: float) -> float:
     return time.perf_counter() - start
 
@@ -148,9 +153,8 @@ def _decoding_options(args, draft, *, method: str | None = None):
     overrides both (`_check_before_loading`)."""
     from jetspec_jax import DecodingOptions
 
-    method = method or args.method or (draft.config.variant if draft is not None else "ar")
     return DecodingOptions(
-        method=method,
+        method=method or _method(args, draft),
         refine_passes=args.refine_passes,
         refreshes=args.refreshes,
         replacement_confidence=args.replacement_confidence,
