@@ -16,7 +16,8 @@
 
     # 3. Tau of a draft through the inference path.
     python train.py evaluate --draft runs/x/draft --prompts ../shared/data/eval/gsm8k_test.jsonl \\
-        [--num-prompts 50] [--max-new-tokens 256] [--refine-passes J]
+        [--num-prompts 50] [--max-new-tokens 256] [--refine-passes J [--refreshes R]] \\
+        [--no-chat] [--system TEXT] [--thinking]   # encode as the training data was
 
     # 4. Fit the calibration of a JetSpec++ checkpoint (draft + adapter) on held-out regenerated
     #    sequences: refinement's replacement confidence, then the outcome-score temperatures;
@@ -359,22 +360,62 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    if args.refreshes > args.refine_passes:
+        raise ValueError(
+            f"--refreshes {args.refreshes} exceeds --refine-passes {args.refine_passes} (one "
+            "refresh before each of the first R passes)"
+        )
+    encoding = _prompt_encoding(args)
+    if encoding == type(encoding)():  # no flag: the template if the tokenizer has one, else raw
+        encoding = None
     _require("--draft", [args.draft], directory=True)
     _require("--prompts", [args.prompts])
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     # Read and checked before the draft loads (a file may hold fewer than --num-prompts).
-    prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts)
+    prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts, encoding=encoding)
     draft = jetspec_jax.load_draft(args.draft, target)
+    _check_draft_takes_passes(args, draft)
     tau = prompts_tau(
         target,
         draft,
         prompts,
         max_new_tokens=args.max_new_tokens,
         refine_passes=args.refine_passes,
+        refreshes=args.refreshes,
         show_progress=None,
     )
-    print(f"tau {tau:.3f} ({draft.config.variant}, J{args.refine_passes}, {len(prompts)} prompts)")
+    setting = f"J{args.refine_passes}" + (f"-R{args.refreshes}" if args.refreshes else "")
+    print(f"tau {tau:.3f} ({draft.config.variant}, {setting}, {len(prompts)} prompts)")
     return 0
+
+
+def _prompt_encoding(args: argparse.Namespace):
+    """The `PromptEncoding` of `--no-chat`, `--system` and `--thinking` (regenerate, evaluate).
+
+    Raises:
+        ValueError: a chat-template setting with `--no-chat`.
+    """
+    from jetspec_jax.prompting import PromptEncoding
+
+    for flag, given in (("--system", args.system is not None), ("--thinking", args.thinking)):
+        if given and not args.chat:
+            raise ValueError(f"{flag} is a chat-template setting; drop --no-chat")
+    return PromptEncoding(chat=args.chat, system=args.system, thinking=args.thinking)
+
+
+def _check_draft_takes_passes(args: argparse.Namespace, draft) -> None:
+    """Refuses `--refine-passes` for a one-pass draft and `--refreshes` without an adapter, naming
+    the flags rather than the library's arguments."""
+    if args.refine_passes and draft.config.variant != "jetspec++":
+        raise ValueError(
+            f"--refine-passes refines JetSpec++ drafts; --draft {args.draft} is a "
+            f"{draft.config.variant} draft, which drafts in one pass (drop the flag)"
+        )
+    if args.refreshes and draft.adapter is None:
+        raise ValueError(
+            f"--refreshes needs an adapter; --draft {args.draft} has none: pass a JetSpec++ "
+            "checkpoint (train.py adapter writes one)"
+        )
 
 
 def _regenerate(args: argparse.Namespace) -> int:
@@ -390,9 +431,7 @@ def _regenerate(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    for flag, given in (("--system", args.system is not None), ("--thinking", args.thinking)):
-        if given and not args.chat:
-            raise ValueError(f"{flag} is a chat-template setting; drop --no-chat")
+    encoding = _prompt_encoding(args)
     check_output_path(args.out, args.prompts)
     read_records(args.prompts)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
@@ -402,9 +441,9 @@ def _regenerate(args: argparse.Namespace) -> int:
         args.out,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
-        chat=args.chat,
-        system=args.system,
-        thinking=args.thinking,
+        chat=encoding.chat,
+        system=encoding.system,
+        thinking=encoding.thinking,
         limit=args.limit,
         sampling=sampling,
     )
@@ -456,6 +495,17 @@ COMMANDS = {  # the subcommands `_parser` declares, and what runs each
 }
 
 
+def _add_encoding_args(parser: argparse.ArgumentParser, what: str = "prompts") -> None:
+    """`--no-chat`, `--system`, `--thinking`: how `what` are encoded (`_prompt_encoding`)."""
+    parser.add_argument(
+        "--no-chat", dest="chat", action="store_false", help=f"raw {what}, no chat template"
+    )
+    parser.add_argument("--system", default=None, help="system message (chat only)")
+    parser.add_argument(
+        "--thinking", action="store_true", help="the chat template's enable_thinking (Qwen3)"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -479,13 +529,7 @@ def _parser() -> argparse.ArgumentParser:
     regen.add_argument("--batch-size", type=int, default=8)
     regen.add_argument("--max-new-tokens", type=int, default=512)
     regen.add_argument("--limit", type=int, default=None, help="only the first N prompts")
-    regen.add_argument(
-        "--no-chat", dest="chat", action="store_false", help="raw prompts, no chat template"
-    )
-    regen.add_argument("--system", default=None, help="system message (chat only)")
-    regen.add_argument(
-        "--thinking", action="store_true", help="the chat template's enable_thinking (Qwen3)"
-    )
+    _add_encoding_args(regen)
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0, help="base of the per-prompt sampling seeds")
     regen.add_argument(
@@ -615,7 +659,11 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     evaluate.add_argument("--num-prompts", type=int, default=50)
     evaluate.add_argument("--max-new-tokens", type=int, default=256)
-    evaluate.add_argument("--refine-passes", type=_count, default=0)
+    evaluate.add_argument("--refine-passes", type=_count, default=0, help="J of Jj-Rr")
+    evaluate.add_argument(
+        "--refreshes", type=_count, default=0, help="R of Jj-Rr (a JetSpec++ checkpoint)"
+    )
+    _add_encoding_args(evaluate, what="text prompts")
     evaluate.add_argument("-v", "--verbose", action="store_true")
     return parser
 

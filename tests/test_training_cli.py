@@ -219,6 +219,70 @@ def test_evaluate_names_the_prompts_it_used(checkpoints, tmp_path, capsys):
     assert re.fullmatch(r"tau \d\.\d{3} \(jetspec\+\+, J0, 1 prompts\)\n", capsys.readouterr().out)
 
 
+@pytest.mark.parametrize(
+    "flags, encoding",
+    [
+        ([], dict(chat=True)),
+        (["--system", "Be brief."], dict(chat=True, system="Be brief.")),
+        (["--thinking"], dict(chat=True, thinking=True)),
+        (["--no-chat"], dict(chat=False)),
+    ],
+)
+def test_evaluate_encodes_text_prompts_as_its_flags_say(
+    flags, encoding, checkpoints, tmp_path, monkeypatch, capsys
+):
+    """A draft trained on data regenerated with `--system` (or `--no-chat`, `--thinking`) is
+    evaluated on text prompts encoded alike: `evaluate` takes `regenerate`'s encoding flags; with
+    none, the chat template."""
+    import train
+    from jetspec_jax.prompting import encode_prompt
+    from jetspec_jax.training import evaluate
+    from tests.text_fixtures import with_tokenizer
+
+    target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
+    target = jetspec_jax.load_target(target_dir)
+    draft = jetspec_jax.init_draft(target, block_size=4).save(tmp_path / "draft")
+    text = "What is 7 + 1?"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": text, "source": "alpaca"}) + "\n")
+    seen = []
+    monkeypatch.setattr(evaluate, "prompts_tau", lambda t, d, ids, **kw: seen.append(ids) or 1.0)
+    argv = ["evaluate", "--target", str(target_dir), "--draft", str(draft), "--prompts"]
+    assert train.main([*argv, str(prompts), *flags]) == 0, capsys.readouterr().err
+    assert seen == [[encode_prompt(target.tokenizer, text, **encoding)]]
+
+
+def test_evaluate_runs_refreshes_and_names_passes_a_draft_cannot_take(
+    checkpoints, tmp_path, capsys
+):
+    """`--refreshes R` runs Jj-Rr with the checkpoint's adapter; a plain draft (no adapter) or a
+    one-pass variant is refused by the flag, not by the library's argument names."""
+    import train
+    from jetspec_jax.adapter import init_adapter
+
+    target_dir = checkpoints.get("qwen3")[0]
+    target = jetspec_jax.load_target(target_dir)
+    draft = jetspec_jax.init_draft(target, block_size=4)
+    plain = draft.save(tmp_path / "draft")
+    bundle = draft.with_adapter(init_adapter(draft)).save(tmp_path / "pp")
+    dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4).save(tmp_path / "df")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    argv = ["evaluate", "--target", str(target_dir), "--prompts", str(prompts)]
+    argv += ["--max-new-tokens", "4", "--refine-passes", "1", "--refreshes", "1", "--draft"]
+    assert train.main([*argv, str(bundle)]) == 0
+    assert re.fullmatch(
+        r"tau \d\.\d{3} \(jetspec\+\+, J1-R1, 1 prompts\)\n", capsys.readouterr().out
+    )
+    assert train.main([*argv, str(plain)]) == 2
+    assert (
+        f"error: --refreshes needs an adapter; --draft {plain} has none" in capsys.readouterr().err
+    )
+    assert train.main([*argv[:-3], "--draft", str(dflash)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --refine-passes refines JetSpec++ drafts; --draft {dflash} is a dflash" in err
+
+
 @pytest.fixture
 def no_target_load(monkeypatch):
     """`jetspec_jax.load_target` failing the test: the commands must refuse bad paths first."""
@@ -267,6 +331,24 @@ def test_missing_paths_are_refused_before_the_target_loads(
     assert train.main([command, *argv]) == 2
     kind = "file" if flag in ("--data", "--prompts") else "directory"
     assert f"error: {flag} {missing}: no such {kind}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--refine-passes", "1", "--refreshes", "2"], "--refreshes 2 exceeds --refine-passes 1"),
+        (["--no-chat", "--system", "Hi."], "--system is a chat-template setting; drop --no-chat"),
+        (["--no-chat", "--thinking"], "--thinking is a chat-template setting; drop --no-chat"),
+    ],
+)
+def test_evaluate_refuses_contradicting_flags_before_the_target_loads(
+    flags, message, tmp_path, no_target_load, capsys
+):
+    import train
+
+    argv = ["evaluate", "--draft", str(tmp_path), "--prompts", str(tmp_path / "p.jsonl")]
+    assert train.main([*argv, *flags]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
 
 
 def test_calibrate_refuses_sampled_data_before_the_target_loads(tmp_path, no_target_load, capsys):
