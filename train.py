@@ -328,8 +328,9 @@ def _check_greedy(data_files: list[str]) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     """Re-saves a draft or JetSpec++ checkpoint in `--dtype`, optionally with another adapter."""
-    import jetspec_jax
     from jetspec_jax.checkpoint.bundle import is_bundle
+    from jetspec_jax.draft import load_draft_for_config
+    from jetspec_jax.target import load_target_config
 
     out = pathlib.Path(args.out)
     if out.exists():
@@ -338,12 +339,13 @@ def _export(args: argparse.Namespace) -> int:
     _require("--adapter-from", [args.adapter_from] if args.adapter_from else [], directory=True)
     if args.adapter_from is not None and not is_bundle(args.adapter_from):
         raise ValueError(f"--adapter-from {args.adapter_from} is not a JetSpec++ checkpoint")
-    target = jetspec_jax.load_target(args.target)
-    draft = jetspec_jax.load_draft(args.draft, target, dtype=args.dtype)
+    # The target's architecture checks the drafts; its weights are not needed to re-save them.
+    target_config = load_target_config(args.target)
+    draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     if args.adapter_from is not None:
         if draft.adapter is not None:
             raise ValueError(f"--draft {args.draft} already has an adapter")
-        donor = jetspec_jax.load_draft(args.adapter_from, target, dtype=args.dtype)
+        donor = load_draft_for_config(args.adapter_from, target_config, dtype=args.dtype)
         # Without its calibration: that was fitted to the donor's draft (train.py calibrate).
         draft = draft.with_adapter(donor.adapter)
     draft.save(out)

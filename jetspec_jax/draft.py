@@ -37,7 +37,7 @@ from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.scalars import as_int
 from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
 
-__all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft"]
+__all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft", "load_draft_for_config"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -155,14 +155,28 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
             (`checkpoint.bundle.load_bundle`).
         ValueError: `dtype` is neither "float32" nor "bfloat16".
     """
+    check_is_target(target)
+    return load_draft_for_config(
+        path, target.config, dtype=target.dtype if dtype is None else dtype
+    )
+
+
+def load_draft_for_config(
+    path: str | pathlib.Path, target_config: TransformerConfig, *, dtype: str
+) -> Draft:
+    """`load_draft` given the target's architecture alone (`load_target_config`), not its
+    weights: to re-save or convert a draft without holding the target in memory. The draft is
+    checked against `target_config` as `load_draft` checks it.
+
+    Raises:
+        CheckpointError, ValueError: as `load_draft`.
+    """
     from jetspec_jax.checkpoint.bundle import is_bundle, load_bundle  # imports this module
 
-    check_is_target(target)
-    dtype = target.dtype if dtype is None else dtype
     check_dtype(dtype)
     path = pathlib.Path(path)
     if is_bundle(path):
-        return load_bundle(path, target, dtype=dtype)
+        return load_bundle(path, target_config, dtype=dtype)
     hf = read_hf_config(path)
     if hf.get("architecture") == ADAPTER_ARCHITECTURE:
         raise CheckpointError(
@@ -175,11 +189,11 @@ def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = 
             "a draft: pass it as the target; a draft's config.json names DFlashDraftModel"
         )
     try:
-        config = draft_config_from_hf(hf, target.config)
+        config = draft_config_from_hf(hf, target_config)
     except CheckpointError as e:  # its messages name fields, not the directory (a bundle's draft/)
         raise CheckpointError(f"{path}: {e}") from e
     params = load_draft_params(path, config, DTYPES[dtype])
-    return Draft(config=config, params=params, dtype=dtype, target_config=target.config, path=path)
+    return Draft(config=config, params=params, dtype=dtype, target_config=target_config, path=path)
 
 
 def init_draft(

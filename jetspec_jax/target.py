@@ -139,24 +139,8 @@ def load_target(
             default model's GGUF file) is not installed.
     """
     check_dtype(dtype)
-    if path is None:
-        from jetspec_jax.default_model import default_target_dir
-
-        path = default_target_dir(show_progress=show_progress)
-    path = pathlib.Path(path)
-    if is_bundle(path) or is_draft_config(hf_config := read_hf_config(path)):
-        raise CheckpointError(
-            f"{path} is a draft checkpoint, not a target: load it with load_draft(path, target)"
-        )
-    if hf_config.get("architecture") == ADAPTER_ARCHITECTURE:
-        raise CheckpointError(
-            f"{path} is a JetSpec++ adapter, not a target: it is part of a draft checkpoint "
-            "(load_draft on the directory with jetspec_pp.json)"
-        )
-    try:
-        config = config_from_hf(hf_config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from e
+    path = _target_dir(path, show_progress)
+    hf_config, config = _read_target_config(path)
     params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
     tokenizer = _load_tokenizer(path)
     return Target(
@@ -167,6 +151,49 @@ def load_target(
         stop_token_ids=_stop_token_ids(path, hf_config, tokenizer, config.vocab_size),
         path=path,
     )
+
+
+def load_target_config(
+    path: str | pathlib.Path | None = None, *, show_progress: bool | None = None
+) -> TransformerConfig:
+    """The architecture of the target `load_target(path)` would load, from its `config.json`
+    alone: for work that needs a draft's target but not its weights (`load_draft_for_config`).
+
+    Raises:
+        CheckpointError, ModuleNotFoundError: as `load_target`.
+    """
+    return _read_target_config(_target_dir(path, show_progress))[1]
+
+
+def _target_dir(path: str | pathlib.Path | None, show_progress: bool | None) -> pathlib.Path:
+    """`path`, or the embedded default's directory when None (converted on first use)."""
+    if path is None:
+        from jetspec_jax.default_model import default_target_dir
+
+        return default_target_dir(show_progress=show_progress)
+    return pathlib.Path(path)
+
+
+def _read_target_config(path: pathlib.Path) -> tuple[dict, TransformerConfig]:
+    """The HF `config.json` of the target directory `path` and the architecture it describes.
+
+    Raises:
+        CheckpointError: no readable config, a draft or adapter directory, or an unsupported
+            architecture (named with `path`).
+    """
+    if is_bundle(path) or is_draft_config(hf_config := read_hf_config(path)):
+        raise CheckpointError(
+            f"{path} is a draft checkpoint, not a target: load it with load_draft(path, target)"
+        )
+    if hf_config.get("architecture") == ADAPTER_ARCHITECTURE:
+        raise CheckpointError(
+            f"{path} is a JetSpec++ adapter, not a target: it is part of a draft checkpoint "
+            "(load_draft on the directory with jetspec_pp.json)"
+        )
+    try:
+        return hf_config, config_from_hf(hf_config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def _load_tokenizer(path: pathlib.Path):

@@ -212,6 +212,30 @@ def test_overwrite(target, draft, saved, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no temporaries left
 
 
+def test_train_export_reads_the_target_config_not_its_weights(
+    checkpoints, target, draft, saved, tmp_path, monkeypatch, capsys
+):
+    """Re-saving a draft never holds the target's weights (32 GB in float32 for an 8B target):
+    `export` reads the target's config alone, which still refuses a draft of another target."""
+    import train
+    from jetspec_jax import target as target_module
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("export loaded the target's weights")
+
+    monkeypatch.setattr(target_module, "load_hf_params", no_weights)
+    assert target_module.load_target_config(checkpoints.get("qwen3")[0]) == target.config
+    argv = ["export", "--draft", str(saved), "--out", str(tmp_path / "out")]
+    assert train.main([*argv, "--target", str(checkpoints.get("qwen3")[0])]) == 0
+    _assert_trees_equal(jetspec_jax.load_draft(tmp_path / "out", target).params, draft.params)
+    argv[-1] = str(tmp_path / "never")
+    assert train.main([*argv, "--target", str(checkpoints.get("qwen3_vocab8")[0])]) == 2
+    assert "vocab" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(jetspec_jax.CheckpointError, match="is a draft checkpoint, not a target"):
+        target_module.load_target_config(saved)
+
+
 def test_train_export_in_bfloat16_and_with_another_adapter(
     checkpoints, target, draft, saved, tmp_path, capsys
 ):

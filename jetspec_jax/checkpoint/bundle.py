@@ -78,20 +78,21 @@ def save_bundle(draft, out_dir: str | pathlib.Path, *, overwrite: bool = False) 
     return pathlib.Path(out_dir)
 
 
-def load_bundle(path: str | pathlib.Path, target, dtype: str | None = None):
-    """Loads a JetSpec++ checkpoint for `target`: the `Draft` with its adapter and calibration.
+def load_bundle(path: str | pathlib.Path, target_config, dtype: str):
+    """Loads a JetSpec++ checkpoint for a target of `target_config`: the `Draft` with its adapter
+    and calibration.
 
     Args:
         path: the bundle directory.
-        target: the target the draft conditions on.
-        dtype: "float32" or "bfloat16"; None: the target's.
+        target_config: the `TransformerConfig` of the target the draft conditions on.
+        dtype: "float32" or "bfloat16".
 
     Raises:
         CheckpointError: a missing or malformed `jetspec_pp.json`, an unknown format or version,
             missing parts, a malformed calibration, or a draft / adapter that does not fit.
     """
     from jetspec_jax.decoding.outcomes import Calibration
-    from jetspec_jax.draft import load_draft
+    from jetspec_jax.draft import load_draft_for_config
 
     path = pathlib.Path(path)
     manifest = read_manifest(path)
@@ -100,7 +101,7 @@ def load_bundle(path: str | pathlib.Path, target, dtype: str | None = None):
         raise CheckpointError(f"JetSpec++ checkpoint {path} lacks its {DRAFT_DIR}/ directory")
     if is_bundle(draft_dir):
         raise CheckpointError(f"{draft_dir} must be a plain draft directory, not another bundle")
-    draft = load_draft(draft_dir, target, dtype=dtype)
+    draft = load_draft_for_config(draft_dir, target_config, dtype=dtype)
     adapter = load_adapter(path / ADAPTER_DIR, draft)
     calibration_file = path / CALIBRATION_FILE
     listed = "calibration" in manifest["contents"]
