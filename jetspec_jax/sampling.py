@@ -217,10 +217,15 @@ def _cutoff(parts, full_log_norm, k, p):
 
 
 def sampling_logits(logits: jax.Array, sampling: RowSampling) -> jax.Array:
-    """`[B, ..., V]` the rows' filtered, temperature-scaled logits (rows at temperature 0 are
-    scaled by 1; their tokens are argmax and never read these)."""
-    safe_t = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
-    return filter_logits(logits, safe_t, sampling.top_k, sampling.top_p)
+    """`[B, ..., V]` the rows' filtered, temperature-scaled logits; rows at temperature 0 get
+    their logits as they are (their tokens are argmax and never read these)."""
+    sampled = sampling.temperature > 0
+    safe_t = jnp.where(sampled, sampling.temperature, 1.0)
+    # A greedy row's top-k / top-p (OpenAI clients send top_p with temperature 0) would switch
+    # the batch's filter on, and often its vocabulary sort, for nothing.
+    top_k = jnp.where(sampled, sampling.top_k, 0)
+    top_p = jnp.where(sampled, sampling.top_p, 1.0)
+    return filter_logits(logits, safe_t, top_k, top_p)
 
 
 def select_tokens(logits: jax.Array, sampling: RowSampling, positions: jax.Array) -> jax.Array:

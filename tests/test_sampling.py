@@ -9,7 +9,13 @@ import pytest
 import torch
 import transformers
 
-from jetspec_jax.sampling import RowSampling, SamplingParams, filter_logits, select_tokens
+from jetspec_jax.sampling import (
+    RowSampling,
+    SamplingParams,
+    filter_logits,
+    sampling_logits,
+    select_tokens,
+)
 
 
 def _hf_filtered(logits, temperature, top_k, top_p):
@@ -151,6 +157,22 @@ def test_draws_follow_the_filtered_distribution():
     expected = probs[kept] * draws
     chi2 = np.sum((counts[kept] - expected) ** 2 / expected)
     assert chi2 < 25, (counts, expected)
+
+
+def test_greedy_rows_filter_nothing_whatever_their_top_k_and_top_p():
+    """A greedy row's top-k / top-p (OpenAI clients send `top_p` with temperature 0) leave its
+    logits unfiltered and do not turn on the filter (a vocabulary sort) for a batch where no row
+    samples; a sampled row beside it is filtered as alone."""
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 500))
+    greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5)
+    sampled = SamplingParams(temperature=0.7, top_k=40, top_p=0.9)
+    both_greedy = sampling_logits(logits, RowSampling.from_params([greedy, greedy]))
+    np.testing.assert_array_equal(both_greedy, logits)
+    mixed = sampling_logits(logits, RowSampling.from_params([greedy, sampled]))
+    np.testing.assert_array_equal(mixed[0], logits[0])
+    alone = sampling_logits(logits[1:], RowSampling.from_params([sampled]))
+    np.testing.assert_array_equal(mixed[1], alone[0])
+    assert np.isinf(alone).any()  # the sampled row is filtered
 
 
 def test_temperature_zero_is_argmax():

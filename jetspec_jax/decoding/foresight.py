@@ -226,8 +226,7 @@ class ForesightProposer:
         if self.rule == "geometric":
             return select_for_rule(self.rule, logits_hat, drafts, self.num_candidates)
         greedy = sampling.temperature <= 0
-        shaped = sampling_logits(logits_hat, sampling)
-        logits_hat = jnp.where(greedy[:, None, None], logits_hat, shaped)
+        logits_hat = sampling_logits(logits_hat, sampling)  # greedy rows' raw, as they are
         return select_for_rule(
             self.rule,
             logits_hat,
