@@ -273,6 +273,38 @@ def test_a_run_of_invalid_bytes_streams_on_and_characters_stay_whole():
     assert "".join(deltas).count("☕") == 2
 
 
+class _WindowRecorder:
+    """A tokenizer that records the longest id list it was asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def decode(self, ids, **kwargs):
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, _metaspace_tokenizer])
+def test_a_run_of_skipped_special_tokens_keeps_the_window_short(make):
+    """A sampling loop on a special token that is no stop token (each decodes to nothing when
+    skipped) must not grow the decoded window, making each push slower than the last; the text
+    is still exactly the whole decode's, spaces around the specials included, and with
+    `skip_special_tokens=False` they are text like any other token."""
+    tokenizer = make()
+    tokenizer.add_tokens(["<|special|>"], special_tokens=True)
+    special = tokenizer.convert_tokens_to_ids("<|special|>")
+    ids = tokenizer.encode("hello big") + [special] * 300 + tokenizer.encode(" world")
+    for skip in (True, False):
+        recorder = _WindowRecorder(tokenizer)
+        detok = IncrementalDetokenizer(recorder, skip_special_tokens=skip)
+        deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert recorder.longest <= 8
+
+
 def test_stop_strings_cut_the_text_and_hold_back_possible_starts():
     stops = StopStrings(["END", "##"])
     out = [stops.feed(d) for d in ("ab", "cE", "N", "xy#", "z", "E", "ND tail")]

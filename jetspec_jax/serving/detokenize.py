@@ -6,7 +6,8 @@ decoded token by token: each step decodes a short window that starts a few token
 what it adds to the text of the window's already-emitted part, holding back a trailing U+FFFD (an
 incomplete character) until the next token completes it. An incomplete character is at most 3 bytes,
 so only the last 3 tokens are ever held: a run of invalid bytes (a degenerate sampling loop) streams
-on, and the window stays short. The concatenation of all deltas is the text of all tokens.
+on, and the window stays short. Special tokens that decoding skips never enter the window. The
+concatenation of all deltas is the text of all tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Tokens the decode drops never reach the window: a run of them (a sampling loop on a
+        # special token that is no stop token) would grow it, and each push's decode, without end.
+        self._dropped = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
         self._ids: list[int] = []
         self._prefix = 0  # the window starts here: context for the tokens after `_read`
         self._read = 0  # tokens before this have had their text emitted
@@ -35,7 +39,7 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """The text that `token_ids` (appended to the earlier ones) add; may be "" while a
         character is incomplete."""
-        self._ids.extend(int(i) for i in token_ids)
+        self._ids.extend(i for i in map(int, token_ids) if i not in self._dropped)
         return self._delta(final=False)
 
     def flush(self) -> str:
@@ -71,6 +75,17 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+
+def _skipped_special_ids(tokenizer) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` removes before decoding (the tokenizer's
+    special added tokens): leaving them out changes no text."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(
+        i
+        for i, token in added.items()
+        if getattr(token, "special", False) and not tokenizer.decode([i], skip_special_tokens=True)
+    )
 
 
 class StopStrings:
