@@ -183,6 +183,11 @@ def _check_before_loading(args, *, server: bool) -> None:
     bad flag fails at once. Without --method the draft's variant is not known yet; "jetspec++",
     which accepts every decoding flag another method does, stands in for it (the options are
     built again, exactly, after the load)."""
+    if args.method == "ar" and args.draft:
+        raise ValueError(
+            f"--method ar decodes without a draft: drop --draft {args.draft}, or pass the "
+            "draft's method (or no --method)"
+        )
     method = args.method or "jetspec++"
     if server:
         _server_config(args, None, method=method)

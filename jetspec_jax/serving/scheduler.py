@@ -11,6 +11,12 @@ not joined mid-flight, and a finished row's slot stays idle until the batch ends
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
 new and waiting jobs and lets the running batch finish; `stop` also cancels the running batch.
+
+A batch that fails (say out of memory for one large request: the session's cache is sized by the
+batch's largest prompt and budget, for every row) is decoded again one job at a time, for each
+unfinished job that nothing was delivered to yet, so that only a job that cannot be served fails.
+A job that has received tokens fails with its batch: a new decode would repeat what it streamed,
+or diverge from it. Failures answer 500 with a generic message; the exception goes to the log.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+# What a job that serving failed is told: the exception (internal detail) goes to the log only.
+FAILED_MESSAGE = "serving the request failed (see the server log)"
 
 
 class QueueFull(Exception):
@@ -156,6 +165,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         # Read at each scrape: a cancelled waiting job leaves the count at once, as in /health.
         self.metrics.queue_depth.set_function(lambda: self.queue_depth)
+        self.metrics.running.set_function(lambda: self.running)
 
     # -- client side ------------------------------------------------------------------------
 
@@ -193,6 +203,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
+        """Jobs of the running batch not answered yet (a row leaves when its answer goes out)."""
         return len(self._running)
 
     @property
@@ -256,49 +267,93 @@ class Scheduler:
                     job = self._waiting.popleft()
                     if not job.cancelled:
                         batch.append(job)
-                    self._running = batch
+                self._running = list(batch)  # `_answer` removes each job as it is answered
             if batch:
                 self._serve(batch)
             with self._cond:
                 self._running = []
 
     def _serve(self, batch: list[Job]) -> None:
-        """Decodes `batch`, giving each job its `Finished` as soon as its row is done. A failure
-        anywhere (decoding, recording metrics) fails the jobs not yet finished with a 500, never
-        the worker thread."""
+        """Decodes `batch`, giving each job its last event as soon as its row is done. When the
+        batch fails, each unfinished job that nothing was delivered to yet is decoded again
+        alone, in order, so that one job that cannot be served (the batch's cache is sized by its
+        largest request) fails alone. A job's own failure is final (500). The retries finish
+        the running batch: `hold` does not delay them, but none starts once `stop` was called
+        (the job is answered 503, as a row `stop` cancels)."""
+        untouched = self._attempt(batch, first=True)
+        if len(batch) == 1:
+            for job in untouched:
+                self._answer(job, Failed(500, FAILED_MESSAGE))
+            return
+        if untouched:
+            logger.warning("decoding %d of its requests again, one at a time", len(untouched))
+        for job in untouched:
+            with self._cond:
+                stopping = self._stopping
+            if stopping:
+                self._answer(job, Failed(503, "the server shut down before the request finished"))
+            elif job.cancelled:  # its client went away: nobody to decode it for
+                self._answer(job, Failed(500, FAILED_MESSAGE))
+            else:
+                for failed in self._attempt([job], first=False):
+                    self._answer(failed, Failed(500, FAILED_MESSAGE))
+
+    def _attempt(self, batch: list[Job], *, first: bool) -> list[Job]:
+        """Decodes `batch` once and records its metrics (the queue wait only on the `first`
+        attempt: a retried job waited once). A failure anywhere (decoding, recording metrics) is
+        logged and fails, with a 500, the unfinished jobs that have received tokens, never the
+        worker thread. Returns the unfinished jobs that received nothing: they can be retried."""
         m = self.metrics
-        m.running.set(len(batch))
         unfinished = set(range(len(batch)))
+        streamed: set[int] = set()
+
+        def tokens(row: int, new_tokens: list[int]) -> None:
+            streamed.add(row)
+            batch[row].deliver(Tokens(new_tokens))
 
         def finish(row: int, result: GenerationResult) -> None:
             m.prompt_tokens.inc(result.prompt_length)
             m.generated_tokens.inc(len(result.tokens))
             if len(result.acceptance_lengths) > 1:
                 m.tau.observe(result.tau)
-            batch[row].deliver(Finished(result))
+            self._answer(batch[row], Finished(result))
             unfinished.discard(row)
 
         try:
             m.batch_size.observe(len(batch))
             started = time.perf_counter()
-            for job in batch:
-                m.phase_seconds.labels("queue").observe(started - job.submitted_at)
-            timing = self._decode(batch, finish)
+            if first:
+                for job in batch:
+                    m.phase_seconds.labels("queue").observe(started - job.submitted_at)
+            timing = self._decode(batch, tokens, finish)
             m.phase_seconds.labels("compile").observe(timing.compile_seconds)
             m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
             m.phase_seconds.labels("decode").observe(timing.decode_seconds)
-        except Exception as e:
+        except Exception:
             logger.exception("serving a batch of %d requests failed", len(batch))
-            failed = Failed(500, f"serving the batch failed: {type(e).__name__}: {e}")
-            for row in sorted(unfinished):
-                batch[row].deliver(failed)
-        finally:
-            m.running.set(0)
+            for row in sorted(unfinished & streamed):
+                self._answer(batch[row], Failed(500, FAILED_MESSAGE))
+            return [batch[row] for row in sorted(unfinished - streamed)]
+        return []
 
-    def _decode(self, batch: list[Job], finish: Callable[[int, GenerationResult], None]) -> Timing:
-        """Decodes `batch` as one session: new tokens to every job after the prefill and every
-        `chunk_steps` forwards, and `finish(row, result)` once per row, when it is done (a row
-        that ends early is answered while the others decode). Returns the batch's timing."""
+    def _answer(self, job: Job, event: Finished | Failed) -> None:
+        """Gives `job` its last event, once it has left the running count: a client that reads
+        the count (/health) on receiving its answer does not see itself."""
+        with self._cond:
+            if job in self._running:
+                self._running.remove(job)
+        job.deliver(event)
+
+    def _decode(
+        self,
+        batch: list[Job],
+        tokens: Callable[[int, list[int]], None],
+        finish: Callable[[int, GenerationResult], None],
+    ) -> Timing:
+        """Decodes `batch` as one session: `tokens(row, new_tokens)` for every row with new tokens
+        after the prefill and every `chunk_steps` forwards, and `finish(row, result)` once per
+        row, when it is done (a row that ends early is answered while the others decode).
+        Returns the batch's timing."""
         session = DecodeSession(
             self.target,
             [job.prompt_ids for job in batch],
@@ -311,7 +366,9 @@ class Scheduler:
         session.start()
         finished = [False] * len(batch)
         while True:
-            self._deliver(batch, session.poll())
+            for row, new_tokens in enumerate(session.poll()):
+                if new_tokens:
+                    tokens(row, new_tokens)
             for row, job in enumerate(batch):
                 if job.cancelled and not session.row_done[row]:
                     session.cancel(row)
@@ -322,9 +379,3 @@ class Scheduler:
             if session.done:
                 return session.timing
             session.advance(self.chunk_steps)
-
-    @staticmethod
-    def _deliver(batch: list[Job], new_tokens: list[list[int]]) -> None:
-        for job, tokens in zip(batch, new_tokens, strict=True):
-            if tokens:
-                job.deliver(Tokens(tokens))
