@@ -42,6 +42,7 @@ SERVER_FLAGS = (
     "max_model_len",
     "pad_batch",
     "shutdown_timeout",
+    "keepalive_seconds",
 )
 
 logger = logging.getLogger("serve")
@@ -230,6 +231,7 @@ def _server_config(args, draft, *, method: str | None = None):
         max_model_len=args.max_model_len,
         pad_batch=args.pad_batch,
         shutdown_timeout=args.shutdown_timeout,
+        keepalive_seconds=args.keepalive_seconds,
     )
 
 
@@ -491,6 +493,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds running requests get to finish on SIGINT/SIGTERM",
+    )
+    parser.add_argument(
+        "--keepalive-seconds",
+        type=float,
+        default=15.0,
+        help="a stream with no text yet gets its headers and an SSE ': keep-alive' comment every "
+        "this many seconds until its first text (so proxies do not time it out)",
     )
     commands = parser.add_subparsers(dest="command")
     gen = commands.add_parser("generate", help="stream a completion of one prompt")

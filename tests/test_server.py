@@ -1059,6 +1059,32 @@ def test_server_config_refuses_bad_values():
         ServerConfig(max_model_len=1)
 
 
+def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):
+    """A `ServerConfig` field without a `serve.py` flag, or a flag `_server_config` does not pass
+    on, would leave the setting at its default whatever the command line says."""
+    monkeypatch.delenv("JETSPEC_API_KEY", raising=False)
+    given = dict(
+        model_name="m",
+        api_key="k",
+        max_batch_size=3,
+        queue_size=5,
+        chunk_steps=2,
+        default_max_tokens=9,
+        max_model_len=64,
+        pad_batch=True,
+        shutdown_timeout=7.0,
+        keepalive_seconds=2.5,
+    )
+    fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"decoding"}
+    assert fields == set(given)  # a new setting: add it here, with its flag
+    argv = ["--method", "ar", "--pad-batch"]
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    config = serve_py._server_config(serve_py._parser().parse_args(argv), None)
+    assert {name: getattr(config, name) for name in given} == given
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
 def test_serve_py_refuses_a_port_out_of_range(port, capsys):
     with pytest.raises(SystemExit) as exited:

@@ -10,6 +10,13 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both streaming or not),
 GET /health, GET /metrics. With an API key set, /v1/* needs `Authorization: Bearer KEY` (401
 otherwise); /health and /metrics stay open for probes and scrapers. Every error is an OpenAI error
 object (`{"error": {"message", "type", "param", "code"}}`).
+
+A stream's headers (200, text/event-stream) go out with its first text, or, when no text has come
+after `keepalive_seconds` (a request waiting in the queue behind a long batch, or for a batch
+shape's first compile), with an SSE comment line (`: keep-alive`, which clients ignore), repeated
+each `keepalive_seconds` until the first text, so that reverse proxies and clients with read
+timeouts keep the connection. An error before the headers (queue full, shutdown, a failed job) is
+an ordinary HTTP error response; after them it is an error event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextvars
 import hmac
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -51,6 +59,7 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 MODEL = web.AppKey("model", ModelInfo)
 API_KEY = web.AppKey("api_key", str)
 TOKENIZING = web.AppKey("tokenizing", concurrent.futures.ThreadPoolExecutor)
+KEEPALIVE = web.AppKey("keepalive_seconds", float)
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 # The status of an error a stream sent as an event after its 200 headers, for `_count` (a
 # context variable: the handler runs in the middleware's task).
@@ -58,6 +67,10 @@ _STREAM_ERROR_STATUS: contextvars.ContextVar[int | None] = contextvars.ContextVa
     "jetspec_stream_error_status", default=None
 )
 
+
+# What `_decoded` yields when a keep-alive comment is due, and the comment `_stream` then writes.
+_KEEPALIVE = object()
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 # A request body may carry a whole context: as token ids (up to ~8 bytes each in JSON) or as text
 # escaped character by character (`\uXXXX`, several characters a token). aiohttp's default, 1 MiB,
@@ -70,14 +83,27 @@ def max_body_bytes(context_length: int) -> int:
     return max(2**20, BODY_BYTES_PER_CONTEXT_TOKEN * context_length)
 
 
-def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = None):
+def create_app(
+    scheduler: Scheduler,
+    model: ModelInfo,
+    *,
+    api_key: str | None = None,
+    keepalive_seconds: float = 15.0,
+):
     """The application; starting it starts the scheduler, shutting it down drains and stops it.
 
     Args:
         scheduler: serves the generation jobs (not started yet).
         model: the served model's name, tokenizer and limits.
         api_key: when set, required as a bearer token on /v1/*.
+        keepalive_seconds: a stream with no text yet sends its headers and a `: keep-alive`
+            comment after this many seconds, and the comment again each as many until its first
+            text (finite, > 0).
     """
+    if not (math.isfinite(keepalive_seconds) and keepalive_seconds > 0):
+        raise ValueError(
+            f"keepalive_seconds must be a finite number > 0, got {keepalive_seconds!r}"
+        )
     app = web.Application(
         middlewares=[_count, _errors, _auth],
         client_max_size=max_body_bytes(model.context_length),
@@ -85,6 +111,7 @@ def create_app(scheduler: Scheduler, model: ModelInfo, *, api_key: str | None = 
     app[SCHEDULER] = scheduler
     app[MODEL] = model
     app[API_KEY] = api_key or ""
+    app[KEEPALIVE] = float(keepalive_seconds)
     # One thread, so that requests are encoded one at a time: a fast tokenizer that changes its
     # truncation/padding settings during an encode fails other threads' calls ("Already
     # borrowed"). Decoding (on the loop) and plain encodes only read it.
@@ -321,6 +348,11 @@ async def _collect(req, job, events, model: ModelInfo, metrics, prompt_tokens: i
 
 
 async def _stream(request, req, job, events, prompt_tokens: int, arrived: float):
+    """Streams the request's chunks as server-sent events. The response (its headers, and for
+    chat the role chunk) is prepared at the first write: the first text, or the first keep-alive
+    comment, due once `keepalive_seconds` pass without text (then again each as many until the
+    first text). Until then an error is raised as an ordinary HTTP error; after, it is an error
+    event. Every write happens here, on the handler's task: no second writer to race."""
     model: ModelInfo = request.app[MODEL]
     metrics = request.app[SCHEDULER].metrics
     output = _Output(model.tokenizer, req.stop)
@@ -333,7 +365,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     chunk_ids = dict(ids, include_usage=req.include_usage)
     response: web.StreamResponse | None = None
 
-    async def send(payload: dict | str) -> None:
+    async def prepared() -> web.StreamResponse:
         nonlocal response
         if response is None:
             response = web.StreamResponse(
@@ -342,12 +374,19 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
             await response.prepare(request)
             if req.chat:  # the first chat chunk announces the role
                 await _sse(response, responses.chunk(**chunk_ids, text="", role=True))
-        await _sse(response, payload)
+        return response
 
+    async def send(payload: dict | str) -> None:
+        await _sse(await prepared(), payload)
+
+    keepalive = request.app[KEEPALIVE]
     try:
         try:
-            async for piece in _decoded(job, events, output, metrics, arrived):
-                await send(responses.chunk(**chunk_ids, text=piece))
+            async for piece in _decoded(job, events, output, metrics, arrived, keepalive):
+                if piece is _KEEPALIVE:
+                    await _keep_alive(await prepared())
+                else:
+                    await send(responses.chunk(**chunk_ids, text=piece))
         except RequestError as error:
             if response is None:  # nothing sent yet: an ordinary error answer
                 raise
@@ -387,17 +426,37 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     return response
 
 
-async def _decoded(job, events: asyncio.Queue, output: _Output, metrics, arrived: float):
+async def _decoded(
+    job,
+    events: asyncio.Queue,
+    output: _Output,
+    metrics,
+    arrived: float,
+    keepalive: float | None = None,
+):
     """The request's text as its tokens arrive, in non-empty pieces (stop strings applied; the
     job is cancelled at the first hit), the detokenizer's tail last; `output.result` then holds
-    the `GenerationResult`. Observes the time to the first token.
+    the `GenerationResult`. Observes the time to the first token. With `keepalive` (seconds),
+    `_KEEPALIVE` is yielded each time that long passes before the first piece of text.
 
     Raises:
         RequestError: the job failed, or the server shut down before it finished (503).
     """
     first = True
+    loop = asyncio.get_running_loop()
+    due = None if keepalive is None else loop.time() + keepalive
     while True:
-        event = await events.get()
+        if due is None or not events.empty():
+            event = await events.get()
+        else:
+            try:
+                # No task of its own: a cancelled `get` leaves the event in the queue.
+                async with asyncio.timeout_at(due):
+                    event = await events.get()
+            except TimeoutError:
+                due = loop.time() + keepalive
+                yield _KEEPALIVE
+                continue
         if isinstance(event, Tokens):
             if first:
                 metrics.time_to_first_token.observe(time.perf_counter() - arrived)
@@ -408,6 +467,7 @@ async def _decoded(job, events: asyncio.Queue, output: _Output, metrics, arrived
             if output.stops.hit:
                 job.cancel()
             if text:
+                due = None  # the stream is flowing: no more keep-alives
                 yield text
         elif isinstance(event, Failed):
             raise RequestError(event.status, event.message, type="server_error")
@@ -418,9 +478,16 @@ async def _decoded(job, events: asyncio.Queue, output: _Output, metrics, arrived
                 )
             tail = output.finish()
             if tail:
+                due = None
                 yield tail
             output.result = event.result
             return
+
+
+async def _keep_alive(response: web.StreamResponse) -> None:
+    """An SSE comment: it keeps proxies' and clients' read timeouts from cutting a stream that has
+    no text yet; clients skip it."""
+    await response.write(KEEPALIVE_COMMENT)
 
 
 async def _sse(response: web.StreamResponse, payload: dict | str) -> None:

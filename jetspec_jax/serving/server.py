@@ -45,6 +45,12 @@ class ServerConfig:
         pad_batch: always decode the power of two >= `max_batch_size` rows (batch shapes
             are bucketed to powers of two): one compiled batch shape.
         shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
+        keepalive_seconds: a streaming request with no text yet (waiting in the queue behind a
+            long batch, or for its batch shape's first compile) gets its headers and an SSE
+            comment (`: keep-alive`) after this many seconds, then the comment again each as many
+            until its first text, so that reverse proxies (nginx: 60 s by default) and clients
+            with read timeouts do not cut it (> 0). An error before the headers is an ordinary
+            HTTP error response; after them, an error event.
     """
 
     model_name: str | None = None
@@ -57,6 +63,7 @@ class ServerConfig:
     max_model_len: int | None = None
     pad_batch: bool = False
     shutdown_timeout: float = 30.0
+    keepalive_seconds: float = 15.0
 
     def __post_init__(self):
         check_sizes(
@@ -76,6 +83,11 @@ class ServerConfig:
             raise ValueError(
                 f"shutdown_timeout must be a finite number >= 0, got {self.shutdown_timeout!r}"
             )
+        value = self.keepalive_seconds
+        if isinstance(value, bool) or not (
+            isinstance(value, int | float) and math.isfinite(value) and value > 0
+        ):
+            raise ValueError(f"keepalive_seconds must be a finite number > 0, got {value!r}")
 
 
 def build_app(target, draft, config: ServerConfig) -> web.Application:
@@ -107,7 +119,9 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         context_length=min(context, config.max_model_len or context),
         default_max_tokens=config.default_max_tokens,
     )
-    return create_app(scheduler, model, api_key=config.api_key)
+    return create_app(
+        scheduler, model, api_key=config.api_key, keepalive_seconds=config.keepalive_seconds
+    )
 
 
 def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000):
