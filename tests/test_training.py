@@ -909,7 +909,7 @@ def test_every_process_refuses_too_few_examples_alike():
             training_dataset(
                 records, batch_size=4, max_length=16, seed=0, process_index=index, process_count=2
             )
-    # Batches of 3: process 1's share (records 1, 3, 5) is exactly one batch.
+    # Batches of 3: process 1's share (3 of the 7) is exactly one batch.
     batch = next(
         iter(
             training_dataset(
@@ -921,28 +921,66 @@ def test_every_process_refuses_too_few_examples_alike():
         "tokens": ((3, 16), np.int32),
         "loss_mask": ((3, 16), np.bool_),
     }
-    assert sorted(batch["tokens"][:, 1].tolist()) == [1, 3, 5]
+    assert len(set(batch["tokens"][:, 1].tolist())) == 3
     np.testing.assert_array_equal(batch["tokens"][:, 2:5], [[3, 4, 5]] * 3)
     response = (np.arange(16) >= 2) & (np.arange(16) < 5)
     np.testing.assert_array_equal(batch["loss_mask"], np.tile(response, (3, 1)))
 
 
+def test_global_batches_mix_records_from_the_whole_file():
+    """Each epoch, the processes' shares are disjoint and cover every record, and a global batch
+    (the processes' local batches side by side) is a random draw of the file: not, as when each
+    process shuffled its own slice alike, runs of neighbouring records (which `regenerate`
+    writes sorted by length)."""
+    count, processes, local = 64, 4, 2
+    records = [{"prompt_ids": [1, i], "response_ids": [3, 4]} for i in range(count)]
+    per_epoch = count // processes // local  # batches per process per epoch
+    orders = []  # orders[p][epoch] = the record ids process p reads in that epoch
+    for index in range(processes):
+        batches = iter(
+            training_dataset(
+                records,
+                batch_size=local,
+                max_length=8,
+                seed=0,
+                process_index=index,
+                process_count=processes,
+            )
+        )
+        ids = [next(batches)["tokens"][:, 1].tolist() for _ in range(2 * per_epoch)]
+        flat = [i for batch in ids for i in batch]
+        orders.append([flat[: count // processes], flat[count // processes :]])
+    for epoch in (0, 1):
+        assert sorted(i for order in orders for i in order[epoch]) == list(range(count))
+    assert orders[0][0] != orders[0][1]  # each epoch shuffled anew
+    # Process p's k-th record was processes * perm[k] + p for every p: the same group each step.
+    groups = [[i // processes for i in order[0]] for order in orders]
+    assert any(group != groups[0] for group in groups[1:])
+
+
 def test_training_data_is_checked_against_the_target(tmp_path, caplog):
     """Ids past the vocabulary (data of another tokenizer) are refused by line; a prompt that fills
-    max_length leaves nothing to supervise: skipped and counted."""
+    max_length leaves nothing to supervise: skipped and counted; a response that runs past it is
+    cut there (kept, and the tokens lost counted)."""
     path = tmp_path / "data.jsonl"
     rows = [
         {"prompt_ids": [1, 2], "response_ids": [3, 4]},
         {"prompt_ids": [1] * 8, "response_ids": [3]},  # fills max_length 8
         {"prompt_ids": [1, 2], "response_ids": []},
+        {"prompt_ids": [1, 2], "response_ids": [3] * 10},  # 4 tokens past max_length 8
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         records = read_regenerated([path], vocab_size=5, max_length=8)
-    assert [{k: v.tolist() for k, v in r.items()} for r in records] == [rows[0]]
+    assert [{k: v.tolist() for k, v in r.items()} for r in records] == [rows[0], rows[3]]
     assert all(v.dtype == np.int32 for r in records for v in r.values())  # 4 bytes a token
     assert "skipped 1 records whose prompt fills max_length 8" in caplog.text
     assert "skipped 1 records with an empty prompt or response" in caplog.text
+    assert "cut 1 of 2 records at max_length 8: 4 of all 12 response tokens (33.3%)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        read_regenerated([path], vocab_size=5, max_length=16)  # nothing cut or skipped...
+    assert "cut" not in caplog.text and "fills" not in caplog.text  # ...nothing said of it
     booleans = tmp_path / "booleans.jsonl"
     booleans.write_text('{"prompt_ids": [true, 2], "response_ids": [3]}\n')
     with pytest.raises(ValueError, match="booleans.jsonl:1 lacks integer prompt_ids"):

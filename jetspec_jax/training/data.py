@@ -4,9 +4,9 @@ Each JSONL line written by `train.py regenerate` holds `prompt_ids` and `respons
 is their concatenation truncated to `max_length` and right-padded; `loss_mask` marks the response
 tokens (the draft is trained to predict what the target generates, never the prompt).
 
-The pipeline is a `grain.MapDataset`: this process's shard, shuffled with the run's seed, repeated
-indefinitely, batched. Its iterator state is saved with every checkpoint, so a resumed run reads
-exactly the batches an uninterrupted one would.
+The pipeline is a `grain.MapDataset`: all records shuffled with the run's seed (each epoch anew),
+this process's slice of that order, repeated indefinitely, batched. Its iterator state is saved
+with every checkpoint, so a resumed run reads exactly the batches an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def read_regenerated(
             another tokenizer would otherwise train on clamped ids). None: ids must be in
             [0, 2**31).
         max_length: the training length: records whose prompt fills it have no supervised token
-            and are skipped (logged). None: kept.
+            and are skipped; longer ones have their response cut there (`to_example`). Both are
+            counted in the log. None: kept whole.
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -47,6 +48,7 @@ def read_regenerated(
             record.
     """
     records, too_long, empty = [], 0, 0
+    cut, cut_tokens, response_tokens = 0, 0, 0
     limit = _ID_LIMIT if vocab_size is None else vocab_size
     for file in files:
         for where, row in read_jsonl(file, what="training data file"):
@@ -66,6 +68,10 @@ def read_regenerated(
             elif ids[0] and ids[1]:
                 prompt, response = (np.asarray(x, np.int32) for x in ids)
                 records.append({"prompt_ids": prompt, "response_ids": response})
+                response_tokens += len(response)
+                if max_length is not None and len(prompt) + len(response) > max_length:
+                    cut += 1
+                    cut_tokens += len(prompt) + len(response) - max_length
             else:
                 empty += 1
     if empty:
@@ -75,6 +81,17 @@ def read_regenerated(
             "skipped %d records whose prompt fills max_length %d: nothing left to supervise",
             too_long,
             max_length,
+        )
+    if cut:
+        logger.warning(
+            "cut %d of %d records at max_length %d: %d of all %d response tokens (%.1f%%) are "
+            "not trained on",
+            cut,
+            len(records),
+            max_length,
+            cut_tokens,
+            response_tokens,
+            100 * cut_tokens / response_tokens,
         )
     if not records:
         shorter = "" if max_length is None else f", the prompt shorter than {max_length}"
@@ -117,8 +134,12 @@ def training_dataset(
 ) -> grain.IterDataset:
     """An endless, shuffled, batched dataset of this process's share of `records`.
 
-    Each process reads a disjoint shard (`records[process_index::process_count]`) and makes
-    batches of `batch_size` (its local batch).
+    Every process shuffles all records alike (each epoch anew) and reads its slice of that order
+    (`[process_index::process_count]`): the processes' shares of an epoch are disjoint and cover
+    it, and a global batch is as random as one process's would be. Slicing before shuffling
+    would give every process the same permutation of its slice, so that each global batch were
+    runs of `process_count` neighbouring records (`regenerate` writes them sorted by length).
+    Batches are of `batch_size` (the local batch).
     """
     # The smallest share decides, so that every process refuses alike (one refusing alone
     # would leave the others waiting in their first collective).
@@ -127,9 +148,9 @@ def training_dataset(
             f"{len(records)} examples over {process_count} process(es) leave some process "
             f"{len(records) // process_count}, fewer than one batch of {batch_size}"
         )
-    shard = grain.MapDataset.source(records)[process_index::process_count]
     dataset = (
-        shard.shuffle(seed=seed)
+        grain.MapDataset.source(records)
+        .shuffle(seed=seed)[process_index::process_count]
         .repeat(None)
         .map(functools.partial(to_example, max_length=max_length))
         .batch(batch_size, drop_remainder=True)
