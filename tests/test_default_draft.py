@@ -112,10 +112,10 @@ def test_readme_main_command_runs_jetspec_pp_with_no_flags(target, default_cache
     proc = subprocess.run(
         [sys.executable, "serve.py", "generate", prompt, "--max-new-tokens", "16"],
         cwd=ROOT,
-        env={
-            **os.environ,
+        env={  # the compilation cache as on a user's machine, not the session's
+            **{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
             "JETSPEC_JAX_CACHE": str(default_cache),
-            "JAX_ENABLE_COMPILATION_CACHE": "true",  # as on a user's machine
+            "JAX_ENABLE_COMPILATION_CACHE": "true",
         },
         capture_output=True,
         text=True,
