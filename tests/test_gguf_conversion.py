@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -143,7 +144,7 @@ def test_lost_race_returns_existing_dir(tmp_path, monkeypatch):
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "model"
 
-    def other_process_wins(reader, tmp, *, show_progress):
+    def other_process_wins(reader, tmp, **kwargs):
         (tmp / "config.json").write_text("{}")
         out.mkdir()
         (out / "config.json").write_text('{"winner": true}')
@@ -280,9 +281,10 @@ def _tiny_llama_gguf(
     path: Path,
     extra_tensors: dict[str, np.ndarray] | None = None,
     vocab: list[str] | None = TINY_VOCAB,
+    fields: dict | None = None,
 ) -> Path:
     """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head) with the tokenizer of `vocab` (see
-    `_write_gguf`); None: without a tokenizer."""
+    `_write_gguf`); None: without a tokenizer. `fields` override its metadata."""
     fields = {
         "block_count": 1,
         "embedding_length": 8,
@@ -291,7 +293,7 @@ def _tiny_llama_gguf(
         "attention.head_count": 2,
         "attention.head_count_kv": 1,
         "attention.layer_norm_rms_epsilon": 1e-5,
-    }
+    } | (fields or {})
     shapes = {
         "token_embd.weight": (10, 8),
         "output_norm.weight": (8,),
@@ -334,11 +336,82 @@ def test_unsupported_architecture(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
 
 
-def test_unknown_tensor_is_an_error(tmp_path):
-    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", {"blk.0.attn_q.bias": np.zeros(8, np.float32)})
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.bias"):
+def _count_dequantized(monkeypatch) -> list[str]:
+    """The names of the tensors dequantized from now on, in order."""
+    names: list[str] = []
+    dequantize = gguf_to_hf._dequantize
+
+    def counted(tensor, *args):
+        names.append(tensor.name)
+        return dequantize(tensor, *args)
+
+    monkeypatch.setattr(gguf_to_hf, "_dequantize", counted)
+    return names
+
+
+@pytest.mark.parametrize(
+    "tensors, fields, message",
+    [
+        ({"blk.0.attn_q.bias": np.zeros(8, np.float32)}, {}, r"unsupported GGUF tensor 'blk\.0"),
+        ({}, {"block_count": 2}, r"lacks tensors for: model\.layers\.1\."),
+    ],
+    ids=["unknown", "missing"],
+)
+def test_unknown_or_missing_tensors_are_refused_before_any_is_dequantized(
+    tmp_path, monkeypatch, tensors, fields, message
+):
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", tensors, fields=fields)
+    dequantized = _count_dequantized(monkeypatch)
+    with pytest.raises(CheckpointError, match=message):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert dequantized == []
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_sharded_conversion_dequantizes_one_shard_at_a_time(tmp_path, monkeypatch):
+    """Past `max_shard_bytes` the weights are shards with an index (transformers' layout), and
+    each shard's tensors are dequantized only when it is written: a large model is never whole in
+    memory in float32."""
+    from transformers import LlamaForCausalLM
+
+    rng = np.random.default_rng(0)
+    layer = {
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (4, 8),
+        "blk.0.ffn_down.weight": (8, 16),
+        "output.weight": (10, 8),  # an untied head
+    }
+    random = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in layer.items()}
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", random)
+    whole = convert_gguf_to_hf(path, tmp_path / "whole", show_progress=False)
+
+    dequantized = _count_dequantized(monkeypatch)
+    written: list[tuple[list[str], list[str]]] = []
+    save_file = safetensors.numpy.save_file
+
+    def recording_save(tensors, filename, metadata=None):
+        written.append((sorted(tensors), list(dequantized)))
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", recording_save)
+    sharded = convert_gguf_to_hf(
+        path, tmp_path / "sharded", show_progress=False, max_shard_bytes=600
+    )
+
+    assert len(written) == len(list(sharded.glob("model-*-of-*.safetensors"))) >= 3
+    shard_sizes = [len(names) for names, _ in written]
+    # Before each shard is saved, exactly the tensors of it and of the earlier ones were read.
+    assert [len(read) for _, read in written] == list(itertools.accumulate(shard_sizes))
+    shard_names = [names for names, _ in written]
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(n for names in shard_names for n in names)
+    assert not (sharded / "model.safetensors").exists()
+    assert json.loads((sharded / "config.json").read_text()) == json.loads(
+        (whole / "config.json").read_text()
+    )
+    ours, ref = (LlamaForCausalLM.from_pretrained(d).state_dict() for d in (sharded, whole))
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    assert not torch.equal(ref["lm_head.weight"], ref["model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("kind", ["a text file", "a directory", "a truncated GGUF"])
@@ -366,9 +439,7 @@ def test_unusable_tokenizer_metadata_is_refused_before_any_tensor(
     """The tokenizer is written last: what it cannot use is refused before the tensors are
     converted, not as a KeyError / IndexError after all of them."""
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab)
-    monkeypatch.setattr(
-        gguf_to_hf, "_convert_tensors", lambda *a, **k: pytest.fail("tensors converted")
-    )
+    monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("tensors read"))
     with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
     assert list(tmp_path.iterdir()) == [path]

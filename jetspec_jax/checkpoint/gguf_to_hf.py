@@ -1,7 +1,7 @@
 """Convert a llama-architecture GGUF file into a Hugging Face safetensors checkpoint.
 
 The result is a plain HF directory (``config.json``, ``generation_config.json``,
-``model.safetensors`` in float32, tokenizer files with the chat template) that
+float32 safetensors weights, tokenizer files with the chat template) that
 the rest of the library loads like any other Llama checkpoint.
 
 Only numpy is used for the weights: this module must work without torch.
@@ -9,19 +9,22 @@ Only numpy is used for the weights: this module must work without torch.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import pathlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import gguf
 import numpy as np
-import safetensors.numpy
 from tqdm.auto import tqdm
 
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.hf_params import MAX_SHARD_BYTES, LazyTensor, write_safetensors
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "convert_gguf_to_hf"]
 
@@ -54,6 +57,7 @@ def convert_gguf_to_hf(
     out_dir: str | os.PathLike,
     *,
     show_progress: bool | None = True,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> pathlib.Path:
     """Convert ``gguf_path`` into an HF Llama checkpoint directory at ``out_dir``.
 
@@ -64,6 +68,9 @@ def convert_gguf_to_hf(
     half-written ``out_dir``. An existing ``out_dir`` is an error; if another
     process creates it while this one converts, theirs is kept and returned.
     ``show_progress``: a progress bar over the tensors (None: only on a terminal).
+    The weights are float32 safetensors, in shards of at most ``max_shard_bytes``
+    with an index past that size (transformers' layout); tensors are dequantized
+    one shard at a time.
 
     Raises:
         CheckpointError (a ``ValueError``): ``gguf_path`` is not a readable GGUF
@@ -87,25 +94,28 @@ def convert_gguf_to_hf(
     _check_tokenizer_metadata(reader, gguf_path)
 
     with atomic_directory(out) as tmp:
-        _write_checkpoint(reader, tmp, show_progress=show_progress)
+        _write_checkpoint(reader, tmp, show_progress=show_progress, max_shard_bytes=max_shard_bytes)
     return out
 
 
 def _write_checkpoint(
-    reader: gguf.GGUFReader, out: pathlib.Path, *, show_progress: bool | None
+    reader: gguf.GGUFReader, out: pathlib.Path, *, show_progress: bool | None, max_shard_bytes: int
 ) -> None:
     """Write config, generation config, weights and tokenizer into ``out``."""
     config = _llama_config(reader)
-    tensors = _convert_tensors(reader, config, show_progress=show_progress)
-    config["vocab_size"] = int(tensors["model.embed_tokens.weight"].shape[0])
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    disable = None if show_progress is None else not show_progress  # None: tqdm's TTY check
+    with tqdm(total=len(reader.tensors), desc="Converting GGUF tensors", disable=disable) as bar:
+        tensors = _lazy_tensors(reader, config, on_load=bar.update)
+        shapes = {t.name: t.shape for t in reader.tensors}
+        config["vocab_size"] = int(shapes["token_embd.weight"][-1])  # GGUF: [hidden, vocab]
+        config["tie_word_embeddings"] = "output.weight" not in shapes
 
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config},
-    )
-    safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(out / "config.json", config)
+        _write_json(
+            out / "generation_config.json",
+            {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config},
+        )
+        write_safetensors(tensors, out, max_shard_bytes=max_shard_bytes)
     _save_tokenizer(reader, out)
 
 
@@ -149,28 +159,41 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return config
 
 
-def _convert_tensors(
-    reader: gguf.GGUFReader, config: dict[str, Any], *, show_progress: bool | None
-) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 under its HF name."""
+def _lazy_tensors(
+    reader: gguf.GGUFReader, config: dict[str, Any], *, on_load: Callable[[], Any]
+) -> list[LazyTensor]:
+    """Every tensor under its HF name, dequantized to float32 only when its shard is written (so
+    converting an 8B model holds one shard in memory, not 32 GB). Names are checked first: an
+    unknown or missing tensor is refused before anything is dequantized."""
     n_heads = config["num_attention_heads"]
     rope_heads = {"attn_q": n_heads, "attn_k": config["num_key_value_heads"]}
-    tensors: dict[str, np.ndarray] = {}
-    disable = None if show_progress is None else not show_progress  # None: tqdm's TTY check
-    for tensor in tqdm(reader.tensors, desc="Converting GGUF tensors", disable=disable):
+    tensors = []
+    for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         # GGUF lists dimensions fastest-first; numpy/PyTorch is row-major.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
-        if kind in rope_heads:
-            weight = _unpermute_rope(weight, rope_heads[kind])
-        tensors[hf_name] = np.ascontiguousarray(weight, dtype=np.float32)
+        load = functools.partial(_dequantize, tensor, shape, rope_heads.get(kind), on_load)
+        tensors.append(LazyTensor(hf_name, 4 * math.prod(shape), load))
 
-    missing = sorted(_expected_names(config["num_hidden_layers"]) - tensors.keys())
+    missing = sorted(_expected_names(config["num_hidden_layers"]) - {t.name for t in tensors})
     if missing:
         raise CheckpointError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}")
     return tensors
+
+
+def _dequantize(
+    tensor: gguf.ReaderTensor,
+    shape: tuple[int, ...],
+    rope_heads: int | None,
+    on_load: Callable[[], Any],
+) -> np.ndarray:
+    """One tensor in float32 and HF's layout (q/k rows unpermuted for ``rope_heads`` heads)."""
+    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    if rope_heads is not None:
+        weight = _unpermute_rope(weight, rope_heads)
+    on_load()
+    return np.ascontiguousarray(weight, dtype=np.float32)
 
 
 def _hf_name(gguf_name: str) -> str:

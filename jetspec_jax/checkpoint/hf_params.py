@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -206,11 +207,7 @@ def tree_from_tensors(specs: list[TensorSpec], tensors: Mapping[str, np.ndarray]
 
 def tensors_from_tree(specs: list[TensorSpec], params: Params) -> dict[str, np.ndarray]:
     """HF-named numpy arrays of the pytree leaves that `specs` lists."""
-    out = {}
-    for spec in specs:
-        array = np.asarray(_get(params, spec.path))
-        out[spec.hf_name] = np.ascontiguousarray(array.T if spec.is_kernel else array)
-    return out
+    return {spec.hf_name: _hf_array(spec, params) for spec in specs}
 
 
 def load_hf_params(
@@ -303,10 +300,41 @@ def save_hf_params(
     *,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Writes the weights with HF names into an existing directory: `model.safetensors`, or past
+    """Writes the weights with HF names into an existing directory, in `write_safetensors`'s
+    layout. One shard's tensors at a time are copied to the host, so exporting a model never holds
+    a second whole copy of it there.
+
+    Raises:
+        FileExistsError: the directory already holds weights (of either layout: a stale file of
+            the other one would be what loads).
+    """
+    tensors = [
+        LazyTensor(
+            spec.hf_name, _get(params, spec.path).nbytes, functools.partial(_hf_array, spec, params)
+        )
+        for spec in tensor_specs(config)
+    ]
+    write_safetensors(tensors, out_dir, max_shard_bytes=max_shard_bytes)
+
+
+class LazyTensor(NamedTuple):
+    """A tensor to write under `name`: `nbytes` as it will be stored, `load()` its array, called
+    only when its shard is written."""
+
+    name: str
+    nbytes: int
+    load: Callable[[], np.ndarray]
+
+
+def write_safetensors(
+    tensors: Sequence[LazyTensor],
+    out_dir: pathlib.Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Writes `tensors` in order into an existing directory: `model.safetensors`, or past
     `max_shard_bytes`, shards `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`
-    (transformers' layout). One shard's tensors at a time are copied to the host, so exporting a
-    model never holds a second whole copy of it there.
+    (transformers' layout). Only one shard's arrays are alive at a time.
 
     Raises:
         FileExistsError: the directory already holds weights (of either layout: a stale file of
@@ -315,30 +343,35 @@ def save_hf_params(
     present = sorted(p.name for p in out_dir.glob("model*.safetensors*"))
     if present:
         raise FileExistsError(f"{out_dir} already holds weights ({', '.join(present)})")
-    shards: list[list[TensorSpec]] = [[]]
-    size = total = 0
-    for spec in tensor_specs(config):
-        nbytes = _get(params, spec.path).nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
+    shards: list[list[LazyTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(spec)
-        size += nbytes
-        total += nbytes
+        shards[-1].append(tensor)
+        size += tensor.nbytes
     count = len(shards)
     names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
     if count == 1:
         names = [SINGLE_FILE]
-    for name, specs in zip(names, shards, strict=True):
-        tensors = tensors_from_tree(specs, params)
-        safetensors.numpy.save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
-        del tensors  # freed before the next shard is gathered
+    for name, shard in zip(names, shards, strict=True):
+        arrays = {tensor.name: tensor.load() for tensor in shard}
+        safetensors.numpy.save_file(arrays, str(out_dir / name), metadata={"format": "pt"})
+        del arrays  # freed before the next shard is loaded
     if count > 1:
         weight_map = {
-            spec.hf_name: name for name, specs in zip(names, shards, strict=True) for spec in specs
+            tensor.name: name for name, shard in zip(names, shards, strict=True) for tensor in shard
         }
+        total = sum(tensor.nbytes for tensor in tensors)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def _hf_array(spec: TensorSpec, params: Params) -> np.ndarray:
+    """The host array of one leaf, in HF's orientation."""
+    array = np.asarray(_get(params, spec.path))
+    return np.ascontiguousarray(array.T if spec.is_kernel else array)
 
 
 def locate_tensors(
