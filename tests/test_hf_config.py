@@ -193,3 +193,28 @@ def test_num_key_value_heads_defaults_as_transformers_reads_it(base, value):
         assert ours == heads
         return
     assert ours == transformers.AutoConfig.for_model(hf["model_type"], **fields).num_key_value_heads
+
+
+@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}, HYBRID])
+@pytest.mark.parametrize(
+    "field, message", [("num_key_value_heads", "num_kv_heads=0 must be"), ("head_dim", "head_dim")]
+)
+def test_a_zero_size_is_refused_not_read_as_absent(base, field, message):
+    """transformers fails on these too (a division by zero, or zero-width projections)."""
+    with pytest.raises(CheckpointError, match=f"invalid config.json: .*{message}"):
+        config_from_hf({**base, field: 0})
+
+
+@pytest.mark.parametrize("layer_types", ["full_attention", 4, ["full_attention", 1, 2, 3]])
+def test_layer_types_that_are_not_a_list_of_names_are_named(layer_types):
+    with pytest.raises(CheckpointError, match="'layer_types' must be a list of layer type names"):
+        config_from_hf({**HYBRID, "layer_types": layer_types})
+
+
+@pytest.mark.parametrize("gate", [None, True, "absent"])
+def test_attention_gate_is_refused_only_when_explicitly_off(gate):
+    """transformers' Qwen3.5 has no such field and always gates attention."""
+    hf = dict(HYBRID) if gate == "absent" else {**HYBRID, "attn_output_gate": gate}
+    assert config_from_hf(hf) == config_from_hf(HYBRID)
+    with pytest.raises(CheckpointError, match="attn_output_gate=false is not supported"):
+        config_from_hf({**HYBRID, "attn_output_gate": False})

@@ -94,7 +94,9 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
             raise CheckpointError(
                 f"config.json field 'num_attention_heads' must be positive, got {heads}"
             )
-        head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM[model_type] or hidden // heads
+        head_dim = hf.get("head_dim")  # a 0 is kept, for TransformerConfig to refuse
+        if head_dim is None:
+            head_dim = _DEFAULT_HEAD_DIM[model_type] or hidden // heads
         context = _integer(hf, "max_position_embeddings", _DEFAULT_CONTEXT[model_type])
         return TransformerConfig(
             model_type=model_type,
@@ -138,7 +140,8 @@ def _kv_heads(hf: dict[str, Any], model_type: str, heads: int) -> int:
     `heads` (multi-head attention)."""
     if "num_key_value_heads" not in hf:
         return _DEFAULT_KV_HEADS[model_type] or heads
-    return _integer(hf, "num_key_value_heads", None) or heads
+    value = _integer(hf, "num_key_value_heads", None)
+    return heads if value is None else value  # a 0 is kept, for TransformerConfig to refuse
 
 
 def _flag(hf: dict[str, Any], name: str) -> bool:
@@ -174,9 +177,17 @@ def _refuse_quantization(hf: dict[str, Any], where: str = "") -> None:
 
 def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The Qwen3.5-only `TransformerConfig` fields; refuses options we do not implement."""
-    if hf.get("attn_output_gate", True) is not True:
+    # transformers' Qwen3.5 has no such field and always gates; only an explicit false says that
+    # the weights are of an ungated model.
+    if hf.get("attn_output_gate") is False:
         raise CheckpointError("attn_output_gate=false is not supported (Qwen3.5 gates attention)")
     layer_types = hf.get("layer_types")
+    if layer_types is not None and not (
+        isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)
+    ):
+        raise CheckpointError(
+            f"{_field('layer_types')} must be a list of layer type names, got {layer_types!r}"
+        )
     if layer_types is None:  # transformers derives them from full_attention_interval
         interval = json_integer(
             hf.get("full_attention_interval", _QWEN3_5_FULL_ATTENTION_INTERVAL),

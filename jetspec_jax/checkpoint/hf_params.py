@@ -504,9 +504,9 @@ def _check_tied_head(
     if config.tie_word_embeddings and _TIED_HEAD in tensors:
         if not np.array_equal(tensors[_TIED_HEAD], tensors["model.embed_tokens.weight"]):
             raise CheckpointError(
-                f"{checkpoint_dir}: config.json says tie_word_embeddings=true but lm_head.weight "
-                "differs from model.embed_tokens.weight; set tie_word_embeddings=false to use the "
-                "separate head"
+                f"{checkpoint_dir}: config.json says tie_word_embeddings=true (at its top level, "
+                "or in a multimodal config's text_config) but lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings=false to use the separate head"
             )
 
 
