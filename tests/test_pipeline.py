@@ -11,6 +11,8 @@ overlap.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +126,46 @@ def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
     assert len(chunks) > 2
     joined = [sum((chunk[row] for chunk in chunks), []) for row in range(len(prompts))]
     assert joined == _ar(target, prompts)
+
+
+@pytest.mark.parametrize("form", PIPELINES)
+def test_rows_that_end_apart_each_with_its_own_sampling(target, draft, form):
+    """Rows with their own budgets (one shorter than the block), a stop token met mid-output and
+    per-row sampling (greedy, top-p, top-k), drafted with the learned proxy refreshing (J1-R1):
+    AR's tokens, and the single-device round's outcomes and foresight hits."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, target.config.vocab_size, n).tolist() for n in (11, 6, 3)]
+    sampling = [
+        jetspec_jax.SamplingParams(),
+        jetspec_jax.SamplingParams(temperature=1.0, top_p=0.9, seed=5),
+        jetspec_jax.SamplingParams(temperature=0.7, top_k=5, seed=9),
+    ]
+    budgets = [3, 17, 11]
+    assert min(budgets) < BLOCK
+    common = dict(max_new_tokens=budgets, sampling=sampling)
+
+    def ar(stop):
+        out = jetspec_jax.generate_batch(target, prompts, stop_token_ids=stop, **common)
+        return [r.tokens for r in out]
+
+    stop = ar([])[1][6]
+    expected = ar([stop])
+    assert expected[1][-1] == stop and len(expected[1]) < budgets[1]
+    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
+
+    def speculative(pipeline):
+        options = dataclasses.replace(foresight_options(3, pipeline), refine_passes=1, refreshes=1)
+        session = DecodeSession(
+            target, prompts, draft=learned, options=options, stop_token_ids=[stop], **common
+        )
+        session.start()
+        session.advance()
+        results = session.results()
+        return [(r.tokens, r.outcomes, r.foresight_hits) for r in results]
+
+    piped = speculative(form)
+    assert piped == speculative(None)
+    assert [tokens for tokens, _, _ in piped] == expected
 
 
 @pytest.mark.parametrize("form", PIPELINES)
