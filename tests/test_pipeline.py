@@ -255,6 +255,31 @@ def test_mpmd_verification_writes_the_target_cache_in_place(target, draft, promp
     assert copies_shaped_like(verify, [session._state.decode.cache.k.shape]) == []
 
 
+def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts):
+    """Device 1's programs (propose, draft ahead, observe) copy none of the draft's, the
+    adapter's or the decoder's caches: each is its own program over donated buffers, so the
+    predicted rows drafting ahead writes and the true rows observing writes land in place. (In one
+    program, as the single-device foresight round and the SPMD loop are, XLA's CPU compiler copies
+    the caches between those writes.)"""
+    COMPILED.clear()
+    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=learned,
+        options=foresight_options(2, "mpmd"),
+        max_new_tokens=N_NEW,
+    )
+    session.start()
+    session.advance(2)
+    refiner = session._state.proposer.refiner
+    caches = [refiner.draft.k, refiner.proxy.decoder.k, refiner.proxy.adapter.k]
+    assert all(session._capacity in c.shape for c in caches)
+    for program in ("propose_block", "draft_ahead", "observe_outcome"):
+        hlo = compiled_program(program)
+        assert copies_shaped_like(hlo, [c.shape for c in caches]) == [], program
+
+
 @pytest.mark.parametrize("form", PIPELINES)
 def test_sessions_with_other_drafts_share_the_placed_target(target, draft, prompts, form):
     """One placed copy of the target, whatever the drafts: a copy per (target, draft) pair
