@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -428,6 +429,48 @@ def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
         server.shutdown()
     assert (result.requests, result.errors) == (2, 2)
     assert "2 of 2 requests at concurrency 1 failed: a malformed event" in capsys.readouterr().err
+
+
+def test_load_test_times_the_first_token_not_the_role_chunk():
+    """The server sends a chat stream's role chunk (no content) with its first keep-alive while
+    the request waits: time to first token runs to the first text."""
+    import http.server
+    import threading
+
+    from jetspec_jax.bench.load import run_load
+
+    wait = 0.5
+
+    class RoleThenText(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (the stdlib's spelling)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+            self.wfile.write(f"data: {json.dumps(role)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(wait)
+            text = {"choices": [{"delta": {"content": "Hi"}}]}
+            usage = {"choices": [], "usage": {"completion_tokens": 1}}
+            for event in (text, usage):
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RoleThenText)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = run_load(url, "m", ["Hi"], concurrency=1, requests=2)
+        with pytest.raises(ValueError, match="warmup must be >= 0, got -1"):
+            run_load(url, "m", ["Hi"], concurrency=1, requests=2, warmup=-1)
+    finally:
+        server.shutdown()
+    assert result.errors == 0
+    assert wait <= result.ttft_p50 <= result.latency_p50
 
 
 def test_benchmark_scripts_import_without_running():

@@ -55,11 +55,14 @@ def run_load(
     warmup: int = 0,
 ) -> LoadResult:
     """Sends `requests` streamed requests (prompts in turn) from `concurrency` threads, after
-    `warmup` untimed ones at the same concurrency (they compile the server's shape buckets)."""
+    `warmup` untimed ones at the same concurrency (they compile the server's shape buckets).
+    Time to first token runs to the first event with text (the request's whole time if none)."""
     import httpx
 
     if concurrency < 1 or requests < 1:
         raise ValueError("concurrency and requests must be >= 1")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     if not prompts:
         raise ValueError("no prompts to send")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -129,7 +132,7 @@ def _one(client, path: str, body: dict) -> tuple[float, float, int] | str:
                 event = json.loads(line[6:])
                 if "error" in event:
                     return "an error event in the stream"
-                if first is None and event.get("choices"):
+                if first is None and _has_text(event):
                     first = time.perf_counter()
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
@@ -139,6 +142,16 @@ def _one(client, path: str, body: dict) -> tuple[float, float, int] | str:
         return f"a malformed event in the stream ({type(e).__name__}: {e})"
     done = time.perf_counter()
     return done - sent, (first or done) - sent, tokens
+
+
+def _has_text(event: dict) -> bool:
+    """Whether a stream event carries generated text. Not the chat stream's first chunk: the
+    server sends that (the role, no content) with its first keep-alive while a request still
+    waits, so timing it would take a queued request's wait out of its time to first token."""
+    for choice in event.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
 
 
 def markdown(results: Sequence[LoadResult]) -> str:
