@@ -17,10 +17,10 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.bench.__main__ import main
-from jetspec_jax.bench.datasets import Dataset, load_dataset, prompt_text
+from jetspec_jax.bench.datasets import Dataset, load_dataset
 from jetspec_jax.bench.methods import MethodSpec, parse_methods
 from jetspec_jax.bench.runner import Summary, run_benchmark
-from jetspec_jax.data.prompts import MATH_SUFFIX
+from jetspec_jax.data.prompts import MATH_SUFFIX, prompt_text
 from jetspec_jax.decoding.options import DecodingOptions
 from tests.text_fixtures import with_tokenizer
 
@@ -77,10 +77,32 @@ def test_method_specs():
 
 
 def test_math_prompts_get_the_standard_suffix():
-    record = {"prompt": "What is 2 + 2?"}
-    assert prompt_text(record, "gsm8k") == "What is 2 + 2?" + MATH_SUFFIX
-    assert prompt_text(record, "math500").endswith("\\boxed{}.")
-    assert prompt_text(record, "humaneval") == "What is 2 + 2?"
+    def text(source):
+        return prompt_text({"prompt": "What is 2 + 2?", "source": source})
+
+    assert text("gsm8k") == "What is 2 + 2?" + MATH_SUFFIX
+    assert text("math500").endswith("\\boxed{}.")
+    assert text("humaneval") == text(None) == "What is 2 + 2?"
+
+
+def test_the_math_suffix_goes_by_each_record_as_regeneration_adds_it(tmp_path):
+    """Not by the file: a mixed file gets it on its math records only, and a file named after a
+    math set whose records name no source gets none (as `train.py regenerate` encodes them)."""
+    from jetspec_jax.data.regenerate import read_records
+
+    files = {
+        "mixed.jsonl": ([("2+2", "gsm8k"), ("Sort a list", "mbpp")], [True, False]),
+        "gsm8k.jsonl": ([("2+2", None)], [False]),
+    }
+    text_as_ids = types.SimpleNamespace(encode=lambda text, **_: list(text.encode()))
+    for name, (records, suffixed) in files.items():
+        path = tmp_path / name
+        lines = [{"id": str(i), "prompt": p, "source": s} for i, (p, s) in enumerate(records)]
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        regenerated = [r.text for r in read_records([path])]
+        assert [text.endswith(MATH_SUFFIX) for text in regenerated] == suffixed
+        benched = load_dataset(path, tokenizer=text_as_ids, chat=False).prompts
+        assert benched == [list(text.encode()) for text in regenerated]
 
 
 def test_harness_writes_jsonl_table_and_plots(checkpoints, tmp_path, capsys):

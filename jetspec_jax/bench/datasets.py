@@ -1,5 +1,5 @@
-"""Prompt files → benchmark prompts, the field's way: math prompts get the standard suffix, and
-every prompt goes through the chat template with thinking off."""
+"""Prompt files → benchmark prompts, the field's way: math prompts get the standard suffix (by
+their record's `source`), and every prompt goes through the chat template with thinking off."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import pathlib
 
-from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
+from jetspec_jax.data.prompts import prompt_text, read_prompts
 from jetspec_jax.prompting import encode_prompt
 
 
@@ -44,11 +44,5 @@ def load_dataset(
     repeated = sorted(i for i, n in collections.Counter(ids).items() if n > 1)
     if repeated:
         raise ValueError(f"{path}: prompt ids {', '.join(repeated[:5])} occur more than once")
-    prompts = [encode_prompt(tokenizer, prompt_text(record, name), chat=chat) for record in records]
+    prompts = [encode_prompt(tokenizer, prompt_text(record), chat=chat) for record in records]
     return Dataset(name=name, ids=ids, prompts=prompts)
-
-
-def prompt_text(record: dict, dataset: str) -> str:
-    """The raw prompt, with the math suffix for math datasets."""
-    suffix = MATH_SUFFIX if dataset in MATH_SOURCES else ""
-    return record["prompt"] + suffix

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Collection
 
 from jetspec_jax.data.jsonl import read_jsonl
 
@@ -27,3 +28,9 @@ def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[dic
             raise ValueError(f"{where} lacks a string 'prompt' field")
         records.append(record)
     return records
+
+
+def prompt_text(record: dict, math_sources: Collection[str] = MATH_SOURCES) -> str:
+    """The record's raw `prompt`, plus `MATH_SUFFIX` when its `source` is one of `math_sources`
+    (record by record, so that regeneration, evaluation and the bench encode a record alike)."""
+    return record["prompt"] + (MATH_SUFFIX if record.get("source") in math_sources else "")

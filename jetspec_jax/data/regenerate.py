@@ -39,7 +39,7 @@ import tqdm
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.data.jsonl import is_json_object, read_jsonl
-from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX, read_prompts
+from jetspec_jax.data.prompts import MATH_SOURCES, prompt_text, read_prompts
 from jetspec_jax.generate import generate_batch
 from jetspec_jax.prompting import PromptEncoding
 from jetspec_jax.sampling import SamplingParams, row_seed
@@ -122,7 +122,7 @@ def read_records(
             if source is not None and not isinstance(source, str):
                 raise ValueError(f"{path}: record {rid!r} has a non-string 'source' {source!r}")
             where[rid] = str(path)
-            text = record["prompt"] + (MATH_SUFFIX if source in suffixed else "")
+            text = prompt_text(record, suffixed)
             records.append(PromptRecord(len(records), rid, source, text))
     if not records:
         raise ValueError(f"no prompts in {', '.join(str(p) for p in prompt_files)}")

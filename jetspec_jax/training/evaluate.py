@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jetspec_jax.data.jsonl import read_jsonl
-from jetspec_jax.data.prompts import MATH_SOURCES, MATH_SUFFIX
+from jetspec_jax.data.prompts import prompt_text
 from jetspec_jax.data.regenerate import recorded_encoding
 from jetspec_jax.draft import Draft
 from jetspec_jax.generate import generate_batch
@@ -165,9 +165,7 @@ def _prompt_ids(
         raise ValueError(f"{where} has neither 'prompt_ids' nor a string 'prompt'")
     if target.tokenizer is None:
         raise ValueError(f"{where}: text evaluation prompts need a target with a tokenizer")
-    text = record["prompt"]
-    if math_suffix and record.get("source") in MATH_SOURCES:
-        text += MATH_SUFFIX
+    text = prompt_text(record) if math_suffix else record["prompt"]
     if encoding is None:
         encoding = PromptEncoding(chat=has_chat_template(target.tokenizer))
     return encoding.encode(target.tokenizer, text)
