@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         "",
         "Wall time of each batch (all prompts in one decode loop, compile included) and AR's time "
-        "over it (its speedup), measured one after the other in this run:",
+        "over it, measured one after the other in this run (a wall-time ratio, not a side-by-side "
+        "speedup: `python -m jetspec_jax.bench` measures that):",
         "",
         "| set | AR | " + " | ".join(labels) + " |",
         "|---|" + "---:|" * (len(labels) + 1),

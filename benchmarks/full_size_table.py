@@ -4,7 +4,8 @@ At the issue's size (50 prompts x 256 tokens per eval set) one setting on one se
 minutes on a CPU, so the table is filled by many `bench_refinement.py --results FILE` runs. This
 script reads their rows, keeps the latest row per (temperature, set, setting) at the chosen size,
 and writes tau per set and setting (with the mean over the five sets where a setting has them
-all), wall time and speedup against AR where a row timed them, and a grouped bar plot:
+all), wall time and AR's time over it (a ratio of batch times measured one after the other,
+compile included) where a row timed them, and a grouped bar plot:
 
     python benchmarks/full_size_table.py                 # docs/data/full_size_results.jsonl
     python benchmarks/full_size_table.py --results rows.jsonl --num-prompts 8 --max-new-tokens 64
@@ -132,7 +133,7 @@ def time_table(rows: dict[tuple, dict], temperature: float) -> list[str]:
     if not timed:
         return []
     lines = [
-        "| set | setting | AR | setting | speedup vs AR | setting tokens/s | run |",
+        "| set | setting | AR | setting | AR time / setting time | setting tokens/s | run |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for r in timed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import pathlib
@@ -290,6 +291,10 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
         ("ar", 2, None), ("jetspec", 2, 1)
     ]  # fmt: skip
     assert "| 1/2 |" in markdown_table(summaries)
+    # The speedups are over the AR method whatever its label.
+    renamed = [methods[0], dataclasses.replace(methods[1], name="baseline")]
+    _, renamed_summaries = run_benchmark(target, data, renamed, drafts, warmup=0)
+    assert [s.speedup for s in renamed_summaries] == [s.speedup for s in summaries] == [1.0, 1.0]
     # The CLI prints the table and warns of the mismatch.
     argv = [
         "--prompts", str(_prompt_file(tmp_path, ["Hi", "Sky"])),

@@ -156,7 +156,7 @@ def run_benchmark(
                 samples += _side_by_side(
                     target, data, ordered, drafts, settings, warmup, progress, on_sample
                 )
-    return samples, summarize(samples)
+    return samples, summarize(samples, baseline=ordered[0].name)
 
 
 def _side_by_side(
@@ -211,19 +211,19 @@ def _sample(dataset: str, prompt_id: str, m: MethodSpec, temperature, result, ma
     )
 
 
-def summarize(samples: Sequence[Sample]) -> list[Summary]:
-    """Pooled per-(dataset, temperature, method) rows, in first-seen order."""
+def summarize(samples: Sequence[Sample], baseline: str = "ar") -> list[Summary]:
+    """Pooled per-(dataset, temperature, method) rows, in first-seen order; speedups are over
+    the method named `baseline` (0.0 where it has no row)."""
     groups: dict[tuple, list[Sample]] = {}
     for s in samples:
         groups.setdefault((s.dataset, s.temperature, s.method), []).append(s)
     rates = {key: _rate(group) for key, group in groups.items()}
-    ar_method = {s.method for s in samples if s.method == "ar"}
     summaries = []
     for (dataset, temperature, method), group in groups.items():
         decoded = sum(max(s.new_tokens - 1, 0) for s in group)
         rounds = sum(s.rounds for s in group)
         decode_seconds = sum(s.decode_seconds for s in group)
-        ar_rate = rates.get((dataset, temperature, "ar")) if ar_method else None
+        ar_rate = rates.get((dataset, temperature, baseline))
         checked = [s.matches_ar for s in group if s.matches_ar is not None]
         summaries.append(
             Summary(
