@@ -147,6 +147,17 @@ def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path)
     bf16 = jetspec_jax.load_target(target.path, dtype="bfloat16")
     with pytest.raises(ValueError, match="target"):
         regenerate(bf16, prompt_files, out, max_new_tokens=MAX_NEW)
+    # Another checkpoint of the same architecture (say base vs instruct), or other stop tokens.
+    other_dir = shutil.copytree(target.path, tmp_path / "other_checkpoint")
+    (other_dir / "generation_config.json").write_text('{"temperature": 0.7}')
+    other = jetspec_jax.load_target(other_dir)
+    assert other.config == target.config and other.dtype == target.dtype
+    with pytest.raises(ValueError, match="other settings; resuming would mix.*target_files"):
+        regenerate(other, prompt_files, out, max_new_tokens=MAX_NEW)
+    other_stops = dataclasses.replace(target, stop_token_ids=(*target.stop_token_ids, 5))
+    with pytest.raises(ValueError, match="other settings; resuming would mix.*stop_token_ids"):
+        regenerate(other_stops, prompt_files, out, max_new_tokens=MAX_NEW)
+    assert out.read_text() == written
     # A new output (the old one deleted) records its own settings.
     out.unlink()
     regenerate(target, prompt_files, out, max_new_tokens=MAX_NEW + 1, limit=1)

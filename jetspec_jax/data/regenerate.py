@@ -11,7 +11,8 @@ Lines appear in generation order (prompts sorted by length), not in the prompt f
 Runs are resumable: ids already in the output file are skipped, and each batch's lines are appended
 and flushed to disk together, so a kill loses at most the batch in flight. A partial last line (a
 kill mid-write) is truncated before appending; complete lines are never rewritten. The settings
-that shape a response (target architecture and dtype, budget, prompt encoding, sampling) are kept
+that shape a response (target architecture and dtype, a digest of its checkpoint directory's files:
+weights, tokenizer and chat template; its stop ids, budget, prompt encoding, sampling) are kept
 beside the output in `<out>.settings.json`; resuming with other settings is refused, since the
 file would mix two data sets.
 
@@ -38,6 +39,7 @@ import numpy as np
 import tqdm
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
+from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.data.jsonl import is_json_object, read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, prompt_text, read_prompts
 from jetspec_jax.generate import generate_batch
@@ -208,6 +210,9 @@ def regenerate(
     encoded = _encode(target, records, max_new_tokens, encoding)
     settings = dict(
         target=dict(config=_json_ready(target.config), dtype=target.dtype),
+        # The weights, tokenizer and chat template (a target built in memory: None, unchecked).
+        target_files=directory_digest(target.path) if target.path is not None else None,
+        stop_token_ids=list(target.stop_token_ids),
         max_new_tokens=max_new_tokens,
         chat=chat,
         system=system,

@@ -26,6 +26,7 @@ import numpy as np
 
 from jetspec_jax.adapter import Adapter, init_adapter
 from jetspec_jax.checkpoint.bundle import is_bundle, save_bundle
+from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.draft import Draft, load_draft
 from jetspec_jax.target import Target, load_target
@@ -39,7 +40,6 @@ from jetspec_jax.training.data import (
     training_dataset,
 )
 from jetspec_jax.training.run_helpers import (
-    directory_digest,
     host_params,
     with_device_params,
     with_host_params,

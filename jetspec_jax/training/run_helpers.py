@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import pathlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,19 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-
-
-def directory_digest(directory: str | pathlib.Path) -> str:
-    """SHA-256 of the names and contents of the files under `directory` (a checkpoint): tells
-    whether a run's input was rewritten since, whatever its path and timestamps."""
-    digest = hashlib.sha256()
-    root = pathlib.Path(directory)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def host_params(tree, dtype):
