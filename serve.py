@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
+import pathlib
 import socket
 import sys
 import time
@@ -50,12 +52,17 @@ logger = logging.getLogger("serve")
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    server_flags = {"--" + name.replace("_", "-") for name in SERVER_FLAGS}
     if args.command == "generate":
+        # Given after `generate`, they are not even parsed: name them as flags of the server too.
+        after = [a.split("=")[0] for a in unknown if a.split("=")[0] in server_flags]
         ignored = [name for name in SERVER_FLAGS if getattr(args, name) != parser.get_default(name)]
-        if ignored:
-            flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        flags = ", ".join(["--" + name.replace("_", "-") for name in ignored] + after)
+        if flags:
             parser.error(f"{flags}: flags of the server, which `generate` does not use")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = logging.INFO if args.verbose or args.command is None else logging.WARNING
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
@@ -77,6 +84,11 @@ def _load_models(args):
             f"--method must be one of {', '.join(jetspec_jax.METHODS)}, got {args.method!r}"
         )
     start = time.perf_counter()
+    if args.target is not None and _is_draft_checkpoint(args.target):
+        raise ValueError(
+            f"--target {args.target} is a draft checkpoint: pass it as --draft, with --target the "
+            "model it drafts for (or no --target, for the default model)"
+        )
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     logger.info("loaded target %s (%s) in %.1f s", target.path, args.dtype, _since(start))
     draft_dir = args.draft
@@ -93,6 +105,21 @@ def _load_models(args):
         )
     _check_draft_serves_flags(args, draft)
     return target, draft
+
+
+def _is_draft_checkpoint(path: str) -> bool:
+    """Whether `path` holds a draft (a JetSpec++ checkpoint, or a DFlash/JetSpec draft's
+    config.json); anything else is left to `load_target`'s checks."""
+    from jetspec_jax.checkpoint.bundle import is_bundle
+    from jetspec_jax.checkpoint.draft_hf import is_draft_config
+
+    config = pathlib.Path(path) / "config.json"
+    if is_bundle(path):
+        return True
+    try:
+        return config.is_file() and is_draft_config(json.loads(config.read_text(encoding="utf-8")))
+    except (OSError, ValueError):  # unreadable: load_target names what is wrong with it
+        return False
 
 
 def _check_draft_serves_flags(args, draft) -> None:

@@ -25,6 +25,8 @@ from jetspec_jax import DecodingOptions
         (dict(method="jetspec++", foresight_rule="geometric"), "set foresight >= 1"),
         (dict(method="ar", foresight_rule="uncalibrated"), "set foresight >= 1"),
         (dict(method="jetspec++", replacement_confidence=0.5), "set refreshes >= 1"),
+        # The value is checked first: adding refreshes must not reveal a second problem.
+        (dict(method="jetspec++", replacement_confidence=1.5), "must be in \\[0, 1\\], got 1.5"),
         (dict(method="jetspec", block_size=1), "block_size must be an integer >= 2, got 1"),
         (dict(method="jetspec", block_size=4.0), "block_size must be an integer >= 2"),
         (dict(method="ar", block_size=4), "method 'ar' drafts none"),

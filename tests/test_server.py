@@ -982,6 +982,14 @@ def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--port, --pad-batch: flags of the server, which `generate` does not use" in err
+    # After `generate`, where its parser does not know them, they are named alike.
+    with pytest.raises(SystemExit):
+        serve_py.main(["generate", "P", "--port", "9000", "--keepalive-seconds=5"])
+    err = capsys.readouterr().err
+    assert "--port, --keepalive-seconds: flags of the server, which `generate` does not" in err
+    with pytest.raises(SystemExit):
+        serve_py.main(["generate", "P", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     # SERVER_FLAGS are exactly the top-level flags that are not model or decoding flags.
     model_flags = argparse.ArgumentParser()
     serve_py._add_model_args(model_flags)
@@ -1175,6 +1183,23 @@ def test_serve_py_names_its_flags_when_the_draft_cannot_serve_them(
     err = capsys.readouterr().err
     assert message in err
     assert "Draft." not in err and "load_draft" not in err and "=" not in err
+
+
+@pytest.mark.parametrize("parts", ["plain", "adapter"])
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_serve_py_says_to_pass_a_draft_as_draft(target, tmp_path, capsys, command, parts):
+    """A draft given as --target (a plain draft or a JetSpec++ checkpoint) is refused in the
+    command line's terms, before any load."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    if parts == "adapter":
+        draft = draft.with_adapter(init_adapter(draft))
+    path = draft.save(tmp_path / "draft")
+    argv = ["--target", str(path)]
+    argv = ["generate", "P", *argv] if command == "generate" else ["--port", "0", *argv]
+    assert serve_py.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--target {path} is a draft checkpoint: pass it as --draft" in err
+    assert "load_draft" not in err
 
 
 def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):

@@ -105,11 +105,12 @@ class DecodingOptions:
                 f"before each of the first R passes), got {self.refreshes}"
             )
         if self.replacement_confidence is not None:
+            # The value first: a user told to add refreshes should not learn it is wrong after.
+            confidence = check_replacement_confidence(self.replacement_confidence)
             if not self.refreshes:
                 raise ValueError(
                     "replacement_confidence applies to context refreshes: set refreshes >= 1"
                 )
-            confidence = check_replacement_confidence(self.replacement_confidence)
             object.__setattr__(self, "replacement_confidence", confidence)
         if self.foresight_rule != "calibrated" and not self.foresight:
             raise ValueError(
