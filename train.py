@@ -451,8 +451,9 @@ def _regenerate(args: argparse.Namespace) -> int:
     )
     print(
         f"regenerated {summary.written} responses into {args.out} in {summary.seconds:.1f} s "
-        f"({summary.total} prompts: {summary.skipped_existing} already there, "
-        f"{summary.skipped_too_long} too long for the context)"
+        f"({summary.cut_at_budget} cut at --max-new-tokens; {summary.total} prompts: "
+        f"{summary.skipped_existing} already there, {summary.skipped_too_long} too long for the "
+        "context)"
     )
     return 0
 

@@ -128,6 +128,20 @@ def test_resume_after_limit_equals_uninterrupted_run(target, prompt_files, unint
     assert (again.written, again.skipped_existing) == (0, 5)
 
 
+def test_responses_cut_at_the_budget_are_counted(
+    target, uninterrupted, prompt_files, tmp_path, caplog
+):
+    """Unfinished answers (stopped at max_new_tokens, not at a stop token) are counted and
+    logged: training on many of them teaches a draft truncated text."""
+    first = next(iter(_read_by_id(uninterrupted).values()))
+    stops = dataclasses.replace(target, stop_token_ids=(first["response_ids"][2],))
+    out = tmp_path / "out.jsonl"
+    summary = regenerate(stops, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    reasons = [line["finish_reason"] for line in _read_by_id(out).values()]
+    assert 0 < summary.cut_at_budget == reasons.count("length") < summary.written
+    assert f"{summary.cut_at_budget} of 5 responses stopped at max_new_tokens=8" in caplog.text
+
+
 def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path):
     """One output file, one data set: a resume with another budget, sampling or encoding would
     append responses of another kind to it."""

@@ -62,6 +62,8 @@ class RegenerateSummary:
         skipped_too_long: records whose prompt + max_new_tokens exceed the target's context.
         total: records considered (after `limit`); the three counts above sum to it.
         seconds: wall-clock time of the call.
+        cut_at_budget: of the `written` responses, those that stopped at `max_new_tokens`
+            rather than at a stop token (finish reason "length"): unfinished answers.
     """
 
     written: int
@@ -69,6 +71,7 @@ class RegenerateSummary:
     skipped_too_long: int
     total: int
     seconds: float
+    cut_at_budget: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,15 +237,21 @@ def regenerate(
             too_long,
             len(todo),
         )
-        written = _generate_into(
+        written, cut = _generate_into(
             target, todo, out_path, batch_size, max_new_tokens, sampling, show_progress
         )
+    if cut:
+        logger.warning(
+            "%d of %d responses stopped at max_new_tokens=%d, unfinished", cut, written,
+            max_new_tokens,
+        )  # fmt: skip
     return RegenerateSummary(
         written=written,
         skipped_existing=existing,
         skipped_too_long=too_long,
         total=len(records),
         seconds=time.perf_counter() - start,
+        cut_at_budget=cut,
     )
 
 
@@ -254,8 +263,9 @@ def _generate_into(
     max_new_tokens: int,
     sampling: SamplingParams,
     show_progress: bool | None,
-) -> int:
-    """Generates the (record, prompt ids) pairs batch by batch, appending; returns the count."""
+) -> tuple[int, int]:
+    """Generates the (record, prompt ids) pairs batch by batch, appending; returns how many, and
+    how many of them stopped at the budget."""
     # Similar lengths per batch: less padding, and fewer prompt-length buckets to compile.
     encoded = sorted(encoded, key=lambda item: (len(item[1]), item[0].index))
     progress = tqdm.tqdm(
@@ -264,12 +274,15 @@ def _generate_into(
         unit="prompt",
         disable=None if show_progress is None else not show_progress,  # None: only on a terminal
     )
+    cut = 0
     with out_path.open("ab") as out, progress:
         for begin in range(0, len(encoded), batch_size):
             batch = encoded[begin : begin + batch_size]
-            _append_lines(out, _generate_lines(target, batch, max_new_tokens, sampling))
+            lines = _generate_lines(target, batch, max_new_tokens, sampling)
+            _append_lines(out, lines)
+            cut += sum(line["finish_reason"] == "length" for line in lines)
             progress.update(len(batch))
-    return len(encoded)
+    return len(encoded), cut
 
 
 def _encode(
