@@ -16,6 +16,7 @@ of greedy continuations of GSM8K test prompts:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import sys
@@ -107,9 +108,11 @@ def main() -> None:
                         draft=used,
                         method=method,
                         max_new_tokens=args.max_new_tokens,
-                        sampling=sampling,
+                        # prompt i draws with seed i: one seed would give every prompt the same
+                        # draws at each position
+                        sampling=dataclasses.replace(sampling, seed=i),
                     )[0]
-                    for prompt in prompts
+                    for i, prompt in enumerate(prompts)
                 ]
             rates = [r.decode_tokens_per_second for r in results]
             speed[method, label] = statistics.median(rates)
