@@ -58,6 +58,9 @@ class Target:
         tokenizer: a transformers tokenizer, or None when the checkpoint ships none.
         stop_token_ids: the end-of-sequence ids `generate` stops on by default.
         path: the directory it was loaded from, if any.
+        source_token_ids: the bos and pad ids of that directory's config.json, and
+        generation_config: its generation_config.json (sampling defaults, pad and bos ids), both
+            read at load time, for `save` to write back ({} for neither).
     """
 
     config: TransformerConfig
@@ -66,6 +69,8 @@ class Target:
     tokenizer: Any = None
     stop_token_ids: tuple[int, ...] = ()
     path: pathlib.Path | None = None
+    source_token_ids: dict = dataclasses.field(default_factory=dict)
+    generation_config: dict = dataclasses.field(default_factory=dict)
 
     def logits(self, token_ids) -> jax.Array:
         """Full causal forward without a cache: int `[B, T]` -> float32 logits `[B, T, V]`."""
@@ -85,19 +90,15 @@ class Target:
         that transformers loads.
 
         The end-of-sequence ids are `stop_token_ids` (none: `null`, not transformers' Llama
-        default 2). A target loaded from a directory keeps that directory's generation settings
-        (sampling defaults, pad and bos ids) and its config's pad and bos ids.
+        default 2). A target loaded from a directory keeps the generation settings (sampling
+        defaults, pad and bos ids) and config pad and bos ids it was loaded with
+        (`generation_config`, `source_token_ids`), even if that directory changed since.
 
         Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
         only a checkpoint directory (or an empty one): anything else there is refused.
         """
-        hf = config_to_hf(self.config, self.dtype)
-        generation = {}
-        if self.path is not None and (self.path / "config.json").is_file():
-            source = read_hf_config(self.path)
-            hf |= {k: source[k] for k in ("bos_token_id", "pad_token_id") if k in source}
-        if self.path is not None and (self.path / "generation_config.json").is_file():
-            generation = read_json(self.path, "generation_config.json", "checkpoint directory", "")
+        hf = config_to_hf(self.config, self.dtype) | self.source_token_ids
+        generation = dict(self.generation_config)
         # `generate` in transformers stops on generation_config.json's ids.
         hf["eos_token_id"] = generation["eos_token_id"] = list(self.stop_token_ids) or None
         with atomic_directory(out_dir, overwrite=overwrite) as tmp:
@@ -143,13 +144,22 @@ def load_target(
     hf_config, config = _read_target_config(path)
     params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
     tokenizer = _load_tokenizer(path)
+    generation = (
+        read_json(path, "generation_config.json", "checkpoint directory", "")
+        if (path / "generation_config.json").is_file()
+        else {}
+    )
     return Target(
         config=config,
         params=params,
         dtype=dtype,
         tokenizer=tokenizer,
-        stop_token_ids=_stop_token_ids(path, hf_config, tokenizer, config.vocab_size),
+        stop_token_ids=_stop_token_ids(path, hf_config, generation, tokenizer, config.vocab_size),
         path=path,
+        source_token_ids={
+            k: hf_config[k] for k in ("bos_token_id", "pad_token_id") if k in hf_config
+        },
+        generation_config=generation,
     )
 
 
@@ -206,7 +216,7 @@ def _load_tokenizer(path: pathlib.Path):
 
 
 def _stop_token_ids(
-    path: pathlib.Path, hf_config: dict, tokenizer, vocab_size: int
+    path: pathlib.Path, hf_config: dict, generation: dict, tokenizer, vocab_size: int
 ) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's.
 
@@ -214,12 +224,8 @@ def _stop_token_ids(
         CheckpointError: an `eos_token_id` that is not an integer or a list of integers, or an id
             outside the vocabulary (every decode would refuse it as a stop token).
     """
-    eos, what = None, None
-    if (path / "generation_config.json").is_file():
-        eos = read_json(path, "generation_config.json", "checkpoint directory", "").get(
-            "eos_token_id"
-        )
-        what = f"{path / 'generation_config.json'} field 'eos_token_id'"
+    eos = generation.get("eos_token_id")
+    what = f"{path / 'generation_config.json'} field 'eos_token_id'"
     if eos is None:
         eos, what = hf_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'"
     if eos is None and tokenizer is not None:

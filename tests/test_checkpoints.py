@@ -162,6 +162,7 @@ def test_export_keeps_the_source_generation_settings(checkpoints, tmp_path):
     hf = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**hf, "pad_token_id": 0, "bos_token_id": 1}))
     target = jetspec_jax.load_target(source)
+    shutil.rmtree(source)  # the settings are those loaded, not re-read at save time
     out = target.save(tmp_path / "exported")
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert {k: getattr(generation, k) for k in settings} == settings
@@ -170,7 +171,7 @@ def test_export_keeps_the_source_generation_settings(checkpoints, tmp_path):
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, [4])
 
     # No stop ids: none for transformers either (a Llama config without the field means id 2).
-    bare = dataclasses.replace(target, stop_token_ids=(), path=None)
+    bare = dataclasses.replace(target, stop_token_ids=())
     out = bare.save(tmp_path / "bare")
     assert transformers.AutoConfig.from_pretrained(out).eos_token_id is None
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id is None
