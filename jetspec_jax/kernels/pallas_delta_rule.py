@@ -3,9 +3,11 @@ lowering (GPU) and the interpreter (any platform; the CPU tests).
 
 Grid `(B, H)`, both axes parallel. A program owns one (row, value head): it keeps the float32
 state `S` `[Dk, Dv]` on chip and walks the sequence chunk by chunk (`lax.fori_loop`), reading
-each chunk's `q, k` `[C, Dk]`, `v` `[C, Dv]`, `g, beta` in place from the `[B, T, H*D]` views of
-the caller's `[B, T, H, D]` arrays (no transposes), so a whole prefill or verification block is
-one launch with no round trip of the state through memory between chunks.
+each chunk's `q, k` `[C, Dk]`, `v` `[C, Dv]` in place from the `[B, T, H*D]` views of the
+`[B, T, H, D]` operands (`g` and `beta` are moved to `[B, H, T]` first: they are small), so a
+whole prefill or verification block is one launch with no round trip of the state through memory
+between chunks. (The dispatcher, `delta_rule.chunked_delta_rule`, pads the operands to whole
+chunks in float32 first.)
 
 Per chunk, the math of `jetspec_jax.models.gated_deltanet.chunked` (see there):
 
@@ -19,7 +21,10 @@ Per chunk, the math of `jetspec_jax.models.gated_deltanet.chunked` (see there):
 product `(I - N)(I + N^2)(I + N^4)...`, sums powers of `N` whose entries reach C(63, 31) ~ 1e18
 when keys are nearly parallel, as real keys often are, and cancels catastrophically in float32.)
 The rows are computed from columns of `N^T`, which is formed directly so nothing is transposed
-in the kernel; `g` comes in both orientations, as a column and as a row, for the same reason.
+in the kernel. `cum` is needed as a column and as a row: it is summed once, as a column, and the
+row and `cum_last` are read off it by masked sums of one nonzero term each (exact). Summing `g`
+again in another order would round differently: at the |cum| ~ 1e3 that strong decays reach
+within a chunk, `decay[i, i]` would be off 1 by 1e-4.
 
 The TPU (Mosaic) launch is not written: it would need lane-dim slices of 64 (a half vreg) and
 per-chunk `[C, 1]` columns that Mosaic lays out poorly; on TPU the dispatcher keeps the XLA form.
@@ -65,12 +70,12 @@ def _unit_lower_inverse_t(n_t: jax.Array) -> jax.Array:
     return lax.fori_loop(0, size, substitute, eye)
 
 
-def chunk_step(q, k, v, g_col, g_row, beta, state, *, precision):
+def chunk_step(q, k, v, g_row, beta, state, *, precision):
     """One chunk of the gated delta rule, float32.
 
     Args:
         q, k: `[C, Dk]` prepared queries and keys; v: `[C, Dv]`.
-        g_col: `[C, 1]` and g_row: `[1, C]` the same log decays (both orientations);
+        g_row: `[1, C]` log decays (<= 0);
         beta: `[C, 1]` write strengths.
         state: `[Dk, Dv]` the state before the chunk.
 
@@ -82,8 +87,10 @@ def chunk_step(q, k, v, g_col, g_row, beta, state, *, precision):
     cols = lax.broadcasted_iota(jnp.int32, (size, size), 1)
     lower, upper = cols <= rows, rows <= cols
     cum_col = jnp.sum(jnp.where(lower, g_row, 0.0), axis=1, keepdims=True)  # [C, 1]
-    cum_row = jnp.sum(jnp.where(upper, g_col, 0.0), axis=0, keepdims=True)  # [1, C]
-    total = jnp.sum(g_row, axis=1, keepdims=True)  # [1, 1] = cum at the chunk's last position
+    # The same values, exactly (one nonzero term per sum): decay's diagonal is exactly 1.
+    cum_row = jnp.sum(jnp.where(rows == cols, cum_col, 0.0), axis=0, keepdims=True)  # [1, C]
+    last = lax.broadcasted_iota(jnp.int32, (1, size), 1) == size - 1
+    total = jnp.sum(jnp.where(last, cum_row, 0.0), axis=1, keepdims=True)  # [1, 1] = cum_last
     # Masked before exp: the unmasked exponents are > 0 and could overflow.
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum_col - cum_row, 0.0)), 0.0)
     decay_t = jnp.where(upper, jnp.exp(jnp.where(upper, cum_row - cum_col, 0.0)), 0.0)
@@ -106,7 +113,6 @@ def _kernel(
     q_ref,  # [T, Dk]
     k_ref,  # [T, Dk]
     v_ref,  # [T, Dv]
-    g_col_ref,  # [T, 1]
     g_row_ref,  # [1, T]
     beta_ref,  # [T, 1]
     state_ref,  # [Dk, Dv]
@@ -124,7 +130,6 @@ def _kernel(
             q_ref[rows, :],
             k_ref[rows, :],
             v_ref[rows, :],
-            g_col_ref[rows, :],
             g_row_ref[:, rows],
             beta_ref[rows, :],
             state,
@@ -162,13 +167,11 @@ def kernel_call(
     if length % chunk:  # the grid runs whole chunks: a remainder would be dropped silently
         raise ValueError(f"length {length} is not a multiple of chunk {chunk}; pad it first")
     dv = v.shape[-1]
-    g_heads = jnp.moveaxis(g, 2, 1)  # [B, H, T]: small; the column and row views below
     operands = (
         q.reshape(batch, length, heads * dk),
         k.reshape(batch, length, heads * dk),
         v.reshape(batch, length, heads * dv),
-        g_heads[..., None],
-        g_heads[..., None, :],
+        jnp.moveaxis(g, 2, 1)[..., None, :],  # [B, H, 1, T]: a row per head
         jnp.moveaxis(beta, 2, 1)[..., None],
         state,
     )
@@ -176,7 +179,6 @@ def kernel_call(
         pl.BlockSpec((None, length, dk), lambda b, h: (b, 0, h)),
         pl.BlockSpec((None, length, dk), lambda b, h: (b, 0, h)),
         pl.BlockSpec((None, length, dv), lambda b, h: (b, 0, h)),
-        pl.BlockSpec((None, None, length, 1), lambda b, h: (b, h, 0, 0)),
         pl.BlockSpec((None, None, 1, length), lambda b, h: (b, h, 0, 0)),
         pl.BlockSpec((None, None, length, 1), lambda b, h: (b, h, 0, 0)),
         pl.BlockSpec((None, None, dk, dv), lambda b, h: (b, h, 0, 0)),
