@@ -23,7 +23,7 @@ from jetspec_jax.training.calibration_rounds import (
     held_out_sequences,
     sequence_rounds,
 )
-from jetspec_jax.training.replacement_fit import fit_replacement_confidence
+from jetspec_jax.training.replacement_fit import choose_confidence, fit_replacement_confidence
 
 K = 6
 MAX_NEW = 16
@@ -147,6 +147,15 @@ def test_replacement_confidence_fit_scores_the_served_refinement(setup):
     ):
         with pytest.raises(ValueError, match=message):
             fit_replacement_confidence(target, draft, records, **{**common, **kwargs})
+
+
+def test_confidence_ties_go_to_no_refresh_else_to_the_smaller():
+    """c = 1 drafts as `Jj-R0` and serving compiles its refreshes away: a tie it is part of goes
+    to it (a c that trusts no position ties with it exactly); other ties go to the smaller c."""
+    assert choose_confidence({0.0: 2.0, 0.9: 3.0, 1.0: 3.0}) == 1.0
+    assert choose_confidence({1.0: 3.0, 0.8: 3.0, 0.7: 3.0, 0.0: 2.5}) == 1.0
+    assert choose_confidence({1.0: 2.0, 0.8: 3.0, 0.7: 3.0}) == 0.7
+    assert choose_confidence({0.3: 2.0, 1.0: 2.5, 0.5: 2.6}) == 0.5
 
 
 def test_confidences_below_one_share_one_compiled_program(setup):

@@ -9,13 +9,14 @@ drawn with one seed, the target's greedy verification read off a teacher forward
 score is the mean acceptance length `k + 1` of those rounds, i.e. tau per round without running the
 decode loop.
 
-**[decision]** The fit is the c with the highest score on the fit sequences; ties go to the
-smaller c (the paper's rule is c = 0). A fraction of the source sequences is held out of that
-choice (`calibration_rounds.held_out_sequences`, drawn on the first grid point's rounds) and every
-c is scored on them too, so the chosen c's held-out tau is not flattered by the choice. Every grid
-point sees the same records and anchors, except where a round is dropped because the sequence is
-not the target's greedy continuation along the accepted prefix (that depends on the drafts, hence
-on c); those are counted in `Rounds.dropped` and rare with greedy regenerations.
+**[decision]** The fit is the c with the highest score on the fit sequences (`choose_confidence`);
+ties go to c = 1 when it is among them (it drafts as `Jj-R0`, so serving compiles the refreshes
+away), else to the smaller c (the paper's rule is c = 0). A fraction of the source sequences is held
+out of that choice (`calibration_rounds.held_out_sequences`, drawn on the first grid point's rounds)
+and every c is scored on them too, so the chosen c's held-out tau is not flattered by the choice.
+Every grid point sees the same records and anchors, except where a round is dropped because the
+sequence is not the target's greedy continuation along the accepted prefix (that depends on the
+drafts, hence on c); those are counted in `Rounds.dropped` and rare with greedy regenerations.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class ConfidenceFit:
     rounds: int
     held_out_rounds: int
     held_sequences: np.ndarray
+
+
+def choose_confidence(tau: dict[float, float]) -> float:
+    """The c of the highest score in `{c: tau}`; of tied scores c = 1 (no refresh to run), else
+    the smallest."""
+    return max(tau, key=lambda c: (tau[c], c == 1.0, -c))
 
 
 def fit_replacement_confidence(
@@ -114,9 +121,8 @@ def fit_replacement_confidence(
         held_out_tau[confidence] = float(np.mean(held_out.k_true + 1))
         counts.append(len(fit))
         held_counts.append(len(held_out))
-    best = max(sorted(tau), key=lambda c: (tau[c], -c))
     return ConfidenceFit(
-        best=best,
+        best=choose_confidence(tau),
         tau={c: tau[c] for c in grid},
         held_out_tau={c: held_out_tau[c] for c in grid},
         rounds=min(counts),
