@@ -154,6 +154,12 @@ def test_adapter_config_dict_round_trip_and_strictness(draft):
             r"adapter target_layer_ids \[0, 1\] != the draft's target_layer_ids \[0, 2\]",
         ),
         (lambda p: _edit_layers(p, hidden_size=32), "adapter hidden_size 32 != target hidden"),
+        (lambda p: _edit_layers(p, vocab_size=98), "adapter vocab_size 98 != target vocab_size"),
+        (
+            lambda p: _edit_layers(p, max_position_embeddings=64),
+            "adapter max_position_embeddings 64 != target .* another target",
+        ),
+        (lambda p: _edit_rope(p, theta=5.0), "adapter rope .*theta=5.0.* != target rope"),
         (lambda p: _edit_layers(p, intermediate_size=50), "shape mismatches.*mlp"),
         (lambda p: _edit_layers(p, num_key_value_heads=0), "num_kv_heads=0 must be >= 1"),
     ],
@@ -189,6 +195,13 @@ def _edit_layers(path, **changes):
     file = path / "adapter" / "config.json"
     data = json.loads(file.read_text())
     data["layers"].update(changes)
+    file.write_text(json.dumps(data))
+
+
+def _edit_rope(path, **changes):
+    file = path / "adapter" / "config.json"
+    data = json.loads(file.read_text())
+    data["layers"]["rope"].update(changes)
     file.write_text(json.dumps(data))
 
 

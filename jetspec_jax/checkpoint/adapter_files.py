@@ -194,11 +194,13 @@ def load_adapter(path: str | pathlib.Path, draft):
 
 
 def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
-    """Refuses an adapter that cannot serve `draft`: other taps, or another hidden size than the
-    draft's target.
+    """Refuses an adapter that cannot serve `draft`: other taps, or layers not sized and
+    positioned as the draft's target's (`init_adapter` copies the target's hidden size, vocabulary
+    size, context and RoPE: another value means an adapter made for another target, whose
+    predicted states would be off).
 
     Raises:
-        CheckpointError: naming both values.
+        CheckpointError: naming the field and both values.
     """
     taps = tuple(draft.config.target_layer_ids)
     if tuple(config.target_layer_ids) != taps:
@@ -206,11 +208,13 @@ def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
             f"adapter target_layer_ids {list(config.target_layer_ids)} != the draft's "
             f"target_layer_ids {list(taps)}"
         )
-    hidden = draft.target_config.hidden_size
-    if config.layers.hidden_size != hidden:
-        raise CheckpointError(
-            f"adapter hidden_size {config.layers.hidden_size} != target hidden_size {hidden}"
-        )
+    for field in ("hidden_size", "vocab_size", "max_position_embeddings", "rope"):
+        mine, target = getattr(config.layers, field), getattr(draft.target_config, field)
+        if mine != target:
+            raise CheckpointError(
+                f"adapter {field} {mine} != target {field} {target}: an adapter made for "
+                "another target"
+            )
 
 
 def _checked_keys(data: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
