@@ -10,6 +10,7 @@ from jetspec_jax.decoding.outcomes import (
     outcome_log_scores,
     select_for_rule,
 )
+from jetspec_jax.training import calibration
 from jetspec_jax.training.calibration import _row_terms, fit_calibration, outcome_log_likelihood
 from tests.oracles import hit_rate
 
@@ -56,6 +57,20 @@ def test_row_likelihood_equals_the_gathered_scores():
     )
     mean = outcome_log_likelihood(logits, drafts, k_true, a_true, T_TRUE)
     assert mean == pytest.approx(scores[np.arange(50), k_true, a_true].mean(), abs=1e-4)
+
+
+def test_chunks_of_rows_change_nothing(monkeypatch):
+    """The likelihood and the fit are passes over chunks of rows (bounded memory at a real
+    vocabulary): chunks of 7 rows of 50, the last overlapping the one before, give what one
+    chunk of all rows gives."""
+    rounds = _rounds(6, 50)
+    whole = outcome_log_likelihood(*rounds, T_TRUE), fit_calibration(*rounds, steps=10)
+    k_len, vocab = rounds[0].shape[1:]
+    monkeypatch.setattr(calibration, "_CHUNK_ELEMENTS", 7 * k_len * vocab)
+    chunked = outcome_log_likelihood(*rounds, T_TRUE), fit_calibration(*rounds, steps=10)
+    assert chunked[0] == pytest.approx(whole[0], abs=1e-5)
+    assert chunked[1].acceptance_temperature == pytest.approx(whole[1].acceptance_temperature)
+    assert chunked[1].bonus_temperature == pytest.approx(whole[1].bonus_temperature)
 
 
 def test_fit_recovers_known_temperatures():

@@ -10,11 +10,14 @@ solved robustly: a grid over log-temperatures in `[min_temperature, max_temperat
 T = 1 itself, so the fit never scores below the uncalibrated rule), then golden-section search in
 the bracket around the best grid point; the better of grid point and refinement wins. Every
 evaluation is a jitted pass over the data (no gradients: the rejection term is not concave in
-1/T, and a grid does not get stuck on a wrong local optimum).
+1/T, and a grid does not get stuck on a wrong local optimum), in chunks of rows of about
+`_CHUNK_ELEMENTS` logits: the pass's float32 intermediates are a few times a chunk, not a few times
+the `[N, K, V]` rounds (4 GB at N = 410, K = 16 and Qwen3's V = 151936).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -24,6 +27,7 @@ import numpy as np
 from jetspec_jax.decoding.outcomes import Calibration, acceptance_log_terms, bonus_log_probs
 
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_CHUNK_ELEMENTS = 1 << 24  # logits per chunk of rows: 64 MB per float32 intermediate
 
 
 def _validated(logits_hat, drafts, k_true, a_true):
@@ -91,12 +95,33 @@ def _row_terms(logits_hat, drafts, k_true, a_true, acceptance_temperature, bonus
     return acceptance, bonus[:, 0]
 
 
-@jax.jit
 def _mean_terms(logits_hat, drafts, k_true, a_true, log_t_acc, log_t_bonus):
-    acceptance, bonus = _row_terms(
-        logits_hat, drafts, k_true, a_true, jnp.exp(log_t_acc), jnp.exp(log_t_bonus)
+    """`(mean acceptance term, mean bonus term)` over the rows, chunk by chunk."""
+    n, k_len, vocab = logits_hat.shape
+    rows = max(1, min(n, _CHUNK_ELEMENTS // (k_len * vocab)))
+    return _chunked_mean_terms(
+        logits_hat, drafts, k_true, a_true, log_t_acc, log_t_bonus, rows=rows
     )
-    return jnp.mean(acceptance), jnp.mean(bonus)
+
+
+@functools.partial(jax.jit, static_argnames="rows")
+def _chunked_mean_terms(logits_hat, drafts, k_true, a_true, log_t_acc, log_t_bonus, *, rows):
+    n = logits_hat.shape[0]
+    t_acc, t_bonus = jnp.exp(log_t_acc), jnp.exp(log_t_bonus)
+
+    def chunk_sums(i):
+        # The last chunk ends at row n (no padded copy of the rounds): rows the chunk before
+        # already counted are masked out.
+        start = jnp.minimum(i * rows, n - rows)
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start, slice_size=rows)
+        acceptance, bonus = _row_terms(
+            *(take(x) for x in (logits_hat, drafts, k_true, a_true)), t_acc, t_bonus
+        )
+        fresh = start + jnp.arange(rows) >= i * rows
+        return jnp.sum(jnp.where(fresh, acceptance, 0.0)), jnp.sum(jnp.where(fresh, bonus, 0.0))
+
+    acceptance, bonus = jax.lax.map(chunk_sums, jnp.arange(-(-n // rows)))
+    return jnp.sum(acceptance) / n, jnp.sum(bonus) / n
 
 
 def outcome_log_likelihood(

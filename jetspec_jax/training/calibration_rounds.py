@@ -29,7 +29,7 @@ response positions `t` with `P <= t <= T - K` (P prompt tokens, T tokens in all)
 decode loop's own anchor distribution.
 
 Memory: the rounds hold `p̂` as float32 `[N, K, V]` on the host (N = 512, K = 16, V = 49152:
-1.6 GB), which `fit_calibration` needs in full.
+1.6 GB), which `fit_calibration` holds on the device once and scores in chunks of rows.
 """
 
 from __future__ import annotations
