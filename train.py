@@ -222,7 +222,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         confidence = draft.calibration.replacement_confidence if draft.calibration else 0.0
         confidence_source = "the checkpoint's, kept: R0 does not use it"
     # The temperatures score the drafts the served refinement (with that confidence) makes.
-    rounds = collect_rounds(target, draft, records, replacement_confidence=confidence, **round_args)
+    rounds = (
+        collect_rounds(target, draft, records, replacement_confidence=confidence, **round_args)
+        if confidence_fit is None
+        else confidence_fit.chosen_rounds
+    )
     # The sequences held out of the confidence's choice are held out of the temperatures' fit.
     held = (
         held_out_sequences(rounds, args.holdout_fraction, seed=args.seed)

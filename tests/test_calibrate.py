@@ -138,6 +138,10 @@ def test_replacement_confidence_fit_scores_the_served_refinement(setup):
     assert fit.rounds + fit.held_out_rounds == 48 and fit.held_out_rounds == len(held_out)
     assert fit.tau[0.0] != fit.tau[1.0]  # the grid points draft differently here
     assert fit.tau[fit.best] == max(fit.tau.values())
+    # The rounds of the chosen c come back for the temperatures' fit (not collected again).
+    chosen = collect_rounds(target, draft, records, replacement_confidence=fit.best, **common)
+    for name in ("k_true", "a_true", "records", "anchors", "drafts"):
+        np.testing.assert_array_equal(getattr(fit.chosen_rounds, name), getattr(chosen, name))
     for kwargs, message in (
         (dict(grid=(0.5, 0.5)), "without repeats"),
         (dict(grid=()), "non-empty"),

@@ -28,6 +28,7 @@ import numpy as np
 
 from jetspec_jax.decoding.refinement import check_replacement_confidence
 from jetspec_jax.training.calibration_rounds import (
+    Rounds,
     check_holdout_fraction,
     collect_rounds,
     held_out_sequences,
@@ -47,6 +48,8 @@ class ConfidenceFit:
         rounds, held_out_rounds: rounds scored on each side at each grid point (the smallest
             count, if drops differ).
         held_sequences: record ids of the held-out sequences (`Rounds.split` reuses them).
+        chosen_rounds: the rounds `best` drafted (fit and held-out sequences), for the
+            temperatures' fit, which scores the drafts of the served setting.
     """
 
     best: float
@@ -55,12 +58,17 @@ class ConfidenceFit:
     rounds: int
     held_out_rounds: int
     held_sequences: np.ndarray
+    chosen_rounds: Rounds
 
 
 def choose_confidence(tau: dict[float, float]) -> float:
     """The c of the highest score in `{c: tau}`; of tied scores c = 1 (no refresh to run), else
     the smallest."""
-    return max(tau, key=lambda c: (tau[c], c == 1.0, -c))
+    return max(tau, key=lambda c: _preference(tau[c], c))
+
+
+def _preference(tau: float, confidence: float) -> tuple:
+    return tau, confidence == 1.0, -confidence
 
 
 def fit_replacement_confidence(
@@ -100,6 +108,7 @@ def fit_replacement_confidence(
         raise ValueError("the replacement confidence acts on refreshes: fit it with refreshes >= 1")
     check_holdout_fraction(holdout_fraction)  # before any rounds are collected
     tau, held_out_tau, counts, held_counts, held_sequences = {}, {}, [], [], None
+    chosen_rounds, chosen = None, None  # only the best so far is kept: rounds are N x K x V
     for confidence in sorted(grid):
         rounds = collect_rounds(
             target,
@@ -121,6 +130,8 @@ def fit_replacement_confidence(
         held_out_tau[confidence] = float(np.mean(held_out.k_true + 1))
         counts.append(len(fit))
         held_counts.append(len(held_out))
+        if chosen is None or _preference(tau[confidence], confidence) > chosen:
+            chosen_rounds, chosen = rounds, _preference(tau[confidence], confidence)
     return ConfidenceFit(
         best=choose_confidence(tau),
         tau={c: tau[c] for c in grid},
@@ -128,4 +139,5 @@ def fit_replacement_confidence(
         rounds=min(counts),
         held_out_rounds=min(held_counts),
         held_sequences=held_sequences,
+        chosen_rounds=chosen_rounds,
     )
