@@ -235,7 +235,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     )
     fit, held_out = rounds.split(held)
     calibration = dataclasses.replace(
-        fit_calibration(*fit.fit_arrays), replacement_confidence=confidence
+        fit_calibration(*fit.fit_arrays),
+        replacement_confidence=confidence,
+        fitted_for=f"J{args.refine_passes}-R{args.refreshes}",
     )
     report = evaluate_rounds(held_out, calibration)
     # Saved in the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).

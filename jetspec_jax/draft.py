@@ -130,6 +130,7 @@ class Draft:
             )
         if replacement_confidence is None:
             calibration = self.calibration or Calibration()
+            calibration.warn_if_fitted_for_another(refine_passes, refreshes)
             replacement_confidence = calibration.replacement_confidence
         proxy = LearnedProxy(self.adapter.config, target.config)
         return refining_proposer(

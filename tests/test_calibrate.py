@@ -13,6 +13,7 @@ import pytest
 import jetspec_jax
 import train
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.foresight import foresight_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy
 from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
@@ -208,6 +209,13 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
     summary = json.loads(report.read_text())
     assert loaded.calibration is not None
     assert loaded.calibration.to_dict() == summary["calibration"]
+    assert loaded.calibration.fitted_for == "J1-R1"
+    # Served at another setting, the draft says its calibration was fitted for this one.
+    with pytest.warns(UserWarning, match="fitted for J1-R1 and serves J2-R2"):
+        loaded.proposer(target, method="jetspec++", refine_passes=2, refreshes=2)
+    base = loaded.proposer(target, method="jetspec++", refine_passes=1)
+    with pytest.warns(UserWarning, match="fitted for J1-R1 and serves J1-R0"):
+        foresight_proposer(loaded, *base, 4, rule="calibrated")
     # The replacement confidence: fitted over the grid (J1-R1), the best score stored.
     scores = {float(c): tau for c, tau in summary["replacement_confidence_tau"]["fit"].items()}
     held_scores = summary["replacement_confidence_tau"]["held_out"]
@@ -251,9 +259,8 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
     from_given[from_given.index("--draft") + 1] = str(tmp_path / "given")
     assert train.main(from_given) == 0
     assert "0.25 (the checkpoint's, kept: R0 does not use it)" in capsys.readouterr().out
-    assert (
-        jetspec_jax.load_draft(tmp_path / "r0", target).calibration.replacement_confidence == 0.25
-    )
+    kept = jetspec_jax.load_draft(tmp_path / "r0", target).calibration
+    assert kept.replacement_confidence == 0.25 and kept.fitted_for == "J1-R0"
     assert train.main(given[:-2] + ["--confidence-grid", "0,1"]) == 2
     assert "--replacement-confidence (store it) or --confidence-grid" in capsys.readouterr().err
     # Without refreshes there is no replacement to fit: a grid would be ignored.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -200,3 +201,21 @@ def test_calibration_dict_round_trip_and_refusals():
     for bad in (-0.1, 1.5, float("nan"), True, "0.5"):
         with pytest.raises(ValueError, match="replacement_confidence"):
             Calibration(replacement_confidence=bad)
+    # The setting it was fitted for: round-trips, is information only (equality, hash, jit).
+    cal = Calibration(1.7, 0.6, 0.8, fitted_for="J1-R1")
+    again = Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert again.fitted_for == "J1-R1" and again == Calibration(1.7, 0.6, 0.8)
+    assert hash(cal) == hash(Calibration(1.7, 0.6, 0.8))
+    for bad in ("J1", "j1-r1", "J1-R1 ", 11):
+        with pytest.raises(ValueError, match="fitted_for must be a setting like 'J1-R1'"):
+            Calibration(fitted_for=bad)
+
+
+def test_a_calibration_warns_when_it_serves_another_setting():
+    cal = Calibration(fitted_for="J1-R1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cal.warn_if_fitted_for_another(1, 1)
+        Calibration().warn_if_fitted_for_another(3, 3)  # fitted for nothing recorded
+    with pytest.warns(UserWarning, match="fitted for J1-R1 and serves J3-R3: refit .*passes 3"):
+        cal.warn_if_fitted_for_another(3, 3)

@@ -340,6 +340,10 @@ def foresight_proposer(
         refiner, params = refining_proposer(base, proxy, 0, base_params, adapter.params)
     else:
         raise ValueError(f"foresight drafting needs a jetspec++ draft, got a {type(base).__name__}")
+    if rule == "calibrated" and draft.calibration is not None:
+        draft.calibration.warn_if_fitted_for_another(
+            refiner.drafter.refine_passes, refiner.refreshes
+        )
     proposer = ForesightProposer(refiner, num_candidates, rule, draft.calibration)
     return proposer, params
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -58,11 +60,15 @@ class Calibration:
         replacement_confidence: the decoder probability above which refinement's anchor
             replacement trusts the proxy (`decoding/refinement.py`); 0, the paper's rule, when a
             calibration file predates it.
+        fitted_for: the refinement setting `"Jj-Rr"` whose drafts the values were fitted on
+            (`train.py calibrate`), or None (given by hand, or a file that predates the field).
+            Information only: it does not take part in equality or hashing.
     """
 
     acceptance_temperature: float = 1.0
     bonus_temperature: float = 1.0
     replacement_confidence: float = 0.0
+    fitted_for: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         for name in ("acceptance_temperature", "bonus_temperature"):
@@ -74,6 +80,23 @@ class Calibration:
             object.__setattr__(self, name, value)
         confidence = check_replacement_confidence(self.replacement_confidence)
         object.__setattr__(self, "replacement_confidence", confidence)
+        if self.fitted_for is not None and not (
+            isinstance(self.fitted_for, str) and _SETTING.fullmatch(self.fitted_for)
+        ):
+            raise ValueError(f"fitted_for must be a setting like 'J1-R1', got {self.fitted_for!r}")
+
+    def warn_if_fitted_for_another(self, refine_passes: int, refreshes: int) -> None:
+        """A `UserWarning` (Python shows each message once) when these values serve another
+        `Jj-Rr` than they were fitted for: its drafts, hence the best confidence and
+        temperatures, differ."""
+        served = f"J{refine_passes}-R{refreshes}"
+        if self.fitted_for is not None and self.fitted_for != served:
+            warnings.warn(
+                f"the draft's calibration was fitted for {self.fitted_for} and serves {served}: "
+                f"refit it for this setting with train.py calibrate --refine-passes "
+                f"{refine_passes} --refreshes {refreshes}",
+                stacklevel=3,
+            )
 
     def to_dict(self) -> dict[str, float]:
         """JSON-ready `{name: value}`."""
@@ -91,6 +114,9 @@ class Calibration:
                 f"unknown calibration key(s) {unknown}; expected a subset of {sorted(known)}"
             )
         return cls(**data)
+
+
+_SETTING = re.compile(r"J\d+-R\d+")
 
 
 def _draft_mask(drafts: jax.Array, k_len: int, vocab: int) -> jax.Array:
