@@ -95,8 +95,10 @@ def chunked(
         k: `[B, T, H, Dk]` prepared keys; v: `[B, T, H, Dv]`.
         g: `[B, T, H]` log decays (<= 0); beta: `[B, T, H]` write strengths.
         state: `[B, H, Dk, Dv]` the state before position 0.
-        chunk_size: positions per chunk, a power of two (the sequence is zero-padded to a
-            multiple; padded positions have g = beta = 0 and so change nothing).
+        chunk_size: the most positions per chunk, a power of two; a shorter sequence is one
+            chunk of the next power of two >= T (a 16-token block: one chunk, no scan). The
+            sequence is zero-padded to a multiple; padded positions have g = beta = 0 and so
+            change nothing.
 
     Returns:
         `(out, final_state)`: `[B, T, H, Dv]` float32 outputs (None without `q`) and the
