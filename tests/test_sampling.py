@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,3 +204,22 @@ def test_parameters_given_as_numpy_or_jax_scalars_are_kept_as_python_numbers():
     ):
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+def test_the_top_k_path_sorts_only_in_its_fallback():
+    """The cut-off is first looked for among `top_k` candidates; only the fallback (rows whose
+    kept set reaches past them) sorts the vocabulary. The compiled program holds that one sort:
+    had XLA folded the candidates' last entry into top_k's own sort, it would hold two."""
+    batch, vocab = 2, 8192
+    compiled = (
+        jax.jit(filter_logits)
+        .lower(
+            jnp.zeros((batch, 1, vocab)),
+            jnp.ones((batch,)),
+            jnp.full((batch,), 20, jnp.int32),
+            jnp.ones((batch,)),
+        )
+        .compile()
+        .as_text()
+    )
+    assert len(re.findall(r"= \S+ sort\(", compiled)) == 1, "top_k became a vocabulary sort"
