@@ -1,12 +1,21 @@
-"""Foresight drafting (single-device round): the committed tokens never depend on hits or misses.
+"""Foresight drafting (single-device round): the committed tokens never depend on hits or misses,
+and with an exact proxy neither do the rounds' outcomes.
+
+The target is made nearly a bigram model (its layers' residual contributions shrunk) and the draft
+shares its embedding, LM head and final norm with small random layers: its first draft is often
+the target's next token, so rounds accept 0 .. 2 drafts and each round's outcome `(k, a)` depends
+on the block proposed (with every draft rejected, each round would be `(0, target's token)`
+whatever the block, and outcome checks would hold by construction).
 
 Hits and misses are forced with an oracle outcome predictor: the target itself as the proxy, its
 logits scaled by a dynamic factor (one compilation for every mode): x1000 makes `p̂` a point mass
 on the target's argmax (greedy: every outcome predicted, every lookup after the first a hit),
 x-1000 a point mass on its least likely token (every guess wrong). MIXED switches between the two
-by the parity of each block's first token (the last committed one), so hits and misses interleave
-within a row. (A blurred guess, e.g. x0.5, would not mix: the random draft's drafts are all
-rejected, and then the exact proxy's most likely outcome is always the true one.) Outcome
+by the parity of each block's first token (its anchor), so hits and misses interleave within a
+row, at rounds the committed tokens determine. A blurred guess (x3) ranks the true outcome below
+the first candidate now and then: those rounds hit a later candidate. The exact proxy predicts
+the true states, so a hit's cached block is the block the fallback drafts (no refreshes): per
+round, the outcomes are those of plain (no foresight) decoding, hits, misses or both. Outcome
 selection itself (true top-B) is tested in test_outcomes.py.
 """
 
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +44,8 @@ N_NEW = 24
 BLOCK = 5
 # The proxy's logit factors for blocks whose first token is (even, odd).
 HITS, MISSES, MIXED = (1000.0, 1000.0), (-1000.0, -1000.0), (1000.0, -1000.0)
+# A blurred exact proxy: the true outcome is sometimes not the most likely one predicted.
+BLURRED = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +88,33 @@ class ScaledOracleDraft:
 
 
 def make_draft(target):
+    """A random draft (test_pipeline.py's, with the unshrunk target): its drafts are rejected."""
     return jetspec_jax.init_draft(
         target, variant="jetspec++", num_layers=1, block_size=BLOCK, init_std=0.3, seed=4
     )
+
+
+def near_bigram(target, scale=0.03):
+    """The target with its layers' residual contributions shrunk: next tokens depend mostly on
+    the current token, which a draft sharing the embedding, LM head and final norm predicts."""
+
+    def shrink(path, x):
+        names = {getattr(key, "key", None) for key in path}
+        return x * scale if names & {"o_proj", "down_proj"} else x
+
+    return dataclasses.replace(
+        target, params=jax.tree_util.tree_map_with_path(shrink, target.params)
+    )
+
+
+def make_accepting_draft(target):
+    """A random draft whose drafts `near_bigram(target)` accepts now and then: small layers, and
+    the target's final norm."""
+    draft = jetspec_jax.init_draft(
+        target, variant="jetspec++", num_layers=1, block_size=BLOCK, init_std=0.02, seed=4
+    )
+    params = {**draft.params, "norm": {"scale": target.params["norm"]["scale"]}}
+    return dataclasses.replace(draft, params=params)
 
 
 def make_prompts():
@@ -88,17 +124,45 @@ def make_prompts():
 
 @pytest.fixture(scope="module")
 def target(checkpoints):
-    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    return near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
 
 
 @pytest.fixture(scope="module")
 def draft(target):
-    return make_draft(target)
+    return make_accepting_draft(target)
 
 
 @pytest.fixture(scope="module")
 def prompts():
     return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def plain_outcomes(target, draft, prompts):
+    """Per row, the round outcomes of plain JetSpec++ (no foresight, no proxy) with `draft`."""
+    outcomes = _plain(target, prompts, draft)
+    _assert_drafts_accepted(outcomes)
+    return outcomes
+
+
+def _plain(target, prompts, draft, **sampling):
+    out = jetspec_jax.generate_batch(
+        target,
+        prompts,
+        draft=draft,
+        method="jetspec++",
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+        sampling=jetspec_jax.SamplingParams(**sampling),
+    )
+    return [r.outcomes for r in out]
+
+
+def _assert_drafts_accepted(outcomes):
+    """Every row has rounds that accept drafts: its outcomes depend on the blocks proposed (were
+    every draft rejected, each round would be (0, target's token) whatever was proposed)."""
+    for rounds in outcomes:
+        assert any(k > 0 for k, _ in rounds), rounds
 
 
 def _ar(target, prompts, **sampling):
@@ -138,7 +202,7 @@ def run(target, prompts, draft, *, foresight=1, pipeline=None, **sampling):
     return [r.tokens for r in results], [r.outcomes for r in results], stats
 
 
-def test_forced_hits_give_ar_tokens_and_the_plain_drafts(target, draft, prompts):
+def test_forced_hits_give_ar_tokens_and_the_plain_outcomes(target, draft, prompts, plain_outcomes):
     tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, HITS))
     assert tokens == _ar(target, prompts)
     for row in stats:
@@ -147,32 +211,50 @@ def test_forced_hits_give_ar_tokens_and_the_plain_drafts(target, draft, prompts)
         assert row["occupancy"][1:] == [1] * (len(row["hits"]) - 1)
     # An exact proxy predicts the true states: cached blocks are the blocks the fallback drafts
     # from the true states, so every round has the outcome of plain (no foresight) decoding.
-    plain = jetspec_jax.generate_batch(
-        target,
-        prompts,
-        draft=ScaledOracleDraft(draft, HITS),
-        method="jetspec++",
-        max_new_tokens=N_NEW,
-        stop_token_ids=[],
-    )
-    assert outcomes == [r.outcomes for r in plain]
+    assert outcomes == plain_outcomes
 
 
-def test_forced_misses_give_ar_tokens(target, draft, prompts):
-    tokens, _, stats = run(target, prompts, ScaledOracleDraft(draft, MISSES))
-    assert tokens == _ar(target, prompts)
-    for row in stats:
-        assert not any(row["hits"])
-        assert len(row["hits"]) == len(row["occupancy"]) > 1
-
-
-def test_interleaved_hits_and_misses_give_ar_tokens(target, draft, prompts):
-    tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, MIXED))
+def test_forced_misses_give_ar_tokens_and_the_plain_outcomes(
+    target, draft, prompts, plain_outcomes
+):
+    """Every round misses: the fallback's drafts (not a stale cached block) are proposed."""
+    tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, MISSES))
     assert tokens == _ar(target, prompts)
     for row, rounds in zip(stats, outcomes, strict=True):
-        assert len(row["hits"]) == len(rounds)
-        hits = row["hits"][1:]  # the first round cannot hit
+        assert not any(row["hits"])
+        assert len(row["hits"]) == len(row["occupancy"]) == len(rounds) > 1
+    assert outcomes == plain_outcomes
+
+
+def test_interleaved_hits_and_misses_give_ar_tokens_and_the_plain_outcomes(
+    target, draft, prompts, plain_outcomes
+):
+    tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, MIXED))
+    assert tokens == _ar(target, prompts)
+    assert outcomes == plain_outcomes
+    for row, row_tokens, rounds in zip(stats, tokens, outcomes, strict=True):
+        # Round t + 1 hits exactly when round t's anchor is even (its proxy exact, not inverted):
+        # the first anchor is the prefill's token, each later one the previous round's bonus.
+        anchors = [row_tokens[0]] + [a for _, a in rounds[:-1]]
+        assert row["hits"] == [False] + [a % 2 == 0 for a in anchors[:-1]]
+        hits = row["hits"][1:]
         assert any(hits) and not all(hits), hits  # both, in every row
+
+
+def test_hits_on_later_candidates_give_the_plain_outcomes(target, draft, prompts, plain_outcomes):
+    """A blurred exact proxy: some true outcomes are a later candidate of 8 (rounds that hit with
+    8 candidates but miss with the first alone); their blocks are theirs, not the first's."""
+    oracle = ScaledOracleDraft(draft, BLURRED)
+    _, first_outcomes, first = run(target, prompts, oracle, foresight=1)
+    tokens, outcomes, stats = run(target, prompts, oracle, foresight=8)
+    assert tokens == _ar(target, prompts)
+    assert outcomes == first_outcomes == plain_outcomes
+    for one, eight in zip(first, stats, strict=True):
+        assert len(one["hits"]) == len(eight["hits"])
+        assert all(h8 for h1, h8 in zip(one["hits"], eight["hits"], strict=True) if h1)
+        later = [h8 and not h1 for h1, h8 in zip(one["hits"], eight["hits"], strict=True)]
+        assert any(later), (one["hits"], eight["hits"])
+        assert set(eight["occupancy"][1:]) == {8}
 
 
 def test_learned_proxy_with_several_candidates_gives_ar_tokens(target, draft, prompts):
@@ -180,17 +262,19 @@ def test_learned_proxy_with_several_candidates_gives_ar_tokens(target, draft, pr
     learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
     tokens, outcomes, stats = run(target, prompts, learned, foresight=3)
     assert tokens == _ar(target, prompts)
+    _assert_drafts_accepted(outcomes)
     for row, rounds in zip(stats, outcomes, strict=True):
         assert len(row["hits"]) == len(rounds)
         assert row["occupancy"][0] == 0 and set(row["occupancy"][1:]) == {3}
 
 
 @pytest.mark.parametrize("scale", [HITS, MISSES], ids=["hits", "misses"])
-def test_sampled_tokens_do_not_depend_on_hits(target, draft, prompts, scale):
+def test_sampled_tokens_and_outcomes_do_not_depend_on_hits(target, draft, prompts, scale):
     for seed in (0, 3):
         sampling = dict(temperature=1.0, seed=seed)
-        tokens, _, _ = run(target, prompts, ScaledOracleDraft(draft, scale), **sampling)
+        tokens, outcomes, _ = run(target, prompts, ScaledOracleDraft(draft, scale), **sampling)
         assert tokens == _ar(target, prompts, **sampling)
+        assert outcomes == _plain(target, prompts, draft, **sampling)
 
 
 def test_foresight_requests_are_validated(target, draft):
@@ -237,16 +321,14 @@ def test_calibrated_rule_needs_a_calibrated_draft(target, draft):
     DecodeSession(target, [[1, 2]], draft=bare, options=DecodingOptions("jetspec++"))
 
 
-def test_target_proxy_draft_serves_foresight_without_refreshes(target, draft, prompts):
+def test_target_proxy_draft_serves_foresight_without_refreshes(
+    target, draft, prompts, plain_outcomes
+):
     """`TargetProxyDraft` at `Jj-R0` is foresight's proxy too: the exact proxy's cached blocks
     are the fallback's, so tokens are AR's and the outcomes those of plain decoding."""
-    oracle = TargetProxyDraft(draft)
-    tokens, outcomes, stats = run(target, prompts, oracle, foresight=2)
+    tokens, outcomes, stats = run(target, prompts, TargetProxyDraft(draft), foresight=2)
     assert tokens == _ar(target, prompts)
-    plain = jetspec_jax.generate_batch(
-        target, prompts, draft=oracle, method="jetspec++", max_new_tokens=N_NEW, stop_token_ids=[]
-    )
-    assert outcomes == [r.outcomes for r in plain]
+    assert outcomes == plain_outcomes
     assert any(hit for row in stats for hit in row["hits"][1:])
 
 
