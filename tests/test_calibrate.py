@@ -25,29 +25,16 @@ from jetspec_jax.training.calibration_rounds import (
     sequence_rounds,
 )
 from jetspec_jax.training.replacement_fit import choose_confidence, fit_replacement_confidence
+from tests.tiny_models import near_bigram
 
 K = 6
 MAX_NEW = 16
 SPEC = dict(method="jetspec++", refine_passes=1, refreshes=1, stop_token_ids=[])
 
 
-def _near_bigram(target, scale=0.03):
-    """The target with its layers' residual contributions shrunk: next tokens depend mostly on
-    the current token, which an untrained draft that shares the embedding, LM head and final
-    norm partly predicts, so rounds accept 0 .. K-1 drafts (a random pair would accept none)."""
-
-    def shrink(path, x):
-        names = {getattr(key, "key", None) for key in path}
-        return x * scale if names & {"o_proj", "down_proj"} else x
-
-    return dataclasses.replace(
-        target, params=jax.tree_util.tree_map_with_path(shrink, target.params)
-    )
-
-
 @pytest.fixture(scope="module")
 def setup(checkpoints):
-    target = _near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
+    target = near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
     draft = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 2), block_size=K)
     params = {**draft.params, "norm": {"scale": target.params["norm"]["scale"]}}
     draft = dataclasses.replace(draft, params=params)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -39,6 +38,7 @@ from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy
+from tests.tiny_models import near_bigram
 
 N_NEW = 24
 BLOCK = 5
@@ -91,19 +91,6 @@ def make_draft(target):
     """A random draft (test_pipeline.py's, with the unshrunk target): its drafts are rejected."""
     return jetspec_jax.init_draft(
         target, variant="jetspec++", num_layers=1, block_size=BLOCK, init_std=0.3, seed=4
-    )
-
-
-def near_bigram(target, scale=0.03):
-    """The target with its layers' residual contributions shrunk: next tokens depend mostly on
-    the current token, which a draft sharing the embedding, LM head and final norm predicts."""
-
-    def shrink(path, x):
-        names = {getattr(key, "key", None) for key in path}
-        return x * scale if names & {"o_proj", "down_proj"} else x
-
-    return dataclasses.replace(
-        target, params=jax.tree_util.tree_map_with_path(shrink, target.params)
     )
 
 
