@@ -64,11 +64,7 @@ class ConfidenceFit:
 def choose_confidence(tau: dict[float, float]) -> float:
     """The c of the highest score in `{c: tau}`; of tied scores c = 1 (no refresh to run), else
     the smallest."""
-    return max(tau, key=lambda c: _preference(tau[c], c))
-
-
-def _preference(tau: float, confidence: float) -> tuple:
-    return tau, confidence == 1.0, -confidence
+    return max(tau, key=lambda c: (tau[c], c == 1.0, -c))
 
 
 def fit_replacement_confidence(
@@ -108,7 +104,7 @@ def fit_replacement_confidence(
         raise ValueError("the replacement confidence acts on refreshes: fit it with refreshes >= 1")
     check_holdout_fraction(holdout_fraction)  # before any rounds are collected
     tau, held_out_tau, counts, held_counts, held_sequences = {}, {}, [], [], None
-    chosen_rounds, chosen = None, None  # only the best so far is kept: rounds are N x K x V
+    best, chosen_rounds = None, None  # only the best so far is kept: rounds are N x K x V
     for confidence in sorted(grid):
         rounds = collect_rounds(
             target,
@@ -130,10 +126,10 @@ def fit_replacement_confidence(
         held_out_tau[confidence] = float(np.mean(held_out.k_true + 1))
         counts.append(len(fit))
         held_counts.append(len(held_out))
-        if chosen is None or _preference(tau[confidence], confidence) > chosen:
-            chosen_rounds, chosen = rounds, _preference(tau[confidence], confidence)
+        if best is None or choose_confidence({c: tau[c] for c in (best, confidence)}) != best:
+            best, chosen_rounds = confidence, rounds
     return ConfidenceFit(
-        best=choose_confidence(tau),
+        best=best,
         tau={c: tau[c] for c in grid},
         held_out_tau={c: held_out_tau[c] for c in grid},
         rounds=min(counts),
