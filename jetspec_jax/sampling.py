@@ -149,7 +149,7 @@ def filter_logits(
         full_log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
         # The barrier keeps XLA from folding `_cutoff`'s read of the last candidate into the sort
         # top_k decomposes into: folded, the TopK rewrite no longer matches and the cheap path
-        # becomes a full vocabulary sort (measured on XLA:CPU: 540 -> 70 ms at V = 151936).
+        # becomes a full vocabulary sort (XLA:CPU: 5x the time; benchmarks/bench_top_k_sort.py).
         top = jax.lax.optimization_barrier(jax.lax.top_k(scaled, num_candidates)[0])
         cutoff, complete = _cutoff([top], full_log_norm, k, p)
 
