@@ -315,6 +315,26 @@ def test_impl_selection():
         )
 
 
+def test_auto_takes_the_triton_kernel_for_bfloat16_only(monkeypatch):
+    """On a GPU, "auto" launches the hardware-verified Triton kernel for bfloat16 operands (where
+    it was measured faster) and keeps float32 on the reference (measured slower); operands the
+    kernel does not take (head_dim 24) stay on the reference in any dtype."""
+    monkeypatch.setattr(select, "pallas_backend", lambda platform=None: "triton")
+    launched = []
+    monkeypatch.setattr(
+        refinement, "_kernel_attention", lambda *a: launched.append(a[-1].backend) or a[0]
+    )
+    for dtype, head_dim, expected in (
+        (jnp.bfloat16, 16, ["triton"]),
+        (jnp.float32, 16, []),
+        (jnp.bfloat16, 24, []),
+    ):
+        launched.clear()
+        args = _operands((1, 1, 2, 4, 2, head_dim, 4), dtype)
+        refinement_attention(*args, causal=True, impl="auto")
+        assert launched == expected, (dtype, head_dim)
+
+
 # --- the draft ---------------------------------------------------------------------------------
 
 

@@ -1,15 +1,20 @@
 """`chunked_delta_rule`: Gated DeltaNet's recurrence over a sequence, dispatched to the XLA form
 (`models.gated_deltanet.chunked`) or the Pallas kernel (`pallas_delta_rule`).
 
-`impl` is chosen as for every kernel (`kernels/select.py`): "auto" (the kernel where verified on
-hardware, `HARDWARE_VERIFIED`, else the XLA form), "reference", "pallas" (Triton: GPU only) or
-"pallas_interpret".
+`impl` is chosen as for every kernel (`kernels/select.py`): "auto" (the kernel on the backends
+where it was verified on hardware, `HARDWARE_VERIFIED`, and also measured faster, `AUTO_BACKENDS`;
+else the XLA form), "reference", "pallas" (Triton: GPU only) or "pallas_interpret".
 
 The target is never differentiated (training reads its states under `stop_gradient`), so the
 kernel has no backward pass. Status: the kernel runs in the interpreter and lowers through Pallas
-for "cuda" on CPU (`tests/test_delta_rule_kernel.py`); it has not run on a GPU yet. Run
-`benchmarks/bench_delta_rule.py --check` on one, then add "triton" to `HARDWARE_VERIFIED` where
-it is the faster form.
+for "cuda" on CPU (`tests/test_delta_rule_kernel.py`). On an H200 (jax 0.11.2, 2026-12-04;
+docs/BENCHMARKS.md, section `gpu_h200`) it compiled and matched the XLA form at "highest"
+precision at T = 16 (a verification block, chunk 16: 4.5e-7) and T = 200 (chunk 64: 3.0e-7).
+It stays out of "auto" (`AUTO_BACKENDS` empty): its speed was not measured, neither the
+T = 4096 check nor greedy decoding of a hybrid target on it ran in the time lent, and one
+compile during the T = 200 check took 2 min 41 s (the kernel at chunk 64 is the likely one: the
+XLA form is one while loop). Run `benchmarks/bench_delta_rule.py` on a GPU, then add "triton" to
+`AUTO_BACKENDS` if it is the faster form there and compiles in reasonable time.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from jetspec_jax.kernels.layout import next_pow2
 from jetspec_jax.kernels.select import select_launch, triton_head_dim_problem
 from jetspec_jax.models import gated_deltanet
 
-HARDWARE_VERIFIED: frozenset[str] = frozenset()
+# Pallas backends whose compiled kernel was checked against the XLA form on hardware.
+HARDWARE_VERIFIED: frozenset[str] = frozenset({"triton"})
+# Those where "auto" takes it: also measured faster (none yet, see above).
+AUTO_BACKENDS: frozenset[str] = frozenset()
 # The XLA form's chunk; 64 x 64 float32 tiles fit a GPU program's registers.
 MAX_CHUNK = gated_deltanet.DEFAULT_CHUNK
 
@@ -75,7 +83,7 @@ def chunked_delta_rule(
     backend, interpret = select_launch(
         impl,
         kernel="delta-rule",
-        verified=HARDWARE_VERIFIED,
+        verified=HARDWARE_VERIFIED & AUTO_BACKENDS,
         supports=lambda b: kernel_supports(k.shape, v.shape, b),
     )
     if backend is None:

@@ -1,18 +1,24 @@
 """`refinement_attention`: the draft's attention, dispatched to the jnp reference or the Pallas
 kernel, differentiable either way.
 
-`impl` is chosen as for every kernel (`kernels/select.py`): "auto" (the kernel where verified on
-hardware, `HARDWARE_VERIFIED`, and the operands fit it, `kernel_supports`; else the reference
+`impl` is chosen as for every kernel (`kernels/select.py`): "auto" (the kernel on the backends
+where it was verified on hardware, `HARDWARE_VERIFIED`, for the operand dtypes where it was also
+measured faster, `AUTO_DTYPES`, when the operands fit it, `kernel_supports`; else the reference
 `reference.refinement_attention_reference`), "reference", "pallas" or "pallas_interpret".
 The kernel's backward pass recomputes through the reference (`jax.custom_vjp`), so gradients are
 the reference's.
 
-Status of the accelerator paths: the Triton (GPU) and Mosaic (TPU) launches are written against
-jax 0.10's public Pallas API and checked on CPU only: the kernel body and both launches run in the
-Pallas interpreters (the TPU one also rejects out-of-bounds reads), and both lower through Pallas
-for "cuda" and "tpu" (`tests/test_kernels.py`). Neither has been compiled by the accelerator's XLA
-(Triton -> PTX, Mosaic layout passes) nor run on hardware yet; on a GPU run
-`benchmarks/bench_draft_attention.py --check` first.
+Status of the accelerator paths (docs/BENCHMARKS.md, section `gpu_h200`):
+- Triton (GPU): compiled and run on an H200 (jax 0.11.2, 2026-12-04). Against the float32
+  reference at "highest" precision: float32 within 7e-7, bfloat16 no further off than the
+  reference itself, gradients equal; float32 greedy speculative decoding (J1-R1, with and
+  without foresight) gives the reference's tokens and round outcomes. In bfloat16 it was faster
+  than the XLA reference and cuDNN at 9 of the 10 Qwen3-8B draft shapes measured, up to 1.9x
+  (C = 4, S = 8192); float32 decoding was 1.9-2.5x slower end to end (likely its exact float32
+  dots, which run on the FMA units), so "auto" takes the kernel for bfloat16 only. JAX 0.11
+  deprecates Pallas' Triton lowering in favour of Mosaic GPU.
+- Mosaic (TPU): checked on CPU only (the interpreter, which rejects out-of-bounds reads, and
+  lowering for "tpu" in `tests/test_kernels.py`); never compiled for or run on a TPU.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from jetspec_jax.kernels.layout import Tiling
 from jetspec_jax.kernels.reference import refinement_attention_reference
 from jetspec_jax.kernels.select import select_launch, triton_head_dim_problem
 
-# Pallas backends whose compiled kernel has been checked against the reference on real hardware;
-# "auto" selects the kernel only there (a kernel that was merely interpreted and lowered on CPU is
-# opt-in with impl="pallas" until `benchmarks/bench_draft_attention.py --check` passes on a device).
-HARDWARE_VERIFIED: frozenset[str] = frozenset()
+# Pallas backends whose compiled kernel has been checked against the reference on real hardware
+# (`benchmarks/bench_draft_attention.py --check`); a kernel merely interpreted and lowered on CPU
+# is opt-in with impl="pallas".
+HARDWARE_VERIFIED: frozenset[str] = frozenset({"triton"})
+# Operand dtypes for which "auto" takes the verified kernel: where it was measured faster.
+AUTO_DTYPES: frozenset[str] = frozenset({"bfloat16"})
 
 # Default tilings per Pallas backend. GPU: small query tiles plus context splits, since decode has
 # few query rows per KV head; TPU: lane-dense context tiles, no splits (the whole context of a head
@@ -94,7 +102,7 @@ def refinement_attention(
     backend, interpret = select_launch(
         impl,
         kernel="refinement-attention",
-        verified=HARDWARE_VERIFIED,
+        verified=HARDWARE_VERIFIED if jnp.dtype(q.dtype).name in AUTO_DTYPES else frozenset(),
         supports=lambda b: kernel_supports(*args[:3], *args[4:], b),
     )
     if backend is None:

@@ -3,7 +3,8 @@
 Implementations (`impl`):
 
     "auto"              the kernel on backends where it was verified on hardware (the kernel's
-                        `HARDWARE_VERIFIED`) when the operands fit it, else the reference
+                        `HARDWARE_VERIFIED`, and where a kernel says so, only for operands it
+                        was measured faster on) when the operands fit it, else the reference
     "reference"         the jnp/XLA reference
     "pallas"            the kernel on this platform's Pallas backend (GPU or TPU only)
     "pallas_interpret"  the kernel's Triton launch in the Pallas interpreter (any platform;
@@ -53,7 +54,8 @@ def select_launch(
     Args:
         impl: one of `IMPLS` (see the module docstring).
         kernel: the kernel's name, for messages.
-        verified: the Pallas backends on which the compiled kernel has been checked on hardware.
+        verified: the Pallas backends on which "auto" takes the kernel for these operands (its
+            compiled form checked on hardware there).
         supports: `supports(backend)` is None if the kernel takes the operands on `backend`
             ("triton", "tpu" or "interpret"), else why not.
 
