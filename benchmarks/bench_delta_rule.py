@@ -19,7 +19,7 @@ final states of both forms against the XLA form at "highest" matmul precision.
     python benchmarks/bench_delta_rule.py --smoke    # CPU, tiny shapes, interpreted kernel
 
 If the kernel is correct and faster at the decode shape, add "triton" to
-`jetspec_jax.kernels.delta_rule.HARDWARE_VERIFIED` so "auto" selects it.
+`jetspec_jax.kernels.delta_rule.AUTO_BACKENDS` so "auto" selects it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 
 from benchmarks import kernel_bench  # noqa: E402
-from benchmarks.kernel_bench import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
+from benchmarks.kernel_bench import (  # noqa: E402
+    ITERS,
+    REPEATS,
+    first_line,
+    max_err,
+    record,
+    seconds,
+)
 from benchmarks.report import machine_line  # noqa: E402
 from jetspec_jax.kernels import chunked_delta_rule  # noqa: E402
 from jetspec_jax.kernels.delta_rule import DeltaRuleLaunch  # noqa: E402
@@ -92,13 +99,14 @@ def check(shapes, kernel_impl: str, launches: dict) -> list[str]:
                 out, state = fn(*args)
                 err = max(max_err(out, exact[0]), max_err(state, exact[1]))
                 verdict = "ok" if err <= 1e-4 else "FAIL"
-                lines.append(f"{verdict} {shape} {name}: |out, state - exact| {err:.2e}")
+                record(lines, f"{verdict} {shape} {name}: |out, state - exact| {err:.2e}")
             except Exception as e:  # noqa: BLE001 - record and go on: one run, all facts
-                lines.append(f"FAIL {shape} {name}: {first_line(e)}")
+                record(lines, f"FAIL {shape} {name}: {first_line(e)}")
     return lines
 
 
-def timings(shapes, kernel_impl: str, launches: dict) -> tuple[list, list]:
+def timings(shapes, kernel_impl: str, launches: dict):
+    """Yields `(rows, notes)` so far after each shape."""
     rows, notes = [], []
     for shape in shapes:
         args = operands(shape)
@@ -115,7 +123,7 @@ def timings(shapes, kernel_impl: str, launches: dict) -> tuple[list, list]:
             + ", ".join(f"{n} {t * 1e3:.3f}" for n, t in kernel.items()),
             flush=True,
         )
-    return rows, notes
+        yield rows, notes
 
 
 def report(rows, notes, check_lines, kernel_impl: str, smoke: bool) -> str:
@@ -157,11 +165,9 @@ def main() -> int:
         args,
         SECTION,
         check=lambda: check(SMOKE_GRID if args.smoke else CHECK_SHAPES, impl, LAUNCHES),
-        measure=lambda check_lines: report(
-            *timings(SMOKE_GRID if args.smoke else FULL_GRID, impl, LAUNCHES),
-            check_lines,
-            impl,
-            args.smoke,
+        measure=lambda check_lines: (
+            report(rows, notes, check_lines, impl, args.smoke)
+            for rows, notes in timings(SMOKE_GRID if args.smoke else FULL_GRID, impl, LAUNCHES)
         ),
     )
 

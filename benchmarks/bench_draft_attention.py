@@ -39,7 +39,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import kernel_bench  # noqa: E402
-from benchmarks.kernel_bench import ITERS, REPEATS, first_line, max_err, seconds  # noqa: E402
+from benchmarks.kernel_bench import (  # noqa: E402
+    ITERS,
+    REPEATS,
+    first_line,
+    max_err,
+    record,
+    seconds,
+)
 from benchmarks.report import machine_line  # noqa: E402
 from jetspec_jax.kernels import Tiling, refinement_attention  # noqa: E402
 
@@ -138,14 +145,15 @@ def check(shapes, kernel_impl: str, tilings: dict) -> list[str]:
                     got = attention_fn(kernel_impl, tiling)(*args)
                     err = max_err(got, exact)
                     verdict = "ok" if err <= bound else "FAIL"
-                    lines.append(
+                    record(
+                        lines,
                         f"{verdict} {shape} {jnp.dtype(dtype).name} {name}: "
                         f"|kernel - exact| {err:.2e} (bound {bound:.2e}; "
-                        f"reference {max_err(ref, exact):.2e})"
+                        f"reference {max_err(ref, exact):.2e})",
                     )
                 except Exception as e:  # noqa: BLE001 - record and go on: one run, all facts
-                    lines.append(f"FAIL {shape} {jnp.dtype(dtype).name} {name}: {first_line(e)}")
-    lines.append(check_cudnn_form(shapes[0]))
+                    record(lines, f"FAIL {shape} {jnp.dtype(dtype).name} {name}: {first_line(e)}")
+    record(lines, check_cudnn_form(shapes[0]))
     shape = shapes[0]
     args = operands(shape, jnp.float32, seed=1)
     cot = jnp.asarray(np.random.default_rng(2).standard_normal(args[0].shape), jnp.float32)
@@ -161,9 +169,9 @@ def check(shapes, kernel_impl: str, tilings: dict) -> list[str]:
 
     try:
         err = max(max_err(a, b) for a, b in zip(grad(kernel_impl), grad("reference"), strict=True))
-        lines.append(f"{'ok' if err <= 1e-5 else 'FAIL'} gradients {shape}: max error {err:.2e}")
+        record(lines, f"{'ok' if err <= 1e-5 else 'FAIL'} gradients {shape}: max error {err:.2e}")
     except Exception as e:  # noqa: BLE001
-        lines.append(f"FAIL gradients {shape}: {first_line(e)}")
+        record(lines, f"FAIL gradients {shape}: {first_line(e)}")
     return lines
 
 
@@ -192,7 +200,8 @@ def check_cudnn_form(shape: Shape) -> str:
         return f"FAIL {shape} {name} baseline: {first_line(e)}"
 
 
-def timings(shapes, kernel_impl: str, tilings: dict, with_cudnn: bool) -> tuple[list, list]:
+def timings(shapes, kernel_impl: str, tilings: dict, with_cudnn: bool):
+    """Yields `(rows, notes)` so far after each shape."""
     rows, notes = [], []
     for shape in shapes:
         args = operands(shape, jnp.bfloat16)
@@ -219,7 +228,7 @@ def timings(shapes, kernel_impl: str, tilings: dict, with_cudnn: bool) -> tuple[
             + f" (best {best * 1e3:.3f}), cudnn {_ms(cudnn_full)} / {_ms(cudnn_alone)}",
             flush=True,
         )
-    return rows, notes
+        yield rows, notes
 
 
 def _ms(t: float | None) -> str:
@@ -279,11 +288,11 @@ def main() -> int:
         args,
         SECTION,
         check=lambda: check(SMOKE_GRID[2:3] if args.smoke else CHECK_SHAPES, impl, tilings),
-        measure=lambda check_lines: report(
-            *timings(SMOKE_GRID if args.smoke else FULL_GRID, impl, tilings, with_cudnn),
-            check_lines,
-            impl,
-            args.smoke,
+        measure=lambda check_lines: (
+            report(rows, notes, check_lines, impl, args.smoke)
+            for rows, notes in timings(
+                SMOKE_GRID if args.smoke else FULL_GRID, impl, tilings, with_cudnn
+            )
         ),
     )
 

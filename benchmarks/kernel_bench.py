@@ -9,7 +9,7 @@ import pathlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -43,25 +43,33 @@ def run(
     args: argparse.Namespace,
     section: str,
     check: Callable[[], list[str]],
-    measure: Callable[[list[str]], str],
+    measure: Callable[[list[str]], Iterable[str]],
 ) -> int:
-    """Correctness first (`check()` lines; one starting with FAIL fails the run), then, unless
-    `--check`, `measure(check_lines)`'s markdown into `section` of `--out` (default: the
-    project's BENCHMARKS.md; a temporary file for `--smoke`). Returns the exit status."""
+    """Correctness first (`check()` lines, printed as they come by `record`; one starting with
+    FAIL fails the run), then, unless `--check`, the markdown bodies `measure(check_lines)`
+    yields (one per measured shape, each with every row so far) into `section` of `--out`
+    (default: the project's BENCHMARKS.md; a temporary file for `--smoke`), so a run cut off at
+    a device's time limit keeps what it measured. Returns the exit status."""
     print(machine_line(), flush=True)
     check_lines = check()
-    print("\n".join(check_lines), flush=True)
     failed = int(any(line.startswith("FAIL") for line in check_lines))
     if args.check:
         return failed
-    body = measure(check_lines)
     out = args.out
     if out is None:
         out = pathlib.Path(tempfile.mkdtemp()) / "BENCHMARKS.md" if args.smoke else BENCHMARKS_MD
-    write_section(section, body, out)
+    body = ""
+    for body in measure(check_lines):
+        write_section(section, body, out)
     print(body)
     print(f"wrote section {section!r} of {out}")
     return failed
+
+
+def record(lines: list[str], line: str) -> None:
+    """Appends a correctness or failure line and prints it at once (a device run may be cut)."""
+    print(line, flush=True)
+    lines.append(line)
 
 
 def report_lists(check_title: str, check_lines: list[str], notes: list[str]) -> list[str]:
