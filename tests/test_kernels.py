@@ -26,6 +26,7 @@ from jetspec_jax.models import layers
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
+from tests.lowering import abstract_mesh
 
 
 def _block_mask(config: DraftConfig, cache: ContextCache, k_len: int) -> jax.Array:
@@ -139,15 +140,14 @@ def test_kernel_lowers_for_gpu_and_tpu_at_qwen3_draft_shapes(platform):
     backend = "tpu" if platform == "tpu" else "triton"
     tiling = refinement.TPU_TILING if backend == "tpu" else refinement.GPU_TILING
     options = refinement.KernelOptions(True, 128**-0.5, tiling, backend, False)
-    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    mesh = abstract_mesh(platform)
     for dtype in (jnp.bfloat16, jnp.float32):
         for cands, context in ((1, 1000), (16, 8192)):  # 1000: not a tile multiple
             q = jax.ShapeDtypeStruct((1, cands, 16, 32, 128), dtype)
             ctx = jax.ShapeDtypeStruct((1, context, 8, 128), dtype)
             blk = jax.ShapeDtypeStruct((1, cands, 16, 8, 128), dtype)
             lengths = jax.ShapeDtypeStruct((1, cands), jnp.int32)
-            with jax.sharding.use_abstract_mesh(mesh):  # Mosaic asks for a TPU generation
+            with jax.sharding.use_abstract_mesh(mesh):
                 traced = jax.jit(refinement.kernel_forward, static_argnums=6).trace(
                     q, ctx, ctx, lengths, blk, blk, options
                 )
