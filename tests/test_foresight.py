@@ -88,7 +88,8 @@ class ScaledOracleDraft:
 
 
 def make_draft(target):
-    """A random draft (test_pipeline.py's, with the unshrunk target): its drafts are rejected."""
+    """A random draft for an unshrunk target (the hybrid pipeline test's): its drafts are
+    rejected."""
     return jetspec_jax.init_draft(
         target, variant="jetspec++", num_layers=1, block_size=BLOCK, init_std=0.3, seed=4
     )

@@ -3,7 +3,9 @@ per device): the single-device round's results.
 
 Pipelined, single-device foresight and autoregressive decoding give the same tokens, greedy and
 sampled, and greedy foresight rounds the same outcomes and hit statistics, with forced hits, forced
-misses and both interleaved (the scaled oracle proxy of test_foresight.py). The MPMD form is
+misses and both interleaved (the scaled oracle proxy of test_foresight.py). As there, the target is
+near-bigram and the draft's blocks are accepted now and then, so the outcomes exchanged between the
+devices vary from round to round. The MPMD form is
 also run with the learned proxy (adapter + decoder), whose placement leaves the target's lower
 layers off the draft device. On CPU the two virtual devices share the cores: correctness, not
 overlap.
@@ -35,20 +37,22 @@ from tests.test_foresight import (
     ScaledOracleDraft,
     _ar,
     foresight_options,
+    make_accepting_draft,
     make_draft,
     make_prompts,
     run,
 )
+from tests.tiny_models import near_bigram
 
 
 @pytest.fixture(scope="module")
 def target(checkpoints):
-    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    return near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
 
 
 @pytest.fixture(scope="module")
 def draft(target):
-    return make_draft(target)
+    return make_accepting_draft(target)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +62,8 @@ def prompts():
 
 def run_with_candidates(target, prompts, draft, pipeline=None):
     """`run`'s results and the candidate blocks cached at the end: these depend on every input
-    of the drafting side (the drafts of a random draft are rejected whatever they are, so the
-    outcomes alone would not notice a wrong token sequence on the draft device)."""
+    of the drafting side, including the token sequence and committed counts the draft device
+    holds."""
     session = DecodeSession(
         target,
         prompts,
@@ -89,6 +93,7 @@ def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale, fo
     single = run_with_candidates(target, prompts, oracle)
     assert piped == single  # tokens, outcomes, hit and occupancy logs, candidate blocks
     assert piped[0] == _ar(target, prompts)
+    assert any(k > 0 for row in piped[1] for k, _ in row)  # some drafts were accepted
     hits = [h for row_hits, _ in piped[2] for h in row_hits[1:]]
     if scale == HITS:
         assert all(hits)
