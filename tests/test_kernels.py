@@ -56,6 +56,8 @@ CASES = {
     "gqa2-c3-padded-cands-2splits": ((1, 3, 5, 4, 2, 16, 37), Tiling(32, 16, kv_splits=2)),
     "gqa4-c4-default-tiling": ((2, 4, 3, 8, 2, 16, 50), None),
     "gqa4-cand-over-4-programs": ((1, 2, 16, 8, 2, 16, 70), Tiling(16, 32, kv_splits=3)),
+    # The shipped SmolLM2 draft's heads (9 query over 3 KV, head_dim 64) with its block of 16.
+    "gqa3-smollm2-draft": ((1, 1, 16, 9, 3, 64, 90), None),
 }
 # The interpreter everywhere; on a GPU also the compiled Triton kernel (the TPU kernel needs
 # head_dim % 128 == 0, beyond these small shapes).
