@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax
+from jetspec_jax.models import layers
 from jetspec_jax.models.kv_cache import KVCache
 from jetspec_jax.models.transformer import forward, unembed
 
@@ -17,8 +19,16 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def target(checkpoints):
+def whole_cache_target(checkpoints):
     return jetspec_jax.load_target(checkpoints.get("qwen3_gqa4_headdim")[0])
+
+
+@pytest.fixture(scope="module", params=[1024, 8], ids=["one-softmax", "chunks-of-8"])
+def target(whole_cache_target, request):
+    """Both forms of cached attention over these 32-slot caches: one softmax over every slot, and
+    chunks of 8 slots over the filled span only."""
+    config = dataclasses.replace(whole_cache_target.config, cache_chunk=request.param)
+    return dataclasses.replace(whole_cache_target, config=config)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -32,10 +42,16 @@ def _cached_logits(target, cache, tokens, num_new=None):
     return np.asarray(logits), cache
 
 
-def test_logits_refuse_more_tokens_than_the_context(target):
-    context = target.config.max_position_embeddings
+def test_logits_refuse_more_tokens_than_the_context(whole_cache_target):
+    context = whole_cache_target.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"{context + 1} tokens exceed the model's context"):
-        target.logits(np.zeros((1, context + 1), np.int32))
+        whole_cache_target.logits(np.zeros((1, context + 1), np.int32))
+
+
+@pytest.mark.parametrize("chunk", [0, 2.5, True])
+def test_a_cache_chunk_that_is_not_a_positive_integer_is_refused(whole_cache_target, chunk):
+    with pytest.raises(ValueError, match="cache_chunk"):
+        dataclasses.replace(whole_cache_target.config, cache_chunk=chunk)
 
 
 def test_prefill_then_chunks_then_single_tokens_equal_full_forward(target):
@@ -81,6 +97,39 @@ def test_rollback_by_length_then_new_tokens_equals_full_forward(target):
         logits, np.asarray(target.logits(sequence))[:, -4:], atol=TOL, rtol=0
     )
     assert int(cache.lengths[0]) == 14
+
+
+@pytest.mark.parametrize("last", [22, 49], ids=["span-of-3-chunks", "shifted-last-chunk"])
+def test_chunked_cache_attention_reads_only_the_filled_span(last):
+    """Chunks of 16 over a 50-slot cache equal one softmax over it. Slots past the chunks the
+    latest query needs hold NaN, which one softmax would carry into the output (0 * NaN): they
+    are not read. The last chunk, when needed, is shifted back to end at slot 50 and its overlap
+    with the previous chunk is not counted twice."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 2, 50, 2, 16)), jnp.float32) for _ in range(2))
+    positions = jnp.asarray([[3, 4, 5], [last - 2, last - 1, last]], jnp.int32)
+    want = layers.cached_attention(q, k, v, 1, positions, chunk=50)  # one softmax
+    read = -(-(last + 1) // 16) * 16
+    poisoned = [x.at[:, :, read:].set(jnp.nan) for x in (k, v)]
+    got = layers.cached_attention(q, *poisoned, 1, positions, chunk=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
+def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target):
+    """AR and JetSpec++ over caches attended in chunks of 16 (a capacity of 16 + 40 + the block)
+    give the tokens of AR over whole caches."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (11, 5)]
+    common = dict(max_new_tokens=40, stop_token_ids=[])
+    want = [r.tokens for r in jetspec_jax.generate_batch(whole_cache_target, prompts, **common)]
+    config = dataclasses.replace(whole_cache_target.config, cache_chunk=16)
+    target = dataclasses.replace(whole_cache_target, config=config)
+    draft = jetspec_jax.init_draft(target, block_size=4, init_std=0.1)
+    for method in ("ar", "jetspec++"):
+        kwargs = dict(draft=draft, method=method) if method != "ar" else {}
+        got = jetspec_jax.generate_batch(target, prompts, **kwargs, **common)
+        assert [r.tokens for r in got] == want, method
 
 
 def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):

@@ -438,9 +438,10 @@ def record_settings(path: pathlib.Path, settings: dict, *, resuming: bool) -> No
 
 def _json_ready(value) -> dict:
     """A frozen config as it reads back from JSON (tuples as lists); runtime-only choices of
-    how to compute (`recurrence_impl`) are left out."""
+    how to compute (`recurrence_impl`, `cache_chunk`) are left out."""
     fields = dataclasses.asdict(value)
     fields.pop("recurrence_impl", None)
+    fields.pop("cache_chunk", None)
     return json.loads(json.dumps(fields))
 
 

@@ -94,9 +94,12 @@ class TransformerConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
-    # Runtime choice, not part of the checkpoint: how the Gated DeltaNet recurrence runs
+    # Runtime choices, not part of the checkpoint. How the Gated DeltaNet recurrence runs
     # (`jetspec_jax.kernels.delta_rule`: "auto", "reference", "pallas", "pallas_interpret").
     recurrence_impl: str = "auto"
+    # Caches of more slots are attended in chunks of this many, over the filled span only
+    # (`layers.cached_attention`).
+    cache_chunk: int = 1024
 
     def __post_init__(self):
         # A list would construct, then fail as a jit static argument (unhashable).
@@ -129,6 +132,10 @@ class TransformerConfig:
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError(f"mlp_bias is only supported for llama, not {self.model_type}")
         check_impl(self.recurrence_impl, "recurrence_impl")
+        if isinstance(self.cache_chunk, bool) or not isinstance(self.cache_chunk, int):
+            raise ValueError(f"cache_chunk must be an integer, got {self.cache_chunk!r}")
+        if self.cache_chunk < 1:
+            raise ValueError(f"cache_chunk={self.cache_chunk} must be >= 1")
         if self.is_hybrid:
             self._check_hybrid()
         elif self.layer_types:

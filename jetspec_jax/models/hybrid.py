@@ -104,7 +104,7 @@ def _gated_attention(params, config, index, h, positions, inv_freq, kv):
     k = _partial_rope(offset_rms_norm(params["k_norm"], k, c.rms_norm_eps), positions, inv_freq)
     v = layers.value_heads(params["v_proj"], h, c.num_kv_heads, c.head_dim)
 
-    out, kv = layers.causal_self_attention(q, k, v, positions, kv, index)
+    out, kv = layers.causal_self_attention(q, k, v, positions, kv, index, chunk=c.cache_chunk)
     out = out * jax.nn.sigmoid(gate.reshape(batch, length, c.num_heads * c.head_dim))
     return layers.linear(params["o_proj"], out), kv
 

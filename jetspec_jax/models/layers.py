@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jetspec_jax.kernels.precision import matmul_precision
 from jetspec_jax.models.kv_cache import write_layer
@@ -124,6 +125,8 @@ def causal_self_attention(
     positions: jax.Array,
     kv: tuple[jax.Array, jax.Array] | None,
     index: int,
+    *,
+    chunk: int,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Causal GQA attention of T new tokens, over themselves or over a KV cache they join.
 
@@ -132,6 +135,7 @@ def causal_self_attention(
         kv: None (a full forward over the T tokens), or the stacked `[L, B, S, N_kv, D]` cache
             keys and values: layer `index` gets k, v written at their positions (slot =
             position) and is attended to, slots past a row's length masked out by position.
+        chunk: `cached_attention`'s chunk (`TransformerConfig.cache_chunk`).
 
     Returns:
         `(out [B, T, N * D], kv)`, kv updated (None without a cache).
@@ -141,7 +145,80 @@ def causal_self_attention(
     k_cache, v_cache = (
         write_layer(c, index, new, positions) for c, new in zip(kv, (k, v), strict=True)
     )
-    batch, capacity = q.shape[0], k_cache.shape[2]
-    slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
-    out = attention(q, k_cache[index], v_cache[index], causal_mask(positions, slots))
+    out = cached_attention(q, k_cache, v_cache, index, positions, chunk=chunk)
     return out, (k_cache, v_cache)
+
+
+def cached_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: int,
+    positions: jax.Array,
+    *,
+    chunk: int,
+) -> jax.Array:
+    """Queries at `positions` attend to the slots of cache layer `layer` at or before them.
+
+    A cache of at most `chunk` slots is one `attention` over the whole layer, masked by position.
+    A longer one runs an online softmax over chunks of `chunk` slots, only as many as the latest
+    query position needs (a dynamic trip count): the slots past them are not read. A
+    preallocated cache is mostly empty early in a long generation; reading all of it every round
+    made AR several times slower at long budgets (`benchmarks/bench_cache_span.py`).
+
+    Args:
+        q: `[B, T, N, D]` queries.
+        k_cache, v_cache: `[L, B, S, N_kv, D]` the stacked cache (slot = position).
+        layer: the layer to attend to.
+        positions: `[B, T]` the queries' positions.
+        chunk: slots per chunk (`TransformerConfig.cache_chunk`).
+
+    Returns:
+        `[B, T, N * D]` in the dtype of `v_cache`; scores and softmax statistics are float32.
+    """
+    batch, length, num_heads, head_dim = q.shape
+    _, _, capacity, num_kv_heads, _ = k_cache.shape
+    if capacity <= chunk:
+        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (batch, capacity))
+        return attention(q, k_cache[layer], v_cache[layer], causal_mask(positions, slots))
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, length, num_kv_heads, group, head_dim)
+    precision = matmul_precision(q, k_cache, v_cache)
+    f32, lowest = jnp.float32, jnp.finfo(jnp.float32).min
+    shape = (1, batch, chunk, num_kv_heads, head_dim)
+
+    def step(j, state):
+        m, total, acc = state
+        start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
+        k = lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), shape)[0]
+        v = lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), shape)[0]
+        slots = start + jnp.arange(chunk, dtype=jnp.int32)
+        # slots below j * chunk were seen by the previous step (a shifted last chunk)
+        visible = (slots <= positions[:, :, None]) & (slots >= j * chunk)  # [B, T, C]
+        visible = visible[:, None, None]  # [B, 1, 1, T, C]
+        scores = jnp.einsum(
+            "btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=f32
+        )
+        scores = jnp.where(visible, scores * head_dim**-0.5, lowest)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+        probs = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum(
+            "bkgts,bskd->bkgtd",
+            probs.astype(v.dtype),
+            v,
+            precision=precision,
+            preferred_element_type=f32,
+        )
+        return m_new, alpha * total + jnp.sum(probs, axis=-1), alpha[..., None] * acc + pv
+
+    stats = (batch, num_kv_heads, group, length)
+    state = (
+        jnp.full(stats, lowest, f32),
+        jnp.zeros(stats, f32),
+        jnp.zeros((*stats, head_dim), f32),
+    )
+    span = jnp.minimum(jnp.max(positions) + 1, capacity)  # slot 0 is in every query's view
+    _, total, acc = lax.fori_loop(0, (span + chunk - 1) // chunk, step, state)
+    out = (acc / total[..., None]).astype(v_cache.dtype)  # [B, N_kv, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads * head_dim)

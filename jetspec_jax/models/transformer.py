@@ -165,5 +165,7 @@ def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
     )
     v = layers.value_heads(params["v_proj"], h, c.num_kv_heads, c.head_dim)
 
-    out, kv_cache = layers.causal_self_attention(q, k, v, positions, kv_cache, index)
+    out, kv_cache = layers.causal_self_attention(
+        q, k, v, positions, kv_cache, index, chunk=c.cache_chunk
+    )
     return layers.linear(params["o_proj"], out), kv_cache
