@@ -32,7 +32,7 @@ import dataclasses  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks.report import machine_line, out_parser, write_section  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 
@@ -42,9 +42,7 @@ FORMS = ("whole cache", "filled span")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file")
-    return parser
+    return out_parser(__doc__.split("\n")[0])
 
 
 def ms_per_forward(target, draft, prompt, budget: int, method: str) -> tuple[float, int]:

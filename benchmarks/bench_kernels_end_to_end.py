@@ -15,7 +15,8 @@ For each target dtype (float32, bfloat16), prompts of 600..1000 tokens (not tile
 
     dense    JetSpec++ J1-R1 (draft + adapter, block 16) alone and with foresight B = 4, with the
              draft attention on `impl="reference"` and on `impl="pallas"` (the Triton kernel)
-    hybrid   JetSpec (block 16) with the recurrence on "reference" and on "pallas"
+    hybrid   JetSpec (block 16) with the recurrence on "reference" and on "pallas" (the draft's
+             attention on the reference in both)
 
 Checks, in float32 (exit status 1 if one fails): every run's tokens equal plain autoregressive
 decoding's (references everywhere), and the kernel runs' per-round outcomes `(k accepted, bonus)`
@@ -46,7 +47,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks.kernel_bench import first_line  # noqa: E402
+from benchmarks.report import machine_line, out_parser, write_section  # noqa: E402
 from jetspec_jax.adapter import init_adapter  # noqa: E402
 from tests.tiny_models import near_bigram  # noqa: E402
 
@@ -104,17 +106,6 @@ def prompts() -> list[list[int]]:
     return [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
 
 
-def with_attention_impl(draft, impl: str):
-    """`draft` (and its adapter) with the refinement attention on `impl`."""
-    adapter = draft.adapter
-    if adapter is not None:
-        adapter = dataclasses.replace(
-            adapter, config=dataclasses.replace(adapter.config, attention_impl=impl)
-        )
-    config = dataclasses.replace(draft.config, attention_impl=impl)
-    return dataclasses.replace(draft, config=config, adapter=adapter)
-
-
 def with_recurrence_impl(target, impl: str):
     return dataclasses.replace(
         target, config=dataclasses.replace(target.config, recurrence_impl=impl)
@@ -166,7 +157,7 @@ def compare(name: str, dtype: str, setups: dict, options: dict, ar_tokens: list)
         )
     except Exception as e:  # noqa: BLE001 - record and go on: one device run, all facts
         traceback.print_exc()
-        out.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"[:300]
+        out.error = first_line(e)
     print(out, flush=True)
     return out
 
@@ -178,8 +169,8 @@ def dense_outcomes(path: pathlib.Path, dtype: str) -> list[Outcome]:
     generate = dict(max_new_tokens=NEW_TOKENS, stop_token_ids=[])
     ar = [(p, jetspec_jax.generate(target, p, **generate).tokens) for p in prompts()]
     setups = {
-        "reference": (target, with_attention_impl(draft, "reference")),
-        "kernel": (target, with_attention_impl(draft, KERNEL_IMPL)),
+        "reference": (target, draft.with_attention_impl("reference")),
+        "kernel": (target, draft.with_attention_impl(KERNEL_IMPL)),
     }
     j1_r1 = dict(method="jetspec++", refine_passes=1, refreshes=1, **generate)
     foresight = dict(foresight=4, foresight_rule="uncalibrated", **j1_r1)
@@ -192,6 +183,7 @@ def dense_outcomes(path: pathlib.Path, dtype: str) -> list[Outcome]:
 def hybrid_outcomes(path: pathlib.Path, dtype: str) -> list[Outcome]:
     target = near_bigram(jetspec_jax.load_target(path, dtype=dtype))
     draft = jetspec_jax.init_draft(target, variant="jetspec", block_size=BLOCK, seed=1)
+    draft = draft.with_attention_impl("reference")  # the row compares the recurrence alone
     generate = dict(max_new_tokens=NEW_TOKENS, stop_token_ids=[])
     reference = with_recurrence_impl(target, "reference")
     ar = [(p, jetspec_jax.generate(reference, p, **generate).tokens) for p in prompts()]
@@ -236,9 +228,7 @@ def report(outcomes: list[Outcome]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file")
-    return parser
+    return out_parser(__doc__.split("\n")[0])
 
 
 def main() -> int:

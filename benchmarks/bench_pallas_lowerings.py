@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import bench_draft_attention  # noqa: E402
 from benchmarks.kernel_bench import first_line, max_err, record, seconds  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks.report import machine_line, out_parser, write_section  # noqa: E402
 
 SECTION = "pallas_lowerings"
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 128, 16
@@ -173,9 +173,7 @@ def report(rows, notes) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file")
-    return parser
+    return out_parser(__doc__.split("\n")[0])
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, machine_line, write_section  # noqa: E402
+from benchmarks.report import machine_line, out_parser, write_section  # noqa: E402
 from jetspec_jax.decoding.speculative import decode_speculative, prefill_speculative  # noqa: E402
 from jetspec_jax.decoding.state import Requests  # noqa: E402
 from jetspec_jax.decoding.verify import verify_chain  # noqa: E402
@@ -38,9 +38,7 @@ ROUNDS, REPEATS, BLOCK = 64, 7, 16
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
-    return parser
+    return out_parser(__doc__.split("\n\n")[0])
 
 
 def main() -> None:

@@ -38,6 +38,14 @@ def machine_line() -> str:
     )
 
 
+def out_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark whose only option is `--out` (the markdown file its
+    section goes into; default: the project's BENCHMARKS.md)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD, help="markdown file")
+    return parser
+
+
 def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """` --flag value` for each option `args` holds away from its default (flags named after
     their destinations): what a section's command line needs to reproduce the run."""

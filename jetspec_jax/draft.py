@@ -78,6 +78,18 @@ class Draft:
             )
         return dataclasses.replace(self, adapter=adapter, calibration=calibration)
 
+    def with_attention_impl(self, impl: str) -> Draft:
+        """This draft, and its adapter if any, with the refinement attention on `impl` (one of
+        `jetspec_jax.kernels.IMPLS`; a runtime choice, not part of the checkpoint): the two run
+        the same attention, so they switch together."""
+        adapter = self.adapter
+        if adapter is not None:
+            adapter = dataclasses.replace(
+                adapter, config=dataclasses.replace(adapter.config, attention_impl=impl)
+            )
+        config = dataclasses.replace(self.config, attention_impl=impl)
+        return dataclasses.replace(self, config=config, adapter=adapter)
+
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
         """Exports the draft in the DFlash/JetSpec HF layout (`config.json`, `model.safetensors`),
         loadable by `dflash.model.DFlashDraftModel.from_pretrained`; a draft with an adapter is

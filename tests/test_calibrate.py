@@ -25,7 +25,7 @@ from jetspec_jax.training.calibration_rounds import (
     sequence_rounds,
 )
 from jetspec_jax.training.replacement_fit import choose_confidence, fit_replacement_confidence
-from tests.tiny_models import near_bigram
+from tests.tiny_models import near_bigram, with_target_norm
 
 K = 6
 MAX_NEW = 16
@@ -36,8 +36,7 @@ SPEC = dict(method="jetspec++", refine_passes=1, refreshes=1, stop_token_ids=[])
 def setup(checkpoints):
     target = near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
     draft = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 2), block_size=K)
-    params = {**draft.params, "norm": {"scale": target.params["norm"]["scale"]}}
-    draft = dataclasses.replace(draft, params=params)
+    draft = with_target_norm(draft, target)
     draft = draft.with_adapter(init_adapter(draft, layers_per_module=(1, 1), init_std=0.02))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 97, 6).tolist() for _ in range(8)]

@@ -38,7 +38,7 @@ from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy
-from tests.tiny_models import near_bigram
+from tests.tiny_models import near_bigram, with_target_norm
 
 N_NEW = 24
 BLOCK = 5
@@ -101,8 +101,7 @@ def make_accepting_draft(target):
     draft = jetspec_jax.init_draft(
         target, variant="jetspec++", num_layers=1, block_size=BLOCK, init_std=0.02, seed=4
     )
-    params = {**draft.params, "norm": {"scale": target.params["norm"]["scale"]}}
-    return dataclasses.replace(draft, params=params)
+    return with_target_norm(draft, target)
 
 
 def make_prompts():

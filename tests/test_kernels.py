@@ -395,11 +395,10 @@ def test_greedy_speculative_decoding_is_the_same_with_the_kernel(checkpoints, mo
     prompt = np.random.default_rng(6).integers(0, 8, 11).tolist()
     results = {}
     for impl in ("reference", "pallas_interpret"):
-        config = dataclasses.replace(draft.config, attention_impl=impl)
         results[impl] = jetspec_jax.generate(
             target,
             prompt,
-            draft=dataclasses.replace(draft, config=config),
+            draft=draft.with_attention_impl(impl),
             method="jetspec++",
             max_new_tokens=24,
             stop_token_ids=[],
@@ -429,15 +428,10 @@ def test_a_float32_draft_and_adapter_run_the_kernel_on_a_bfloat16_target(checkpo
     prompt = np.random.default_rng(7).integers(0, 8, 9).tolist()
     results = {}
     for impl in ("reference", "pallas_interpret"):
-        adapter = draft.adapter
-        adapter = dataclasses.replace(
-            adapter, config=dataclasses.replace(adapter.config, attention_impl=impl)
-        )
-        config = dataclasses.replace(draft.config, attention_impl=impl)
         results[impl] = jetspec_jax.generate(
             target,
             prompt,
-            draft=dataclasses.replace(draft, config=config, adapter=adapter),
+            draft=draft.with_attention_impl(impl),
             method="jetspec++",
             refine_passes=1,
             refreshes=1,  # J1-R1: the adapter runs

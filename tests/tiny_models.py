@@ -163,6 +163,13 @@ def make_hybrid_checkpoint(
     return path, model
 
 
+def with_target_norm(draft, target):
+    """`draft` with the target's final norm: with `near_bigram(target)` and small draft layers,
+    its drafts are accepted now and then."""
+    params = {**draft.params, "norm": {"scale": target.params["norm"]["scale"]}}
+    return dataclasses.replace(draft, params=params)
+
+
 def near_bigram(target, scale=0.03):
     """`target` (a loaded `Target`) with its layers' residual contributions shrunk: next tokens
     depend mostly on the current token, which an untrained draft that shares the embedding, LM
