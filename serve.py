@@ -43,6 +43,7 @@ SERVER_FLAGS = (
     "default_max_tokens",
     "max_model_len",
     "pad_batch",
+    "static_batching",
     "shutdown_timeout",
     "keepalive_seconds",
 )
@@ -257,6 +258,7 @@ def _server_config(args, draft, *, method: str | None = None):
         default_max_tokens=args.default_max_tokens,
         max_model_len=args.max_model_len,
         pad_batch=args.pad_batch,
+        continuous_batching=not args.static_batching,
         shutdown_timeout=args.shutdown_timeout,
         keepalive_seconds=args.keepalive_seconds,
     )
@@ -513,7 +515,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pad-batch",
         action="store_true",
-        help="always decode the power of two >= --max-batch-size rows: one compiled batch shape",
+        help="always decode the power of two >= --max-batch-size rows: one compiled batch shape, "
+        "and room for waiting requests to join a running batch",
+    )
+    parser.add_argument(
+        "--static-batching",
+        action="store_true",
+        help="each batch keeps the requests it started with (default: waiting requests join a "
+        "running batch at chunk boundaries, in the rows finished requests left)",
     )
     parser.add_argument(
         "--shutdown-timeout",

@@ -255,8 +255,9 @@ def test_concurrent_requests_are_batched_and_equal_serving_each_alone(server, ht
     alone = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in REQUESTS]
     scheduler = server.app[SCHEDULER]
     batches = _sample(http, "jetspec_batch_size_count"), _sample(http, "jetspec_batch_size_sum")
+    joined = _sample(http, "jetspec_joined_requests_total")
     with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
-        with scheduler.hold():  # all 8 wait, then run as two full batches
+        with scheduler.hold():  # all 8 wait, then 4 start a batch and 4 join it
             futures = [
                 pool.submit(http.post, "/v1/completions", json=dict(model=MODEL, **r))
                 for r in REQUESTS
@@ -267,9 +268,12 @@ def test_concurrent_requests_are_batched_and_equal_serving_each_alone(server, ht
         assert a.status_code == t.status_code == 200, t.text
         assert t.json()["choices"][0]["text"] == a.json()["choices"][0]["text"]
         assert t.json()["usage"]["completion_tokens"] <= r["max_tokens"]
-    # Each request above was a batch of its own; the 8 together came as 2 batches of 4.
-    assert _sample(http, "jetspec_batch_size_count") - batches[0] == 2
-    assert _sample(http, "jetspec_batch_size_sum") - batches[1] == len(REQUESTS)
+    # Each request above was a batch of its own. Of the 8 together, 4 started a batch and the
+    # other 4 joined it as rows freed (every request fits its shapes: prompt and output buckets
+    # of 16), before it ended.
+    assert _sample(http, "jetspec_batch_size_count") - batches[0] == 1
+    assert _sample(http, "jetspec_batch_size_sum") - batches[1] == 4
+    assert _sample(http, "jetspec_joined_requests_total") - joined == 4
 
 
 def test_full_queue_answers_503_and_then_serves_again(server, http):
@@ -1080,12 +1084,13 @@ def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):
         default_max_tokens=9,
         max_model_len=64,
         pad_batch=True,
+        continuous_batching=False,
         shutdown_timeout=7.0,
         keepalive_seconds=2.5,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"decoding"}
     assert fields == set(given)  # a new setting: add it here, with its flag
-    argv = ["--method", "ar", "--pad-batch"]
+    argv = ["--method", "ar", "--pad-batch", "--static-batching"]
     for name, value in given.items():
         if not isinstance(value, bool):
             argv += ["--" + name.replace("_", "-"), str(value)]

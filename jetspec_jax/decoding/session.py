@@ -8,6 +8,8 @@ The host side of decoding, shared by `generate`, streaming and the server:
                                           forwards (a dynamic argument: no recompile per chunk)
     .poll()                               the tokens each row committed since the last poll
     .cancel(row)                          stop a row at the next chunk boundary
+    .admit(row, prompt, ...)              continuous batching: a new request takes a finished row
+                                          (or an unused padding row) of the running batch
     .result(row) / .results()             one request's / every request's `GenerationResult`
 
 With `pipeline="mpmd"` the prefill and the loop are `pipeline_mpmd.TwoProgramPipeline`'s (one
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.decoding.admission import write_row
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.compiled import CompiledCache
@@ -141,35 +144,51 @@ class DecodeSession:
         # Bucketed shapes; padding rows have a zero budget and are done after prefill. A
         # verification writes a whole block past the committed length: a block of headroom.
         self.prompt_lengths = [len(p) for p in prompts]
-        batch = bucket(max(len(prompts), pad_to), minimum=1)
-        prompt_len = bucket(max(self.prompt_lengths))
+        self._batch = bucket(max(len(prompts), pad_to), minimum=1)
+        self._prompt_bucket = bucket(max(self.prompt_lengths))
         self._max_output = bucket(max(budgets))
         block = self._proposer.block_size if self._proposer else 0
-        self._capacity = prompt_len + self._max_output + block
-        padded = np.zeros((batch, prompt_len), np.int32)
-        lengths = np.ones((batch,), np.int32)
-        for row, p in enumerate(prompts):
-            padded[row, : len(p)] = p
-            lengths[row] = len(p)
-        pad_rows = batch - len(prompts)
-        self._requests = Requests(
-            max_new_tokens=jnp.asarray(budgets + [0] * pad_rows, jnp.int32),
-            stop_token_ids=jnp.asarray(np.tile(_padded_stops(self.stop_token_ids), (batch, 1))),
-            sampling=RowSampling.from_params(sampling + [GREEDY] * pad_rows),
+        self._capacity = self._prompt_bucket + self._max_output + block
+        pad_rows = self._batch - len(prompts)
+        self._inputs, self._requests = self._batch_inputs(
+            prompts + [[0]] * pad_rows, budgets + [0] * pad_rows, sampling + [GREEDY] * pad_rows
         )
-        self._inputs = (jnp.asarray(padded), jnp.asarray(lengths))
         self._budgets = budgets
         self._max_budget = max(budgets)
         self._state = None
         self._polled = [0] * len(prompts)
         self._row_done = [False] * len(prompts)
         self._cancelled: set[int] = set()
+        # Per row: (prefill seconds, decode and compile seconds of the session when it joined);
+        # None for the rows of the first batch, whose timing is the session's.
+        self._joined: list[tuple[float, float, float] | None] = [None] * len(prompts)
         self._prefill_seconds = self._decode_seconds = self._compile_seconds = 0.0
+        self._admission_prefill_seconds = 0.0
+
+    def _batch_inputs(self, prompts, budgets, sampling) -> tuple[tuple, Requests]:
+        """`((prompts [R, T], lengths [R]), requests)` of R rows; T is the rows' prompt bucket."""
+        padded = np.zeros((len(prompts), bucket(max(map(len, prompts)))), np.int32)
+        for row, p in enumerate(prompts):
+            padded[row, : len(p)] = p
+        requests = Requests(
+            max_new_tokens=jnp.asarray(budgets, jnp.int32),
+            stop_token_ids=jnp.asarray(
+                np.tile(_padded_stops(self.stop_token_ids), (len(prompts), 1))
+            ),
+            sampling=RowSampling.from_params(sampling),
+        )
+        lengths = np.asarray([len(p) for p in prompts], np.int32)
+        return (jnp.asarray(padded), jnp.asarray(lengths)), requests
 
     @property
     def num_rows(self) -> int:
-        """The number of requests (batch padding excluded)."""
+        """The rows holding requests (batch padding excluded; `admit` may add rows)."""
         return len(self.prompt_lengths)
+
+    @property
+    def batch_size(self) -> int:
+        """The rows of the compiled batch, padding included: `admit` may use them all."""
+        return self._batch
 
     @property
     def max_new_tokens(self) -> list[int]:
@@ -182,37 +201,112 @@ class DecodeSession:
 
     @property
     def timing(self) -> Timing:
-        """Times so far."""
-        return Timing(self._prefill_seconds, self._decode_seconds, self._compile_seconds)
+        """Times so far, of the whole session (admitted requests' prefills included)."""
+        prefill_seconds = self._prefill_seconds + self._admission_prefill_seconds
+        return Timing(prefill_seconds, self._decode_seconds, self._compile_seconds)
 
     def start(self) -> None:
         """Compiles (once per bucket) and runs the prefill: every row commits its first token."""
         if self._state is not None:
             raise RuntimeError("this session has already started")
+        self._state, self._prefill_seconds = self._prefill(*self._inputs, self._requests)
+
+    def _prefill(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
+        """`(loop state, prefill seconds)` of `prompts` `[R, T]` prefilled with this session's
+        static sizes (cache capacity, output buffer); compilation is added to the session's."""
         target, proposer = self._target, self._proposer
         if self._pipeline == "mpmd":
-            self._start_two_programs()
-            return
+            return self._prefill_two_programs(prompts, prompt_lengths, requests)
         sizes = dict(config=target.config, capacity=self._capacity, max_output=self._max_output)
         if proposer is None:
-            fn, args = prefill, (target.params, *self._inputs, self._requests)
+            fn, args = prefill, (target.params, prompts, prompt_lengths, requests)
         else:
-            fn, args = (
-                prefill_speculative,
-                (
-                    target.params,
-                    self._proposer_params,
-                    *self._inputs,
-                    self._requests,
-                ),
-            )
+            fn = prefill_speculative
+            args = (target.params, self._proposer_params, prompts, prompt_lengths, requests)
             sizes["proposer"] = proposer
         run, compile_seconds = COMPILED.get(fn, *args, **sizes)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
         state = jax.block_until_ready(run(*args))
-        self._state = state[0] if proposer is None else state  # AR needs no tap states
-        self._prefill_seconds = time.perf_counter() - start
+        state = state[0] if proposer is None else state  # AR needs no tap states
+        return state, time.perf_counter() - start
+
+    def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
+        """Whether a request of this prompt length and budget can be `admit`ted: the session's
+        shapes (prompt bucket, output buffer, and so the cache) were sized by its first batch."""
+        return prompt_length <= self._prompt_bucket and max_new_tokens <= self._max_output
+
+    def admit(
+        self,
+        row: int,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = GREEDY,
+    ) -> None:
+        """Starts a new request in `row` of the running batch (continuous batching).
+
+        The request is prefilled alone, with the session's static sizes, and its one-row state is
+        written into `row` (`admission.write_row`): the other rows are untouched, and it decodes
+        with them from the next `advance` on. Its tokens are those of decoding it alone, as for
+        every row of a session (see the class docstring); its first token is ready at the next
+        `poll`, and `result(row)` is its result from then on.
+
+        Args:
+            row: a row whose request had finished at the last `poll` (read its `result` first:
+                it is replaced), or `num_rows` while that is below `batch_size` (a padding row
+                joins; rows are used in order).
+            prompt: the new request's token ids.
+            max_new_tokens: its budget, >= 1.
+            sampling: its sampling parameters (the seed is used as given).
+
+        Raises:
+            RuntimeError: the session has not started.
+            ValueError: a bad row, prompt, budget or sampling, or a request the session does not
+                `fit`.
+        """
+        if self._state is None:
+            raise RuntimeError("start() the session before admitting requests")
+        self._check_admission_row(row)
+        config = self._target.config
+        prompt = check_token_ids(prompt, config.vocab_size)
+        budget = check_budget(config, len(prompt), max_new_tokens)
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if not self.fits(len(prompt), budget):
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens with max_new_tokens={budget} does not fit this "
+                f"session, sized for prompts of at most {self._prompt_bucket} tokens and "
+                f"{self._max_output} new tokens; decode it in a new session"
+            )
+        inputs, requests = self._batch_inputs([prompt], [budget], [sampling])
+        compiled_before, decoded_before = self._compile_seconds, self._decode_seconds
+        state, seconds = self._prefill(*inputs, requests)
+        self._state = write_row(self._state, state, row, self._batch)
+        self._requests = write_row(self._requests, requests, row, self._batch)
+        self._admission_prefill_seconds += seconds
+        if row == self.num_rows:
+            for rows in (self.prompt_lengths, self._budgets, self._polled, self._row_done):
+                rows.append(None)
+            self._joined.append(None)
+        self.prompt_lengths[row], self._budgets[row] = len(prompt), budget
+        self._polled[row], self._row_done[row] = 0, False
+        self._joined[row] = (seconds, decoded_before, compiled_before)
+        self._cancelled.discard(row)
+        self._max_budget = max(self._max_budget, budget)
+
+    def _check_admission_row(self, row) -> None:
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise ValueError(f"row must be an integer, got {row!r}")
+        if row == self.num_rows < self._batch:
+            return
+        if not 0 <= row < self.num_rows:
+            raise ValueError(
+                f"row {row} is neither a row of the batch's {self.num_rows} requests nor its next "
+                f"unused row (batch of {self._batch} rows)"
+            )
+        if not self._row_done[row]:
+            raise ValueError(f"row {row} is still decoding its request (poll until it is done)")
 
     def advance(self, max_steps: int | None = None) -> None:
         """Runs the decode loop for at most `max_steps` target forwards (None: until every row is
@@ -253,22 +347,27 @@ class DecodeSession:
         self._state = jax.block_until_ready(run(*args))
         self._decode_seconds += time.perf_counter() - start
 
-    def _start_two_programs(self) -> None:
-        """`start` for the MPMD pipeline: each side's prefill on its device."""
-        self._two_programs = TwoProgramPipeline(
-            self._target.params,
-            self._proposer_params,
-            config=self._target.config,
-            proposer=self._proposer,
-            compiled=COMPILED,
-        )
+    def _prefill_two_programs(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
+        """`_prefill` for the MPMD pipeline: each side's prefill on its device."""
+        if self._two_programs is None:
+            self._two_programs = TwoProgramPipeline(
+                self._target.params,
+                self._proposer_params,
+                config=self._target.config,
+                proposer=self._proposer,
+                compiled=COMPILED,
+            )
         start = time.perf_counter()
         state, compile_seconds = self._two_programs.prefill(
-            *self._inputs, self._requests, capacity=self._capacity, max_output=self._max_output
+            prompts,
+            prompt_lengths,
+            requests,
+            capacity=self._capacity,
+            max_output=self._max_output,
         )
-        self._state = jax.block_until_ready(state)
+        state = jax.block_until_ready(state)
         self._compile_seconds += compile_seconds
-        self._prefill_seconds = time.perf_counter() - start - compile_seconds
+        return state, time.perf_counter() - start - compile_seconds
 
     def _advance_two_programs(self, steps: int) -> None:
         """`advance` through the MPMD pipeline's host loop (compilation timed apart)."""
@@ -342,7 +441,19 @@ class DecodeSession:
 
     def _result(self, row: int, outputs: dict) -> GenerationResult:
         stops, cancelled = self.stop_token_ids, row in self._cancelled
-        return row_result(outputs, self.prompt_lengths[row], stops, self.timing, cancelled)
+        return row_result(outputs, self.prompt_lengths[row], stops, self._timing(row), cancelled)
+
+    def _timing(self, row: int) -> Timing:
+        """The first batch's rows: the session's times; an admitted row: its own prefill, and
+        the decoding and compiling since it joined."""
+        if self._joined[row] is None:
+            return Timing(self._prefill_seconds, self._decode_seconds, self._compile_seconds)
+        prefill_seconds, decoded_before, compiled_before = self._joined[row]
+        return Timing(
+            prefill_seconds,
+            self._decode_seconds - decoded_before,
+            self._compile_seconds - compiled_before,
+        )
 
     def _check_row(self, row) -> None:
         if isinstance(row, bool) or not isinstance(row, (int, np.integer)):

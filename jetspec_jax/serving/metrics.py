@@ -54,8 +54,14 @@ class ServerMetrics:
         )
         self.batch_size = Histogram(
             "jetspec_batch_size",
-            "Requests per decoded batch.",
+            "Requests per decoded batch when it starts (those joining later are counted by "
+            "jetspec_joined_requests).",
             buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.joined = Counter(
+            "jetspec_joined_requests",
+            "Requests that joined a running batch at a chunk boundary (continuous batching).",
             registry=r,
         )
         self.queue_depth = Gauge("jetspec_queue_depth", "Requests waiting.", registry=r)

@@ -5,8 +5,15 @@ one `DecodeSession` (rows with different prompts, budgets and sampling parameter
 those are per-row arrays), and after the prefill and after every `chunk_steps` target forwards
 hands each job its new tokens through the job's `deliver` callback; a job whose row is done (its
 stop token, its budget, or cancelled) gets its `Finished` at that chunk boundary, not when the
-batch ends. Jobs that arrive meanwhile wait for the next batch (static batching: a running batch is
-not joined mid-flight, and a finished row's slot stays idle until the batch ends).
+batch ends.
+
+Continuous batching (the default): at each chunk boundary, waiting jobs join the running batch,
+in order, in the rows that finished jobs left and in the batch's padding rows
+(`DecodeSession.admit`: each is prefilled alone and decodes as it would alone). A job joins only
+if the batch's shapes hold it (`DecodeSession.fits`: its prompt within the batch's prompt bucket,
+its budget within the output buffer); the first that does not waits, with every job behind it,
+until the batch ends and a new one is sized for it. With `continuous=False`, jobs that arrive
+wait for the next batch, and a finished row stays idle until its batch ends.
 
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
@@ -14,7 +21,8 @@ new and waiting jobs and lets the running batch finish; `stop` also cancels the 
 
 A batch that fails (say out of memory for one large request: the session's cache is sized by the
 batch's largest prompt and budget, for every row) is decoded again one job at a time, for each
-unfinished job that nothing was delivered to yet, so that only a job that cannot be served fails.
+unfinished job that nothing was delivered to yet (those that joined it included), so that only a
+job that cannot be served fails.
 A job that has received tokens fails with its batch: a new decode would repeat what it streamed,
 or diverge from it. Failures answer 500 with a generic message; the exception goes to the log.
 """
@@ -127,7 +135,9 @@ class Scheduler:
         chunk_steps: target forwards between two deliveries of new tokens.
         pad_batch: pad every batch to the rows of a full one (`max_batch_size` rounded up to a
             power of two): one compiled batch shape instead of one per power of two, at the cost
-            of computing padding rows.
+            of computing padding rows (which continuous batching fills as jobs arrive).
+        continuous: waiting jobs join the running batch at chunk boundaries (see the module
+            docstring); False: each batch runs to its end with the jobs it started with.
         metrics: where to record batch sizes, phase times, tau and tokens.
     """
 
@@ -141,6 +151,7 @@ class Scheduler:
         queue_size: int = 64,
         chunk_steps: int = 8,
         pad_batch: bool = False,
+        continuous: bool = True,
         metrics: ServerMetrics | None = None,
     ):
         check_sizes(max_batch_size=max_batch_size, queue_size=queue_size, chunk_steps=chunk_steps)
@@ -155,6 +166,7 @@ class Scheduler:
             chunk_steps,
         )
         self._pad_to = max_batch_size if pad_batch else 1
+        self.continuous = continuous
         self.metrics = metrics or ServerMetrics()
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -203,7 +215,8 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        """Jobs of the running batch not answered yet (a row leaves when its answer goes out)."""
+        """Jobs of the running batch not answered yet (a row leaves when its answer goes out;
+        a job that joins it counts from then)."""
         return len(self._running)
 
     @property
@@ -212,7 +225,8 @@ class Scheduler:
 
     @contextlib.contextmanager
     def hold(self):
-        """While inside, no new batch starts (jobs keep queueing): for maintenance and tests."""
+        """While inside, no new batch starts and no job joins the running one (jobs keep
+        queueing): for maintenance and tests."""
         with self._cond:
             self._held += 1
         try:
@@ -280,8 +294,8 @@ class Scheduler:
         largest request) fails alone. A job's own failure is final (500). The retries finish
         the running batch: `hold` does not delay them, but none starts once `stop` was called
         (the job is answered 503, as a row `stop` cancels)."""
-        untouched = self._attempt(batch, first=True)
-        if len(batch) == 1:
+        untouched, served = self._attempt(batch, first=True)
+        if served == 1:  # it failed alone: a retry would fail again
             for job in untouched:
                 self._answer(job, Failed(500, FAILED_MESSAGE))
             return
@@ -295,29 +309,37 @@ class Scheduler:
             elif job.cancelled:  # its client went away: nobody to decode it for
                 self._answer(job, Failed(500, FAILED_MESSAGE))
             else:
-                for failed in self._attempt([job], first=False):
+                for failed in self._attempt([job], first=False)[0]:
                     self._answer(failed, Failed(500, FAILED_MESSAGE))
 
-    def _attempt(self, batch: list[Job], *, first: bool) -> list[Job]:
-        """Decodes `batch` once and records its metrics (the queue wait only on the `first`
+    def _attempt(self, batch: list[Job], *, first: bool) -> tuple[list[Job], int]:
+        """Decodes `batch` once (on the `first` attempt, waiting jobs may join it; a retry
+        decodes its job alone) and records its metrics (the queue wait only on the first
         attempt: a retried job waited once). A failure anywhere (decoding, recording metrics) is
         logged and fails, with a 500, the unfinished jobs that have received tokens, never the
-        worker thread. Returns the unfinished jobs that received nothing: they can be retried."""
+        worker thread. Returns the unfinished jobs that received nothing, in order (they can be
+        retried), and how many jobs the attempt served."""
         m = self.metrics
-        unfinished = set(range(len(batch)))
-        streamed: set[int] = set()
+        jobs = list(batch)  # the batch's jobs, then those that joined it, in order
+        unfinished, streamed = set(batch), set()
 
-        def tokens(row: int, new_tokens: list[int]) -> None:
-            streamed.add(row)
-            batch[row].deliver(Tokens(new_tokens))
+        def tokens(job: Job, new_tokens: list[int]) -> None:
+            streamed.add(job)
+            job.deliver(Tokens(new_tokens))
 
-        def finish(row: int, result: GenerationResult) -> None:
+        def finish(job: Job, result: GenerationResult) -> None:
             m.prompt_tokens.inc(result.prompt_length)
             m.generated_tokens.inc(len(result.tokens))
             if len(result.acceptance_lengths) > 1:
                 m.tau.observe(result.tau)
-            self._answer(batch[row], Finished(result))
-            unfinished.discard(row)
+            self._answer(job, Finished(result))
+            unfinished.discard(job)
+
+        def joined(job: Job) -> None:
+            jobs.append(job)
+            unfinished.add(job)
+            m.joined.inc()
+            m.phase_seconds.labels("queue").observe(time.perf_counter() - job.submitted_at)
 
         try:
             m.batch_size.observe(len(batch))
@@ -325,16 +347,18 @@ class Scheduler:
             if first:
                 for job in batch:
                     m.phase_seconds.labels("queue").observe(started - job.submitted_at)
-            timing = self._decode(batch, tokens, finish)
+            join = joined if first and self.continuous else None
+            timing = self._decode(batch, tokens, finish, join)
             m.phase_seconds.labels("compile").observe(timing.compile_seconds)
             m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
             m.phase_seconds.labels("decode").observe(timing.decode_seconds)
         except Exception:
-            logger.exception("serving a batch of %d requests failed", len(batch))
-            for row in sorted(unfinished & streamed):
-                self._answer(batch[row], Failed(500, FAILED_MESSAGE))
-            return [batch[row] for row in sorted(unfinished - streamed)]
-        return []
+            logger.exception("serving a batch of %d requests failed", len(jobs))
+            for job in jobs:
+                if job in unfinished and job in streamed:
+                    self._answer(job, Failed(500, FAILED_MESSAGE))
+            return [job for job in jobs if job in unfinished and job not in streamed], len(jobs)
+        return [], len(jobs)
 
     def _answer(self, job: Job, event: Finished | Failed) -> None:
         """Gives `job` its last event, once it has left the running count: a client that reads
@@ -347,13 +371,15 @@ class Scheduler:
     def _decode(
         self,
         batch: list[Job],
-        tokens: Callable[[int, list[int]], None],
-        finish: Callable[[int, GenerationResult], None],
+        tokens: Callable[[Job, list[int]], None],
+        finish: Callable[[Job, GenerationResult], None],
+        joined: Callable[[Job], None] | None,
     ) -> Timing:
-        """Decodes `batch` as one session: `tokens(row, new_tokens)` for every row with new tokens
-        after the prefill and every `chunk_steps` forwards, and `finish(row, result)` once per
-        row, when it is done (a row that ends early is answered while the others decode).
-        Returns the batch's timing."""
+        """Decodes `batch` as one session: `tokens(job, new_tokens)` for every job with new
+        tokens after the prefill and every `chunk_steps` forwards, and `finish(job, result)` once
+        per job, when it is done (a job that ends early is answered while the others decode).
+        With `joined`, waiting jobs join at chunk boundaries (`_join`), each announced by
+        `joined(job)` before its prefill. Returns the batch's timing."""
         session = DecodeSession(
             self.target,
             [job.prompt_ids for job in batch],
@@ -364,18 +390,53 @@ class Scheduler:
             pad_batch_to=self._pad_to,
         )
         session.start()
-        finished = [False] * len(batch)
+        rows = list(batch)  # the job each row holds
+        answered = [False] * len(rows)
         while True:
             for row, new_tokens in enumerate(session.poll()):
                 if new_tokens:
-                    tokens(row, new_tokens)
-            for row, job in enumerate(batch):
+                    tokens(rows[row], new_tokens)
+            for row, job in enumerate(rows):
                 if job.cancelled and not session.row_done[row]:
                     session.cancel(row)
             for row, done in enumerate(session.row_done):
-                if done and not finished[row]:
-                    finished[row] = True
-                    finish(row, session.result(row))
+                if done and not answered[row]:
+                    answered[row] = True
+                    finish(rows[row], session.result(row))
+            if joined is not None and self._join(session, rows, answered, joined):
+                continue  # deliver the joiners' first tokens before decoding on
             if session.done:
                 return session.timing
             session.advance(self.chunk_steps)
+
+    def _join(self, session: DecodeSession, rows: list[Job], answered: list[bool], joined) -> bool:
+        """Admits waiting jobs, in order, into the session's free rows: those of answered jobs,
+        then its unused padding rows. Stops at the first job the session does not fit (it waits
+        for the next batch, and so does every job behind it). Updates `rows` and `answered`;
+        True if any job joined."""
+        free = [row for row, done in enumerate(answered) if done]
+        free += range(len(rows), session.batch_size)
+        taken = []
+        with self._cond:
+            if self._stopping or not self._accepting or self._held:
+                return False
+            while free and self._waiting:
+                job = self._waiting[0]
+                if not job.cancelled and not session.fits(len(job.prompt_ids), job.max_new_tokens):
+                    break
+                self._waiting.popleft()
+                if not job.cancelled:
+                    self._running.append(job)
+                    taken.append((free.pop(0), job))
+        for _, job in taken:  # all announced first: a failed admission leaves none unaccounted
+            joined(job)
+        for row, job in taken:
+            session.admit(
+                row, job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling
+            )
+            if row == len(rows):
+                rows.append(job)
+                answered.append(False)
+            else:
+                rows[row], answered[row] = job, False
+        return bool(taken)

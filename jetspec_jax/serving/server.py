@@ -43,7 +43,11 @@ class ServerConfig:
             model's context). A batch's caches are sized by its longest request, so one
             request asking for the whole context costs its batch-mates memory and a compile.
         pad_batch: always decode the power of two >= `max_batch_size` rows (batch shapes
-            are bucketed to powers of two): one compiled batch shape.
+            are bucketed to powers of two): one compiled batch shape, and room for waiting
+            requests to join a running batch.
+        continuous_batching: waiting requests join the running batch at chunk boundaries, in
+            the rows finished requests left and its padding rows, when its shapes hold them
+            (`Scheduler`); False: each batch keeps the requests it started with.
         shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
         keepalive_seconds: a streaming request with no text yet (waiting in the queue behind a
             long batch, or for its batch shape's first compile) gets its headers and an SSE
@@ -62,6 +66,7 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_model_len: int | None = None
     pad_batch: bool = False
+    continuous_batching: bool = True
     shutdown_timeout: float = 30.0
     keepalive_seconds: float = 15.0
 
@@ -110,6 +115,7 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         queue_size=config.queue_size,
         chunk_steps=config.chunk_steps,
         pad_batch=config.pad_batch,
+        continuous=config.continuous_batching,
         metrics=ServerMetrics(),
     )
     context = target.config.max_position_embeddings

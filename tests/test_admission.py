@@ -1,0 +1,197 @@
+"""Continuous batching: a request admitted into a running batch decodes as it would alone.
+
+Requests join a `DecodeSession` mid-flight (`admit`), into rows whose request finished and into
+the batch's padding rows; every request's tokens, streamed chunks and per-round outcomes (and
+foresight's hit logs) equal those of decoding it alone, for every decoding method, the hybrid
+target's recurrent state, and both pipeline forms. The near-bigram target and accepting draft of
+`test_foresight.py` make the speculative rounds accept drafts, so outcomes vary from round to
+round and a row admitted with another row's stale state would show.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.decoding.admission import batch_axis, write_row
+from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
+from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.sampling import SamplingParams
+from tests.test_foresight import MIXED, ScaledOracleDraft, foresight_options, make_accepting_draft
+from tests.tiny_models import near_bigram, with_target_norm
+
+GREEDY = SamplingParams()
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return make_accepting_draft(target)
+
+
+def requests(seed: int = 3):
+    """Two first requests (a short budget that frees its row early, and a long one) and three
+    that join later, one of them sampled: `(prompt, max_new_tokens, sampling)`."""
+    rng = np.random.default_rng(seed)
+    prompt = lambda n: rng.integers(0, 97, n).tolist()  # noqa: E731
+    # Budgets in one output bucket (16): the rows alone share their compiled programs.
+    first = [(prompt(9), 3, GREEDY), (prompt(5), 16, GREEDY)]
+    later = [(prompt(12), 12, GREEDY), (prompt(4), 14, SAMPLED), (prompt(7), 8, GREEDY)]
+    return first, later
+
+
+def alone(target, request, **kwargs):
+    prompt, budget, sampling = request
+    session = DecodeSession(
+        target, [prompt], max_new_tokens=budget, sampling=[sampling], stop_token_ids=[], **kwargs
+    )
+    session.start()
+    session.advance()
+    return session.results()[0]
+
+
+def with_admissions(target, first, later, *, chunk_steps=2, **kwargs):
+    """Decodes `first` as a batch padded to 4 rows and admits each of `later`, in order, into the
+    first free row (a finished one, else the next padding row) at a chunk boundary. Returns each
+    request's result, streamed tokens and the rows used, in request order."""
+    session = DecodeSession(
+        target,
+        [p for p, _, _ in first],
+        max_new_tokens=[n for _, n, _ in first],
+        sampling=[s for _, _, s in first],
+        stop_token_ids=[],
+        pad_batch_to=4,
+        **kwargs,
+    )
+    session.start()
+    owner = list(range(len(first)))  # the request each row holds
+    results, streamed, rows = {}, {i: [] for i in range(len(first) + len(later))}, {}
+    waiting = list(enumerate(later, start=len(first)))
+    while True:
+        for row, tokens in enumerate(session.poll()):
+            streamed[owner[row]] += tokens
+            if session.row_done[row] and owner[row] not in results:
+                results[owner[row]] = session.result(row)
+        finished = [row for row in range(session.num_rows) if owner[row] in results]
+        free = finished + list(range(session.num_rows, session.batch_size))
+        while waiting and free:
+            index, (prompt, budget, sampling) = waiting.pop(0)
+            row = free.pop(0)
+            session.admit(row, prompt, max_new_tokens=budget, sampling=sampling)
+            owner[row : row + 1] = [index]
+            rows[index] = row
+        if session.done and not waiting:
+            break
+        session.advance(chunk_steps)
+    order = range(len(first) + len(later))
+    return [results[i] for i in order], [streamed[i] for i in order], rows
+
+
+def assert_as_alone(target, first, later, **kwargs):
+    results, streamed, rows = with_admissions(target, first, later, **kwargs)
+    assert rows == {2: 2, 3: 3, 4: 0}  # both padding rows, then a finished row
+    for i, (request, result) in enumerate(zip(first + later, results, strict=True)):
+        expected = alone(target, request, **kwargs)
+        assert result.tokens == expected.tokens, i
+        assert streamed[i] == result.tokens, i
+        assert result.outcomes == expected.outcomes, i
+        assert result.foresight_hits == expected.foresight_hits, i
+        assert len(result.tokens) == request[1], i
+    return results
+
+
+@pytest.mark.parametrize("method", ["ar", "jetspec++", "foresight"])
+def test_admitted_requests_decode_as_alone(target, draft, method):
+    first, later = requests()
+    if method == "ar":
+        kwargs = {}
+    elif method == "jetspec++":
+        # Wider weights than `draft`'s: its drafts depend on the context (the draft cache), so a
+        # row admitted with a stale draft cache would show in the outcomes.
+        wide = jetspec_jax.init_draft(
+            target, variant="jetspec++", num_layers=1, block_size=5, init_std=0.05, seed=4
+        )
+        kwargs = dict(draft=with_target_norm(wide, target), options=DecodingOptions("jetspec++"))
+    else:
+        kwargs = dict(draft=ScaledOracleDraft(draft, MIXED), options=foresight_options(2))
+    results = assert_as_alone(target, first, later, **kwargs)
+    if method != "ar":
+        assert any(k > 0 for r in results for k, _ in r.outcomes)  # drafts were accepted
+
+
+def test_admitted_requests_on_the_hybrid_target_decode_as_alone(checkpoints):
+    """Qwen3.5: the admitted row's recurrent and conv states are its own prefill's."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
+    first, later = requests(seed=5)
+    assert_as_alone(target, first, later)
+
+
+@pytest.mark.parametrize("form", PIPELINES)
+def test_admitted_requests_in_a_pipeline_decode_as_alone(target, draft, form):
+    """SPMD: rows written into the state replicated over the stage mesh; MPMD: into a state split
+    between the two devices."""
+    first, later = requests(seed=7)
+    options = foresight_options(1, form)
+    assert_as_alone(target, first, later, draft=ScaledOracleDraft(draft, MIXED), options=options)
+
+
+def test_an_admitted_row_has_its_own_timing(target):
+    first, later = requests()
+    session = DecodeSession(target, [first[0][0]], max_new_tokens=2, stop_token_ids=[])
+    session.start()
+    session.advance()
+    session.poll()
+    decoded = session.timing.decode_seconds
+    session.admit(0, later[0][0], max_new_tokens=later[0][1])
+    session.advance()
+    session.poll()
+    timing = session.result(0).timing
+    assert 0 < timing.decode_seconds == session.timing.decode_seconds - decoded
+    assert 0 < timing.prefill_seconds < session.timing.prefill_seconds
+
+
+def test_admission_is_refused_clearly(target):
+    prompts = [[1, 2, 3], [4, 5]]
+    session = DecodeSession(target, prompts, max_new_tokens=[1, 8], stop_token_ids=[])
+    with pytest.raises(RuntimeError, match="start"):
+        session.admit(0, [1], max_new_tokens=1)
+    session.start()
+    session.poll()  # row 0 is done (a budget of 1), row 1 is not
+    with pytest.raises(ValueError, match="still decoding"):
+        session.admit(1, [1], max_new_tokens=1)
+    with pytest.raises(ValueError, match="next unused row"):
+        session.admit(2, [1], max_new_tokens=1)  # the batch has 2 rows
+    with pytest.raises(ValueError, match="row must be an integer"):
+        session.admit(True, [1], max_new_tokens=1)
+    with pytest.raises(ValueError, match="does not fit"):
+        session.admit(0, list(range(17)), max_new_tokens=1)  # the prompt bucket is 16
+    with pytest.raises(ValueError, match="does not fit"):
+        session.admit(0, [1], max_new_tokens=17)  # the output buffer holds 16
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        session.admit(0, [1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="outside the vocabulary|in \\[0"):
+        session.admit(0, [97], max_new_tokens=1)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        session.admit(0, [1], max_new_tokens=1, sampling=dict(temperature=1.0))
+    assert session.fits(16, 16) and not session.fits(17, 16) and not session.fits(16, 17)
+    session.admit(0, [1], max_new_tokens=2)  # the refusals left the session usable
+    session.advance()
+    session.poll()
+    assert len(session.result(0).tokens) == 2 and len(session.result(1).tokens) == 8
+
+
+def test_the_batch_axis_is_the_one_axis_the_shapes_differ_in():
+    assert batch_axis((3, 4, 5), (3, 1, 5), 4) == 1
+    assert batch_axis((2, 6), (2, 6), 1) is None  # a one-row batch: the whole leaf
+    for full, one in [((4, 4), (1, 1)), ((3, 4), (3, 4)), ((4, 5), (1, 6)), ((4,), (2,))]:
+        with pytest.raises(ValueError, match="exactly one"):
+            batch_axis(full, one, 4, where="x")
+    written = write_row({"a": jnp.zeros((2, 4, 3))}, {"a": jnp.ones((2, 1, 3))}, 2, 4)
+    np.testing.assert_array_equal(written["a"].sum(axis=(0, 2)), [0, 0, 6, 0])

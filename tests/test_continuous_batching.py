@@ -1,0 +1,154 @@
+"""The scheduler's continuous batching: waiting jobs join the running batch at chunk boundaries.
+
+A job submitted while a batch runs is made to arrive at a known point: the running job's
+`deliver` submits it on receiving its first tokens (deliveries run on the worker thread, before
+the chunk boundary's joins), so every test here is deterministic.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import jetspec_jax
+from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.serving.scheduler import Failed, Finished, Job, Scheduler, Tokens
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+class Client:
+    """Jobs and their events; `then` submits more jobs when a job gets its first tokens."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self.events: dict[str, list] = {}
+        self.ended = threading.Semaphore(0)
+        self.then: dict[str, list[tuple[str, list[int], int]]] = {}
+
+    def submit(self, name: str, prompt: list[int], budget: int) -> None:
+        self.events[name] = []
+
+        def deliver(event) -> None:
+            first_tokens = isinstance(event, Tokens) and not self.events[name]
+            self.events[name].append(event)
+            if first_tokens:
+                for args in self.then.pop(name, []):
+                    self.submit(*args)
+            if isinstance(event, (Finished, Failed)):
+                self.ended.release()
+
+        self.scheduler.submit(Job(prompt, budget, GREEDY, deliver))
+
+    def wait(self, count: int) -> None:
+        for _ in range(count):
+            assert self.ended.acquire(timeout=120), "a job got no answer"
+
+    def result(self, name: str):
+        *_, last = self.events[name]
+        assert isinstance(last, Finished), last
+        streamed = [t for e in self.events[name] if isinstance(e, Tokens) for t in e.tokens]
+        assert streamed == last.result.tokens  # each token once
+        return last.result
+
+
+def _count(scheduler: Scheduler, name: str) -> float:
+    return scheduler.metrics.registry.get_sample_value(name) or 0.0
+
+
+def _batches(scheduler: Scheduler) -> float:
+    return _count(scheduler, "jetspec_batch_size_count")
+
+
+def _assert_as_alone(target, client: Client, name: str, prompt: list[int], budget: int):
+    alone = jetspec_jax.generate(target, prompt, max_new_tokens=budget, stop_token_ids=[])
+    assert client.result(name).tokens == alone.tokens, name
+
+
+def _serve(target, jobs, then, **options):
+    """Serves `jobs` (submitted together) and the jobs `then` submits; returns the client and
+    the scheduler (stopped)."""
+    scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2, pad_batch=True, **options)
+    client = Client(scheduler)
+    client.then = then
+    scheduler.start()
+    try:
+        with scheduler.hold():
+            for args in jobs:
+                client.submit(*args)
+        client.wait(len(jobs) + sum(map(len, then.values())))
+    finally:
+        scheduler.stop()
+    return client, scheduler
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_tokens(monkeypatch):
+    """Budgets, not a random model's end-of-sequence token, end every job here."""
+    init = DecodeSession.__init__
+
+    def without_stops(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "stop_token_ids": []})
+
+    monkeypatch.setattr(DecodeSession, "__init__", without_stops)
+
+
+def test_a_job_that_arrives_mid_batch_joins_it(target):
+    long, short = ([5, 6, 7], 16), ([8, 9], 6)
+    client, scheduler = _serve(target, [("long", *long)], {"long": [("short", *short)]})
+    assert _count(scheduler, "jetspec_joined_requests_total") == 1
+    assert _batches(scheduler) == 1  # one batch served both
+    _assert_as_alone(target, client, "long", *long)
+    _assert_as_alone(target, client, "short", *short)
+    assert scheduler.running == 0 and scheduler.queue_depth == 0
+
+
+def test_with_static_batching_it_waits_for_the_next_batch(target):
+    long, short = ([5, 6, 7], 16), ([8, 9], 6)
+    client, scheduler = _serve(
+        target, [("long", *long)], {"long": [("short", *short)]}, continuous=False
+    )
+    assert _count(scheduler, "jetspec_joined_requests_total") == 0
+    assert _batches(scheduler) == 2
+    _assert_as_alone(target, client, "short", *short)
+
+
+def test_a_job_the_batch_does_not_fit_waits_and_so_do_those_behind_it(target):
+    """FIFO: the job whose prompt exceeds the running batch's prompt bucket (16) waits for the
+    next batch, and the job behind it, which would fit, waits with it."""
+    long = ([5, 6, 7], 16)
+    too_long, small = (list(range(1, 21)), 4), ([8, 9], 4)
+    then = {"long": [("too_long", *too_long), ("small", *small)]}
+    client, scheduler = _serve(target, [("long", *long)], then)
+    assert _count(scheduler, "jetspec_joined_requests_total") == 0
+    assert _batches(scheduler) == 2  # the two waiting jobs were batched together
+    _assert_as_alone(target, client, "too_long", *too_long)
+    _assert_as_alone(target, client, "small", *small)
+
+
+def test_a_joined_job_whose_admission_fails_is_retried_alone(target, monkeypatch):
+    """The admission's prefill failing fails the batch; the joined job, which received nothing,
+    is decoded again alone, and served."""
+    admit = DecodeSession.admit
+    failures = []
+
+    def failing_once(self, row, prompt, **kwargs):
+        if not failures:
+            failures.append(row)
+            raise RuntimeError("out of memory")
+        return admit(self, row, prompt, **kwargs)
+
+    monkeypatch.setattr(DecodeSession, "admit", failing_once)
+    long, short = ([5, 6, 7], 16), ([8, 9], 6)
+    client, scheduler = _serve(target, [("long", *long)], {"long": [("short", *short)]})
+    assert failures == [1]
+    assert isinstance(client.events["long"][-1], Failed)  # it had streamed: it fails
+    _assert_as_alone(target, client, "short", *short)
+    assert scheduler.running == 0
