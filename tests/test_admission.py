@@ -38,12 +38,13 @@ def draft(target):
 
 def requests(seed: int = 3):
     """Two first requests (a short budget that frees its row early, and a long one) and three
-    that join later, one of them sampled: `(prompt, max_new_tokens, sampling)`."""
+    that join later, one of them sampled and one with a prompt past the first batch's prompt
+    bucket (16, its budget as much shorter): `(prompt, max_new_tokens, sampling)`."""
     rng = np.random.default_rng(seed)
     prompt = lambda n: rng.integers(0, 97, n).tolist()  # noqa: E731
     # Budgets in one output bucket (16): the rows alone share their compiled programs.
     first = [(prompt(9), 3, GREEDY), (prompt(5), 16, GREEDY)]
-    later = [(prompt(12), 12, GREEDY), (prompt(4), 14, SAMPLED), (prompt(7), 8, GREEDY)]
+    later = [(prompt(12), 12, GREEDY), (prompt(4), 14, SAMPLED), (prompt(21), 8, GREEDY)]
     return first, later
 
 
@@ -171,7 +172,7 @@ def test_admission_is_refused_clearly(target):
     with pytest.raises(ValueError, match="row must be an integer"):
         session.admit(True, [1], max_new_tokens=1)
     with pytest.raises(ValueError, match="does not fit"):
-        session.admit(0, list(range(17)), max_new_tokens=1)  # the prompt bucket is 16
+        session.admit(0, list(range(25)), max_new_tokens=8)  # the cache holds 16 + 16
     with pytest.raises(ValueError, match="does not fit"):
         session.admit(0, [1], max_new_tokens=17)  # the output buffer holds 16
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
@@ -180,7 +181,8 @@ def test_admission_is_refused_clearly(target):
         session.admit(0, [97], max_new_tokens=1)
     with pytest.raises(ValueError, match="SamplingParams"):
         session.admit(0, [1], max_new_tokens=1, sampling=dict(temperature=1.0))
-    assert session.fits(16, 16) and not session.fits(17, 16) and not session.fits(16, 17)
+    assert session.fits(16, 16) and session.fits(24, 8) and session.fits(31, 1)
+    assert not session.fits(17, 16) and not session.fits(1, 17) and not session.fits(25, 8)
     session.admit(0, [1], max_new_tokens=2)  # the refusals left the session usable
     session.advance()
     session.poll()
@@ -195,3 +197,7 @@ def test_the_batch_axis_is_the_one_axis_the_shapes_differ_in():
             batch_axis(full, one, 4, where="x")
     written = write_row({"a": jnp.zeros((2, 4, 3))}, {"a": jnp.ones((2, 1, 3))}, 2, 4)
     np.testing.assert_array_equal(written["a"].sum(axis=(0, 2)), [0, 0, 6, 0])
+    full = {"a": jnp.zeros((4, 2)), "b": jnp.zeros((4,))}
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        write_row(full, {"a": jnp.ones((1, 2)), "b": jnp.ones((2,))}, 0, 4)
+    assert float(full["a"].sum()) == 0  # refused before any leaf was written (donated)

@@ -121,10 +121,11 @@ def test_with_static_batching_it_waits_for_the_next_batch(target):
 
 
 def test_a_job_the_batch_does_not_fit_waits_and_so_do_those_behind_it(target):
-    """FIFO: the job whose prompt exceeds the running batch's prompt bucket (16) waits for the
-    next batch, and the job behind it, which would fit, waits with it."""
+    """FIFO: the job whose prompt and budget exceed the running batch's cache (prompt bucket
+    16 + output buffer 16) waits for the next batch, and the job behind it, which would fit,
+    waits with it."""
     long = ([5, 6, 7], 16)
-    too_long, small = (list(range(1, 21)), 4), ([8, 9], 4)
+    too_long, small = (list(range(1, 30)), 4), ([8, 9], 4)
     then = {"long": [("too_long", *too_long), ("small", *small)]}
     client, scheduler = _serve(target, [("long", *long)], then)
     assert _count(scheduler, "jetspec_joined_requests_total") == 0

@@ -44,9 +44,13 @@ def write_row(full, one, row: int, batch_size: int):
         raise ValueError(
             f"the one-row state's structure {one_treedef} is not the batch's {treedef}"
         )
+    # Every axis first: a refused leaf must not leave `full` partly donated.
+    axes = [
+        batch_axis(leaf.shape, new.shape, batch_size, where=jax.tree_util.keystr(path))
+        for (path, leaf), new in zip(full_leaves, one_leaves, strict=True)
+    ]
     written = []
-    for (path, leaf), new in zip(full_leaves, one_leaves, strict=True):
-        axis = batch_axis(leaf.shape, new.shape, batch_size, where=jax.tree_util.keystr(path))
+    for (_, leaf), new, axis in zip(full_leaves, one_leaves, axes, strict=True):
         new = jax.device_put(new, leaf.sharding)
         written.append(new if axis is None else _write(leaf, new, row, axis=axis))
     return jax.tree_util.tree_unflatten(treedef, written)

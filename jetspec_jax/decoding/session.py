@@ -151,7 +151,10 @@ class DecodeSession:
         self._capacity = self._prompt_bucket + self._max_output + block
         pad_rows = self._batch - len(prompts)
         self._inputs, self._requests = self._batch_inputs(
-            prompts + [[0]] * pad_rows, budgets + [0] * pad_rows, sampling + [GREEDY] * pad_rows
+            prompts + [[0]] * pad_rows,
+            budgets + [0] * pad_rows,
+            sampling + [GREEDY] * pad_rows,
+            self._prompt_bucket,
         )
         self._budgets = budgets
         self._max_budget = max(budgets)
@@ -165,9 +168,9 @@ class DecodeSession:
         self._prefill_seconds = self._decode_seconds = self._compile_seconds = 0.0
         self._admission_prefill_seconds = 0.0
 
-    def _batch_inputs(self, prompts, budgets, sampling) -> tuple[tuple, Requests]:
-        """`((prompts [R, T], lengths [R]), requests)` of R rows; T is the rows' prompt bucket."""
-        padded = np.zeros((len(prompts), bucket(max(map(len, prompts)))), np.int32)
+    def _batch_inputs(self, prompts, budgets, sampling, width: int) -> tuple[tuple, Requests]:
+        """`((prompts [R, width], lengths [R]), requests)` of R rows."""
+        padded = np.zeros((len(prompts), width), np.int32)
         for row, p in enumerate(prompts):
             padded[row, : len(p)] = p
         requests = Requests(
@@ -232,9 +235,12 @@ class DecodeSession:
         return state, time.perf_counter() - start
 
     def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
-        """Whether a request of this prompt length and budget can be `admit`ted: the session's
-        shapes (prompt bucket, output buffer, and so the cache) were sized by its first batch."""
-        return prompt_length <= self._prompt_bucket and max_new_tokens <= self._max_output
+        """Whether a request of this prompt length and budget can be `admit`ted. The session's
+        shapes were sized by its first batch: the output buffer holds `max_output` tokens, and
+        the cache a prompt of the batch's prompt bucket plus that many (and a block's headroom):
+        a longer prompt fits with a budget as much shorter."""
+        total = self._prompt_bucket + self._max_output
+        return max_new_tokens <= self._max_output and prompt_length + max_new_tokens <= total
 
     def admit(
         self,
@@ -276,10 +282,14 @@ class DecodeSession:
         if not self.fits(len(prompt), budget):
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens with max_new_tokens={budget} does not fit this "
-                f"session, sized for prompts of at most {self._prompt_bucket} tokens and "
-                f"{self._max_output} new tokens; decode it in a new session"
+                f"session, sized for at most {self._max_output} new tokens and "
+                f"{self._prompt_bucket + self._max_output} tokens of prompt and new tokens "
+                "together; decode it in a new session"
             )
-        inputs, requests = self._batch_inputs([prompt], [budget], [sampling])
+        # Its own prompt bucket (compiled once per bucket), within the cache: a prompt may reach
+        # past the session's bucket, the sequence buffer (`SpecState.sequence`) not.
+        width = min(bucket(len(prompt)), self._capacity)
+        inputs, requests = self._batch_inputs([prompt], [budget], [sampling], width)
         compiled_before, decoded_before = self._compile_seconds, self._decode_seconds
         state, seconds = self._prefill(*inputs, requests)
         self._state = write_row(self._state, state, row, self._batch)
