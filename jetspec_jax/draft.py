@@ -90,6 +90,21 @@ class Draft:
         config = dataclasses.replace(self.config, attention_impl=impl)
         return dataclasses.replace(self, config=config, adapter=adapter)
 
+    def with_cache_chunk(self, chunk: int) -> Draft:
+        """This draft, and its adapter if any, attending a decode cache of more than `chunk`
+        slots over its filled span only, `chunk` slots at a time (`TransformerConfig.cache_chunk`,
+        default 1024; a runtime choice, not part of the checkpoint)."""
+
+        def rechunked(config):
+            return dataclasses.replace(
+                config, layers=dataclasses.replace(config.layers, cache_chunk=chunk)
+            )
+
+        adapter = self.adapter
+        if adapter is not None:
+            adapter = dataclasses.replace(adapter, config=rechunked(adapter.config))
+        return dataclasses.replace(self, config=rechunked(self.config), adapter=adapter)
+
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
         """Exports the draft in the DFlash/JetSpec HF layout (`config.json`, `model.safetensors`),
         loadable by `dflash.model.DFlashDraftModel.from_pretrained`; a draft with an adapter is

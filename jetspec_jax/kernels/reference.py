@@ -1,5 +1,6 @@
 """The refinement attention in plain jnp: the specification the Pallas kernel is tested against,
-the CPU production path, and the recompute of the kernel's backward pass.
+the CPU production path, and the recompute of the kernel's backward pass; and its decode-time form
+over a stacked cache, which reads only the filled span (`refinement_attention_over_span`).
 
 Refinement attention: `C` candidate blocks of `K` query rows each attend to one shared context
 (the draft cache, valid below each candidate's length) and to their own block's `K` rows, causally
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jetspec_jax.kernels.precision import matmul_precision
 
@@ -57,3 +59,81 @@ def refinement_attention_reference(
     out = jnp.einsum("bchgks,bshd->bckhgd", p_ctx.astype(context_v.dtype), context_v, **f32)
     out = out + jnp.einsum("bchgkj,bcjhd->bckhgd", p_blk.astype(block_v.dtype), block_v, **f32)
     return out.reshape(batch, cands, k_len, num_heads, head_dim).astype(q.dtype)
+
+
+def refinement_attention_over_span(
+    q: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    layer: int,
+    context_lengths: jax.Array,
+    block_k: jax.Array,
+    block_v: jax.Array,
+    *,
+    causal: bool,
+    chunk: int,
+    scale: float | None = None,
+) -> jax.Array:
+    """`refinement_attention_reference` over one layer of a stacked cache, reading only the
+    context slots below the longest context: an online softmax over chunks of `chunk` slots, as
+    many as that length needs (a dynamic trip count). A decode-time form: a preallocated cache is
+    mostly empty early in a long generation, and the dense form reads every slot each round. The
+    stack and layer index go into the loop rather than the layer (a slice outside the loop would
+    be copied into it whole). Not reverse-differentiable (the trip count): training uses the
+    dense form.
+
+    Args:
+        q: `[B, C, K, N, D]` queries.
+        cache_k, cache_v: `[L, B, S, N_kv, D]` the stacked context (slot s = context row s),
+            `S >= chunk`.
+        layer: the layer of the stack to attend to.
+        context_lengths: `[B, C]` int; candidate c sees context slots `< context_lengths[b, c]`.
+        block_k, block_v: `[B, C, K, N_kv, D]` each candidate's own block keys/values.
+        causal: block row i sees block rows `<= i` (True) or all K rows (False).
+        chunk: context slots per step.
+        scale: score scale; None: `D ** -0.5`.
+
+    Returns:
+        `[B, C, K, N, D]` in the dtype of `q`.
+    """
+    batch, cands, k_len, num_heads, head_dim = q.shape
+    capacity, num_kv = cache_k.shape[2], cache_k.shape[3]
+    if capacity < chunk:
+        raise ValueError(f"a cache of {capacity} slots is shorter than one chunk of {chunk}")
+    scale = head_dim**-0.5 if scale is None else scale
+    qg = q.reshape(batch, cands, k_len, num_kv, num_heads // num_kv, head_dim)
+    f32 = dict(precision=matmul_precision(q), preferred_element_type=jnp.float32)
+    lowest = jnp.finfo(jnp.float32).min
+
+    # The block's own keys first: every row sees at least itself, so the running maximum starts
+    # finite and fully masked chunks add exactly nothing.
+    blk = jnp.einsum("bckhgd,bcjhd->bchgkj", qg, block_k, **f32) * scale
+    if causal:
+        blk = jnp.where(jnp.tril(jnp.ones((k_len, k_len), bool)), blk, lowest)
+    m = jnp.max(blk, axis=-1)  # [B, C, N_kv, G, K]
+    p = jnp.exp(blk - m[..., None])
+    acc = jnp.einsum("bchgkj,bcjhd->bchgkd", p.astype(block_v.dtype), block_v, **f32)
+    shape = (1, batch, chunk, num_kv, head_dim)
+
+    def step(j, state):
+        m, total, acc = state
+        start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
+        k = lax.dynamic_slice(cache_k, (layer, 0, start, 0, 0), shape)[0]
+        v = lax.dynamic_slice(cache_v, (layer, 0, start, 0, 0), shape)[0]
+        slots = start + jnp.arange(chunk, dtype=jnp.int32)
+        # slots below j * chunk were seen by the previous step (a shifted last chunk)
+        visible = (slots < context_lengths[:, :, None]) & (slots >= j * chunk)  # [B, C, chunk]
+        visible = visible[:, :, None, None, None, :]
+        scores = jnp.einsum("bckhgd,bshd->bchgks", qg, k, **f32) * scale
+        m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, lowest), axis=-1))
+        probs = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("bchgks,bshd->bchgkd", probs.astype(v.dtype), v, **f32)
+        return m_new, alpha * total + jnp.sum(probs, axis=-1), alpha[..., None] * acc + pv
+
+    span = jnp.minimum(jnp.max(context_lengths), capacity)
+    state = (m, jnp.sum(p, axis=-1), acc)
+    _, total, acc = lax.fori_loop(0, (span + chunk - 1) // chunk, step, state)
+    out = acc / total[..., None]  # [B, C, N_kv, G, K, D]
+    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, cands, k_len, num_heads, head_dim)
+    return out.astype(q.dtype)

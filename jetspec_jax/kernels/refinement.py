@@ -32,7 +32,10 @@ import numpy as np
 
 from jetspec_jax.kernels import layout, pallas_refinement
 from jetspec_jax.kernels.layout import Tiling
-from jetspec_jax.kernels.reference import refinement_attention_reference
+from jetspec_jax.kernels.reference import (
+    refinement_attention_over_span,
+    refinement_attention_reference,
+)
 from jetspec_jax.kernels.select import select_launch, triton_head_dim_problem
 
 # Pallas backends whose compiled kernel has been checked against the reference on real hardware
@@ -99,18 +102,73 @@ def refinement_attention(
     _check_shapes(q, context_k, context_v, context_lengths, block_k, block_v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     args = (q, context_k, context_v, context_lengths, block_k, block_v)
-    backend, interpret = select_launch(
-        impl,
-        kernel="refinement-attention",
-        verified=HARDWARE_VERIFIED if jnp.dtype(q.dtype).name in AUTO_DTYPES else frozenset(),
-        supports=lambda b: kernel_supports(*args[:3], *args[4:], b),
-    )
+    backend, interpret = _launch(impl, q, context_k, context_v, block_k, block_v)
     if backend is None:
         return refinement_attention_reference(*args, causal=causal, scale=scale)
     if tiling is None:
         tiling = TPU_TILING if backend == "tpu" else GPU_TILING
     options = KernelOptions(causal, scale, tiling, backend, interpret)
     return _kernel_attention(*args, options)
+
+
+def cached_refinement_attention(
+    q: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    layer: int,
+    context_lengths: jax.Array,
+    block_k: jax.Array,
+    block_v: jax.Array,
+    *,
+    causal: bool,
+    chunk: int,
+    impl: str = "auto",
+) -> jax.Array:
+    """`refinement_attention` over layer `layer` of a stacked cache `[L, B, S, N_kv, D]` (the
+    decode loop's draft or adapter cache). Where the reference runs and the cache has more than
+    `chunk` slots, only the chunks below the longest context are read
+    (`reference.refinement_attention_over_span`); up to `chunk` slots, and on the kernel (which
+    reads only the filled span itself), it is `refinement_attention` over the layer. Decode
+    only: the span form is not reverse-differentiable.
+
+    Args:
+        q, context_lengths, block_k, block_v, causal, impl: as `refinement_attention`'s.
+        cache_k, cache_v: `[L, B, S, N_kv, D]` the stacked context.
+        layer: the layer to attend to.
+        chunk: context slots per step of the span form (`TransformerConfig.cache_chunk`).
+
+    Returns:
+        `[B, C, K, N, D]` in the dtype of `q`.
+    """
+    context_k, context_v = cache_k[layer], cache_v[layer]
+    _check_shapes(q, context_k, context_v, context_lengths, block_k, block_v)
+    backend, _ = _launch(impl, q, context_k, context_v, block_k, block_v)
+    if backend is None and cache_k.shape[2] > chunk:
+        return refinement_attention_over_span(
+            q,
+            cache_k,
+            cache_v,
+            layer,
+            context_lengths,
+            block_k,
+            block_v,
+            causal=causal,
+            chunk=chunk,
+        )
+    return refinement_attention(
+        q, context_k, context_v, context_lengths, block_k, block_v, causal=causal, impl=impl
+    )
+
+
+def _launch(impl, q, context_k, context_v, block_k, block_v) -> tuple[str | None, bool]:
+    """`select_launch` for these operands: `(backend, interpret)`, backend None for the
+    reference."""
+    return select_launch(
+        impl,
+        kernel="refinement-attention",
+        verified=HARDWARE_VERIFIED if jnp.dtype(q.dtype).name in AUTO_DTYPES else frozenset(),
+        supports=lambda b: kernel_supports(q, context_k, context_v, block_k, block_v, b),
+    )
 
 
 def _check_shapes(q, context_k, context_v, context_lengths, block_k, block_v) -> None:

@@ -7,11 +7,14 @@ whose queries are the rows of one or more candidate blocks, and whose keys/value
      the candidate's own rows (causally, or bidirectionally for DFlash)]
 
 Candidates never see each other. `block_layers` is that stack; `ContextCache` holds the projected
-context of every layer (slot = absolute position), extended as positions get verified.
+context of every layer (slot = absolute position), extended as positions get verified. The
+context comes either projected on the fly (`ContextKV`, training) or from a cache
+(`CachedContext`, decoding), whose attention reads only the filled span of a long cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import flax.struct
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.kernels import refinement_attention
+from jetspec_jax.kernels.refinement import cached_refinement_attention
 from jetspec_jax.models import layers
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.kv_cache import write_layer
@@ -96,7 +100,7 @@ def block_layers(
     x: jax.Array,
     positions: jax.Array,
     context_lengths: jax.Array,
-    context_kv: ContextKV,
+    context: ContextKV | CachedContext,
     *,
     causal: bool,
     impl: str,
@@ -109,7 +113,9 @@ def block_layers(
         x: `[B, C, K, H]` the blocks' input residual stream.
         positions: `[B, C, K]` absolute positions of the block rows.
         context_lengths: `[B, C]` context rows (slot = position) each candidate sees.
-        context_kv: the context keys/values of each layer.
+        context: the context keys/values of each layer: projected (`ContextKV`), or a cache's
+            layers (`CachedContext`: attended over the filled span only, past
+            `config.cache_chunk` slots).
         causal: causal attention within a block (else bidirectional).
         impl: refinement-attention implementation (`jetspec_jax.kernels.IMPLS`).
 
@@ -139,24 +145,42 @@ def block_layers(
             c.rms_norm_eps,
         )
         block_k, block_v = keys_values(attn, c, h, flat_pos)
-        context_k, context_v = context_kv(i, layer)
-        # The kernel takes one dtype: a draft or adapter may run in another than the cache's.
-        out = refinement_attention(
-            split(q).astype(context_k.dtype),
-            context_k,
-            context_v,
-            context_lengths,
-            split(block_k).astype(context_k.dtype),
-            split(block_v).astype(context_v.dtype),
-            causal=causal,
-            impl=impl,
-        )
+        if isinstance(context, CachedContext):
+            cache, index = context.cache, context.first_layer + i
+            dtype = cache.k.dtype
+            # The kernel takes one dtype: a draft or adapter may run in another than the cache's.
+            operands = (split(q).astype(dtype), cache.k, cache.v, index, context_lengths)
+            blocks = (split(block_k).astype(dtype), split(block_v).astype(dtype))
+            out = cached_refinement_attention(
+                *operands, *blocks, causal=causal, chunk=c.cache_chunk, impl=impl
+            )
+        else:
+            context_k, context_v = context(i, layer)
+            out = refinement_attention(
+                split(q).astype(context_k.dtype),
+                context_k,
+                context_v,
+                context_lengths,
+                split(block_k).astype(context_k.dtype),
+                split(block_v).astype(context_v.dtype),
+                causal=causal,
+                impl=impl,
+            )
         x = x + layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1))
         h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
         x = x + layers.swiglu_mlp(layer["mlp"], h)
     return split(x)
 
 
-def cached_context(cache: ContextCache, first_layer: int = 0) -> ContextKV:
-    """`context_kv` reading layer `first_layer + i` of `cache`."""
-    return lambda i, layer: (cache.k[first_layer + i], cache.v[first_layer + i])
+@dataclasses.dataclass(frozen=True)
+class CachedContext:
+    """`block_layers`' context read from a cache: layer i of the stack reads layer
+    `first_layer + i` of `cache`."""
+
+    cache: ContextCache
+    first_layer: int = 0
+
+
+def cached_context(cache: ContextCache, first_layer: int = 0) -> CachedContext:
+    """The context of a stack whose layer i reads layer `first_layer + i` of `cache`."""
+    return CachedContext(cache, first_layer)

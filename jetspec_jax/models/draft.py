@@ -284,7 +284,7 @@ def draft_hidden_for_training(
     )
 
 
-def _block_stack(params, config, embedding, block_tokens, positions, context_lengths, context_kv):
+def _block_stack(params, config, embedding, block_tokens, positions, context_lengths, context):
     """Embeds `[B, C, K]` block tokens, runs the draft layers (`block_layers`), final-norms.
 
     Returns `[B, C, K, H]` final-normed hidden states.
@@ -296,7 +296,7 @@ def _block_stack(params, config, embedding, block_tokens, positions, context_len
         x.astype(params["norm"]["scale"].dtype),
         positions,
         context_lengths,
-        context_kv,
+        context,
         causal=config.causal,
         impl=config.attention_impl,
     )
