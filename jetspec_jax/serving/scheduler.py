@@ -10,8 +10,8 @@ batch ends.
 Continuous batching (the default): at each chunk boundary, waiting jobs join the running batch,
 in order, in the rows that finished jobs left and in the batch's padding rows
 (`DecodeSession.admit`: each is prefilled alone and decodes as it would alone). A job joins only
-if the batch's shapes hold it (`DecodeSession.fits`: its prompt within the batch's prompt bucket,
-its budget within the output buffer); the first that does not waits, with every job behind it,
+if the batch's shapes hold it (`DecodeSession.fits`: its budget within the output buffer, its
+prompt plus budget within the cache); the first that does not waits, with every job behind it,
 until the batch ends and a new one is sized for it. With `continuous=False`, jobs that arrive
 wait for the next batch, and a finished row stays idle until its batch ends.
 
