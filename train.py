@@ -535,7 +535,12 @@ def _parser() -> argparse.ArgumentParser:
         help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
     )
     regen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    regen.add_argument("--batch-size", type=int, default=8)
+    regen.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="rows decoded at once; a finished row takes the next prompt (continuous batching)",
+    )
     regen.add_argument("--max-new-tokens", type=int, default=512)
     regen.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     _add_encoding_args(regen)

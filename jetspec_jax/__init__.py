@@ -6,6 +6,8 @@ Public API:
     default_draft_dir() -> Path (the JetSpec++ checkpoint shipped for the default target)
     generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
     generate_batch(target, prompts, *, ...) -> list[GenerationResult]
+    generate_as_completed(target, prompts, *, max_batch_size=8, ...) -> iterator of
+        (index, GenerationResult) as each prompt finishes (continuous batching)
     stream(target, prompt_ids, *, chunk_steps=8, ...) -> TokenStream (chunks of new token ids)
     DecodingOptions (how a batch is decoded: the server's and `DecodeSession`'s form of the
         method arguments above), SamplingParams, CheckpointError
@@ -21,6 +23,7 @@ from jetspec_jax.generate import (
     Timing,
     TokenStream,
     generate,
+    generate_as_completed,
     generate_batch,
     stream,
 )
@@ -39,6 +42,7 @@ __all__ = [
     "TokenStream",
     "default_draft_dir",
     "generate",
+    "generate_as_completed",
     "generate_batch",
     "init_draft",
     "load_draft",

@@ -1,19 +1,33 @@
-"""`generate`, `generate_batch` and `stream`: the public entry points of decoding.
+"""`generate`, `generate_batch`, `generate_as_completed` and `stream`: the public entry points of
+decoding.
 
 Thin uses of `DecodeSession` (decoding/session.py), which validates requests, buckets shapes and
 runs the compiled prefill and decode loop. `generate_batch` runs the loop to the end in one call
-(no host round trip until the results); `stream` runs it in chunks of `chunk_steps` target
+(no host round trip until the results); `generate_as_completed` decodes any number of prompts a
+batch of rows at a time, each finished row taking the next prompt (continuous batching), and
+yields each result as it completes; `stream` runs the loop in chunks of `chunk_steps` target
 forwards and yields each chunk's new tokens as soon as it is on the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 import tqdm
 
+from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
-from jetspec_jax.decoding.request_checks import check_int, check_token_ids
+from jetspec_jax.decoding.request_checks import (
+    check_budget,
+    check_int,
+    check_prompts,
+    check_token_ids,
+    per_row,
+    prompt_name,
+    row_sampling,
+)
 from jetspec_jax.decoding.results import GenerationResult, Timing
 from jetspec_jax.decoding.session import GREEDY, DecodeSession
 from jetspec_jax.sampling import SamplingParams
@@ -26,6 +40,7 @@ __all__ = [
     "TokenStream",
     "Timing",
     "generate",
+    "generate_as_completed",
     "generate_batch",
     "stream",
 ]
@@ -177,6 +192,106 @@ def generate_batch(
             bar.update(sum(map(len, rows)))
         bar.total = bar.n  # rows that stopped early leave their budget unused
     return session.results()
+
+
+def generate_as_completed(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    draft=None,
+    method: str = "ar",
+    max_new_tokens: int | Sequence[int] = 128,
+    sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    stop_token_ids: Sequence[int] | None = None,
+    refine_passes: int = 0,
+    refreshes: int = 0,
+    foresight: int = 0,
+    foresight_rule: str = "calibrated",
+    pipeline: str | None = None,
+    replacement_confidence: float | None = None,
+    block_size: int | None = None,
+    max_batch_size: int = 8,
+    chunk_steps: int = 16,
+) -> Iterator[tuple[int, GenerationResult]]:
+    """Generates any number of prompts, `max_batch_size` rows at a time (rounded up to a power
+    of two), with continuous batching: every `chunk_steps` target forwards, each row whose
+    prompt finished takes the next prompt (prefilled alone, `DecodeSession.admit`), so that no
+    row idles while a batch's longest response finishes. Prompts start longest first (prompt
+    plus budget), so that every later one fits the shapes of the batch it joins; one that does
+    not (a longer budget) starts a new batch once the running one ends.
+
+    Each result is what `generate_batch` gives its prompt (the same per-prompt seeds), up to the
+    floating-point caveat there.
+
+    Args:
+        target, prompts, draft, method, max_new_tokens, sampling, stop_token_ids, refine_passes,
+            refreshes, foresight, foresight_rule, pipeline, replacement_confidence, block_size:
+            as in `generate_batch`.
+        max_batch_size: rows decoded at once (>= 1).
+        chunk_steps: target forwards between two looks at the rows (>= 1): finished rows wait up
+            to this many forwards for their next prompt.
+
+    Returns:
+        An iterator of `(index into prompts, GenerationResult)`, in the order the prompts
+        finish. The requests are validated before it is returned (ValueError); decoding runs as
+        it is consumed.
+    """
+    check_is_target(target)
+    options = DecodingOptions(
+        method=method,
+        refine_passes=refine_passes,
+        refreshes=refreshes,
+        foresight=foresight,
+        foresight_rule=foresight_rule,
+        pipeline=pipeline,
+        replacement_confidence=replacement_confidence,
+        block_size=block_size,
+    )
+    rows = bucket(check_int("max_batch_size", max_batch_size, 1), minimum=1)
+    chunk_steps = check_int("chunk_steps", chunk_steps, 1)
+    config = target.config
+    prompts = check_prompts(prompts, config.vocab_size)
+    budgets = [
+        check_budget(config, len(p), n, prompt_name(i, len(prompts)))
+        for i, (p, n) in enumerate(
+            zip(prompts, per_row(max_new_tokens, len(prompts), "max_new_tokens"), strict=True)
+        )
+    ]
+    sampling = row_sampling(sampling, len(prompts))
+    session_args = dict(draft=draft, options=options, stop_token_ids=stop_token_ids)
+    # One row alone validates the pairing of draft and options and the stop ids now.
+    DecodeSession(target, prompts[:1], max_new_tokens=1, **session_args)
+    sizes = [(len(p), n) for p, n in zip(prompts, budgets, strict=True)]
+    longest_first = sorted(range(len(prompts)), key=lambda i: -sum(sizes[i]))
+
+    def decode() -> Iterator[tuple[int, GenerationResult]]:
+        waiting = deque(longest_first)
+        while waiting:
+            first = [waiting.popleft() for _ in range(min(rows, len(waiting)))]
+            session = DecodeSession(
+                target,
+                [prompts[i] for i in first],
+                max_new_tokens=[budgets[i] for i in first],
+                sampling=[sampling[i] for i in first],
+                pad_batch_to=rows,
+                **session_args,
+            )
+            batch = ContinuousBatch(session, first)
+            batch.start()
+            while True:
+                batch.poll()
+                yield from batch.take_finished()
+                joined = False
+                while batch.free_rows and waiting and batch.fits(*sizes[waiting[0]]):
+                    i = waiting.popleft()
+                    batch.admit(i, prompts[i], max_new_tokens=budgets[i], sampling=sampling[i])
+                    joined = True
+                if batch.done and not joined:
+                    break
+                if not joined:
+                    batch.advance(chunk_steps)
+
+    return decode()
 
 
 class TokenStream:

@@ -201,3 +201,52 @@ def test_the_batch_axis_is_the_one_axis_the_shapes_differ_in():
     with pytest.raises(ValueError, match=r"\['b'\]"):
         write_row(full, {"a": jnp.ones((1, 2)), "b": jnp.ones((2,))}, 0, 4)
     assert float(full["a"].sum()) == 0  # refused before any leaf was written (donated)
+
+
+@pytest.mark.parametrize("method", ["ar", "jetspec++"])
+def test_generate_as_completed_gives_generate_batchs_results(target, draft, method):
+    """Six prompts through 2 rows (continuous batching) against one batch of six: the same
+    tokens (and outcomes), with one SamplingParams drawing each prompt with its own seed."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (3, 14, 7, 9, 5, 11)]
+    kwargs = dict(max_new_tokens=[4, 16, 9, 2, 12, 6], stop_token_ids=[])
+    if method == "ar":
+        kwargs["sampling"] = SAMPLED
+    else:
+        kwargs.update(draft=draft, method=method)
+    want = jetspec_jax.generate_batch(target, prompts, **kwargs)
+    got = list(jetspec_jax.generate_as_completed(target, prompts, max_batch_size=2, **kwargs))
+    assert sorted(i for i, _ in got) == list(range(len(prompts)))
+    for i, result in got:
+        assert result.tokens == want[i].tokens, i
+        assert result.outcomes == want[i].outcomes, i
+
+
+def test_generate_as_completed_starts_a_new_batch_for_what_does_not_fit(target, monkeypatch):
+    """The longest prompt (plus budget) starts, sizing the batch; a later prompt whose budget
+    exceeds that batch's output buffer (16) waits for a batch of its own."""
+    starts = []
+    start = DecodeSession.start
+    monkeypatch.setattr(DecodeSession, "start", lambda self: starts.append(1) or start(self))
+    prompts = [list(range(1, 31)), [5, 6]]
+    budgets = [2, 20]
+    got = dict(
+        jetspec_jax.generate_as_completed(
+            target, prompts, max_new_tokens=budgets, stop_token_ids=[], max_batch_size=1
+        )
+    )
+    assert len(starts) == 2
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        alone = jetspec_jax.generate(target, prompt, max_new_tokens=budget, stop_token_ids=[])
+        assert got[i].tokens == alone.tokens, i
+
+
+def test_generate_as_completed_validates_before_decoding(target, draft):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        jetspec_jax.generate_as_completed(target, [[1]], max_batch_size=0)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        jetspec_jax.generate_as_completed(target, [])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        jetspec_jax.generate_as_completed(target, [[1], [2]], max_new_tokens=[1, 0])
+    with pytest.raises(ValueError, match="needs a draft"):
+        jetspec_jax.generate_as_completed(target, [[1]], method="jetspec++")

@@ -6,11 +6,13 @@ the target from the prompt files (`read_prompts`) and written as JSONL, one obje
     {"id": str, "source": str | null, "prompt_ids": [int], "response_ids": [int],
      "response": str, "finish_reason": "stop" | "length"}
 
-Lines appear in generation order (prompts sorted by length), not in the prompt files' order.
+Lines appear in the order responses finish (`generate_as_completed`: `batch_size` rows decoded at
+once, each finished row taking the next prompt, longest first), not in the prompt files' order.
 
-Runs are resumable: ids already in the output file are skipped, and each batch's lines are appended
-and flushed to disk together, so a kill loses at most the batch in flight. A partial last line (a
-kill mid-write) is truncated before appending; complete lines are never rewritten. The settings
+Runs are resumable: ids already in the output file are skipped, and each response's line is
+appended and flushed to disk as it finishes, so a kill loses only the responses in flight. A
+partial last line (a kill mid-write) is truncated before appending; complete lines are never
+rewritten. The settings
 that shape a response (target architecture and dtype, a digest of its checkpoint directory's files:
 weights, tokenizer and chat template; its stop ids, budget, prompt encoding, sampling) are kept
 beside the output in `<out>.settings.json`; resuming with other settings is refused, since the
@@ -42,7 +44,7 @@ from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.data.jsonl import is_json_object, read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, prompt_text, read_prompts
-from jetspec_jax.generate import generate_batch
+from jetspec_jax.generate import generate_as_completed
 from jetspec_jax.prompting import PromptEncoding
 from jetspec_jax.sampling import SamplingParams, row_seed
 from jetspec_jax.target import Target
@@ -171,7 +173,8 @@ def regenerate(
         target: a loaded target with a tokenizer.
         prompt_files: JSONL prompt files, read in this order (`read_records`).
         out_path: the output JSONL file; created (with its directory) if missing, else resumed.
-        batch_size: prompts per `generate_batch` call (>= 1).
+        batch_size: rows decoded at once (>= 1; rounded up to a power of two); a finished row
+            takes the next prompt (`generate_as_completed`).
         max_new_tokens: response budget per prompt (>= 1).
         chat, system, thinking: prompt encoding, as in `encode_prompt`.
         math_suffix_sources: sources whose prompts get `MATH_SUFFIX` appended.
@@ -264,10 +267,8 @@ def _generate_into(
     sampling: SamplingParams,
     show_progress: bool | None,
 ) -> tuple[int, int]:
-    """Generates the (record, prompt ids) pairs batch by batch, appending; returns how many, and
-    how many of them stopped at the budget."""
-    # Similar lengths per batch: less padding, and fewer prompt-length buckets to compile.
-    encoded = sorted(encoded, key=lambda item: (len(item[1]), item[0].index))
+    """Generates the (record, prompt ids) pairs, appending each line as its response finishes;
+    returns how many, and how many of them stopped at the budget."""
     progress = tqdm.tqdm(
         total=len(encoded),
         desc="regenerating",
@@ -276,12 +277,23 @@ def _generate_into(
     )
     cut = 0
     with out_path.open("ab") as out, progress:
-        for begin in range(0, len(encoded), batch_size):
-            batch = encoded[begin : begin + batch_size]
-            lines = _generate_lines(target, batch, max_new_tokens, sampling)
-            _append_lines(out, lines)
-            cut += sum(line["finish_reason"] == "length" for line in lines)
-            progress.update(len(batch))
+        if not encoded:
+            return 0, 0
+        results = generate_as_completed(
+            target,
+            [ids for _, ids in encoded],
+            max_new_tokens=max_new_tokens,
+            sampling=[
+                dataclasses.replace(sampling, seed=row_seed(sampling.seed, r.index))
+                for r, _ in encoded
+            ],
+            max_batch_size=batch_size,
+        )
+        for i, result in results:
+            line = _line(target, *encoded[i], result)
+            _append_lines(out, [line])
+            cut += line["finish_reason"] == "length"
+            progress.update(1)
     return len(encoded), cut
 
 
@@ -311,32 +323,16 @@ def _encode(
     return fitting
 
 
-def _generate_lines(
-    target: Target,
-    batch: list[tuple[PromptRecord, list[int]]],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-) -> list[dict]:
-    """Generates one batch and returns its output objects, in the batch's order."""
-    results = generate_batch(
-        target,
-        [ids for _, ids in batch],
-        max_new_tokens=max_new_tokens,
-        sampling=[
-            dataclasses.replace(sampling, seed=row_seed(sampling.seed, r.index)) for r, _ in batch
-        ],
-    )
-    return [
-        {
-            "id": record.id,
-            "source": record.source,
-            "prompt_ids": ids,
-            "response_ids": result.tokens,
-            "response": target.tokenizer.decode(result.tokens, skip_special_tokens=True),
-            "finish_reason": result.finish_reason,
-        }
-        for (record, ids), result in zip(batch, results, strict=True)
-    ]
+def _line(target: Target, record: PromptRecord, ids: list[int], result) -> dict:
+    """The output object of one record's response."""
+    return {
+        "id": record.id,
+        "source": record.source,
+        "prompt_ids": ids,
+        "response_ids": result.tokens,
+        "response": target.tokenizer.decode(result.tokens, skip_special_tokens=True),
+        "finish_reason": result.finish_reason,
+    }
 
 
 def _append_lines(out, objects: list[dict]) -> None:

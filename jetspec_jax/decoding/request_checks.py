@@ -4,10 +4,12 @@ what is wrong, naming the prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
+from jetspec_jax.sampling import SamplingParams, row_seed
 from jetspec_jax.scalars import as_int
 
 
@@ -101,3 +103,21 @@ def per_row(value, rows: int, name: str) -> list:
             raise ValueError(f"got {len(value)} values of {name} for {rows} prompts")
         return list(value)
     return [value] * rows
+
+
+def row_sampling(sampling, rows: int) -> list[SamplingParams]:
+    """One `SamplingParams` per row: `sampling`'s items, each with its own seed as given, or
+    one `SamplingParams` for all rows, row i drawing with the seed `row_seed(seed, i)` (so that
+    rows are independent samples, not copies of one)."""
+    if isinstance(sampling, SamplingParams):
+        return [dataclasses.replace(sampling, seed=row_seed(sampling.seed, i)) for i in range(rows)]
+    if not isinstance(sampling, Sequence):
+        kind = type(sampling).__name__
+        raise ValueError(f"sampling must be a SamplingParams or one per prompt, got {kind}")
+    sampling = list(sampling)
+    if len(sampling) != rows:
+        raise ValueError(f"got {len(sampling)} SamplingParams for {rows} prompts")
+    for params in sampling:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling must hold SamplingParams, got {type(params).__name__}")
+    return sampling

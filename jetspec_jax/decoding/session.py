@@ -23,7 +23,6 @@ of time, is logged, and is timed apart from prefill and decode.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 
@@ -52,11 +51,12 @@ from jetspec_jax.decoding.request_checks import (
     check_token_ids,
     per_row,
     prompt_name,
+    row_sampling,
 )
 from jetspec_jax.decoding.results import GenerationResult, Timing, row_outputs, row_result
 from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
-from jetspec_jax.sampling import RowSampling, SamplingParams, row_seed
+from jetspec_jax.sampling import RowSampling, SamplingParams
 
 GREEDY = SamplingParams()
 # One process-wide cache: every session (and every server batch) of a bucket reuses its executables.
@@ -121,20 +121,7 @@ class DecodeSession:
             check_budget(config, len(p), n, prompt_name(i, len(prompts)))
             for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
         ]
-        if isinstance(sampling, SamplingParams):  # each row its own draws, not copies of one
-            sampling = [
-                dataclasses.replace(sampling, seed=row_seed(sampling.seed, i))
-                for i in range(len(prompts))
-            ]
-        if not isinstance(sampling, Sequence):
-            kind = type(sampling).__name__
-            raise ValueError(f"sampling must be a SamplingParams or one per prompt, got {kind}")
-        sampling = list(sampling)
-        if len(sampling) != len(prompts):
-            raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        for params in sampling:
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling must hold SamplingParams, got {type(params).__name__}")
+        sampling = row_sampling(sampling, len(prompts))
         stops = target.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_token_ids = tuple(
             check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)

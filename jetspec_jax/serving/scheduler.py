@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.request_checks import check_budget, check_token_ids
 from jetspec_jax.decoding.results import GenerationResult, Timing
@@ -389,54 +390,42 @@ class Scheduler:
             sampling=[job.sampling for job in batch],
             pad_batch_to=self._pad_to,
         )
-        session.start()
-        rows = list(batch)  # the job each row holds
-        answered = [False] * len(rows)
+        rows = ContinuousBatch(session, batch)
+        rows.start()
         while True:
-            for row, new_tokens in enumerate(session.poll()):
-                if new_tokens:
-                    tokens(rows[row], new_tokens)
-            for row, job in enumerate(rows):
-                if job.cancelled and not session.row_done[row]:
-                    session.cancel(row)
-            for row, done in enumerate(session.row_done):
-                if done and not answered[row]:
-                    answered[row] = True
-                    finish(rows[row], session.result(row))
-            if joined is not None and self._join(session, rows, answered, joined):
+            for job, new_tokens in rows.poll():
+                tokens(job, new_tokens)
+            for job in rows.running():
+                if job.cancelled:
+                    rows.cancel(job)
+            for job, result in rows.take_finished():
+                finish(job, result)
+            if joined is not None and self._join(rows, joined):
                 continue  # deliver the joiners' first tokens before decoding on
-            if session.done:
-                return session.timing
-            session.advance(self.chunk_steps)
+            if rows.done:
+                return rows.timing
+            rows.advance(self.chunk_steps)
 
-    def _join(self, session: DecodeSession, rows: list[Job], answered: list[bool], joined) -> bool:
-        """Admits waiting jobs, in order, into the session's free rows: those of answered jobs,
-        then its unused padding rows. Stops at the first job the session does not fit (it waits
-        for the next batch, and so does every job behind it). Updates `rows` and `answered`;
-        True if any job joined."""
-        free = [row for row, done in enumerate(answered) if done]
-        free += range(len(rows), session.batch_size)
-        taken = []
+    def _join(self, rows: ContinuousBatch, joined: Callable[[Job], None]) -> bool:
+        """Admits waiting jobs, in order, into the batch's free rows. Stops at the first job the
+        batch does not fit (it waits for the next batch, and so does every job behind it); True
+        if any job joined."""
+        free, taken = rows.free_rows, []
         with self._cond:
             if self._stopping or not self._accepting or self._held:
                 return False
-            while free and self._waiting:
+            while len(taken) < free and self._waiting:
                 job = self._waiting[0]
-                if not job.cancelled and not session.fits(len(job.prompt_ids), job.max_new_tokens):
+                if not job.cancelled and not rows.fits(len(job.prompt_ids), job.max_new_tokens):
                     break
                 self._waiting.popleft()
                 if not job.cancelled:
                     self._running.append(job)
-                    taken.append((free.pop(0), job))
-        for _, job in taken:  # all announced first: a failed admission leaves none unaccounted
+                    taken.append(job)
+        for job in taken:  # all announced first: a failed admission leaves none unaccounted
             joined(job)
-        for row, job in taken:
-            session.admit(
-                row, job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling
+        for job in taken:
+            rows.admit(
+                job, job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling
             )
-            if row == len(rows):
-                rows.append(job)
-                answered.append(False)
-            else:
-                rows[row], answered[row] = job, False
         return bool(taken)
