@@ -5,11 +5,12 @@ The default target (SmolLM2-135M-Instruct, float32) on this CPU, batch 1, a 300-
 greedy. A session's cache holds prompt bucket + `max_new_tokens` + block slots, so a long budget
 makes a mostly empty cache for most of the generation. For each budget, AR and JetSpec++ J0 (the
 shipped draft) run their first `ROUNDS` target forwards (timed after a compiled warm-up; median of
-`REPEATS` sessions, ms per target forward), with the target's cached attention as
+`REPEATS` sessions, ms per target forward), with the cached attention as
 
-    whole cache   one softmax over every slot (`TransformerConfig.cache_chunk` above the capacity)
+    whole cache   one softmax over every slot (`cache_chunk` above the capacity), target and draft
+    target span   the target's over the filled span, the draft's over every slot (JetSpec++ only)
     filled span   chunks of `cache_chunk` slots (the default), only as many as the latest position
-                  needs
+                  needs, target and draft
 
 Both forms run in this one process, side by side.
 
@@ -38,7 +39,7 @@ from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 
 BUDGETS = (64, 7800)  # 300 + 7800 tokens fit the 8192-token context
 ROUNDS, REPEATS, PROMPT = 32, 5, 300
-FORMS = ("whole cache", "filled span")
+FORMS = ("whole cache", "target span", "filled span")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,16 +73,20 @@ def main() -> None:
     whole = dataclasses.replace(
         spans, config=dataclasses.replace(spans.config, cache_chunk=1 << 30)
     )
-    targets = dict(zip(FORMS, (whole, spans), strict=True))
+    targets = dict(zip(FORMS, (whole, spans, spans), strict=True))
     draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), spans)
+    whole_draft = draft.with_cache_chunk(1 << 30)
+    drafts = dict(zip(FORMS, (whole_draft, whole_draft, draft), strict=True))
     prompt = np.random.default_rng(0).integers(0, spans.config.vocab_size, PROMPT).tolist()
     rows = []
     for method in ("ar", "jetspec++"):
         for budget in BUDGETS:
-            samples = {form: [] for form in FORMS}
+            forms = FORMS if method != "ar" else ("whole cache", "filled span")
+            samples = {form: [] for form in forms}
             for _ in range(REPEATS + 1):  # the forms alternate; each one's first run compiles
-                for form, target in targets.items():
-                    ms, capacity = ms_per_forward(target, draft, prompt, budget, method)
+                for form in forms:
+                    target = targets[form]
+                    ms, capacity = ms_per_forward(target, drafts[form], prompt, budget, method)
                     samples[form].append(ms)
             times = {form: statistics.median(ms[1:]) for form, ms in samples.items()}
             rows.append((method, budget, capacity, times))
@@ -92,20 +97,23 @@ def main() -> None:
         f"{machine_line()}. Default target (SmolLM2-135M-Instruct, float32), batch 1, a "
         f"{PROMPT}-token prompt, greedy; ms per target forward over the first {ROUNDS} forwards "
         f"(median of {REPEATS} sessions after a compiled one). *whole cache*: one softmax over "
-        f"every preallocated slot; *filled span*: chunks of {chunk} slots, only "
-        "as many as the latest position needs (the default). JetSpec++ is J0 with the shipped "
-        "draft, whose own attention still reads its whole cache. Both forms side by side in one "
-        "run, alternating session by session. Up to "
-        f"{chunk} slots both columns run the same program: their ratio there is this run's "
-        "noise.",
+        f"every preallocated slot, in the target and the draft; *target span*: the target's "
+        f"attention in chunks of {chunk} slots, only as many as the latest position needs, the "
+        "draft's over every slot; *filled span*: both in chunks (the default). JetSpec++ is J0 "
+        "with the shipped draft. The forms side by side in one run, alternating session by "
+        f"session. Up to {chunk} slots every column runs the same program: their ratios there "
+        "are this run's noise.",
         "",
-        "| method | max_new_tokens | cache slots | whole cache | filled span | speedup |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | max_new_tokens | cache slots | whole cache | target span | filled span | "
+        "speedup (whole / filled) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for method, budget, capacity, times in rows:
         whole, span = times["whole cache"], times["filled span"]
+        target_span = f"{times['target span']:.2f}" if "target span" in times else "-"
         lines.append(
-            f"| {method} | {budget} | {capacity} | {whole:.2f} | {span:.2f} | {whole / span:.2f}x |"
+            f"| {method} | {budget} | {capacity} | {whole:.2f} | {target_span} | {span:.2f} | "
+            f"{whole / span:.2f}x |"
         )
     body = "\n".join(lines) + "\n"
     print(body)
