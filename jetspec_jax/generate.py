@@ -273,7 +273,6 @@ def generate_as_completed(
                 [prompts[i] for i in first],
                 max_new_tokens=[budgets[i] for i in first],
                 sampling=[sampling[i] for i in first],
-                pad_batch_to=rows,
                 **session_args,
             )
             batch = ContinuousBatch(session, first)

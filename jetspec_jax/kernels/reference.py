@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kernels.online_softmax import online_softmax_step
 from jetspec_jax.kernels.precision import matmul_precision
 
 
@@ -116,20 +117,17 @@ def refinement_attention_over_span(
     shape = (1, batch, chunk, num_kv, head_dim)
 
     def step(j, state):
-        m, total, acc = state
         start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
         k = lax.dynamic_slice(cache_k, (layer, 0, start, 0, 0), shape)[0]
         v = lax.dynamic_slice(cache_v, (layer, 0, start, 0, 0), shape)[0]
         slots = start + jnp.arange(chunk, dtype=jnp.int32)
         # slots below j * chunk were seen by the previous step (a shifted last chunk)
         visible = (slots < context_lengths[:, :, None]) & (slots >= j * chunk)  # [B, C, chunk]
-        visible = visible[:, :, None, None, None, :]
         scores = jnp.einsum("bckhgd,bshd->bchgks", qg, k, **f32) * scale
-        m_new = jnp.maximum(m, jnp.max(jnp.where(visible, scores, lowest), axis=-1))
-        probs = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("bchgks,bshd->bchgkd", probs.astype(v.dtype), v, **f32)
-        return m_new, alpha * total + jnp.sum(probs, axis=-1), alpha[..., None] * acc + pv
+        visible = visible[:, :, None, None, None, :]
+        return online_softmax_step(
+            state, scores, visible, v, "bchgks,bshd->bchgkd", f32["precision"]
+        )
 
     span = jnp.minimum(jnp.max(context_lengths), capacity)
     state = (m, jnp.sum(p, axis=-1), acc)

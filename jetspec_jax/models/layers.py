@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jetspec_jax.kernels.online_softmax import online_softmax_step
 from jetspec_jax.kernels.precision import matmul_precision
 from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.rope import apply_rope
@@ -188,29 +189,18 @@ def cached_attention(
     shape = (1, batch, chunk, num_kv_heads, head_dim)
 
     def step(j, state):
-        m, total, acc = state
         start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
         k = lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), shape)[0]
         v = lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), shape)[0]
         slots = start + jnp.arange(chunk, dtype=jnp.int32)
         # slots below j * chunk were seen by the previous step (a shifted last chunk)
         visible = (slots <= positions[:, :, None]) & (slots >= j * chunk)  # [B, T, C]
-        visible = visible[:, None, None]  # [B, 1, 1, T, C]
         scores = jnp.einsum(
             "btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=f32
         )
-        scores = jnp.where(visible, scores * head_dim**-0.5, lowest)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-        probs = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum(
-            "bkgts,bskd->bkgtd",
-            probs.astype(v.dtype),
-            v,
-            precision=precision,
-            preferred_element_type=f32,
-        )
-        return m_new, alpha * total + jnp.sum(probs, axis=-1), alpha[..., None] * acc + pv
+        scores = scores * head_dim**-0.5
+        visible = visible[:, None, None]  # [B, 1, 1, T, C]
+        return online_softmax_step(state, scores, visible, v, "bkgts,bskd->bkgtd", precision)
 
     stats = (batch, num_kv_heads, group, length)
     state = (
