@@ -16,6 +16,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.decoding.admission import batch_axis, write_row
+from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.sampling import SamplingParams
@@ -250,3 +251,29 @@ def test_generate_as_completed_validates_before_decoding(target, draft):
         jetspec_jax.generate_as_completed(target, [[1], [2]], max_new_tokens=[1, 0])
     with pytest.raises(ValueError, match="needs a draft"):
         jetspec_jax.generate_as_completed(target, [[1]], method="jetspec++")
+
+
+def test_a_continuous_batch_refuses_what_it_cannot_hold(target):
+    session = DecodeSession(target, [[1, 2], [3]], max_new_tokens=[1, 8], stop_token_ids=[])
+    with pytest.raises(ValueError, match="3 keys for a session of 2"):
+        ContinuousBatch(session, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="given twice"):
+        ContinuousBatch(session, ["a", "a"])
+    batch = ContinuousBatch(session, ["a", "b"])
+    batch.start()
+    batch.poll()
+    assert batch.running() == ["b"] and batch.free_rows == 0  # "a" is done, not yet taken
+    with pytest.raises(ValueError, match="no free row"):
+        batch.admit("c", [4], max_new_tokens=1)
+    assert [key for key, _ in batch.take_finished()] == ["a"] and batch.free_rows == 1
+    with pytest.raises(ValueError, match="'b' holds a row already"):
+        batch.admit("b", [4], max_new_tokens=1)
+    with pytest.raises(ValueError, match="'a' holds no row"):
+        batch.cancel("a")
+    batch.admit("a", [4, 5], max_new_tokens=2)  # a taken key may come back
+    batch.cancel("b")
+    batch.advance(8)
+    batch.poll()
+    finished = dict(batch.take_finished())
+    assert len(finished["a"].tokens) == 2 and finished["b"].finish_reason == "cancelled"
+    assert batch.done and batch.free_rows == 2

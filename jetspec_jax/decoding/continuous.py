@@ -28,12 +28,19 @@ class ContinuousBatch:
     once at a time). Not thread-safe: one thread drives it, as its session."""
 
     def __init__(self, session: DecodeSession, keys: Sequence[Hashable]):
-        """Args:
-        session: a new session (not started), one request per row.
-        keys: one per request of `session`, in row order.
+        """Takes over `session`'s rows.
+
+        Args:
+            session: a new session (not started), one request per row.
+            keys: one per request of `session`, in row order, all different.
+
+        Raises:
+            ValueError: not one key per request, or a key twice.
         """
         if len(keys) != session.num_rows:
             raise ValueError(f"{len(keys)} keys for a session of {session.num_rows} requests")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key is given twice: each names one request")
         self.session = session
         self._keys = list(keys)  # the key of each row's latest request
         self._answered = [False] * len(keys)  # its result was taken: the row is free
