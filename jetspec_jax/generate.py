@@ -212,6 +212,7 @@ def generate_as_completed(
     block_size: int | None = None,
     max_batch_size: int = 8,
     chunk_steps: int = 16,
+    show_progress: bool | None = False,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Generates any number of prompts, `max_batch_size` rows at a time (rounded up to a power
     of two), with continuous batching: every `chunk_steps` target forwards, each row whose
@@ -230,6 +231,8 @@ def generate_as_completed(
         max_batch_size: rows decoded at once (>= 1).
         chunk_steps: target forwards between two looks at the rows (>= 1): finished rows wait up
             to this many forwards for their next prompt.
+        show_progress: a tqdm bar over the prompts, advanced as each finishes (None: only on a
+            terminal).
 
     Returns:
         An iterator of `(index into prompts, GenerationResult)`, in the order the prompts
@@ -265,6 +268,18 @@ def generate_as_completed(
     longest_first = sorted(range(len(prompts)), key=lambda i: -sum(sizes[i]))
 
     def decode() -> Iterator[tuple[int, GenerationResult]]:
+        bar = tqdm.tqdm(
+            total=len(prompts),
+            unit="prompt",
+            desc="generating",
+            disable=None if show_progress is None else not show_progress,
+        )
+        with bar:
+            for finished in decode_all():
+                bar.update(1)
+                yield finished
+
+    def decode_all() -> Iterator[tuple[int, GenerationResult]]:
         waiting = deque(longest_first)
         while waiting:
             first = [waiting.popleft() for _ in range(min(rows, len(waiting)))]

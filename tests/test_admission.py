@@ -225,7 +225,8 @@ def test_generate_as_completed_gives_generate_batchs_results(target, draft, meth
 
 def test_generate_as_completed_starts_a_new_batch_for_what_does_not_fit(target, monkeypatch):
     """The longest prompt (plus budget) starts, sizing the batch; a later prompt whose budget
-    exceeds that batch's output buffer (16) waits for a batch of its own."""
+    exceeds that batch's output buffer (16) waits for a batch of its own. (Under a progress
+    bar.)"""
     starts = []
     start = DecodeSession.start
     monkeypatch.setattr(DecodeSession, "start", lambda self: starts.append(1) or start(self))
@@ -233,7 +234,12 @@ def test_generate_as_completed_starts_a_new_batch_for_what_does_not_fit(target, 
     budgets = [2, 20]
     got = dict(
         jetspec_jax.generate_as_completed(
-            target, prompts, max_new_tokens=budgets, stop_token_ids=[], max_batch_size=1
+            target,
+            prompts,
+            max_new_tokens=budgets,
+            stop_token_ids=[],
+            max_batch_size=1,
+            show_progress=True,
         )
     )
     assert len(starts) == 2
