@@ -282,7 +282,7 @@ class DecodeSession:
         self._state = write_row(self._state, state, row, self._batch)
         self._requests = write_row(self._requests, requests, row, self._batch)
         self._admission_prefill_seconds += seconds
-        if row == self.num_rows:
+        if row == self.num_rows:  # a padding row joins: every per-row list grows by one
             for rows in (self.prompt_lengths, self._budgets, self._polled, self._row_done):
                 rows.append(None)
             self._joined.append(None)

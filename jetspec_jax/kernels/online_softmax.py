@@ -1,26 +1,80 @@
-"""One step of an online softmax: attention over a long key range, one chunk of keys at a time.
+"""Online softmax: attention over a long key range, one chunk of keys at a time.
 
 The decode-time attention forms that read only a cache's filled span (the target's
-`layers.cached_attention`, the draft's `reference.refinement_attention_over_span`) loop over
-chunks of slots with this step. The running statistics are float32: `m` the running maximum
-score, `total` the running sum of `exp(score - m)`, `acc` the running `exp(score - m)`-weighted
-sum of values; the output is `acc / total` once every chunk is in.
+`layers.cached_attention`, the draft's `reference.refinement_attention_over_span`) run
+`fold_cache_span`, which loops `online_softmax_step` over the chunks of a stacked cache. The
+running statistics are float32: `m` the running maximum score, `total` the running sum of
+`exp(score - m)`, `acc` the running `exp(score - m)`-weighted sum of values; the output is
+`acc / total` once every chunk is in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+State = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def fold_cache_span(
+    state: State,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    layer: int,
+    span: jax.Array,
+    chunk: int,
+    chunk_scores: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+    weighted_sum: str,
+    precision: jax.lax.Precision | None,
+) -> State:
+    """Folds slots `[0, span)` of layer `layer` of a stacked cache into the running statistics,
+    `chunk` slots per step: as many steps as `span` needs (a dynamic trip count), so the slots
+    past them are not read. The stack and layer index go into the loop, not the layer: a slice
+    taken outside it would be copied into the loop whole.
+
+    Args:
+        state: `(m, total, acc)` as `online_softmax_step` takes them.
+        cache_k, cache_v: `[L, B, S, N_kv, D]`, `S >= chunk`.
+        layer: the layer to read.
+        span: scalar int, the slots any query may see (clipped to `S`).
+        chunk: slots per step.
+        chunk_scores: `(keys [B, chunk, N_kv, D], slots [chunk])` -> `(scores, visible)` of the
+            chunk, as `online_softmax_step` takes them. A slot an earlier step already folded
+            in (the last chunk is shifted to end at `S`) comes as the int32 maximum, which no
+            position rule lets a query see.
+        weighted_sum, precision: as `online_softmax_step` takes them.
+
+    Returns:
+        The updated `(m, total, acc)`.
+    """
+    _, batch, capacity, num_kv_heads, head_dim = cache_k.shape
+    shape = (1, batch, chunk, num_kv_heads, head_dim)
+    seen = jnp.iinfo(jnp.int32).max
+
+    def step(j, state):
+        start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
+        k = lax.dynamic_slice(cache_k, (layer, 0, start, 0, 0), shape)[0]
+        v = lax.dynamic_slice(cache_v, (layer, 0, start, 0, 0), shape)[0]
+        slots = start + jnp.arange(chunk, dtype=jnp.int32)
+        slots = jnp.where(slots >= j * chunk, slots, seen)
+        scores, visible = chunk_scores(k, slots)
+        return online_softmax_step(state, scores, visible, v, weighted_sum, precision)
+
+    span = jnp.minimum(span, capacity)
+    return lax.fori_loop(0, (span + chunk - 1) // chunk, step, state)
 
 
 def online_softmax_step(
-    state: tuple[jax.Array, jax.Array, jax.Array],
+    state: State,
     scores: jax.Array,
     visible: jax.Array,
     values: jax.Array,
     weighted_sum: str,
     precision: jax.lax.Precision | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> State:
     """Folds one chunk of keys into the running statistics.
 
     Args:

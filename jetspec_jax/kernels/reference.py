@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jetspec_jax.kernels.online_softmax import online_softmax_step
+from jetspec_jax.kernels.online_softmax import fold_cache_span
 from jetspec_jax.kernels.precision import matmul_precision
 
 
@@ -79,9 +78,8 @@ def refinement_attention_over_span(
     context slots below the longest context: an online softmax over chunks of `chunk` slots, as
     many as that length needs (a dynamic trip count). A decode-time form: a preallocated cache is
     mostly empty early in a long generation, and the dense form reads every slot each round. The
-    stack and layer index go into the loop rather than the layer (a slice outside the loop would
-    be copied into it whole). Not reverse-differentiable (the trip count): training uses the
-    dense form.
+    loop is `online_softmax.fold_cache_span`. Not reverse-differentiable (the trip count):
+    training uses the dense form.
 
     Args:
         q: `[B, C, K, N, D]` queries.
@@ -114,24 +112,25 @@ def refinement_attention_over_span(
     m = jnp.max(blk, axis=-1)  # [B, C, N_kv, G, K]
     p = jnp.exp(blk - m[..., None])
     acc = jnp.einsum("bchgkj,bcjhd->bchgkd", p.astype(block_v.dtype), block_v, **f32)
-    shape = (1, batch, chunk, num_kv, head_dim)
 
-    def step(j, state):
-        start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
-        k = lax.dynamic_slice(cache_k, (layer, 0, start, 0, 0), shape)[0]
-        v = lax.dynamic_slice(cache_v, (layer, 0, start, 0, 0), shape)[0]
-        slots = start + jnp.arange(chunk, dtype=jnp.int32)
-        # slots below j * chunk were seen by the previous step (a shifted last chunk)
-        visible = (slots < context_lengths[:, :, None]) & (slots >= j * chunk)  # [B, C, chunk]
+    def chunk_scores(k, slots):
         scores = jnp.einsum("bckhgd,bshd->bchgks", qg, k, **f32) * scale
-        visible = visible[:, :, None, None, None, :]
-        return online_softmax_step(
-            state, scores, visible, v, "bchgks,bshd->bchgkd", f32["precision"]
-        )
+        visible = slots < context_lengths[:, :, None]  # [B, C, chunk]
+        return scores, visible[:, :, None, None, None, :]
 
-    span = jnp.minimum(jnp.max(context_lengths), capacity)
     state = (m, jnp.sum(p, axis=-1), acc)
-    _, total, acc = lax.fori_loop(0, (span + chunk - 1) // chunk, step, state)
+    span = jnp.max(context_lengths)
+    _, total, acc = fold_cache_span(
+        state,
+        cache_k,
+        cache_v,
+        layer,
+        span,
+        chunk,
+        chunk_scores,
+        "bchgks,bshd->bchgkd",
+        f32["precision"],
+    )
     out = acc / total[..., None]  # [B, C, N_kv, G, K, D]
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, cands, k_len, num_heads, head_dim)
     return out.astype(q.dtype)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jetspec_jax.kernels.online_softmax import online_softmax_step
+from jetspec_jax.kernels.online_softmax import fold_cache_span
 from jetspec_jax.kernels.precision import matmul_precision
 from jetspec_jax.models.kv_cache import write_layer
 from jetspec_jax.models.rope import apply_rope
@@ -186,21 +185,13 @@ def cached_attention(
     q = q.reshape(batch, length, num_kv_heads, group, head_dim)
     precision = matmul_precision(q, k_cache, v_cache)
     f32, lowest = jnp.float32, jnp.finfo(jnp.float32).min
-    shape = (1, batch, chunk, num_kv_heads, head_dim)
 
-    def step(j, state):
-        start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
-        k = lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), shape)[0]
-        v = lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), shape)[0]
-        slots = start + jnp.arange(chunk, dtype=jnp.int32)
-        # slots below j * chunk were seen by the previous step (a shifted last chunk)
-        visible = (slots <= positions[:, :, None]) & (slots >= j * chunk)  # [B, T, C]
+    def chunk_scores(k, slots):
         scores = jnp.einsum(
             "btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=f32
         )
-        scores = scores * head_dim**-0.5
-        visible = visible[:, None, None]  # [B, 1, 1, T, C]
-        return online_softmax_step(state, scores, visible, v, "bkgts,bskd->bkgtd", precision)
+        visible = slots <= positions[:, :, None]  # [B, T, C]
+        return scores * head_dim**-0.5, visible[:, None, None]  # [B, 1, 1, T, C]
 
     stats = (batch, num_kv_heads, group, length)
     state = (
@@ -208,7 +199,9 @@ def cached_attention(
         jnp.zeros(stats, f32),
         jnp.zeros((*stats, head_dim), f32),
     )
-    span = jnp.minimum(jnp.max(positions) + 1, capacity)  # slot 0 is in every query's view
-    _, total, acc = lax.fori_loop(0, (span + chunk - 1) // chunk, step, state)
+    span = jnp.max(positions) + 1  # slot 0 is in every query's view
+    _, total, acc = fold_cache_span(
+        state, k_cache, v_cache, layer, span, chunk, chunk_scores, "bkgts,bskd->bkgtd", precision
+    )
     out = (acc / total[..., None]).astype(v_cache.dtype)  # [B, N_kv, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads * head_dim)
