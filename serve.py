@@ -44,6 +44,8 @@ SERVER_FLAGS = (
     "max_model_len",
     "pad_batch",
     "static_batching",
+    "reserve_prompt_tokens",
+    "reserve_new_tokens",
     "shutdown_timeout",
     "keepalive_seconds",
 )
@@ -259,6 +261,8 @@ def _server_config(args, draft, *, method: str | None = None):
         max_model_len=args.max_model_len,
         pad_batch=args.pad_batch,
         continuous_batching=not args.static_batching,
+        reserve_prompt_tokens=args.reserve_prompt_tokens,
+        reserve_new_tokens=args.reserve_new_tokens,
         shutdown_timeout=args.shutdown_timeout,
         keepalive_seconds=args.keepalive_seconds,
     )
@@ -523,6 +527,22 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each batch keeps the requests it started with (default: waiting requests join a "
         "running batch at chunk boundaries, in the rows finished requests left)",
+    )
+    parser.add_argument(
+        "--reserve-prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="size every batch's cache for prompts of N tokens at least, so that requests up to "
+        "N (with --reserve-new-tokens) can join it, whatever its first requests (memory grows)",
+    )
+    parser.add_argument(
+        "--reserve-new-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="size every batch's output buffer for N new tokens at least (see "
+        "--reserve-prompt-tokens)",
     )
     parser.add_argument(
         "--shutdown-timeout",

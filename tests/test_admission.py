@@ -190,6 +190,40 @@ def test_admission_is_refused_clearly(target):
     assert len(session.result(0).tokens) == 2 and len(session.result(1).tokens) == 8
 
 
+def test_a_reserve_admits_what_the_first_batch_would_not_fit(target):
+    """Reserved for 40-token prompts and 24 new tokens, a session of short requests (buckets 16
+    and 16) admits a 40-token prompt with a 24-token budget; it decodes as alone."""
+    session = DecodeSession(
+        target,
+        [[1, 2, 3]],
+        max_new_tokens=2,
+        stop_token_ids=[],
+        reserve_prompt_tokens=40,
+        reserve_new_tokens=24,
+    )
+    assert session.fits(40, 24) and session.fits(64 + 32 - 24, 24)  # buckets 64 and 32
+    assert not session.fits(1, 33) and not session.fits(64 + 32 - 23, 24)
+    session.start()
+    session.advance()
+    session.poll()
+    rng = np.random.default_rng(9)
+    request = (rng.integers(0, 97, 40).tolist(), 24, GREEDY)
+    session.admit(0, request[0], max_new_tokens=24)
+    session.advance()
+    session.poll()
+    assert session.result(0).tokens == alone(target, request).tokens
+
+
+def test_a_reserve_is_checked(target):
+    context = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="reserve_prompt_tokens must be an integer >= 0"):
+        DecodeSession(target, [[1]], reserve_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="reserve_new_tokens must be an integer >= 0"):
+        DecodeSession(target, [[1]], reserve_new_tokens=1.5)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        DecodeSession(target, [[1]], reserve_prompt_tokens=context - 3, reserve_new_tokens=4)
+
+
 def test_the_batch_axis_is_the_one_axis_the_shapes_differ_in():
     assert batch_axis((3, 4, 5), (3, 1, 5), 4) == 1
     assert batch_axis((2, 6), (2, 6), 1) is None  # a one-row batch: the whole leaf

@@ -134,6 +134,27 @@ def test_a_job_the_batch_does_not_fit_waits_and_so_do_those_behind_it(target):
     _assert_as_alone(target, client, "small", *small)
 
 
+def test_a_reserve_sizes_the_batch_for_the_job_that_did_not_fit(target):
+    """The previous test's jobs with a reserve of 32 prompt tokens and 8 new ones: the first
+    batch's cache holds the longer prompt, so both waiting jobs join it."""
+    long = ([5, 6, 7], 16)
+    too_long, small = (list(range(1, 30)), 4), ([8, 9], 4)
+    then = {"long": [("too_long", *too_long), ("small", *small)]}
+    client, scheduler = _serve(target, [("long", *long)], then, reserve=(32, 8))
+    assert _count(scheduler, "jetspec_joined_requests_total") == 2
+    assert _batches(scheduler) == 1
+    for name, job in (("long", long), ("too_long", too_long), ("small", small)):
+        _assert_as_alone(target, client, name, *job)
+
+
+def test_a_reserve_beyond_the_context_is_refused_at_start(target):
+    context = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="reserve_prompt_tokens=.* exceeds the model's context"):
+        Scheduler(target, reserve=(context, 1))
+    with pytest.raises(ValueError, match="reserve_new_tokens must be an integer >= 0"):
+        Scheduler(target, reserve=(0, -1))
+
+
 def test_a_joined_job_whose_admission_fails_is_retried_alone(target, monkeypatch):
     """The admission's prefill failing fails the batch; the joined job, which received nothing,
     is decoded again alone, and served."""

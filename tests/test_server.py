@@ -1069,6 +1069,10 @@ def test_server_config_refuses_bad_values():
         ServerConfig(shutdown_timeout=-1.0)
     with pytest.raises(ValueError, match="max_model_len"):
         ServerConfig(max_model_len=1)
+    with pytest.raises(ValueError, match="reserve_prompt_tokens must be an integer >= 0"):
+        ServerConfig(reserve_prompt_tokens=-1)
+    with pytest.raises(ValueError, match="reserve_new_tokens must be an integer >= 0"):
+        ServerConfig(reserve_new_tokens=True)
 
 
 def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):
@@ -1085,6 +1089,8 @@ def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):
         max_model_len=64,
         pad_batch=True,
         continuous_batching=False,
+        reserve_prompt_tokens=128,
+        reserve_new_tokens=96,
         shutdown_timeout=7.0,
         keepalive_seconds=2.5,
     )

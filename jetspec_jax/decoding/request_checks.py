@@ -94,6 +94,19 @@ def check_int(name: str, value, minimum: int) -> int:
     return number
 
 
+def check_reserve(config, prompt_tokens, new_tokens) -> tuple[int, int]:
+    """`(prompt_tokens, new_tokens)` of a session's reserve as ints, after checking each is an
+    integer >= 0 and that together they fit the model's context (ValueError otherwise)."""
+    prompt_tokens = check_int("reserve_prompt_tokens", prompt_tokens, 0)
+    new_tokens = check_int("reserve_new_tokens", new_tokens, 0)
+    if prompt_tokens + new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"reserve_prompt_tokens={prompt_tokens} + reserve_new_tokens={new_tokens} exceeds the "
+            f"model's context of {config.max_position_embeddings} tokens"
+        )
+    return prompt_tokens, new_tokens
+
+
 def per_row(value, rows: int, name: str) -> list:
     """`value` per row: its items when it is a sequence (or 1-D NumPy/JAX array), else `value`
     repeated."""

@@ -48,6 +48,7 @@ from jetspec_jax.decoding.request_checks import (
     check_budget,
     check_int,
     check_prompts,
+    check_reserve,
     check_token_ids,
     per_row,
     prompt_name,
@@ -86,6 +87,8 @@ class DecodeSession:
         sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
         stop_token_ids: Sequence[int] | None = None,
         pad_batch_to: int = 1,
+        reserve_prompt_tokens: int = 0,
+        reserve_new_tokens: int = 0,
     ):
         """Validates the requests and builds the bucketed inputs (no compilation yet).
 
@@ -103,6 +106,11 @@ class DecodeSession:
                 stops early.
             pad_batch_to: pad the batch to at least this many rows (>= 1; then to a power of
                 two), so that a server compiles one batch shape instead of one per batch size.
+            reserve_prompt_tokens, reserve_new_tokens: size the cache and the output buffer for
+                at least a prompt of this many tokens with this budget (>= 0, together within
+                the model's context), so that such requests can be `admit`ted later however
+                small the first batch's are (continuous batching). Memory grows with them; the
+                first batch's prefill keeps its own prompt bucket.
 
         Raises:
             ValueError: naming what is wrong with the request.
@@ -127,15 +135,19 @@ class DecodeSession:
             check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
         )
         pad_to = check_int("pad_batch_to", pad_batch_to, 1)
+        reserved = check_reserve(config, reserve_prompt_tokens, reserve_new_tokens)
 
         # Bucketed shapes; padding rows have a zero budget and are done after prefill. A
         # verification writes a whole block past the committed length: a block of headroom.
+        # The cache holds the context bucket (the reserve's, if longer) plus the output buffer;
+        # the first batch prefills its own prompt bucket.
         self.prompt_lengths = [len(p) for p in prompts]
         self._batch = bucket(max(len(prompts), pad_to), minimum=1)
         self._prompt_bucket = bucket(max(self.prompt_lengths))
-        self._max_output = bucket(max(budgets))
+        self._context_bucket = bucket(max(*self.prompt_lengths, reserved[0]))
+        self._max_output = bucket(max(*budgets, reserved[1]))
         block = self._proposer.block_size if self._proposer else 0
-        self._capacity = self._prompt_bucket + self._max_output + block
+        self._capacity = self._context_bucket + self._max_output + block
         pad_rows = self._batch - len(prompts)
         self._inputs, self._requests = self._batch_inputs(
             prompts + [[0]] * pad_rows,
@@ -223,10 +235,10 @@ class DecodeSession:
 
     def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
         """Whether a request of this prompt length and budget can be `admit`ted. The session's
-        shapes were sized by its first batch: the output buffer holds `max_output` tokens, and
-        the cache a prompt of the batch's prompt bucket plus that many (and a block's headroom):
-        a longer prompt fits with a budget as much shorter."""
-        total = self._prompt_bucket + self._max_output
+        shapes were sized by its first batch (and the reserve): the output buffer holds
+        `max_output` tokens, and the cache a prompt of the context bucket plus that many (and a
+        block's headroom): a longer prompt fits with a budget as much shorter."""
+        total = self._context_bucket + self._max_output
         return max_new_tokens <= self._max_output and prompt_length + max_new_tokens <= total
 
     def admit(
@@ -270,8 +282,8 @@ class DecodeSession:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens with max_new_tokens={budget} does not fit this "
                 f"session, sized for at most {self._max_output} new tokens and "
-                f"{self._prompt_bucket + self._max_output} tokens of prompt and new tokens "
-                "together; decode it in a new session"
+                f"{self._context_bucket + self._max_output} tokens of prompt and new tokens "
+                "together; decode it in a new session (or reserve room for it)"
             )
         # Its own prompt bucket (compiled once per bucket), within the cache: a prompt may reach
         # past the session's bucket, the sequence buffer (`SpecState.sequence`) not.

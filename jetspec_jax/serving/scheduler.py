@@ -12,8 +12,9 @@ in order, in the rows that finished jobs left and in the batch's padding rows
 (`DecodeSession.admit`: each is prefilled alone and decodes as it would alone). A job joins only
 if the batch's shapes hold it (`DecodeSession.fits`: its budget within the output buffer, its
 prompt plus budget within the cache); the first that does not waits, with every job behind it,
-until the batch ends and a new one is sized for it. With `continuous=False`, jobs that arrive
-wait for the next batch, and a finished row stays idle until its batch ends.
+until the batch ends and a new one is sized for it (`reserve` sizes every batch for jobs up to a
+given prompt length and budget, so that those always join). With `continuous=False`, jobs that
+arrive wait for the next batch, and a finished row stays idle until its batch ends.
 
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
@@ -139,6 +140,9 @@ class Scheduler:
             of computing padding rows (which continuous batching fills as jobs arrive).
         continuous: waiting jobs join the running batch at chunk boundaries (see the module
             docstring); False: each batch runs to its end with the jobs it started with.
+        reserve: `(prompt_tokens, new_tokens)`: every batch's shapes hold at least a prompt of
+            this many tokens with this budget, so that such jobs can join it
+            (`DecodeSession`'s `reserve_prompt_tokens` and `reserve_new_tokens`).
         metrics: where to record batch sizes, phase times, tau and tokens.
     """
 
@@ -153,14 +157,19 @@ class Scheduler:
         chunk_steps: int = 8,
         pad_batch: bool = False,
         continuous: bool = True,
+        reserve: tuple[int, int] = (0, 0),
         metrics: ServerMetrics | None = None,
     ):
         check_sizes(max_batch_size=max_batch_size, queue_size=queue_size, chunk_steps=chunk_steps)
         self.target = target
         self.draft = draft
         self.options = DecodingOptions() if options is None else options
-        # Refuse a bad pairing now, not at the first request: a one-row session validates it.
-        DecodeSession(target, [[0]], draft=draft, options=self.options, max_new_tokens=1)
+        # Refuse a bad pairing or reserve now, not at the first request: a one-row session
+        # validates them.
+        self._reserve = dict(reserve_prompt_tokens=reserve[0], reserve_new_tokens=reserve[1])
+        DecodeSession(
+            target, [[0]], draft=draft, options=self.options, max_new_tokens=1, **self._reserve
+        )
         self.max_batch_size, self.queue_size, self.chunk_steps = (
             max_batch_size,
             queue_size,
@@ -389,6 +398,7 @@ class Scheduler:
             max_new_tokens=[job.max_new_tokens for job in batch],
             sampling=[job.sampling for job in batch],
             pad_batch_to=self._pad_to,
+            **self._reserve,
         )
         rows = ContinuousBatch(session, batch)
         rows.start()

@@ -48,6 +48,10 @@ class ServerConfig:
         continuous_batching: waiting requests join the running batch at chunk boundaries, in
             the rows finished requests left and its padding rows, when its shapes hold them
             (`Scheduler`); False: each batch keeps the requests it started with.
+        reserve_prompt_tokens, reserve_new_tokens: every batch's shapes hold at least a prompt
+            of this many tokens with this budget (>= 0, together within the context), so that
+            such requests can join it whatever its first requests were; memory grows with them
+            (`DecodeSession`).
         shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
         keepalive_seconds: a streaming request with no text yet (waiting in the queue behind a
             long batch, or for its batch shape's first compile) gets its headers and an SSE
@@ -67,6 +71,8 @@ class ServerConfig:
     max_model_len: int | None = None
     pad_batch: bool = False
     continuous_batching: bool = True
+    reserve_prompt_tokens: int = 0
+    reserve_new_tokens: int = 0
     shutdown_timeout: float = 30.0
     keepalive_seconds: float = 15.0
 
@@ -79,6 +85,10 @@ class ServerConfig:
         value = self.default_max_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"default_max_tokens must be an integer >= 1, got {value!r}")
+        for name in ("reserve_prompt_tokens", "reserve_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         value = self.max_model_len
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 2
@@ -116,6 +126,7 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         chunk_steps=config.chunk_steps,
         pad_batch=config.pad_batch,
         continuous=config.continuous_batching,
+        reserve=(config.reserve_prompt_tokens, config.reserve_new_tokens),
         metrics=ServerMetrics(),
     )
     context = target.config.max_position_embeddings
