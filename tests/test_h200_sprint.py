@@ -1,0 +1,80 @@
+"""The GPU sprint's host-side pieces (`benchmarks/h200_sprint.py`): what it sends and gets back
+must survive the device's limits, and its step budget must follow the probe's rate. The whole
+flow was dry-run on the CPU (the script's docstring); this checks the parts that decide what
+a device call returns."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from benchmarks import h200_sprint
+
+
+class Clock:
+    """A `Sprint` stand-in: the budget's start, and notes dropped."""
+
+    def note(self, message: str) -> None:
+        pass
+
+
+def test_a_bundle_comes_back_in_parts_under_the_file_limit_and_unpacks_whole(tmp_path):
+    bundle = tmp_path / "bundle"
+    (bundle / "draft").mkdir(parents=True)
+    payload = bytes(range(256)) * (40 * 2**20 // 256 + 3)  # 40 MiB and a bit: three parts
+    (bundle / "draft" / "model.safetensors").write_bytes(payload)
+    (bundle / "jetspec_pp.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = h200_sprint._pack_bundle(bundle, out)
+    assert len(summary["parts"]) == 3
+    assert all((out / p).stat().st_size <= 15 * 2**20 for p in summary["parts"])
+    (out / "summary.json").write_text(json.dumps({"bundle": summary}))
+    args = h200_sprint._parser().parse_args(["unpack", "--parts", str(out), "--out", "x"])
+    args.out = tmp_path / "unpacked"
+    assert h200_sprint.unpack(args) == 0
+    assert (args.out / "draft" / "model.safetensors").read_bytes() == payload
+    assert (args.out / "jetspec_pp.json").read_text() == "{}"
+
+
+def test_unpack_refuses_parts_that_do_not_match_their_digest(tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "a").write_text("weights")
+    summary = h200_sprint._pack_bundle(bundle, tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"bundle": summary}))
+    part = tmp_path / summary["parts"][0]
+    part.write_bytes(part.read_bytes()[:-1] + b"!")
+    args = h200_sprint._parser().parse_args(
+        ["unpack", "--parts", str(tmp_path), "--out", str(tmp_path / "x")]
+    )
+    with pytest.raises(SystemExit, match="digest"):
+        h200_sprint.unpack(args)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_regeneration_stopped_mid_line_keeps_its_complete_lines(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": 3')
+    assert h200_sprint._complete_lines(path) == 2
+    assert path.read_bytes() == b'{"a": 1}\n{"a": 2}\n'
+    assert h200_sprint._complete_lines(path) == 2  # whole lines are left alone
+
+
+def test_the_steps_that_fit_follow_the_probes_rate(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.0, "tokens_per_second": 3200.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    until = time.monotonic() + h200_sprint.LOAD_SECONDS + 100  # 100 s to train in
+    steps = h200_sprint._steps_that_fit(metrics, 320, until, 0.5, Clock())
+    # 3200 tokens/s at 320 tokens per step is 10 steps/s; half of that for ~100 s, after the probe.
+    assert h200_sprint.PROBE_STEPS + 495 <= steps <= h200_sprint.PROBE_STEPS + 500
+    late = h200_sprint._steps_that_fit(metrics, 320, time.monotonic(), 1.0, Clock())
+    assert late == h200_sprint.PROBE_STEPS  # no time left: the probe's steps, none more
+
+
+def test_each_runs_tokens_per_step_come_from_the_sprint_config():
+    per_step = h200_sprint._tokens_per_step(["optim.batch_size=2", "data.max_length=128"])
+    assert per_step == {"draft": 2 * 128, "adapter": 32 * 128}  # the adapter keeps its own batch
