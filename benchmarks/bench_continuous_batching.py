@@ -7,9 +7,15 @@ previous one is answered, `--requests` in all: chat-templated GSM8K test prompts
 alternating between a short and a long one (`--budgets`), so that static batches hold rows idle
 after their short requests end. Each mode serves the same workload once to compile, then
 `--repeats` times, the modes alternating; the figures are medians over the repeats. Every
-request's tokens must be the same in both modes (each equals decoding it alone).
+request's tokens must be the same in every mode (each equals decoding it alone).
+
+With `--reserve P,N` a third mode, *reserved*, is continuous batching with every batch's shapes
+sized for prompts of P tokens and budgets of N (`Scheduler(reserve=...)`), so that a request the
+running batch's first requests did not size it for joins it too; its figures go to a section of
+their own (`continuous_batching_reserve`), on a workload whose first batch is all short budgets:
 
     python benchmarks/bench_continuous_batching.py [--method jetspec++]
+    python benchmarks/bench_continuous_batching.py --budgets 16,16,16,16,96,96 --reserve 256,96
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from jetspec_jax.sampling import SamplingParams  # noqa: E402
 from jetspec_jax.serving.scheduler import Failed, Finished, Job, Scheduler, Tokens  # noqa: E402
 
 EVAL = ROOT.parent / "shared" / "data" / "eval" / "gsm8k_test.jsonl"
-MODES = ("static", "continuous")
 JOINED = "jetspec_joined_requests_total"
 
 
@@ -46,6 +51,9 @@ def _parser():
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--budgets", default="16,96", help="max_tokens, cycled over requests")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--reserve", default=None, metavar="P,N", help="add the reserved mode (see above)"
+    )
     return parser
 
 
@@ -108,6 +116,10 @@ def main() -> int:
         draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
         options = DecodingOptions(args.method)
     budgets = [int(b) for b in args.budgets.split(",")]
+    reserve = tuple(int(n) for n in args.reserve.split(",")) if args.reserve else None
+    modes = {"static": dict(continuous=False), "continuous": dict(continuous=True)}
+    if reserve:
+        modes["reserved"] = dict(continuous=True, reserve=reserve)
     records = read_prompts(EVAL, limit=args.requests)
     jobs = [
         (encode_prompt(target.tokenizer, r["prompt"], chat=True), budgets[i % len(budgets)])
@@ -122,13 +134,13 @@ def main() -> int:
             queue_size=len(jobs),
             chunk_steps=8,
             pad_batch=True,
-            continuous=mode == "continuous",
+            **settings,
         )
-        for mode in MODES
+        for mode, settings in modes.items()
     }
     for scheduler in schedulers.values():
         scheduler.start()
-    runs = {mode: [] for mode in MODES}
+    runs = {mode: [] for mode in modes}
     try:
         for repeat in range(args.repeats + 1):  # the first serves compile
             for mode, scheduler in schedulers.items():
@@ -142,14 +154,14 @@ def main() -> int:
     reference = runs["static"][0]["tokens"]
     mismatches = [
         f"{mode} run {i} request {j}"
-        for mode in MODES
+        for mode in modes
         for i, run in enumerate(runs[mode])
         for j in range(len(jobs))
         if run["tokens"][j] != reference[j] or reference[j] is None
     ]
     generated = sum(len(t) for t in reference.values() if t)
     figures = {}
-    for mode in MODES:
+    for mode in modes:
         walls = [run["wall"] for run in runs[mode]]
         latencies = [list(run["latency"].values()) for run in runs[mode]]
         firsts = [list(run["first"].values()) for run in runs[mode]]
@@ -163,8 +175,9 @@ def main() -> int:
             batches=statistics.median(run["batches"] for run in runs[mode]),
             joined=statistics.median(run["joined"] for run in runs[mode]),
         )
+    title = "Continuous vs static batching" + (", and a reserve" if reserve else "")
     lines = [
-        "## Continuous vs static batching (`benchmarks/bench_continuous_batching.py`)",
+        f"## {title} (`benchmarks/bench_continuous_batching.py`)",
         "",
         f"- Machine: {machine_line()}",
         f"- Command: `python benchmarks/bench_continuous_batching.py{changed_flags(args, parser)}`",
@@ -176,7 +189,14 @@ def main() -> int:
         f"token: {generated} tokens in all). Median of "
         f"{args.repeats} serves of the workload per mode, the modes alternating, after one "
         "serve each that compiled. *batches*: batches started per serve; *joined*: requests "
-        "that joined a running batch. Every request's tokens equal in both modes: "
+        "that joined a running batch"
+        + (
+            f"; *reserved*: continuous, every batch sized for prompts of {reserve[0]} tokens "
+            f"and budgets of {reserve[1]} at least"
+            if reserve
+            else ""
+        )
+        + ". Every request's tokens equal in every mode: "
         + ("yes" if not mismatches else f"**no** ({len(mismatches)} differ)")
         + ".",
         "",
@@ -197,7 +217,15 @@ def main() -> int:
         f"p50 latency {static['p50'] / continuous['p50']:.2f}x lower, p50 time to first token "
         f"{static['ttft50'] / continuous['ttft50']:.2f}x lower.",
     ]
-    return publish("continuous_batching", "\n".join(lines) + "\n", args.out, mismatches)
+    if reserve:
+        reserved = figures["reserved"]
+        lines.append(
+            f"Reserved over continuous: {continuous['wall'] / reserved['wall']:.2f}x the "
+            f"throughput, p50 latency {continuous['p50'] / reserved['p50']:.2f}x lower, p50 time "
+            f"to first token {continuous['ttft50'] / reserved['ttft50']:.2f}x lower."
+        )
+    section = "continuous_batching" + ("_reserve" if reserve else "")
+    return publish(section, "\n".join(lines) + "\n", args.out, mismatches)
 
 
 if __name__ == "__main__":

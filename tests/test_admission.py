@@ -190,9 +190,11 @@ def test_admission_is_refused_clearly(target):
     assert len(session.result(0).tokens) == 2 and len(session.result(1).tokens) == 8
 
 
-def test_a_reserve_admits_what_the_first_batch_would_not_fit(target):
+@pytest.mark.parametrize("method", ["ar", "jetspec++"])
+def test_a_reserve_admits_what_the_first_batch_would_not_fit(target, draft, method):
     """Reserved for 40-token prompts and 24 new tokens, a session of short requests (buckets 16
     and 16) admits a 40-token prompt with a 24-token budget; it decodes as alone."""
+    kwargs = {} if method == "ar" else dict(draft=draft, options=DecodingOptions(method))
     session = DecodeSession(
         target,
         [[1, 2, 3]],
@@ -200,6 +202,7 @@ def test_a_reserve_admits_what_the_first_batch_would_not_fit(target):
         stop_token_ids=[],
         reserve_prompt_tokens=40,
         reserve_new_tokens=24,
+        **kwargs,
     )
     assert session.fits(40, 24) and session.fits(64 + 32 - 24, 24)  # buckets 64 and 32
     assert not session.fits(1, 33) and not session.fits(64 + 32 - 23, 24)
@@ -211,7 +214,8 @@ def test_a_reserve_admits_what_the_first_batch_would_not_fit(target):
     session.admit(0, request[0], max_new_tokens=24)
     session.advance()
     session.poll()
-    assert session.result(0).tokens == alone(target, request).tokens
+    result, expected = session.result(0), alone(target, request, **kwargs)
+    assert result.tokens == expected.tokens and result.outcomes == expected.outcomes
 
 
 def test_a_reserve_is_checked(target):
