@@ -46,6 +46,7 @@ SERVER_FLAGS = (
     "static_batching",
     "reserve_prompt_tokens",
     "reserve_new_tokens",
+    "warmup",
     "shutdown_timeout",
     "keepalive_seconds",
 )
@@ -263,6 +264,7 @@ def _server_config(args, draft, *, method: str | None = None):
         continuous_batching=not args.static_batching,
         reserve_prompt_tokens=args.reserve_prompt_tokens,
         reserve_new_tokens=args.reserve_new_tokens,
+        warmup=args.warmup,
         shutdown_timeout=args.shutdown_timeout,
         keepalive_seconds=args.keepalive_seconds,
     )
@@ -543,6 +545,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="size every batch's output buffer for N new tokens at least (see "
         "--reserve-prompt-tokens)",
+    )
+    parser.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile the programs of requests within the reserve (both --reserve-* flags) "
+        "before the first batch; /health answers 503 until done",
     )
     parser.add_argument(
         "--shutdown-timeout",

@@ -1091,12 +1091,13 @@ def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):
         continuous_batching=False,
         reserve_prompt_tokens=128,
         reserve_new_tokens=96,
+        warmup=True,
         shutdown_timeout=7.0,
         keepalive_seconds=2.5,
     )
     fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"decoding"}
     assert fields == set(given)  # a new setting: add it here, with its flag
-    argv = ["--method", "ar", "--pad-batch", "--static-batching"]
+    argv = ["--method", "ar", "--pad-batch", "--static-batching", "--warmup"]
     for name, value in given.items():
         if not isinstance(value, bool):
             argv += ["--" + name.replace("_", "-"), str(value)]

@@ -217,14 +217,16 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     scheduler = request.app[SCHEDULER]
+    ready = scheduler.accepting and not scheduler.warming_up
+    status = "ok" if ready else "warming_up" if scheduler.accepting else "shutting_down"
     body = {
-        "status": "ok" if scheduler.accepting else "shutting_down",
+        "status": status,
         "model": request.app[MODEL].name,
         "method": scheduler.options.method,
         "queue_depth": scheduler.queue_depth,
         "running": scheduler.running,
     }
-    return web.json_response(body, status=200 if scheduler.accepting else 503)
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

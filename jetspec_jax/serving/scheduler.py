@@ -16,6 +16,10 @@ until the batch ends and a new one is sized for it (`reserve` sizes every batch 
 given prompt length and budget, so that those always join). With `continuous=False`, jobs that
 arrive wait for the next batch, and a finished row stays idle until its batch ends.
 
+With `warm_up`, the worker first compiles every program a job within the reserve needs
+(`decoding.warmup.warm_up`: the prefills of each prompt bucket, the decode loop, an admission);
+jobs submitted meanwhile wait in the queue, and `warming_up` says so (/health answers 503).
+
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
 new and waiting jobs and lets the running batch finish; `stop` also cancels the running batch.
@@ -38,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from jetspec_jax.decoding import warmup
 from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.request_checks import check_budget, check_token_ids
@@ -143,6 +148,9 @@ class Scheduler:
         reserve: `(prompt_tokens, new_tokens)`: every batch's shapes hold at least a prompt of
             this many tokens with this budget, so that such jobs can join it
             (`DecodeSession`'s `reserve_prompt_tokens` and `reserve_new_tokens`).
+        warm_up: before the first batch, compile the programs of jobs within the reserve (both
+            its sizes >= 1), for each batch shape the scheduler uses (one with `pad_batch`,
+            else one per power of two up to `max_batch_size`).
         metrics: where to record batch sizes, phase times, tau and tokens.
     """
 
@@ -158,6 +166,7 @@ class Scheduler:
         pad_batch: bool = False,
         continuous: bool = True,
         reserve: tuple[int, int] = (0, 0),
+        warm_up: bool = False,
         metrics: ServerMetrics | None = None,
     ):
         check_sizes(max_batch_size=max_batch_size, queue_size=queue_size, chunk_steps=chunk_steps)
@@ -176,6 +185,12 @@ class Scheduler:
             chunk_steps,
         )
         self._pad_to = max_batch_size if pad_batch else 1
+        if warm_up and min(reserve) < 1:
+            raise ValueError(
+                "warm_up compiles the programs of requests within the reserve: give a reserve "
+                f"of at least 1 prompt token and 1 new token, got {tuple(reserve)}"
+            )
+        self._warming_up = warm_up
         self.continuous = continuous
         self.metrics = metrics or ServerMetrics()
         self._waiting: deque[Job] = deque()
@@ -233,6 +248,11 @@ class Scheduler:
     def accepting(self) -> bool:
         return self._accepting
 
+    @property
+    def warming_up(self) -> bool:
+        """The worker is compiling before its first batch (`warm_up`); jobs wait meanwhile."""
+        return self._warming_up
+
     @contextlib.contextmanager
     def hold(self):
         """While inside, no new batch starts and no job joins the running one (jobs keep
@@ -280,6 +300,8 @@ class Scheduler:
     # -- worker -----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        if self._warming_up:
+            self._warm_up()
         while True:
             with self._cond:
                 while not self._stopping and (self._held or not self._waiting):
@@ -296,6 +318,37 @@ class Scheduler:
                 self._serve(batch)
             with self._cond:
                 self._running = []
+
+    def _warm_up(self) -> None:
+        """Compiles the programs of jobs within the reserve. A failure is logged (with what it
+        means for the jobs) and serving goes on: each job then compiles what it needs."""
+        if self._pad_to > 1:
+            batch_sizes = [self._pad_to]
+        else:
+            batch_sizes = [1 << i for i in range((self.max_batch_size - 1).bit_length() + 1)]
+        start = time.perf_counter()
+        try:
+            compile_seconds = warmup.warm_up(
+                self.target,
+                draft=self.draft,
+                options=self.options,
+                batch_sizes=batch_sizes,
+                **self._reserve,
+            )
+            self.metrics.phase_seconds.labels("compile").observe(compile_seconds)
+            logger.info(
+                "warmed up in %.1f s (%.1f s compiling): batches of %s rows, prompts up to %d "
+                "tokens, budgets up to %d",
+                time.perf_counter() - start,
+                compile_seconds,
+                "/".join(map(str, batch_sizes)),
+                *self._reserve.values(),
+            )
+        except Exception:
+            logger.exception("warming up failed; requests compile their programs as they come")
+        finally:
+            with self._cond:
+                self._warming_up = False
 
     def _serve(self, batch: list[Job]) -> None:
         """Decodes `batch`, giving each job its last event as soon as its row is done. When the

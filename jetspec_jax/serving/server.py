@@ -52,6 +52,9 @@ class ServerConfig:
             of this many tokens with this budget (>= 0, together within the context), so that
             such requests can join it whatever its first requests were; memory grows with them
             (`DecodeSession`).
+        warmup: compile the programs of requests within the reserve (both sizes >= 1) before
+            the first batch (`Scheduler`'s `warm_up`); /health answers 503 "warming_up" until
+            done, and requests sent meanwhile wait in the queue.
         shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
         keepalive_seconds: a streaming request with no text yet (waiting in the queue behind a
             long batch, or for its batch shape's first compile) gets its headers and an SSE
@@ -73,6 +76,7 @@ class ServerConfig:
     continuous_batching: bool = True
     reserve_prompt_tokens: int = 0
     reserve_new_tokens: int = 0
+    warmup: bool = False
     shutdown_timeout: float = 30.0
     keepalive_seconds: float = 15.0
 
@@ -89,6 +93,11 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.warmup and min(self.reserve_prompt_tokens, self.reserve_new_tokens) < 1:
+            raise ValueError(
+                "warmup compiles the programs of requests within the reserve: set "
+                "reserve_prompt_tokens and reserve_new_tokens (each >= 1)"
+            )
         value = self.max_model_len
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 2
@@ -127,6 +136,7 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         pad_batch=config.pad_batch,
         continuous=config.continuous_batching,
         reserve=(config.reserve_prompt_tokens, config.reserve_new_tokens),
+        warm_up=config.warmup,
         metrics=ServerMetrics(),
     )
     context = target.config.max_position_embeddings

@@ -1,0 +1,92 @@
+"""Compiling a server's programs before its first request: `warm_up`.
+
+A `DecodeSession` compiles each program on the first use of its shape bucket (batch, prompt
+length, cache capacity, output buffer), so the first request of every new bucket waits for XLA
+(20-30 s on a CPU). With a reserve (`DecodeSession`'s `reserve_prompt_tokens` and
+`reserve_new_tokens`) the capacity and the output buffer of every batch are fixed for requests
+within it, and the buckets left are few: the batch sizes, and the prompt buckets up to the
+reserve's. `warm_up` runs each of their programs once, on dummy prompts:
+
+    per batch size B:  the batch prefill at each prompt bucket, the decode loop, and an
+                       admission's row write
+    once:              an admission's one-row prefill at each prompt bucket
+
+after which a request within the reserve, and one that joins a running batch, compiles nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.session import DecodeSession
+
+
+def warm_up(
+    target,
+    *,
+    draft=None,
+    options: DecodingOptions | None = None,
+    batch_sizes: Sequence[int] = (1,),
+    reserve_prompt_tokens: int,
+    reserve_new_tokens: int,
+) -> float:
+    """Compiles the programs of requests whose prompt and budget are within the reserve.
+
+    Args:
+        target, draft, options: as `DecodeSession` takes them.
+        batch_sizes: the `pad_batch_to` of each batch shape to compile (a server with padded
+            batches has one; without, one per power of two up to its largest batch).
+        reserve_prompt_tokens, reserve_new_tokens: the sessions' reserve (each >= 1).
+
+    Returns:
+        The seconds spent compiling (programs already compiled, e.g. loaded from the persistent
+        cache, cost nothing here).
+
+    Raises:
+        ValueError: a reserve below 1, no batch size, or one `DecodeSession` refuses.
+    """
+    if reserve_prompt_tokens < 1 or reserve_new_tokens < 1:
+        raise ValueError(
+            "warming up compiles the programs of requests within a reserve: "
+            f"reserve_prompt_tokens ({reserve_prompt_tokens}) and reserve_new_tokens "
+            f"({reserve_new_tokens}) must both be >= 1"
+        )
+    if not batch_sizes:
+        raise ValueError("batch_sizes is empty: give the batch sizes to compile for")
+    reserve = dict(
+        reserve_prompt_tokens=reserve_prompt_tokens, reserve_new_tokens=reserve_new_tokens
+    )
+    widths = prompt_buckets(reserve_prompt_tokens)
+    compile_seconds, session = 0.0, None
+    for index, rows in enumerate(batch_sizes):
+        for width in widths:  # one row, budget 1: done at its prefill, so row 0 is free
+            if session is not None:  # dropped before the next: one state in memory at a time
+                compile_seconds += session.timing.compile_seconds
+            session = DecodeSession(
+                target,
+                [[0] * width],
+                draft=draft,
+                options=options,
+                max_new_tokens=1,
+                pad_batch_to=rows,
+                **reserve,
+            )
+            session.start()
+        session.poll()
+        # The one-row prefills are the same for every batch size: the first one does them all.
+        for width in widths if index == 0 else widths[:1]:
+            session.admit(0, [0] * width, max_new_tokens=1)
+            session.poll()
+        session.admit(0, [0], max_new_tokens=2)  # a budget of 2: the decode loop runs
+        session.advance(1)
+    return compile_seconds + session.timing.compile_seconds
+
+
+def prompt_buckets(prompt_tokens: int) -> list[int]:
+    """The prompt buckets of prompts of 1 to `prompt_tokens` tokens, smallest first."""
+    widths = [bucket(1)]
+    while widths[-1] < bucket(prompt_tokens):
+        widths.append(widths[-1] * 2)
+    return widths

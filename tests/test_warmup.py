@@ -1,0 +1,134 @@
+"""Warming up (`decoding/warmup.py`, `Scheduler(warm_up=True)`, `serve.py --warmup`): after it,
+requests within the reserve compile nothing, and /health says when the server is ready."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.decoding import warmup
+from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.session import COMPILED, DecodeSession
+from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.serving import BackgroundServer, ServerConfig
+from jetspec_jax.serving.scheduler import Finished, Job, Scheduler
+from tests.text_fixtures import with_tokenizer
+
+# A reserve no other test uses: its programs are compiled here or not at all.
+RESERVE = dict(reserve_prompt_tokens=40, reserve_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, block_size=4)
+
+
+def test_prompt_buckets_run_from_the_smallest_to_the_reserves():
+    assert warmup.prompt_buckets(1) == [16]
+    assert warmup.prompt_buckets(40) == [16, 32, 64]
+    assert warmup.prompt_buckets(64) == [16, 32, 64]
+
+
+@pytest.mark.parametrize("method", ["ar", "jetspec++"])
+def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method):
+    """A batch of 2 rows: a first request of each prompt bucket, one that joins it, and the
+    decode loop; none compiles once `warm_up` ran (which did compile: the programs were new)."""
+    COMPILED.clear()
+    kwargs = {} if method == "ar" else dict(draft=draft, options=DecodingOptions(method))
+    compiled = warmup.warm_up(target, batch_sizes=[2], **RESERVE, **kwargs)
+    assert compiled > 0
+    rng = np.random.default_rng(0)
+    for first_length, joiner_length in [(5, 30), (20, 40), (40, 3)]:
+        session = DecodeSession(
+            target,
+            [rng.integers(0, 97, first_length).tolist()],
+            max_new_tokens=12,
+            pad_batch_to=2,
+            stop_token_ids=[],
+            **RESERVE,
+            **kwargs,
+        )
+        session.start()
+        session.advance(3)
+        session.admit(1, rng.integers(0, 97, joiner_length).tolist(), max_new_tokens=10)
+        session.advance()
+        session.poll()
+        assert session.done
+        assert session.timing.compile_seconds == 0, (first_length, joiner_length)
+
+
+def test_warming_up_needs_a_reserve(target):
+    with pytest.raises(ValueError, match="reserve_prompt_tokens .* must both be >= 1"):
+        warmup.warm_up(target, reserve_prompt_tokens=0, reserve_new_tokens=8)
+    with pytest.raises(ValueError, match="batch_sizes is empty"):
+        warmup.warm_up(target, batch_sizes=[], reserve_prompt_tokens=8, reserve_new_tokens=8)
+    with pytest.raises(ValueError, match="give a reserve"):
+        Scheduler(target, warm_up=True, reserve=(16, 0))
+    with pytest.raises(ValueError, match="warmup compiles"):
+        ServerConfig(warmup=True)
+
+
+def test_the_scheduler_warms_up_before_its_first_batch(target):
+    """Unpadded batches of up to 4 rows: every batch shape is warmed; a batch of 2 jobs and
+    then a batch of 1, served after the warm-up, compile nothing."""
+    COMPILED.clear()
+    scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2, warm_up=True, reserve=(40, 12))
+    assert scheduler.warming_up
+    finished = []
+    all_done = threading.Semaphore(0)
+
+    def deliver(event):
+        if isinstance(event, Finished):
+            finished.append(event.result)
+            all_done.release()
+
+    for prompt in ([5, 6, 7], list(range(1, 35))):  # queued before the start: one batch
+        scheduler.submit(Job(prompt, 12, SamplingParams(), deliver))
+    scheduler.start()
+    try:
+        assert all_done.acquire(timeout=120) and all_done.acquire(timeout=120)
+        scheduler.submit(Job([8, 9], 5, SamplingParams(), deliver))
+        assert all_done.acquire(timeout=120)
+    finally:
+        scheduler.stop()
+    assert not scheduler.warming_up
+    assert [r.timing.compile_seconds for r in finished] == [0, 0, 0]
+    phases = scheduler.metrics.registry.get_sample_value(
+        "jetspec_phase_seconds_count", {"phase": "compile"}
+    )
+    assert phases == 3  # the warm-up's compile time, then each batch's
+
+
+def test_health_answers_503_while_warming_up(checkpoints, tmp_path, monkeypatch):
+    target = jetspec_jax.load_target(with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "t"))
+    release, entered = threading.Event(), threading.Event()
+
+    def slow_warm_up(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return 0.0
+
+    monkeypatch.setattr(warmup, "warm_up", slow_warm_up)
+    config = ServerConfig(
+        max_batch_size=2, warmup=True, reserve_prompt_tokens=32, reserve_new_tokens=8
+    )
+    with BackgroundServer(target, None, config) as server:
+        assert entered.wait(60)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "warming_up"
+        release.set()
+        for _ in range(600):
+            health = httpx.get(server.url + "/health")
+            if health.status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert health.json()["status"] == "ok"
