@@ -26,9 +26,10 @@ stays there when the second does not name it):
   3. a 20-step probe of the draft run (configs/smollm2_135m_h200_sprint.yaml) gives its step
      rate, and the run resumes with the steps that end it at 85% of the budget; the adapter's
      probe and run (trained on the target's states: the draft's architecture is all it needs,
-     from the probe's export) overlap it the same way. A run still going at 85% is stopped and
-     exported at its last checkpoint (every 50 steps);
-  4. `train.py export --adapter-from`: the bfloat16 bundle, tarred and cut into 15 MiB parts
+     from the probe's export) overlap it the same way, the probe alone if no step more fits. A
+     run still going at 85% is stopped and exported at its last checkpoint (every 50 steps);
+  4. `train.py export --adapter-from` (the draft alone if the adapter's probe did not finish):
+     the bfloat16 bundle, tarred and cut into 15 MiB parts
      (files come back at most 16 MiB each, 8 in all), with `summary.json` (line counts, steps,
      rates, times, the tar's digest), both runs' metrics and the logs' tails.
 Calibration and the tau tables run here afterwards, on the CPU the default serves on (the
@@ -277,10 +278,11 @@ def _sprint(sprint: Sprint) -> int:
     adapter = ["train.py", "adapter", *common, "--draft", str(probe_draft)]
     draft_run = sprint.spawn("draft", ["train.py", "draft", *common, *_steps("optim", draft_steps)])
     adapter_steps = None
-    if sprint.run("adapter_probe", adapter, sprint.at(0.6)) == 0:
+    if sprint.run("adapter_probe", adapter, train_end) == 0:
         metrics = RUN_DIR / "adapter_run" / "metrics.jsonl"
         adapter_steps = _steps_that_fit(metrics, per_step["adapter"], train_end, 1.0, sprint)
-        sprint.run("adapter", [*adapter, *_steps("adapter.optim", adapter_steps)], train_end)
+        if adapter_steps > PROBE_STEPS:  # else the probe's export stands
+            sprint.run("adapter", [*adapter, *_steps("adapter.optim", adapter_steps)], train_end)
     if sprint.wait("draft", draft_run, train_end) is None:  # exported at its last checkpoint
         draft_steps = _finish_at_checkpoint(
             sprint, "draft", ["train.py", "draft", *common], "optim"
@@ -292,7 +294,11 @@ def _sprint(sprint: Sprint) -> int:
     bundle = RUN_DIR / "bundle"
     shutil.rmtree(bundle, ignore_errors=True)
     export = ["train.py", "export", "--draft", str(RUN_DIR / "draft"), "--out", str(bundle)]
-    export += ["--adapter-from", str(RUN_DIR / "jetspec_pp"), "--dtype", "bfloat16"]
+    export += ["--dtype", "bfloat16"]
+    # Without an adapter (its probe did not finish) the draft comes back alone: J0 still runs.
+    summary["with_adapter"] = (RUN_DIR / "jetspec_pp" / "adapter").is_dir()
+    if summary["with_adapter"]:
+        export += ["--adapter-from", str(RUN_DIR / "jetspec_pp")]
     if sprint.run("export", export, sprint.at(0.97)) != 0:
         return 1
     summary["bundle"] = _pack_bundle(bundle, pathlib.Path(args.out))
