@@ -100,7 +100,7 @@ def assert_as_alone(target, first, later, **kwargs):
     results, streamed, rows = with_admissions(target, first, later, **kwargs)
     assert rows == {2: 2, 3: 3, 4: 0}  # both padding rows, then a finished row
     for i, (request, result) in enumerate(zip(first + later, results, strict=True)):
-        expected = alone(target, request, **kwargs)
+        expected = alone(target, request, pad_batch_to=4, **kwargs)  # the batch's programs
         assert result.tokens == expected.tokens, i
         assert streamed[i] == result.tokens, i
         assert result.outcomes == expected.outcomes, i
