@@ -224,6 +224,8 @@ class Sprint:
 
 
 def run(args) -> int:
+    if (RUN_DIR / "checkpoints").exists():  # its probe would resume that run, not start anew
+        sys.exit(f"run: {RUN_DIR} holds an earlier sprint's run; move it away first")
     sprint = Sprint(args)
     try:
         return _sprint(sprint)
