@@ -143,7 +143,6 @@ class DecodeSession:
         # the first batch prefills its own prompt bucket.
         self.prompt_lengths = [len(p) for p in prompts]
         self._batch = bucket(max(len(prompts), pad_to), minimum=1)
-        self._prompt_bucket = bucket(max(self.prompt_lengths))
         self._context_bucket = bucket(max(*self.prompt_lengths, reserved[0]))
         self._max_output = bucket(max(*budgets, reserved[1]))
         block = self._proposer.block_size if self._proposer else 0
@@ -153,7 +152,7 @@ class DecodeSession:
             prompts + [[0]] * pad_rows,
             budgets + [0] * pad_rows,
             sampling + [GREEDY] * pad_rows,
-            self._prompt_bucket,
+            bucket(max(self.prompt_lengths)),
         )
         self._budgets = budgets
         self._max_budget = max(budgets)

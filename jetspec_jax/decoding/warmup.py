@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.buckets import buckets_up_to
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 
@@ -47,12 +47,7 @@ def warm_up(
     Raises:
         ValueError: a reserve below 1, no batch size, or one `DecodeSession` refuses.
     """
-    if reserve_prompt_tokens < 1 or reserve_new_tokens < 1:
-        raise ValueError(
-            "warming up compiles the programs of requests within a reserve: "
-            f"reserve_prompt_tokens ({reserve_prompt_tokens}) and reserve_new_tokens "
-            f"({reserve_new_tokens}) must both be >= 1"
-        )
+    check_warm_up_reserve(reserve_prompt_tokens, reserve_new_tokens)
     if not batch_sizes:
         raise ValueError("batch_sizes is empty: give the batch sizes to compile for")
     reserve = dict(
@@ -84,9 +79,17 @@ def warm_up(
     return compile_seconds + session.timing.compile_seconds
 
 
+def check_warm_up_reserve(prompt_tokens: int, new_tokens: int) -> None:
+    """Raises a ValueError unless the reserve has room to warm up for (both sizes >= 1): the
+    one check of `warm_up`, `Scheduler(warm_up=True)` and `ServerConfig(warmup=True)`."""
+    if prompt_tokens < 1 or new_tokens < 1:
+        raise ValueError(
+            "warmup compiles the programs of requests within the reserve: give a reserve "
+            f"(reserve_prompt_tokens {prompt_tokens} and reserve_new_tokens {new_tokens} must "
+            "both be >= 1)"
+        )
+
+
 def prompt_buckets(prompt_tokens: int) -> list[int]:
     """The prompt buckets of prompts of 1 to `prompt_tokens` tokens, smallest first."""
-    widths = [bucket(1)]
-    while widths[-1] < bucket(prompt_tokens):
-        widths.append(widths[-1] * 2)
-    return widths
+    return buckets_up_to(prompt_tokens)

@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable
 
 from jetspec_jax.decoding import warmup
+from jetspec_jax.decoding.buckets import buckets_up_to
 from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.request_checks import check_budget, check_token_ids
@@ -185,11 +186,8 @@ class Scheduler:
             chunk_steps,
         )
         self._pad_to = max_batch_size if pad_batch else 1
-        if warm_up and min(reserve) < 1:
-            raise ValueError(
-                "warm_up compiles the programs of requests within the reserve: give a reserve "
-                f"of at least 1 prompt token and 1 new token, got {tuple(reserve)}"
-            )
+        if warm_up:
+            warmup.check_warm_up_reserve(*reserve)
         self._warming_up = warm_up
         self.continuous = continuous
         self.metrics = metrics or ServerMetrics()
@@ -325,7 +323,7 @@ class Scheduler:
         if self._pad_to > 1:
             batch_sizes = [self._pad_to]
         else:
-            batch_sizes = [1 << i for i in range((self.max_batch_size - 1).bit_length() + 1)]
+            batch_sizes = buckets_up_to(self.max_batch_size, minimum=1)
         start = time.perf_counter()
         try:
             compile_seconds = warmup.warm_up(

@@ -15,6 +15,7 @@ import threading
 
 from aiohttp import web
 
+from jetspec_jax.decoding import warmup
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.default_model import served_model_name
 from jetspec_jax.serving.app import create_app
@@ -93,11 +94,8 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.warmup and min(self.reserve_prompt_tokens, self.reserve_new_tokens) < 1:
-            raise ValueError(
-                "warmup compiles the programs of requests within the reserve: set "
-                "reserve_prompt_tokens and reserve_new_tokens (each >= 1)"
-            )
+        if self.warmup:
+            warmup.check_warm_up_reserve(self.reserve_prompt_tokens, self.reserve_new_tokens)
         value = self.max_model_len
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 2
