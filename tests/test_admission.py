@@ -204,8 +204,8 @@ def test_a_reserve_admits_what_the_first_batch_would_not_fit(target, draft, meth
         reserve_new_tokens=24,
         **kwargs,
     )
-    assert session.fits(40, 24) and session.fits(64 + 32 - 24, 24)  # buckets 64 and 32
-    assert not session.fits(1, 33) and not session.fits(64 + 32 - 23, 24)
+    assert session.fits(40, 24) and session.fits(48 + 32 - 24, 24)  # buckets 48 and 32
+    assert not session.fits(1, 33) and not session.fits(48 + 32 - 23, 24)
     session.start()
     session.advance()
     session.poll()

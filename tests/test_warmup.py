@@ -32,12 +32,6 @@ def draft(target):
     return jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, block_size=4)
 
 
-def test_prompt_buckets_run_from_the_smallest_to_the_reserves():
-    assert warmup.prompt_buckets(1) == [16]
-    assert warmup.prompt_buckets(40) == [16, 32, 64]
-    assert warmup.prompt_buckets(64) == [16, 32, 64]
-
-
 @pytest.mark.parametrize("method", ["ar", "jetspec++"])
 def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method):
     """A batch of 2 rows: a first request of each prompt bucket, one that joins it, and the

@@ -16,9 +16,10 @@ With `pipeline="mpmd"` the prefill and the loop are `pipeline_mpmd.TwoProgramPip
 program per device, rounds dispatched from the host); every other method runs one compiled loop.
 
 Everything per token stays on the device: a caller that never polls (`generate_batch`) makes no
-host round trip until `results()`. Shapes are bucketed (batch, prompt length, output length:
-powers of two) so that new requests reuse compiled code; the first use of a bucket compiles ahead
-of time, is logged, and is timed apart from prefill and decode.
+host round trip until `results()`. Shapes are bucketed (decoding/buckets.py: batch and output
+length to powers of two, prompt and context length also to three quarters of them) so that new
+requests reuse compiled code; the first use of a bucket compiles ahead of time, is logged, and is
+timed apart from prefill and decode.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 from jetspec_jax.decoding.admission import write_row
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
-from jetspec_jax.decoding.buckets import bucket
+from jetspec_jax.decoding.buckets import bucket, length_bucket
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.foresight import foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
@@ -143,7 +144,7 @@ class DecodeSession:
         # the first batch prefills its own prompt bucket.
         self.prompt_lengths = [len(p) for p in prompts]
         self._batch = bucket(max(len(prompts), pad_to), minimum=1)
-        self._context_bucket = bucket(max(*self.prompt_lengths, reserved[0]))
+        self._context_bucket = length_bucket(max(*self.prompt_lengths, reserved[0]))
         self._max_output = bucket(max(*budgets, reserved[1]))
         block = self._proposer.block_size if self._proposer else 0
         self._capacity = self._context_bucket + self._max_output + block
@@ -152,7 +153,7 @@ class DecodeSession:
             prompts + [[0]] * pad_rows,
             budgets + [0] * pad_rows,
             sampling + [GREEDY] * pad_rows,
-            bucket(max(self.prompt_lengths)),
+            length_bucket(max(self.prompt_lengths)),
         )
         self._budgets = budgets
         self._max_budget = max(budgets)
@@ -286,7 +287,7 @@ class DecodeSession:
             )
         # Its own prompt bucket (compiled once per bucket), within the cache: a prompt may reach
         # past the session's bucket, the sequence buffer (`SpecState.sequence`) not.
-        width = min(bucket(len(prompt)), self._capacity)
+        width = min(length_bucket(len(prompt)), self._capacity)
         inputs, requests = self._batch_inputs([prompt], [budget], [sampling], width)
         compiled_before, decoded_before = self._compile_seconds, self._decode_seconds
         state, seconds = self._prefill(*inputs, requests)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jetspec_jax.decoding.buckets import buckets_up_to
+from jetspec_jax.decoding.buckets import length_buckets_up_to
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 
@@ -53,7 +53,7 @@ def warm_up(
     reserve = dict(
         reserve_prompt_tokens=reserve_prompt_tokens, reserve_new_tokens=reserve_new_tokens
     )
-    widths = prompt_buckets(reserve_prompt_tokens)
+    widths = length_buckets_up_to(reserve_prompt_tokens)
     compile_seconds, session = 0.0, None
     for index, rows in enumerate(batch_sizes):
         for width in widths:  # one row, budget 1: done at its prefill, so row 0 is free
@@ -88,8 +88,3 @@ def check_warm_up_reserve(prompt_tokens: int, new_tokens: int) -> None:
             f"(reserve_prompt_tokens {prompt_tokens} and reserve_new_tokens {new_tokens} must "
             "both be >= 1)"
         )
-
-
-def prompt_buckets(prompt_tokens: int) -> list[int]:
-    """The prompt buckets of prompts of 1 to `prompt_tokens` tokens, smallest first."""
-    return buckets_up_to(prompt_tokens)
