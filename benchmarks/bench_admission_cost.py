@@ -1,10 +1,10 @@
 """What one admission into a running batch costs (continuous batching): `DecodeSession.admit`
-whole, and its `write_row` part (the one-row state written into the batch's carry).
+whole, and its `write_rows` part (the one-row state written into the batch's carry).
 
 The default target (SmolLM2-135M-Instruct, float32), a batch of 4 rows, a 60-token first prompt,
 and `--admissions` requests of a 50-token prompt admitted one after another into row 0, with 16
 target forwards between them; AR and JetSpec++ J0 (the shipped draft). The first two admissions
-compile (the one-row prefill, then `write_row`'s per-leaf programs); the median of the others is
+compile (the one-row prefill, then `write_rows`'s per-leaf programs); the median of the others is
 reported.
 
     python benchmarks/bench_admission_cost.py
@@ -39,7 +39,7 @@ def _parser():
 
 
 def admission_costs(target, draft, method: str, admissions: int) -> tuple[list, list, int]:
-    """Seconds per admission and per `write_row` of the state, and the carry's leaf count."""
+    """Seconds per admission and per `write_rows` of the state, and the carry's leaf count."""
     rng = np.random.default_rng(0)
     options = DecodingOptions(method)
     kwargs = dict(draft=draft, options=options) if method != "ar" else {}
@@ -54,15 +54,15 @@ def admission_costs(target, draft, method: str, admissions: int) -> tuple[list, 
     session.start()
     session.poll()
     writes, totals = [], []
-    write_row = session_module.write_row
+    write_rows = session_module.write_rows
 
-    def timed(full, one, row, batch_size):
+    def timed(full, part, rows, batch_size):
         start = time.perf_counter()
-        out = jax.block_until_ready(write_row(full, one, row, batch_size))
+        out = jax.block_until_ready(write_rows(full, part, rows, batch_size))
         writes.append(time.perf_counter() - start)
         return out
 
-    session_module.write_row = timed  # the session's own name for it
+    session_module.write_rows = timed  # the session's own name for it
     try:
         for _ in range(admissions):
             start = time.perf_counter()
@@ -72,7 +72,7 @@ def admission_costs(target, draft, method: str, admissions: int) -> tuple[list, 
             session.advance(16)
             session.poll()
     finally:
-        session_module.write_row = write_row
+        session_module.write_rows = write_rows
     leaves = len(jax.tree_util.tree_leaves(session._state))
     return totals, writes[0::2], leaves  # each admission writes the state, then the requests
 
@@ -99,7 +99,7 @@ def main() -> None:
         f"{args.admissions - WARM} of {args.admissions} admissions (the first {WARM} compile). "
         "JetSpec++ is J0 with the shipped draft.",
         "",
-        "| method | carry leaves | admit ms | of which write_row ms |",
+        "| method | carry leaves | admit ms | of which write_rows ms |",
         "|---|---:|---:|---:|",
     ]
     for method, leaves, total, write in rows:

@@ -1,11 +1,12 @@
 """Continuous batching: a request admitted into a running batch decodes as it would alone.
 
-Requests join a `DecodeSession` mid-flight (`admit`), into rows whose request finished and into
-the batch's padding rows; every request's tokens, streamed chunks and per-round outcomes (and
-foresight's hit logs) equal those of decoding it alone, for every decoding method, the hybrid
-target's recurrent state, and both pipeline forms. The near-bigram target and accepting draft of
-`test_foresight.py` make the speculative rounds accept drafts, so outcomes vary from round to
-round and a row admitted with another row's stale state would show.
+Requests join a `DecodeSession` mid-flight (`admit`, `admit_many`), into rows whose request
+finished and into the batch's padding rows, alone or prefilled together; every request's tokens,
+streamed chunks and per-round outcomes (and foresight's hit logs) equal those of decoding it
+alone, for every decoding method, the hybrid target's recurrent state, and both pipeline forms.
+The near-bigram target and accepting draft of `test_foresight.py` make the speculative rounds
+accept drafts, so outcomes vary from round to round and a row admitted with another row's stale
+state would show.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax
-from jetspec_jax.decoding.admission import batch_axis, write_row
+from jetspec_jax.decoding.admission import batch_axis, write_rows
 from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
@@ -60,9 +61,10 @@ def alone(target, request, **kwargs):
 
 
 def with_admissions(target, first, later, *, chunk_steps=2, **kwargs):
-    """Decodes `first` as a batch padded to 4 rows and admits each of `later`, in order, into the
-    first free row (a finished one, else the next padding row) at a chunk boundary. Returns each
-    request's result, streamed tokens and the rows used, in request order."""
+    """Decodes `first` as a batch padded to 4 rows and admits `later`, in order, into the free
+    rows (finished ones, then the next padding rows) at chunk boundaries, all that find a row at
+    one boundary together (`admit_many`). Returns each request's result, streamed tokens and the
+    rows used, in request order."""
     session = DecodeSession(
         target,
         [p for p, _, _ in first],
@@ -83,10 +85,15 @@ def with_admissions(target, first, later, *, chunk_steps=2, **kwargs):
                 results[owner[row]] = session.result(row)
         finished = [row for row in range(session.num_rows) if owner[row] in results]
         free = finished + list(range(session.num_rows, session.batch_size))
-        while waiting and free:
-            index, (prompt, budget, sampling) = waiting.pop(0)
-            row = free.pop(0)
-            session.admit(row, prompt, max_new_tokens=budget, sampling=sampling)
+        joining = [(free.pop(0), *waiting.pop(0)) for _ in range(min(len(free), len(waiting)))]
+        if joining:
+            session.admit_many(
+                [row for row, _, _ in joining],
+                [prompt for _, _, (prompt, _, _) in joining],
+                max_new_tokens=[budget for _, _, (_, budget, _) in joining],
+                sampling=[sampling for _, _, (_, _, sampling) in joining],
+            )
+        for row, index, _ in joining:
             owner[row : row + 1] = [index]
             rows[index] = row
         if session.done and not waiting:
@@ -98,7 +105,9 @@ def with_admissions(target, first, later, *, chunk_steps=2, **kwargs):
 
 def assert_as_alone(target, first, later, **kwargs):
     results, streamed, rows = with_admissions(target, first, later, **kwargs)
-    assert rows == {2: 2, 3: 3, 4: 0}  # both padding rows, then a finished row
+    # Both padding rows together (prompts of 12 and 4 tokens, one sampled), then a finished row
+    # alone (a prompt past the first batch's prompt bucket).
+    assert rows == {2: 2, 3: 3, 4: 0}
     for i, (request, result) in enumerate(zip(first + later, results, strict=True)):
         expected = alone(target, request, pad_batch_to=4, **kwargs)  # the batch's programs
         assert result.tokens == expected.tokens, i
@@ -190,6 +199,34 @@ def test_admission_is_refused_clearly(target):
     assert len(session.result(0).tokens) == 2 and len(session.result(1).tokens) == 8
 
 
+def test_several_admissions_are_refused_as_a_whole_and_prefilled_in_groups(target):
+    session = DecodeSession(target, [[1, 2]], max_new_tokens=1, stop_token_ids=[], pad_batch_to=4)
+    session.start()
+    session.poll()  # row 0 is done; rows 1 to 3 are unused padding
+    assert session.admission_group_size == 2
+    admit = session.admit_many
+    with pytest.raises(ValueError, match="one row, prompt and sampling per request"):
+        admit([0, 1], [[1]], max_new_tokens=[1, 1])
+    with pytest.raises(ValueError, match="3 values of max_new_tokens"):
+        admit([0, 1], [[1], [2]], max_new_tokens=[1, 1, 1])
+    with pytest.raises(ValueError, match="one SamplingParams per request"):
+        admit([0, 1], [[1], [2]], max_new_tokens=1, sampling=SAMPLED)
+    with pytest.raises(ValueError, match="given twice"):
+        admit([0, 0], [[1], [2]], max_new_tokens=[1, 1])
+    with pytest.raises(ValueError, match="rows are used in order"):
+        admit([2, 1], [[1], [2]], max_new_tokens=[1, 1])
+    with pytest.raises(ValueError, match="does not fit"):
+        admit([0, 1], [[1], list(range(40))], max_new_tokens=[1, 8])
+    assert session.num_rows == 1  # nothing was admitted
+    admit([0, 1, 2], [[1], [2, 3], [4]], max_new_tokens=[2, 3, 1])  # a group of 2, then of 1
+    session.advance()
+    session.poll()
+    results = [session.result(row) for row in range(3)]
+    assert [len(r.tokens) for r in results] == [2, 3, 1]
+    prefills = [r.timing.prefill_seconds for r in results]
+    assert prefills[0] == prefills[1] != prefills[2]  # a group's prefill is each of its rows'
+
+
 @pytest.mark.parametrize("method", ["ar", "jetspec++"])
 def test_a_reserve_admits_what_the_first_batch_would_not_fit(target, draft, method):
     """Reserved for 40-token prompts and 24 new tokens, a session of short requests (buckets 16
@@ -228,18 +265,35 @@ def test_a_reserve_is_checked(target):
         DecodeSession(target, [[1]], reserve_prompt_tokens=context - 3, reserve_new_tokens=4)
 
 
-def test_the_batch_axis_is_the_one_axis_the_shapes_differ_in():
+def test_the_batch_axis_is_the_one_axis_where_the_new_rows_are_fewer():
     assert batch_axis((3, 4, 5), (3, 1, 5), 4) == 1
+    assert batch_axis((3, 4, 5), (3, 2, 5), 4) == 1
     assert batch_axis((2, 6), (2, 6), 1) is None  # a one-row batch: the whole leaf
-    for full, one in [((4, 4), (1, 1)), ((3, 4), (3, 4)), ((4, 5), (1, 6)), ((4,), (2,))]:
+    refused = [((4, 4), (1, 1)), ((3, 4), (3, 4)), ((4, 5), (1, 6)), ((4,), (8,)), ((4,), (4,))]
+    for full, part in refused:
         with pytest.raises(ValueError, match="exactly one"):
-            batch_axis(full, one, 4, where="x")
-    written = write_row({"a": jnp.zeros((2, 4, 3))}, {"a": jnp.ones((2, 1, 3))}, 2, 4)
+            batch_axis(full, part, 4, where="x")
+
+
+def test_new_rows_are_written_into_their_rows_and_padding_is_dropped():
+    def full():
+        return {"a": jnp.zeros((2, 4, 3)), "b": jnp.zeros((4,))}
+
+    part = {"a": jnp.ones((2, 2, 3)) * jnp.asarray([1.0, 2.0])[None, :, None], "b": jnp.ones(2)}
+    written = write_rows(full(), part, [3, 1], 4)  # new row 0 into row 3, new row 1 into row 1
+    np.testing.assert_array_equal(written["a"].sum(axis=(0, 2)), [0, 12, 0, 6])
+    written = write_rows(full(), part, [2], 4)  # new row 1 is padding
     np.testing.assert_array_equal(written["a"].sum(axis=(0, 2)), [0, 0, 6, 0])
-    full = {"a": jnp.zeros((4, 2)), "b": jnp.zeros((4,))}
+    np.testing.assert_array_equal(written["b"], [0, 0, 1, 0])
+    batch = full()
+    for rows, message in [([1, 1], "distinct"), ([0, 1, 2], "1 to 2"), ([4], r"\[0, 4\)")]:
+        with pytest.raises(ValueError, match=message):
+            write_rows(batch, part, rows, 4)
     with pytest.raises(ValueError, match=r"\['b'\]"):
-        write_row(full, {"a": jnp.ones((1, 2)), "b": jnp.ones((2,))}, 0, 4)
-    assert float(full["a"].sum()) == 0  # refused before any leaf was written (donated)
+        write_rows(batch, {"a": part["a"], "b": jnp.ones((5,))}, [0], 4)
+    with pytest.raises(ValueError, match="one count"):
+        write_rows(batch, {"a": part["a"], "b": jnp.ones((1,))}, [0], 4)
+    assert float(batch["a"].sum()) == 0  # refused before any leaf was written (donated)
 
 
 @pytest.mark.parametrize("method", ["ar", "jetspec++"])

@@ -158,16 +158,16 @@ def test_a_reserve_beyond_the_context_is_refused_at_start(target):
 def test_a_joined_job_whose_admission_fails_is_retried_alone(target, monkeypatch):
     """The admission's prefill failing fails the batch; the joined job, which received nothing,
     is decoded again alone, and served."""
-    admit = DecodeSession.admit
+    admit_many = DecodeSession.admit_many
     failures = []
 
-    def failing_once(self, row, prompt, **kwargs):
+    def failing_once(self, rows, prompts, **kwargs):
         if not failures:
-            failures.append(row)
+            failures.extend(rows)
             raise RuntimeError("out of memory")
-        return admit(self, row, prompt, **kwargs)
+        return admit_many(self, rows, prompts, **kwargs)
 
-    monkeypatch.setattr(DecodeSession, "admit", failing_once)
+    monkeypatch.setattr(DecodeSession, "admit_many", failing_once)
     long, short = ([5, 6, 7], 16), ([8, 9], 6)
     client, scheduler = _serve(target, [("long", *long)], {"long": [("short", *short)]})
     assert failures == [1]

@@ -34,30 +34,33 @@ def draft(target):
 
 @pytest.mark.parametrize("method", ["ar", "jetspec++"])
 def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method):
-    """A batch of 2 rows: a first request of each prompt bucket, one that joins it, and the
-    decode loop; none compiles once `warm_up` ran (which did compile: the programs were new)."""
+    """A batch of 4 rows: a first request of each prompt bucket, two that join it together and
+    one that joins alone, and the decode loop; none compiles once `warm_up` ran (which did
+    compile: the programs were new)."""
     COMPILED.clear()
     kwargs = {} if method == "ar" else dict(draft=draft, options=DecodingOptions(method))
-    compiled = warmup.warm_up(target, batch_sizes=[2], **RESERVE, **kwargs)
+    compiled = warmup.warm_up(target, batch_sizes=[4], **RESERVE, **kwargs)
     assert compiled > 0
     rng = np.random.default_rng(0)
-    for first_length, joiner_length in [(5, 30), (20, 40), (40, 3)]:
+    prompt = lambda n: rng.integers(0, 97, n).tolist()  # noqa: E731
+    for first, together in [(5, (30, 3)), (20, (40, 12)), (40, (3, 20))]:
         session = DecodeSession(
             target,
-            [rng.integers(0, 97, first_length).tolist()],
+            [prompt(first)],
             max_new_tokens=12,
-            pad_batch_to=2,
+            pad_batch_to=4,
             stop_token_ids=[],
             **RESERVE,
             **kwargs,
         )
         session.start()
         session.advance(3)
-        session.admit(1, rng.integers(0, 97, joiner_length).tolist(), max_new_tokens=10)
+        session.admit_many([1, 2], [prompt(n) for n in together], max_new_tokens=[10, 6])
+        session.admit(3, prompt(first), max_new_tokens=4)
         session.advance()
         session.poll()
         assert session.done
-        assert session.timing.compile_seconds == 0, (first_length, joiner_length)
+        assert session.timing.compile_seconds == 0, (first, together)
 
 
 def test_warming_up_needs_a_reserve(target):

@@ -11,6 +11,7 @@ requests left, then the batch's unused padding rows, in order (`DecodeSession.ad
            batch.cancel(key)     stop a request at the next chunk boundary
            batch.take_finished() results of the requests done since; their rows become free
            batch.admit(key, ...) a new request in the first free row (if `batch.fits` it)
+           batch.admit_many([...]) several, prefilled together
            batch.advance(steps)  until `batch.done`
 """
 
@@ -93,27 +94,46 @@ class ContinuousBatch:
         max_new_tokens: int,
         sampling: SamplingParams = GREEDY,
     ) -> None:
-        """Starts `key`'s request in the first free row (`DecodeSession.admit`).
+        """Starts `key`'s request in the first free row: `admit_many` of one request."""
+        self.admit_many([(key, prompt, max_new_tokens, sampling)])
+
+    def admit_many(
+        self, requests: Sequence[tuple[Hashable, Sequence[int], int, SamplingParams]]
+    ) -> None:
+        """Starts each `(key, prompt, max_new_tokens, sampling)` request in the next free row,
+        prefilled together (`DecodeSession.admit_many`).
 
         Raises:
-            ValueError: no row is free, the key holds a row already, or the session refuses the
-                request (see `DecodeSession.admit`).
+            ValueError: fewer free rows than requests, a key twice or holding a row already, or
+                the session refuses a request (see `DecodeSession.admit_many`); then none is
+                admitted.
         """
-        if self._rows_of(key):
-            raise ValueError(f"{key!r} holds a row already")
-        free = [row for row, answered in enumerate(self._answered) if answered]
-        if free:
-            row = free[0]
-        elif len(self._keys) < self.session.batch_size:
-            row = len(self._keys)
-        else:
-            raise ValueError(f"no free row in the batch of {self.session.batch_size}")
-        self.session.admit(row, prompt, max_new_tokens=max_new_tokens, sampling=sampling)
-        if row == len(self._keys):
-            self._keys.append(key)
-            self._answered.append(False)
-        else:
-            self._keys[row], self._answered[row] = key, False
+        keys = [key for key, *_ in requests]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"keys {keys}: a key is given twice")
+        for key in keys:
+            if self._rows_of(key):
+                raise ValueError(f"{key!r} holds a row already")
+        if len(requests) > self.free_rows:
+            raise ValueError(
+                f"no free row for {len(requests) - self.free_rows} of the {len(requests)} "
+                f"requests in the batch of {self.session.batch_size}"
+            )
+        answered = [row for row, done in enumerate(self._answered) if done]
+        unused = range(len(self._keys), self.session.batch_size)
+        rows = (answered + list(unused))[: len(requests)]
+        self.session.admit_many(
+            rows,
+            [prompt for _, prompt, _, _ in requests],
+            max_new_tokens=[budget for _, _, budget, _ in requests],
+            sampling=[sampling for *_, sampling in requests],
+        )
+        for row, key in zip(rows, keys, strict=True):
+            if row == len(self._keys):
+                self._keys.append(key)
+                self._answered.append(False)
+            else:
+                self._keys[row], self._answered[row] = key, False
 
     @property
     def done(self) -> bool:

@@ -10,6 +10,7 @@ The host side of decoding, shared by `generate`, streaming and the server:
     .cancel(row)                          stop a row at the next chunk boundary
     .admit(row, prompt, ...)              continuous batching: a new request takes a finished row
                                           (or an unused padding row) of the running batch
+    .admit_many(rows, prompts, ...)       several, prefilled together
     .result(row) / .results()             one request's / every request's `GenerationResult`
 
 With `pipeline="mpmd"` the prefill and the loop are `pipeline_mpmd.TwoProgramPipeline`'s (one
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax.decoding.admission import write_row
+from jetspec_jax.decoding.admission import write_rows
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket, length_bucket
 from jetspec_jax.decoding.compiled import CompiledCache
@@ -249,13 +250,8 @@ class DecodeSession:
         max_new_tokens: int,
         sampling: SamplingParams = GREEDY,
     ) -> None:
-        """Starts a new request in `row` of the running batch (continuous batching).
-
-        The request is prefilled alone, with the session's static sizes, and its one-row state is
-        written into `row` (`admission.write_row`): the other rows are untouched, and it decodes
-        with them from the next `advance` on. Its tokens are those of decoding it alone, as for
-        every row of a session (see the class docstring); its first token is ready at the next
-        `poll`, and `result(row)` is its result from then on.
+        """Starts a new request in `row` of the running batch (continuous batching): `admit_many`
+        of one request.
 
         Args:
             row: a row whose request had finished at the last `poll` (read its `result` first:
@@ -266,13 +262,74 @@ class DecodeSession:
             sampling: its sampling parameters (the seed is used as given).
 
         Raises:
+            as `admit_many`.
+        """
+        self.admit_many([row], [prompt], max_new_tokens=[max_new_tokens], sampling=[sampling])
+
+    def admit_many(
+        self,
+        rows: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> None:
+        """Starts new requests in rows of the running batch (continuous batching).
+
+        The requests are prefilled together, with the session's static sizes, up to
+        `admission_group_size` at a time (each group padded to a power of two of rows, at its
+        longest prompt's bucket), and their states are written into their rows
+        (`admission.write_rows`): the other rows are untouched, and they decode with them from
+        the next `advance` on. Each request's tokens are those of decoding it alone, as for
+        every row of a session (see the class docstring); its first token is ready at the next
+        `poll`, and `result(row)` is its result from then on. A group's prefill time is each of
+        its requests' prefill time.
+
+        Args:
+            rows: one per request, distinct: rows whose requests had finished at the last `poll`
+                (read their `result` first: they are replaced), or unused padding rows, in
+                order from `num_rows` (below `batch_size`).
+            prompts: the new requests' token ids, one per row.
+            max_new_tokens: one budget for all, or one per row, each >= 1.
+            sampling: their sampling parameters, one per row (seeds used as given); None:
+                greedy.
+
+        Raises:
             RuntimeError: the session has not started.
             ValueError: a bad row, prompt, budget or sampling, or a request the session does not
-                `fit`.
+                `fit`; then nothing is admitted.
         """
         if self._state is None:
             raise RuntimeError("start() the session before admitting requests")
-        self._check_admission_row(row)
+        if isinstance(sampling, SamplingParams):  # one seed for all would draw copies
+            raise ValueError("sampling: give one SamplingParams per request (seeds used as given)")
+        rows, prompts = list(rows), list(prompts)
+        budgets = per_row(max_new_tokens, len(rows), "max_new_tokens")
+        sampling = [GREEDY] * len(rows) if sampling is None else list(sampling)
+        if not rows or not len(rows) == len(prompts) == len(sampling):
+            raise ValueError(
+                f"give one row, prompt and sampling per request, got {len(rows)} rows, "
+                f"{len(prompts)} prompts and {len(sampling)} samplings"
+            )
+        self._check_admission_rows(rows)
+        requests = [
+            self._check_admission(*request)
+            for request in zip(prompts, budgets, sampling, strict=True)
+        ]
+        group = self.admission_group_size
+        for start in range(0, len(rows), group):
+            self._admit_group(rows[start : start + group], requests[start : start + group])
+
+    @property
+    def admission_group_size(self) -> int:
+        """The most requests `admit_many` prefills together: half the batch (so that each state
+        leaf's batch axis is the one where its size differs), and 1 in a batch of 1."""
+        return max(1, self._batch // 2)
+
+    def _check_admission(
+        self, prompt, max_new_tokens, sampling
+    ) -> tuple[list[int], int, SamplingParams]:
+        """`(prompt, budget, sampling)` of one admission, checked."""
         config = self._target.config
         prompt = check_token_ids(prompt, config.vocab_size)
         budget = check_budget(config, len(prompt), max_new_tokens)
@@ -285,37 +342,52 @@ class DecodeSession:
                 f"{self._context_bucket + self._max_output} tokens of prompt and new tokens "
                 "together; decode it in a new session (or reserve room for it)"
             )
-        # Its own prompt bucket (compiled once per bucket), within the cache: a prompt may reach
-        # past the session's bucket, the sequence buffer (`SpecState.sequence`) not.
-        width = min(length_bucket(len(prompt)), self._capacity)
-        inputs, requests = self._batch_inputs([prompt], [budget], [sampling], width)
-        compiled_before, decoded_before = self._compile_seconds, self._decode_seconds
-        state, seconds = self._prefill(*inputs, requests)
-        self._state = write_row(self._state, state, row, self._batch)
-        self._requests = write_row(self._requests, requests, row, self._batch)
-        self._admission_prefill_seconds += seconds
-        if row == self.num_rows:  # a padding row joins: every per-row list grows by one
-            for rows in (self.prompt_lengths, self._budgets, self._polled, self._row_done):
-                rows.append(None)
-            self._joined.append(None)
-        self.prompt_lengths[row], self._budgets[row] = len(prompt), budget
-        self._polled[row], self._row_done[row] = 0, False
-        self._joined[row] = (seconds, decoded_before, compiled_before)
-        self._cancelled.discard(row)
-        self._max_budget = max(self._max_budget, budget)
+        return prompt, budget, sampling
 
-    def _check_admission_row(self, row) -> None:
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-            raise ValueError(f"row must be an integer, got {row!r}")
-        if row == self.num_rows < self._batch:
-            return
-        if not 0 <= row < self.num_rows:
-            raise ValueError(
-                f"row {row} is neither a row of the batch's {self.num_rows} requests nor its next "
-                f"unused row (batch of {self._batch} rows)"
-            )
-        if not self._row_done[row]:
-            raise ValueError(f"row {row} is still decoding its request (poll until it is done)")
+    def _admit_group(self, rows: list[int], requests: list[tuple]) -> None:
+        """Prefills checked requests together and writes them into `rows`."""
+        prompts, budgets, sampling = (list(x) for x in zip(*requests, strict=True))
+        pad = bucket(len(rows), minimum=1) - len(rows)  # padding rows: budget 0, not written
+        # Their own prompt bucket (compiled once per bucket), within the cache: a prompt may
+        # reach past the session's bucket, the sequence buffer (`SpecState.sequence`) not.
+        width = min(length_bucket(max(map(len, prompts))), self._capacity)
+        inputs, new_requests = self._batch_inputs(
+            prompts + [[0]] * pad, budgets + [0] * pad, sampling + [GREEDY] * pad, width
+        )
+        compiled_before, decoded_before = self._compile_seconds, self._decode_seconds
+        state, seconds = self._prefill(*inputs, new_requests)
+        self._state = write_rows(self._state, state, rows, self._batch)
+        self._requests = write_rows(self._requests, new_requests, rows, self._batch)
+        self._admission_prefill_seconds += seconds
+        for row, prompt, budget in zip(rows, prompts, budgets, strict=True):
+            if row == self.num_rows:  # a padding row joins: every per-row list grows by one
+                for per_row in (self.prompt_lengths, self._budgets, self._polled, self._row_done):
+                    per_row.append(None)
+                self._joined.append(None)
+            self.prompt_lengths[row], self._budgets[row] = len(prompt), budget
+            self._polled[row], self._row_done[row] = 0, False
+            self._joined[row] = (seconds, decoded_before, compiled_before)
+            self._cancelled.discard(row)
+            self._max_budget = max(self._max_budget, budget)
+
+    def _check_admission_rows(self, rows: list) -> None:
+        """Each row is a finished one, or the next unused padding row, and none comes twice."""
+        unused = self.num_rows  # the next padding row to join
+        for row in rows:
+            if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+                raise ValueError(f"row must be an integer, got {row!r}")
+            if row == unused < self._batch:
+                unused += 1
+                continue
+            if not 0 <= row < self.num_rows:
+                raise ValueError(
+                    f"row {row} is neither a row of the batch's {self.num_rows} requests nor its "
+                    f"next unused row (batch of {self._batch} rows; rows are used in order)"
+                )
+            if not self._row_done[row]:
+                raise ValueError(f"row {row} is still decoding its request (poll until it is done)")
+        if len(set(map(int, rows))) != len(rows):
+            raise ValueError(f"rows {list(rows)}: a row is given twice")
 
     def advance(self, max_steps: int | None = None) -> None:
         """Runs the decode loop for at most `max_steps` target forwards (None: until every row is

@@ -7,9 +7,10 @@ length, cache capacity, output buffer), so the first request of every new bucket
 within it, and the buckets left are few: the batch sizes, and the prompt buckets up to the
 reserve's. `warm_up` runs each of their programs once, on dummy prompts:
 
-    per batch size B:  the batch prefill at each prompt bucket, the decode loop, and an
-                       admission's row write
-    once:              an admission's one-row prefill at each prompt bucket
+    per batch size B:  the batch prefill at each prompt bucket, the decode loop, and the row
+                       writes of each admission group size (powers of two up to
+                       `DecodeSession.admission_group_size`)
+    once:              each admission group's prefill at each prompt bucket
 
 after which a request within the reserve, and one that joins a running batch, compiles nothing.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jetspec_jax.decoding.buckets import length_buckets_up_to
+from jetspec_jax.decoding.buckets import buckets_up_to, length_buckets_up_to
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 
@@ -55,7 +56,8 @@ def warm_up(
     )
     widths = length_buckets_up_to(reserve_prompt_tokens)
     compile_seconds, session = 0.0, None
-    for index, rows in enumerate(batch_sizes):
+    prefilled_groups: set[int] = set()
+    for rows in batch_sizes:
         for width in widths:  # one row, budget 1: done at its prefill, so row 0 is free
             if session is not None:  # dropped before the next: one state in memory at a time
                 compile_seconds += session.timing.compile_seconds
@@ -70,10 +72,14 @@ def warm_up(
             )
             session.start()
         session.poll()
-        # The one-row prefills are the same for every batch size: the first one does them all.
-        for width in widths if index == 0 else widths[:1]:
-            session.admit(0, [0] * width, max_new_tokens=1)
-            session.poll()
+        # A group's prefills are the same in every batch (the reserve fixes their sizes): the
+        # first batch with the group does them all; each batch compiles its own row writes.
+        # Budgets of 1: the rows are done at their prefill, so free again at once.
+        for group in buckets_up_to(session.admission_group_size, minimum=1):
+            for width in widths[:1] if group in prefilled_groups else widths:
+                session.admit_many(range(group), [[0] * width] * group, max_new_tokens=[1] * group)
+                session.poll()
+            prefilled_groups.add(group)
         session.admit(0, [0], max_new_tokens=2)  # a budget of 2: the decode loop runs
         session.advance(1)
     return compile_seconds + session.timing.compile_seconds

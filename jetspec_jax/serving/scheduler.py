@@ -9,12 +9,13 @@ batch ends.
 
 Continuous batching (the default): at each chunk boundary, waiting jobs join the running batch,
 in order, in the rows that finished jobs left and in the batch's padding rows
-(`DecodeSession.admit`: each is prefilled alone and decodes as it would alone). A job joins only
-if the batch's shapes hold it (`DecodeSession.fits`: its budget within the output buffer, its
-prompt plus budget within the cache); the first that does not waits, with every job behind it,
-until the batch ends and a new one is sized for it (`reserve` sizes every batch for jobs up to a
-given prompt length and budget, so that those always join). With `continuous=False`, jobs that
-arrive wait for the next batch, and a finished row stays idle until its batch ends.
+(`DecodeSession.admit_many`: those joining at once are prefilled together, and each decodes as
+it would alone). A job joins only if the batch's shapes hold it (`DecodeSession.fits`: its budget
+within the output buffer, its prompt plus budget within the cache); the first that does not
+waits, with every job behind it, until the batch ends and a new one is sized for it (`reserve`
+sizes every batch for jobs up to a given prompt length and budget, so that those always join).
+With `continuous=False`, jobs that arrive wait for the next batch, and a finished row stays idle
+until its batch ends.
 
 With `warm_up`, the worker first compiles every program a job within the reserve needs
 (`decoding.warmup.warm_up`: the prefills of each prompt bucket, the decode loop, an admission);
@@ -485,8 +486,8 @@ class Scheduler:
                     taken.append(job)
         for job in taken:  # all announced first: a failed admission leaves none unaccounted
             joined(job)
-        for job in taken:
-            rows.admit(
-                job, job.prompt_ids, max_new_tokens=job.max_new_tokens, sampling=job.sampling
+        if taken:  # prefilled together
+            rows.admit_many(
+                [(job, job.prompt_ids, job.max_new_tokens, job.sampling) for job in taken]
             )
         return bool(taken)
