@@ -216,11 +216,15 @@ def generate_as_completed(
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Generates any number of prompts, `max_batch_size` rows at a time (rounded up to a power
     of two), with continuous batching: every `chunk_steps` target forwards, each row whose
-    prompt finished takes the next prompt (those joining at once prefilled together,
-    `DecodeSession.admit_many`), so that no row idles while a batch's longest response
-    finishes. Prompts start longest first (prompt plus budget), so that every later one fits the
-    shapes of the batch it joins; one that does not (a longer budget) starts a new batch once the
-    running one ends.
+    prompt finished takes the next prompt (prefilled alone, `DecodeSession.admit`), so that no
+    row idles while a batch's longest response finishes. Prompts start longest first (prompt
+    plus budget), so that every later one fits the shapes of the batch it joins; one that does
+    not (a longer budget) starts a new batch once the running one ends.
+
+    Joiners are prefilled one by one, not together as the server does (`admit_many`): a group
+    prefill compiles once per group size and prompt bucket, and a long offline run with large
+    batches (many joiners per boundary, so many group sizes) would pay those compilations with
+    no warm-up to take them; one-row prefills compile once per prompt bucket.
 
     Each result is what `generate_batch` gives its prompt (the same per-prompt seeds), up to the
     floating-point caveat there.
@@ -296,14 +300,14 @@ def generate_as_completed(
             while True:
                 batch.poll()
                 yield from batch.take_finished()
-                joining = []
-                while len(joining) < batch.free_rows and waiting and batch.fits(*sizes[waiting[0]]):
-                    joining.append(waiting.popleft())
-                if joining:  # prefilled together
-                    batch.admit_many([(i, prompts[i], budgets[i], sampling[i]) for i in joining])
-                elif batch.done:
+                joined = False
+                while batch.free_rows and waiting and batch.fits(*sizes[waiting[0]]):
+                    i = waiting.popleft()
+                    batch.admit(i, prompts[i], max_new_tokens=budgets[i], sampling=sampling[i])
+                    joined = True
+                if batch.done and not joined:
                     break
-                else:
+                if not joined:
                     batch.advance(chunk_steps)
 
     return decode()
