@@ -18,8 +18,9 @@ With `continuous=False`, jobs that arrive wait for the next batch, and a finishe
 until its batch ends.
 
 With `warm_up`, the worker first compiles every program a job within the reserve needs
-(`decoding.warmup.warm_up`: the prefills of each prompt bucket, the decode loop, an admission);
-jobs submitted meanwhile wait in the queue, and `warming_up` says so (/health answers 503).
+(`decoding.warmup.warm_up`: the prefills of each prompt bucket, the decode loop, the joining
+groups' prefills and row writes); jobs submitted meanwhile wait in the queue, and `warming_up`
+says so (/health answers 503).
 
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
