@@ -194,6 +194,7 @@ def _decoding_options(args, draft, *, method: str | None = None):
         foresight_rule=args.foresight_rule,
         pipeline=args.pipeline,
         block_size=args.block_size,
+        prefill_chunk=args.prefill_chunk or None,
     )
 
 
@@ -469,6 +470,15 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
         help="jetspec++ with --foresight >= 1: verify on device 0 while device 1 drafts ahead "
         "(needs >= 2 devices); spmd: one program, each device holding both stages; mpmd: one "
         "program per device, each holding only its stage",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=default(512),
+        metavar="N",
+        help="prefill prompts longer than N tokens N at a time: activation memory bounded by N, "
+        "one compiled prefill for every long prompt (default 512; 0: each prompt in one "
+        "forward)",
     )
     parser.add_argument(
         "--chunk-steps",

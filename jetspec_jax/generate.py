@@ -18,7 +18,7 @@ import tqdm
 
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.continuous import ContinuousBatch
-from jetspec_jax.decoding.options import METHODS, DecodingOptions
+from jetspec_jax.decoding.options import DEFAULT_PREFILL_CHUNK, METHODS, DecodingOptions
 from jetspec_jax.decoding.request_checks import (
     check_budget,
     check_int,
@@ -68,6 +68,7 @@ def generate(
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
     block_size: int | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
@@ -76,11 +77,12 @@ def generate(
         prompt_ids: the prompt's token ids (a non-empty list of ints, or a 1-D integer array).
         draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
         method, refine_passes, refreshes, foresight, foresight_rule, pipeline,
-            replacement_confidence, block_size: how to decode; see
+            replacement_confidence, block_size, prefill_chunk: how to decode; see
             `jetspec_jax.DecodingOptions` (method "ar", autoregressive, by default; the
             speculative methods "dflash", "jetspec", "jetspec++" give the same tokens with fewer
-            target forwards; `block_size` drafts shorter blocks than trained; the rest are
-            JetSpec++'s `Jj-Rr` refinement and foresight).
+            target forwards; `block_size` drafts shorter blocks than trained; `prefill_chunk`
+            prefills longer prompts that many tokens at a time; the rest are JetSpec++'s
+            `Jj-Rr` refinement and foresight).
         max_new_tokens: at most this many new tokens (>= 1).
         temperature: 0 for greedy decoding, >= `sampling.MIN_TEMPERATURE` (1e-5) to sample.
         top_p: nucleus sampling mass in [0, 1]; 1 disables, 0 keeps only the most likely token.
@@ -111,6 +113,7 @@ def generate(
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
         block_size=block_size,
+        prefill_chunk=prefill_chunk,
     )
     return result
 
@@ -131,6 +134,7 @@ def generate_batch(
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
     block_size: int | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     show_progress: bool | None = False,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
@@ -145,7 +149,8 @@ def generate_batch(
         prompts: one prompt per request, each a list of token ids (or a 1-D integer array);
             a single prompt is `[prompt_ids]` (or use `generate`).
         draft, method, stop_token_ids, refine_passes, refreshes, foresight, foresight_rule,
-            pipeline, replacement_confidence, block_size: as in `generate`, shared by all rows.
+            pipeline, replacement_confidence, block_size, prefill_chunk: as in `generate`,
+            shared by all rows.
         max_new_tokens: one budget for all rows, or one per row (each >= 1).
         sampling: one `SamplingParams` for all rows (row i draws with the seed
             `sampling.row_seed(seed, i)`, so rows are independent samples), or one per row
@@ -167,6 +172,7 @@ def generate_batch(
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
         block_size=block_size,
+        prefill_chunk=prefill_chunk,
     )
     session = DecodeSession(
         target,
@@ -210,6 +216,7 @@ def generate_as_completed(
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
     block_size: int | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     max_batch_size: int = 8,
     chunk_steps: int = 16,
     show_progress: bool | None = False,
@@ -231,8 +238,8 @@ def generate_as_completed(
 
     Args:
         target, prompts, draft, method, max_new_tokens, sampling, stop_token_ids, refine_passes,
-            refreshes, foresight, foresight_rule, pipeline, replacement_confidence, block_size:
-            as in `generate_batch`.
+            refreshes, foresight, foresight_rule, pipeline, replacement_confidence, block_size,
+            prefill_chunk: as in `generate_batch`.
         max_batch_size: rows decoded at once (>= 1).
         chunk_steps: target forwards between two looks at the rows (>= 1): finished rows wait up
             to this many forwards for their next prompt.
@@ -254,6 +261,7 @@ def generate_as_completed(
         pipeline=pipeline,
         replacement_confidence=replacement_confidence,
         block_size=block_size,
+        prefill_chunk=prefill_chunk,
     )
     rows = bucket(check_int("max_batch_size", max_batch_size, 1), minimum=1)
     chunk_steps = check_int("chunk_steps", chunk_steps, 1)
@@ -365,6 +373,7 @@ def stream(
     pipeline: str | None = None,
     replacement_confidence: float | None = None,
     block_size: int | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> TokenStream:
     """Generates like `generate`, yielding the new tokens as they are produced.
 
@@ -398,6 +407,7 @@ def stream(
             pipeline=pipeline,
             replacement_confidence=replacement_confidence,
             block_size=block_size,
+            prefill_chunk=prefill_chunk,
         ),
         max_new_tokens=max_new_tokens,
         sampling=sampling,

@@ -50,6 +50,9 @@ class OracleProposer:
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         return state
 
+    def extend(self, params, target_params, state, tokens, taps, num_new):
+        return state
+
 
 @dataclasses.dataclass(eq=False)
 class OracleDraft:

@@ -8,6 +8,8 @@ from jetspec_jax.decoding.buckets import (
     buckets_up_to,
     length_bucket,
     length_buckets_up_to,
+    prefill_lengths_up_to,
+    prefill_width,
 )
 
 
@@ -33,3 +35,26 @@ def test_the_lists_run_from_the_smallest_bucket_to_that_of_n():
     assert length_buckets_up_to(40) == [16, 24, 32, 48]
     assert length_buckets_up_to(48) == [16, 24, 32, 48]
     assert length_buckets_up_to(300) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384]
+
+
+def test_prompts_past_the_prefill_chunk_take_the_context_bucket():
+    # A session of context bucket 768, capacity 1100.
+    width = lambda n, chunk: prefill_width(n, chunk, 768, 1100)  # noqa: E731
+    assert [width(n, None) for n in (5, 500, 700, 1000)] == [16, 512, 768, 1024]
+    assert [width(n, 512) for n in (5, 500, 513, 700, 1000)] == [16, 512, 768, 768, 1024]
+    assert [width(n, 500) for n in (380, 450, 500, 501)] == [384, 500, 500, 768]
+    assert width(1090, 512) == 1100  # an admitted prompt past the context bucket: the cache's
+
+
+def test_the_prefill_lengths_give_each_prefill_width_once():
+    """Warm-up's dummy prompts: every prompt of 1 to `longest` tokens takes the width of one of
+    them, and no two of them the same."""
+    for longest, chunk in [(40, None), (40, 16), (700, 512), (500, 510), (300, 20), (16, 16)]:
+        sizes = (chunk, length_bucket(longest), length_bucket(longest) + 64)
+        lengths = prefill_lengths_up_to(longest, chunk)
+        widths = [prefill_width(n, *sizes) for n in lengths]
+        assert len(set(widths)) == len(widths) and lengths == sorted(lengths), (longest, chunk)
+        every = {prefill_width(n, *sizes) for n in range(1, longest + 1)}
+        assert every == set(widths), (longest, chunk)
+    assert prefill_lengths_up_to(700, 512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 700]
+    assert prefill_lengths_up_to(500, 510) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 510]

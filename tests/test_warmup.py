@@ -32,13 +32,15 @@ def draft(target):
     return jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, block_size=4)
 
 
-@pytest.mark.parametrize("method", ["ar", "jetspec++"])
-def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method):
+@pytest.mark.parametrize("method, chunk", [("ar", None), ("jetspec++", None), ("jetspec++", 16)])
+def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method, chunk):
     """A batch of 4 rows: a first request of each prompt bucket, two that join it together and
     one that joins alone, and the decode loop; none compiles once `warm_up` ran (which did
-    compile: the programs were new)."""
+    compile: the programs were new). With a prefill chunk of 16, the prompts past it are
+    prefilled by the one chunked program."""
     COMPILED.clear()
-    kwargs = {} if method == "ar" else dict(draft=draft, options=DecodingOptions(method))
+    options = DecodingOptions(method, prefill_chunk=chunk)
+    kwargs = dict(options=options) if method == "ar" else dict(draft=draft, options=options)
     compiled = warmup.warm_up(target, batch_sizes=[4], **RESERVE, **kwargs)
     assert compiled > 0
     rng = np.random.default_rng(0)

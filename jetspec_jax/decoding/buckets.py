@@ -5,6 +5,10 @@ finely, to the powers of two and the points three quarters of the way to them (1
 64, 96, ...): a prompt's prefill is its largest cost per token, so a prompt pads by at most 1.5x
 instead of 2x, for twice as many compiled prefill shapes (docs/BENCHMARKS.md, section
 `length_buckets`: a 700-token prompt prefilled 2x faster at 768 than at 1024 on a CPU).
+
+Prompts longer than the prefill chunk (`DecodingOptions.prefill_chunk`) are prefilled a chunk at
+a time by one program whose trip count is dynamic, so they all take one width, the session's
+context bucket (`prefill_width`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,30 @@ def buckets_up_to(n: int, minimum: int = 16) -> list[int]:
 def length_buckets_up_to(n: int, minimum: int = 16) -> list[int]:
     """Every `length_bucket` of the lengths 1 to `n`, smallest first."""
     return _every_bucket(length_bucket, n, minimum)
+
+
+def prefill_width(longest: int, chunk: int | None, context_bucket: int, capacity: int) -> int:
+    """The padded width of a prefill whose longest prompt has `longest` tokens.
+
+    Its length bucket, at most `chunk`; past the chunk, at least `context_bucket` (one chunked
+    program for every long prompt of a session); within `capacity`, the cache and sequence
+    buffer's positions (an admitted prompt may be longer than the context bucket).
+    """
+    if chunk is not None and longest > chunk:
+        width = max(context_bucket, length_bucket(longest))
+    else:
+        width = length_bucket(longest) if chunk is None else min(length_bucket(longest), chunk)
+    return min(width, capacity)
+
+
+def prefill_lengths_up_to(longest: int, chunk: int | None) -> list[int]:
+    """A prompt length for each prefill width that prompts of 1 to `longest` tokens take
+    (`prefill_width`, one session's sizes): each length bucket's, at most `chunk`, and past the
+    chunk `longest` (all longer prompts share the chunked program). Smallest first."""
+    if chunk is None:
+        return length_buckets_up_to(longest)
+    short = sorted({min(b, chunk) for b in length_buckets_up_to(min(longest, chunk))})
+    return short + [longest] if longest > chunk else short
 
 
 def _every_bucket(round_up: Callable[[int, int], int], n: int, minimum: int) -> list[int]:

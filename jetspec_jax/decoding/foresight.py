@@ -181,6 +181,12 @@ class ForesightProposer:
             last_k=jnp.where(num_committed > 0, num_committed - 1, state.last_k),
         )
 
+    def extend(self, params, target_params, state, tokens, taps, num_new):
+        """Extends the contexts with more prompt positions (no round: `last_k` stays)."""
+        return state.replace(
+            refiner=self.refiner.extend(params, target_params, state.refiner, tokens, taps, num_new)
+        )
+
     # -- foresight ------------------------------------------------------------------------------
 
     def lookup(self, state: ForesightState, anchor: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -17,6 +17,9 @@ from jetspec_jax.decoding.request_checks import check_int
 
 METHODS = ("ar", "dflash", "jetspec", "jetspec++")
 PIPELINES = ("spmd", "mpmd")
+# Wide enough that a chunk's forward is efficient, narrow enough to bound a long prompt's
+# activations (docs/BENCHMARKS.md, section `prefill_chunks`).
+DEFAULT_PREFILL_CHUNK = 512
 _JETSPEC_PP_ONLY = ("refine_passes", "refreshes", "foresight", "pipeline")
 
 
@@ -57,6 +60,11 @@ class DecodingOptions:
             "mpmd", one program per stage dispatched by the host, each device holding only its
             stage (`decoding/pipeline_mpmd.py`). None: the same round sequentially on one
             device.
+        prefill_chunk: prompts longer than this many tokens are prefilled this many at a time,
+            each chunk a forward against the cache the earlier ones filled
+            (`decoding/prompt_chunks.py`): a long prompt's activation memory is bounded by the
+            chunk, and one compiled prefill serves every long prompt of a session's context
+            bucket. None: every prompt in one forward (one program per prompt-length bucket).
 
     Raises:
         ValueError: on construction, naming the bad value.
@@ -70,6 +78,7 @@ class DecodingOptions:
     pipeline: str | None = None
     replacement_confidence: float | None = None
     block_size: int | None = None
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -77,6 +86,9 @@ class DecodingOptions:
         for name in ("refine_passes", "refreshes", "foresight"):
             # NumPy integers become plain ints downstream (the options are a static jit arg).
             object.__setattr__(self, name, check_int(name, getattr(self, name), 0))
+        if self.prefill_chunk is not None:
+            chunk = check_int("prefill_chunk", self.prefill_chunk, 1)
+            object.__setattr__(self, "prefill_chunk", chunk)
         if self.block_size is not None:
             object.__setattr__(self, "block_size", check_int("block_size", self.block_size, 2))
             if self.method == "ar":

@@ -55,6 +55,7 @@ from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.pipeline import pipeline_devices
 from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.prompt_chunks import start_in_chunks
 from jetspec_jax.decoding.proposers import with_anchor
 from jetspec_jax.decoding.speculative import (
     SpecState,
@@ -191,13 +192,29 @@ def observe_outcome(
     return jax.lax.cond(jnp.any(~side.done), observe, lambda: side)
 
 
-@functools.partial(jax.jit, static_argnames=("proposer", "capacity"))
+@functools.partial(jax.jit, static_argnames=("proposer", "capacity", "chunk"))
 def start_proposer(
-    draft_params, target_params, prompts, prompt_taps, prompt_lengths, *, proposer, capacity
+    draft_params,
+    target_params,
+    prompts,
+    prompt_taps,
+    prompt_lengths,
+    *,
+    proposer,
+    capacity,
+    chunk=None,
 ):
-    """Device 1: the proposer's state over the prompts (their tap states from device 0)."""
-    return proposer.start(
-        draft_params, target_params, prompts, prompt_taps, prompt_lengths, capacity
+    """Device 1: the proposer's state over the prompts (their tap states from device 0), `chunk`
+    positions at a time as `prompt_chunks.start_in_chunks`."""
+    return start_in_chunks(
+        proposer,
+        draft_params,
+        target_params,
+        prompts,
+        prompt_taps,
+        prompt_lengths,
+        capacity,
+        chunk=chunk,
     )
 
 
@@ -244,11 +261,19 @@ class TwoProgramPipeline:
         jax.block_until_ready((self.target_params, self.draft_target_params, self.draft_params))
 
     def prefill(
-        self, prompts, prompt_lengths, requests, *, capacity: int, max_output: int
+        self,
+        prompts,
+        prompt_lengths,
+        requests,
+        *,
+        capacity: int,
+        max_output: int,
+        chunk: int | None = None,
     ) -> tuple[SpecState, float]:
         """`(state, compile seconds)`: `prefill_speculative`'s carry with each side built on its
-        device (the target's prefill on device 0, the proposer's start on device 1)."""
-        static = dict(config=self.config, capacity=capacity, max_output=max_output)
+        device (the target's prefill on device 0, the proposer's start on device 1; both `chunk`
+        positions at a time for prompts wider than that)."""
+        static = dict(config=self.config, capacity=capacity, max_output=max_output, chunk=chunk)
         args = (self.target_params, prompts, prompt_lengths, requests)
         run, compile_seconds = self._compiled.get(
             prefill, *args, **static, tap_layers=self.proposer.tap_layers
@@ -260,7 +285,7 @@ class TwoProgramPipeline:
             *jax.device_put((prompts, taps, prompt_lengths), self.draft_device),
         )
         run, seconds = self._compiled.get(
-            start_proposer, *args, proposer=self.proposer, capacity=capacity
+            start_proposer, *args, proposer=self.proposer, capacity=capacity, chunk=chunk
         )
         state = start_speculative(decode, run(*args), prompts, prompt_lengths, capacity)
         return state, compile_seconds + seconds

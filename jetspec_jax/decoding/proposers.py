@@ -74,6 +74,12 @@ class Proposer(Protocol):
     def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
         """The state after the verified `block` `[B, K]`, its first `num_committed` `[B]` real."""
 
+    def extend(self, params, target_params, state, tokens, taps, num_new) -> Any:
+        """The state after `num_new` `[B]` more prompt positions: `tokens` `[B, C]` and their
+        taps `[n_taps, B, C, H]` (a chunked prefill's chunks after the first,
+        `prompt_chunks.start_in_chunks`). As `observe`, less what only a verified round
+        records."""
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftProposer:
@@ -169,6 +175,10 @@ class DraftProposer:
     def observe(self, params, target_params, cache, block, block_taps, num_committed):
         """Extends the draft's context with the newly verified block positions."""
         return extend_context(params, self.config, cache, block_taps, num_committed)
+
+    def extend(self, params, target_params, cache, tokens, taps, num_new):
+        """Extends the draft's context with more prompt positions."""
+        return extend_context(params, self.config, cache, taps, num_new)
 
 
 def with_anchor(anchor: jax.Array, drafts: jax.Array) -> jax.Array:

@@ -76,6 +76,9 @@ class Proxy(Protocol):
     def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
         """The state after a verified block, as `Proposer.observe`."""
 
+    def extend(self, params, target_params, state, tokens, taps, num_new) -> Any:
+        """The state after more prompt positions, as `Proposer.extend`."""
+
     def predict(self, params, target_params, state, block) -> tuple[jax.Array, jax.Array, Any]:
         """`(taps [n_taps, B, K, H], logits [B, K, V], state)`: the block's predicted tap states
         and target logits; the state to use from then on (its caches may hold the block's rows
@@ -139,6 +142,10 @@ class LearnedProxy:
                 num_committed,
             ),
         )
+
+    def extend(self, params, target_params, state, tokens, taps, num_new):
+        # A verified block and prompt positions extend the contexts alike.
+        return self.observe(params, target_params, state, tokens, taps, num_new)
 
     def predict(self, params, target_params, state, block):
         embedding = target_params["embed_tokens"]["embedding"]
@@ -204,6 +211,13 @@ class RefiningProposer:
         return RefinerState(
             draft=self.drafter.observe(params["draft"], target_params, state.draft, *args),
             proxy=self.proxy.observe(params["proxy"], target_params, state.proxy, *args),
+        )
+
+    def extend(self, params, target_params, state, tokens, taps, num_new):
+        args = (tokens, taps, num_new)
+        return RefinerState(
+            draft=self.drafter.extend(params["draft"], target_params, state.draft, *args),
+            proxy=self.proxy.extend(params["proxy"], target_params, state.proxy, *args),
         )
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):

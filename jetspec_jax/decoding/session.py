@@ -18,7 +18,8 @@ program per device, rounds dispatched from the host); every other method runs on
 
 Everything per token stays on the device: a caller that never polls (`generate_batch`) makes no
 host round trip until `results()`. Shapes are bucketed (decoding/buckets.py: batch and output
-length to powers of two, prompt and context length also to three quarters of them) so that new
+length to powers of two, prompt and context length also to three quarters of them; prompts past
+`DecodingOptions.prefill_chunk`, prefilled a chunk at a time, to the context bucket) so that new
 requests reuse compiled code; the first use of a bucket compiles ahead of time, is logged, and is
 timed apart from prefill and decode.
 """
@@ -34,7 +35,7 @@ import numpy as np
 
 from jetspec_jax.decoding.admission import write_rows
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
-from jetspec_jax.decoding.buckets import bucket, length_bucket
+from jetspec_jax.decoding.buckets import bucket, length_bucket, prefill_width
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.foresight import foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
@@ -124,6 +125,7 @@ class DecodeSession:
             raise ValueError(f"options must be a DecodingOptions, got {type(options).__name__}")
         self._proposer, self._proposer_params = resolve_proposer(target, draft, options)
         self._pipeline = options.pipeline
+        self._prefill_chunk = options.prefill_chunk
         self._two_programs = None  # the MPMD pipeline's stage placement, built at start
         prompts = check_prompts(prompts, config.vocab_size)
         budgets = per_row(max_new_tokens, len(prompts), "max_new_tokens")
@@ -154,7 +156,7 @@ class DecodeSession:
             prompts + [[0]] * pad_rows,
             budgets + [0] * pad_rows,
             sampling + [GREEDY] * pad_rows,
-            length_bucket(max(self.prompt_lengths)),
+            self._prompt_width(max(self.prompt_lengths)),
         )
         self._budgets = budgets
         self._max_budget = max(budgets)
@@ -167,6 +169,10 @@ class DecodeSession:
         self._joined: list[tuple[float, float, float] | None] = [None] * len(prompts)
         self._prefill_seconds = self._decode_seconds = self._compile_seconds = 0.0
         self._admission_prefill_seconds = 0.0
+
+    def _prompt_width(self, longest: int) -> int:
+        """The padded width of a prefill whose longest prompt has `longest` tokens."""
+        return prefill_width(longest, self._prefill_chunk, self._context_bucket, self._capacity)
 
     def _batch_inputs(self, prompts, budgets, sampling, width: int) -> tuple[tuple, Requests]:
         """`((prompts [R, width], lengths [R]), requests)` of R rows."""
@@ -220,7 +226,12 @@ class DecodeSession:
         target, proposer = self._target, self._proposer
         if self._pipeline == "mpmd":
             return self._prefill_two_programs(prompts, prompt_lengths, requests)
-        sizes = dict(config=target.config, capacity=self._capacity, max_output=self._max_output)
+        sizes = dict(
+            config=target.config,
+            capacity=self._capacity,
+            max_output=self._max_output,
+            chunk=self._prefill_chunk,
+        )
         if proposer is None:
             fn, args = prefill, (target.params, prompts, prompt_lengths, requests)
         else:
@@ -348,9 +359,7 @@ class DecodeSession:
         """Prefills checked requests together and writes them into `rows`."""
         prompts, budgets, sampling = (list(x) for x in zip(*requests, strict=True))
         pad = bucket(len(rows), minimum=1) - len(rows)  # padding rows: budget 0, not written
-        # Their own prompt bucket (compiled once per bucket), within the cache: a prompt may
-        # reach past the session's bucket, the sequence buffer (`SpecState.sequence`) not.
-        width = min(length_bucket(max(map(len, prompts))), self._capacity)
+        width = self._prompt_width(max(map(len, prompts)))  # compiled once per width
         inputs, new_requests = self._batch_inputs(
             prompts + [[0]] * pad, budgets + [0] * pad, sampling + [GREEDY] * pad, width
         )
@@ -445,6 +454,7 @@ class DecodeSession:
             requests,
             capacity=self._capacity,
             max_output=self._max_output,
+            chunk=self._prefill_chunk,
         )
         state = jax.block_until_ready(state)
         self._compile_seconds += compile_seconds

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.prompt_chunks import start_in_chunks
 from jetspec_jax.decoding.proposers import Proposer, with_anchor
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.decoding.verify import verify_chain
@@ -221,7 +222,9 @@ def write_round_tokens(sequence: jax.Array, anchor_pos: jax.Array, tokens: jax.A
     return sequence.at[rows, positions].set(tokens, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "capacity", "max_output"))
+@functools.partial(
+    jax.jit, static_argnames=("config", "proposer", "capacity", "max_output", "chunk")
+)
 def prefill_speculative(
     params: dict,
     proposer_params: Any,
@@ -233,8 +236,10 @@ def prefill_speculative(
     proposer: Proposer,
     capacity: int,
     max_output: int,
+    chunk: int | None = None,
 ) -> SpecState:
-    """Prefill for speculative decoding: the target's prefill, then the proposer's start.
+    """Prefill for speculative decoding: the target's prefill, then the proposer's start (both
+    `chunk` positions at a time for prompts wider than that: `prompt_chunks.py`).
 
     Args and static arguments as `prefill` and `decode_speculative`; returns the loop carry.
     """
@@ -247,8 +252,9 @@ def prefill_speculative(
         capacity=capacity,
         max_output=max_output,
         tap_layers=proposer.tap_layers,
+        chunk=chunk,
     )
-    proposer_state = proposer.start(
-        proposer_params, params, prompts, taps, prompt_lengths, capacity
+    proposer_state = start_in_chunks(
+        proposer, proposer_params, params, prompts, taps, prompt_lengths, capacity, chunk=chunk
     )
     return start_speculative(decode, proposer_state, prompts, prompt_lengths, capacity)

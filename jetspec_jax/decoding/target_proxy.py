@@ -42,6 +42,9 @@ class TargetProxy:
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         return forward(target_params, self.target_config, block, state, num_new=num_committed).cache
 
+    def extend(self, params, target_params, state, tokens, taps, num_new):
+        return self.observe(params, target_params, state, tokens, taps, num_new)
+
     def predict(self, params, target_params, state, block):
         """`(taps [n, B, K, H], logits [B, K, V], state)` of `block` `[B, K]` after the cached
         context. Only `observe` commits positions: the state holds the block's rows uncommitted

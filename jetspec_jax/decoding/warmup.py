@@ -5,12 +5,13 @@ length, cache capacity, output buffer), so the first request of every new bucket
 (20-30 s on a CPU). With a reserve (`DecodeSession`'s `reserve_prompt_tokens` and
 `reserve_new_tokens`) the capacity and the output buffer of every batch are fixed for requests
 within it, and the buckets left are few: the batch sizes, and the prompt buckets up to the
-reserve's. `warm_up` runs each of their programs once, on dummy prompts:
+reserve's or the prefill chunk's, and past the chunk the one chunked prefill
+(`buckets.prefill_lengths_up_to`). `warm_up` runs each of their programs once, on dummy prompts:
 
-    per batch size B:  the batch prefill at each prompt bucket, the decode loop, and the row
+    per batch size B:  the batch prefill at each prompt width, the decode loop, and the row
                        writes of each admission group size (powers of two up to
                        `DecodeSession.admission_group_size`)
-    once:              each admission group's prefill at each prompt bucket
+    once:              each admission group's prefill at each prompt width
 
 after which a request within the reserve, and one that joins a running batch, compiles nothing.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jetspec_jax.decoding.buckets import buckets_up_to, length_buckets_up_to
+from jetspec_jax.decoding.buckets import buckets_up_to, prefill_lengths_up_to
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.session import DecodeSession
 
@@ -54,16 +55,17 @@ def warm_up(
     reserve = dict(
         reserve_prompt_tokens=reserve_prompt_tokens, reserve_new_tokens=reserve_new_tokens
     )
-    widths = length_buckets_up_to(reserve_prompt_tokens)
+    chunk = (options or DecodingOptions()).prefill_chunk
+    lengths = prefill_lengths_up_to(reserve_prompt_tokens, chunk)  # one per prefill width
     compile_seconds, session = 0.0, None
     prefilled_groups: set[int] = set()
     for rows in batch_sizes:
-        for width in widths:  # one row, budget 1: done at its prefill, so row 0 is free
+        for length in lengths:  # one row, budget 1: done at its prefill, so row 0 is free
             if session is not None:  # dropped before the next: one state in memory at a time
                 compile_seconds += session.timing.compile_seconds
             session = DecodeSession(
                 target,
-                [[0] * width],
+                [[0] * length],
                 draft=draft,
                 options=options,
                 max_new_tokens=1,
@@ -76,8 +78,8 @@ def warm_up(
         # first batch with the group does them all; each batch compiles its own row writes.
         # Budgets of 1: the rows are done at their prefill, so free again at once.
         for group in buckets_up_to(session.admission_group_size, minimum=1):
-            for width in widths[:1] if group in prefilled_groups else widths:
-                session.admit_many(range(group), [[0] * width] * group, max_new_tokens=[1] * group)
+            for length in lengths[:1] if group in prefilled_groups else lengths:
+                session.admit_many(range(group), [[0] * length] * group, max_new_tokens=[1] * group)
                 session.poll()
             prefilled_groups.add(group)
         session.admit(0, [0], max_new_tokens=2)  # a budget of 2: the decode loop runs

@@ -1,0 +1,261 @@
+"""Chunked prefill (`decoding/prompt_chunks.py`): a long prompt prefilled a chunk at a time leaves
+the target's cache, tap states and first token, and every proposer's state, as one forward over
+it does; and decoding after it gives the tokens and round outcomes of a one-shot prefill, for
+every method, the hybrid target, the MPMD pipeline and requests admitted into a running batch.
+
+Chunks of 16 positions, prompts of 5 to 45 tokens: rows end in different chunks (one within the
+first); chunks of at most 10 split the padded width (48) into 5 of 10, the last padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jetspec_jax
+from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.prompt_chunks import even_chunk, start_in_chunks
+from jetspec_jax.decoding.session import DecodeSession, resolve_proposer
+from jetspec_jax.decoding.state import Requests
+from jetspec_jax.decoding.target_proxy import TargetProxy
+from jetspec_jax.models.block_stack import ContextCache
+from jetspec_jax.sampling import RowSampling, SamplingParams
+from tests.test_foresight import MIXED, ScaledOracleDraft, foresight_options, make_accepting_draft
+from tests.tiny_models import near_bigram
+
+CHUNK = 16
+LENGTHS = (45, 5, 16, 33)  # the last prompt tokens fall in chunks 2, 0, 0 and 2
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+
+
+def make_prompts(lengths=LENGTHS, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 97, n).tolist() for n in lengths]
+
+
+def padded(prompts, width):
+    out = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        out[row, : len(prompt)] = prompt
+    return jnp.asarray(out), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def greedy_requests(batch):
+    return Requests(
+        max_new_tokens=jnp.full((batch,), 4, jnp.int32),
+        stop_token_ids=jnp.full((batch, 4), -1, jnp.int32),
+        sampling=RowSampling.from_params([SamplingParams()] * batch),
+    )
+
+
+def valid(values, lengths, axis):
+    """`values` with every slot at or past each row's length zeroed (the batch axis is the one
+    before `axis`): those slots hold padding's stale rows, which differ and are never read."""
+    slots = jnp.arange(values.shape[axis])
+    shape = [1] * values.ndim
+    shape[axis - 1], shape[axis] = lengths.shape[0], values.shape[axis]
+    keep = (slots[None, :] < lengths[:, None]).reshape(shape)
+    return jnp.where(keep, values, 0)
+
+
+def assert_caches_equal(chunked, whole, lengths):
+    """The caches' lengths, valid key/value slots and (the hybrid's) conv and recurrent states;
+    the hybrid's rollback window is left out: a prefill records none that is ever read."""
+    np.testing.assert_array_equal(chunked.lengths, whole.lengths)
+    for name in ("k", "v"):
+        a, b = (valid(getattr(c, name), lengths, axis=2) for c in (chunked, whole))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+    for name in ("conv", "state"):
+        if hasattr(whole, name):
+            a, b = getattr(chunked, name), getattr(whole, name)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("chunk", [CHUNK, 10])
+def test_a_chunked_prefill_fills_the_cache_as_one_forward(checkpoints, variant, chunk):
+    target = jetspec_jax.load_target(checkpoints.get(variant)[0])
+    prompts, lengths = padded(make_prompts(), 48)
+    requests = greedy_requests(len(LENGTHS))
+    sizes = dict(config=target.config, capacity=64, max_output=4, tap_layers=(0, 2))
+    whole, whole_taps = prefill(target.params, prompts, lengths, requests, **sizes)
+    chunked, chunked_taps = prefill(target.params, prompts, lengths, requests, **sizes, chunk=chunk)
+
+    np.testing.assert_array_equal(chunked.output[:, 0], whole.output[:, 0])
+    assert_caches_equal(chunked.cache, whole.cache, lengths)
+    np.testing.assert_allclose(
+        valid(chunked_taps, lengths, axis=2),
+        valid(whole_taps, lengths, axis=2),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    assert chunked_taps.shape == whole_taps.shape
+
+
+def test_chunks_split_the_width_evenly():
+    """As few chunks of at most `chunk` as cover the width, as equal as can be."""
+    assert [even_chunk(w, 512) for w in (768, 1024, 1536, 3072, 1100)] == [384, 512, 512, 512, 367]
+    assert [even_chunk(48, c) for c in (16, 20, 10, 47, 48)] == [16, 16, 10, 24, 48]
+    for width in range(1, 300):
+        for chunk in (1, 7, 16, 100):
+            size = even_chunk(width, chunk)
+            count = -(-width // chunk)
+            assert size <= chunk and size * count >= width > size * (count - 1), (width, chunk)
+
+
+def test_prompts_within_one_chunk_take_the_one_forward(checkpoints):
+    """A chunk as wide as the prompts runs the one-shot program: the same lowered computation."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    prompts, lengths = padded(make_prompts((7, 3)), 16)
+    args = (target.params, prompts, lengths, greedy_requests(2))
+    sizes = dict(config=target.config, capacity=32, max_output=4)
+    one_shot = prefill.lower(*args, **sizes).as_text()
+    assert prefill.lower(*args, **sizes, chunk=16).as_text() == one_shot
+    assert prefill.lower(*args, **sizes, chunk=8).as_text() != one_shot
+
+
+def with_adapter(draft):
+    return draft.with_adapter(init_adapter(draft, init_std=0.05, seed=3))
+
+
+@pytest.mark.parametrize("proxy", ["learned", "target"])
+def test_a_proposer_started_in_chunks_holds_the_contexts_of_one_start(checkpoints, proxy):
+    """`start` on the first chunk, then `extend`: the draft's context cache and the proxy's
+    caches (the adapter's context, the decoder's target layers; or the target proxy's whole
+    cache) hold what one `start` over the prompts gives; foresight's records stay empty."""
+    target = near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
+    draft = make_accepting_draft(target)
+    draft = with_adapter(draft) if proxy == "learned" else ScaledOracleDraft(draft, MIXED)
+    options = DecodingOptions(
+        "jetspec++", refine_passes=1, refreshes=1, foresight=2, foresight_rule="uncalibrated"
+    )
+    proposer, params = resolve_proposer(target, draft, options)
+    prompts, lengths = padded(make_prompts(), 48)
+    _, taps = prefill(
+        target.params,
+        prompts,
+        lengths,
+        greedy_requests(len(LENGTHS)),
+        config=target.config,
+        capacity=64,
+        max_output=4,
+        tap_layers=proposer.tap_layers,
+    )
+    args = (proposer, params, target.params, prompts, taps, lengths, 64)
+    whole = start_in_chunks(*args, chunk=None)
+    chunked = jax.jit(start_in_chunks, static_argnums=(0, 6), static_argnames="chunk")(
+        *args, chunk=CHUNK
+    )
+
+    refiner_whole, refiner_chunked = whole.refiner, chunked.refiner
+    assert isinstance(refiner_whole.draft, ContextCache)
+    assert_caches_equal(refiner_chunked.draft, refiner_whole.draft, lengths)
+    if proxy == "learned":
+        assert_caches_equal(refiner_chunked.proxy.adapter, refiner_whole.proxy.adapter, lengths)
+        assert_caches_equal(refiner_chunked.proxy.decoder, refiner_whole.proxy.decoder, lengths)
+    else:
+        assert isinstance(proposer.refiner.proxy, TargetProxy)
+        assert_caches_equal(refiner_chunked.proxy, refiner_whole.proxy, lengths)
+    for name in ("last_k", "valid", "num_rounds"):
+        np.testing.assert_array_equal(getattr(chunked, name), getattr(whole, name), err_msg=name)
+
+
+def decode(target, prompts, *, chunk, sampling=None, **kwargs):
+    """`(tokens, outcomes, foresight hits)` per row of one session."""
+    options = dataclasses.replace(kwargs.pop("options", DecodingOptions()), prefill_chunk=chunk)
+    session = DecodeSession(
+        target,
+        prompts,
+        options=options,
+        max_new_tokens=12,
+        sampling=sampling or [SamplingParams()] * len(prompts),
+        stop_token_ids=[],
+        **kwargs,
+    )
+    session.start()
+    session.advance()
+    results = session.results()
+    return [(r.tokens, r.outcomes, r.foresight_hits) for r in results]
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
+
+
+@pytest.mark.parametrize("method", ["ar", "jetspec", "jetspec++", "foresight", "mpmd"])
+def test_decoding_after_a_chunked_prefill_is_decoding_after_one_forward(target, method):
+    """Tokens, round outcomes and foresight hits; one row sampled."""
+    draft = make_accepting_draft(target)
+    if method == "ar":
+        kwargs = {}
+    elif method == "jetspec":
+        jetspec = jetspec_jax.init_draft(
+            target, variant="jetspec", num_layers=1, block_size=4, init_std=0.02, seed=2
+        )
+        kwargs = dict(draft=jetspec, options=DecodingOptions("jetspec"))
+    elif method == "jetspec++":
+        options = DecodingOptions("jetspec++", refine_passes=1, refreshes=1)
+        kwargs = dict(draft=with_adapter(draft), options=options)
+    else:
+        pipeline = "mpmd" if method == "mpmd" else None
+        kwargs = dict(draft=ScaledOracleDraft(draft, MIXED), options=foresight_options(2, pipeline))
+    prompts = make_prompts()
+    sampling = [SamplingParams(), SAMPLED, SamplingParams(), SamplingParams()]
+    whole = decode(target, prompts, chunk=None, sampling=sampling, **kwargs)
+    chunked = decode(target, prompts, chunk=CHUNK, sampling=sampling, **kwargs)
+    assert chunked == whole
+    if method != "ar":
+        assert any(k > 0 for _, outcomes, _ in whole for k, _ in outcomes)
+
+
+def test_the_hybrid_target_decodes_after_a_chunked_prefill_as_after_one_forward(checkpoints):
+    target = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
+    prompts = make_prompts(seed=2)
+    assert decode(target, prompts, chunk=CHUNK) == decode(target, prompts, chunk=None)
+
+
+def test_a_long_admitted_prompt_is_prefilled_in_chunks(target):
+    """A request joining a running batch with a prompt past the chunk: its tokens are those of
+    decoding it alone with a one-shot prefill; the session's long prompts share one width."""
+    first, joining = make_prompts((40, 6)), make_prompts((37,), seed=9)[0]
+    options = DecodingOptions(prefill_chunk=CHUNK)
+    session = DecodeSession(
+        target, first, options=options, max_new_tokens=[12, 2], stop_token_ids=[]
+    )
+    assert session._prompt_width(40) == session._prompt_width(17) == 48  # the context bucket
+    assert session._prompt_width(9) == CHUNK  # short prompts: their bucket, at most the chunk
+    session.start()
+    session.advance(2)
+    session.poll()
+    assert session.row_done == [False, True]
+    session.admit(1, joining, max_new_tokens=8)
+    session.advance()
+    alone = decode(target, [joining], chunk=None)
+    assert session.results()[1].tokens == alone[0][0][:8]
+
+
+def test_the_prefill_chunk_is_checked():
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        DecodingOptions(prefill_chunk=0)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        DecodingOptions(prefill_chunk=2.5)
+    assert DecodingOptions(prefill_chunk=np.int64(8)).prefill_chunk == 8
+    assert DecodingOptions(prefill_chunk=None).prefill_chunk is None
+
+
+def test_the_public_entry_points_share_the_default_chunk():
+    import inspect
+
+    import serve
+
+    default = DecodingOptions().prefill_chunk
+    for fn in (jetspec_jax.generate, jetspec_jax.generate_batch, jetspec_jax.stream):
+        assert inspect.signature(fn).parameters["prefill_chunk"].default == default, fn
+    assert serve._parser().parse_args([]).prefill_chunk == default
