@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,9 @@ def test_greedy_speculative_equals_autoregressive_with_rejections_everywhere(tar
         assert accepted == set(range(BLOCK - 1))  # a rejection at every position
 
 
-_rolled_back = jax.jit(lambda cache, lengths: cache.rolled_back(lengths))
+@functools.partial(jax.jit, static_argnames="appended")
+def _rolled_back(cache, lengths, appended=None):
+    return cache.rolled_back(lengths, appended=appended)
 
 
 def _prefill(target, rows, capacity=128):
@@ -108,10 +111,12 @@ def _assert_same_state(ours, fresh, lengths):
         np.testing.assert_allclose(ours.v[:, b, :n], fresh.v[:, b, :n], atol=1e-5, rtol=0)
 
 
-def test_rollback_after_a_partially_accepted_block_equals_a_fresh_prefill(target):
+@pytest.mark.parametrize("appended", [None, BLOCK])
+def test_rollback_after_a_partially_accepted_block_equals_a_fresh_prefill(target, appended):
     """Verify a block of 8 on rows at different lengths, keep 0, 3 and all 8 of it: the conv,
     recurrent and KV states are those of a prefill of the kept tokens, decoding continues as from
-    that prefill, and a second, deeper rollback within the same block works too."""
+    that prefill, and a second, deeper rollback within the same block works too. Over the whole
+    window, or over the block's 8 positions only (`appended`, as verification rolls back)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 97, n).tolist() for n in (9, 70, 2)]  # + 8 fits the width 80
     block = rng.integers(0, 97, (3, BLOCK))
@@ -120,7 +125,7 @@ def test_rollback_after_a_partially_accepted_block_equals_a_fresh_prefill(target
     _, verified = append(target.params, block, cache, jnp.full((3,), BLOCK), config=target.config)
     for keep in ([0, 3, 8], [0, 1, 2]):
         kept = starts + np.array(keep)
-        rolled = _rolled_back(verified, jnp.asarray(kept))
+        rolled = _rolled_back(verified, jnp.asarray(kept), appended)
         fresh = _prefill(
             target,
             [p + block[b, :k].tolist() for b, (p, k) in enumerate(zip(prompts, keep, strict=True))],
@@ -134,17 +139,26 @@ def test_rollback_after_a_partially_accepted_block_equals_a_fresh_prefill(target
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
 
 
-def test_rollback_before_the_window_poisons_the_row(target):
+@pytest.mark.parametrize("appended", [None, 8])
+def test_rollback_before_the_window_poisons_the_row(target, appended):
     """Past the last forward's block there is no state to restore: NaN, never a wrong state."""
     cache = _prefill(target, [[1, 2, 3], [4, 5, 6, 7], [8]])
     _, verified = append(
         target.params, np.ones((3, 8), np.int32), cache, jnp.full((3,), 8), config=target.config
     )
-    rolled = _rolled_back(verified, jnp.asarray([2, 5, 9]))  # row 0 before its block start (3)
+    # Row 0 before its block start (3).
+    rolled = _rolled_back(verified, jnp.asarray([2, 5, 9]), appended)
     assert np.isnan(np.asarray(rolled.state[:, 0])).all()
     assert np.isnan(np.asarray(rolled.conv[:, 0], np.float32)).all()  # not the window's start
     assert np.isfinite(np.asarray(rolled.state[:, 1:])).all()
     assert np.isfinite(np.asarray(rolled.conv[:, 1:], np.float32)).all()
+
+
+def test_a_rollback_past_the_window_width_is_refused(target):
+    cache = _prefill(target, [[1, 2, 3]])
+    for appended in (0, ROLLBACK_WINDOW + 1):
+        with pytest.raises(ValueError, match=f"appended={appended}: a forward of 1 to"):
+            cache.rolled_back(jnp.asarray([2]), appended=appended)
 
 
 def test_a_draft_block_longer_than_the_rollback_window_is_refused(target):

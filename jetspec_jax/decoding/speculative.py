@@ -182,7 +182,7 @@ def verify_block(params, config, tap_layers, decode, drafts, requests) -> Verifi
     logits = unembed(params, config, out.hidden)
     accepted, tokens = verify_chain(logits, drafts, requests.sampling, anchor_pos)
     num_committed = round_commits(accepted, ~decode.done)
-    cache = out.cache.rolled_back(anchor_pos + num_committed)
+    cache = out.cache.rolled_back(anchor_pos + num_committed, appended=block.shape[1])
     return Verified(cache, out.taps, accepted, tokens, num_committed)
 
 

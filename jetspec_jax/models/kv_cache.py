@@ -40,8 +40,11 @@ class KVCache:
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
-    def rolled_back(self, lengths: jax.Array) -> KVCache:
-        """The same cache truncated to `lengths` `[B]` (each at most the current length)."""
+    def rolled_back(self, lengths: jax.Array, *, appended: int | None = None) -> KVCache:
+        """The same cache truncated to `lengths` `[B]` (each at most the current length).
+        `appended` is `HybridCache.rolled_back`'s (the last forward's width); a KV cache needs
+        no more than the lengths."""
+        del appended
         return self.replace(lengths=jnp.minimum(lengths.astype(jnp.int32), self.lengths))
 
 
