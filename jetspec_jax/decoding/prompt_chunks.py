@@ -4,11 +4,11 @@ positions at a time.
 One forward over T prompt positions holds the activations of all T at once: attention scores
 `[B, N, T, min(S, cache_chunk)]` in float32, the MLP's `[B, T, I]`. In chunks of C positions,
 each chunk a forward against the cache the earlier ones wrote, it holds those of C, so a long
-prompt's peak memory is bounded by the chunk, not by the prompt
-(`benchmarks/bench_prefill_chunks.py` measures both). The chunks run in a `fori_loop` with a
-dynamic trip count (the longest row's chunks), so one program serves every prompt length up to
-the padded width: a session gives its long prompts the width of its context bucket, and compiles
-one chunked prefill for all of them.
+prompt's activations are bounded by the chunk, not by the prompt (the tap states a draft reads,
+`[n_taps, B, T, H]`, still span it; `benchmarks/bench_prefill_chunks.py` measures both). The
+chunks run in a `fori_loop` with a dynamic trip count (the longest row's chunks), so one program
+serves every prompt length up to the padded width: a session gives its long prompts the width of
+its context bucket, and compiles one chunked prefill for all of them.
 
 The chunks split the padded width evenly (`even_chunk`: at most `chunk` positions each, as few as
 can be), so that a prompt as wide as its bucket computes no more positions than one forward does:
@@ -149,7 +149,7 @@ def start_in_chunks(
 
 def even_chunk(width: int, chunk: int) -> int:
     """The size of the fewest chunks of at most `chunk` positions that cover `width`, as equal as
-    can be (the last may be shorter by less than one per chunk)."""
+    can be (together they pass `width` by less than one position per chunk: the padding)."""
     count = -(-width // chunk)
     return -(-width // count)
 
