@@ -41,6 +41,12 @@ def length_buckets_up_to(n: int, minimum: int = 16) -> list[int]:
     return _every_bucket(length_bucket, n, minimum)
 
 
+def uses_chunks(width: int, chunk: int | None) -> bool:
+    """Whether prompts `width` positions wide are prefilled in chunks of `chunk` (None: never):
+    the one rule of the session's widths and of the prefill's two paths."""
+    return chunk is not None and width > chunk
+
+
 def prefill_width(longest: int, chunk: int | None, context_bucket: int, capacity: int) -> int:
     """The padded width of a prefill whose longest prompt has `longest` tokens.
 
@@ -48,7 +54,7 @@ def prefill_width(longest: int, chunk: int | None, context_bucket: int, capacity
     program for every long prompt of a session); within `capacity`, the cache and sequence
     buffer's positions (an admitted prompt may be longer than the context bucket).
     """
-    if chunk is not None and longest > chunk:
+    if uses_chunks(longest, chunk):
         width = max(context_bucket, length_bucket(longest))
     else:
         width = length_bucket(longest) if chunk is None else min(length_bucket(longest), chunk)
@@ -62,7 +68,7 @@ def prefill_lengths_up_to(longest: int, chunk: int | None) -> list[int]:
     if chunk is None:
         return length_buckets_up_to(longest)
     short = sorted({min(b, chunk) for b in length_buckets_up_to(min(longest, chunk))})
-    return short + [longest] if longest > chunk else short
+    return short + [longest] if uses_chunks(longest, chunk) else short
 
 
 def _every_bucket(round_up: Callable[[int, int], int], n: int, minimum: int) -> list[int]:

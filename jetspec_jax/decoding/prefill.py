@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.decoding.prompt_chunks import forward_in_chunks, uses_chunks
+from jetspec_jax.decoding.buckets import uses_chunks
+from jetspec_jax.decoding.prompt_chunks import forward_in_chunks
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward, init_cache, unembed

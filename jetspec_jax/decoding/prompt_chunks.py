@@ -25,13 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.decoding.buckets import uses_chunks
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward
-
-
-def uses_chunks(width: int, chunk: int | None) -> bool:
-    """Whether prompts `width` positions wide are prefilled in chunks (None: never)."""
-    return chunk is not None and width > chunk
 
 
 def forward_in_chunks(
