@@ -35,7 +35,7 @@ class OracleProposer:
     wrong_at: int | None = None
     tap_layers: tuple[int, ...] = ()
 
-    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+    def empty(self, params, target_params, batch, capacity):
         return jnp.zeros((), jnp.int32)  # stateless
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):

@@ -14,6 +14,7 @@ import jetspec_jax
 import train
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import foresight_proposer
+from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.decoding.refinement import LearnedProxy
 from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
@@ -86,8 +87,8 @@ def test_collected_outcomes_match_the_decode_loop(setup):
     proxy = LearnedProxy(draft.adapter.config, target.config)
     prompt = jnp.asarray([seq[:t]], jnp.int32)
     taps = forward(target.params, target.config, prompt, tap_layers=(0, 2)).taps
-    state = proxy.start(
-        draft.adapter.params, target.params, prompt, taps, jnp.asarray([t]), t + 2 * K
+    state = prompt_state(
+        proxy, draft.adapter.params, target.params, prompt, taps, jnp.asarray([t]), t + 2 * K
     )
     block = jnp.asarray([[seq[t], *rounds.drafts[i].tolist()]], jnp.int32)
     _, logits, _ = proxy.predict(draft.adapter.params, target.params, state, block)

@@ -15,7 +15,7 @@ from jetspec_jax import SamplingParams
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import Calibration
-from jetspec_jax.decoding.proposers import DraftProposer
+from jetspec_jax.decoding.proposers import DraftProposer, prompt_state
 from jetspec_jax.decoding.refinement import replace_first_disagreement
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
@@ -158,8 +158,8 @@ def test_each_pass_fixes_one_more_draft_and_extra_passes_change_nothing(target, 
     @functools.partial(jax.jit, static_argnums=0)
     def drafts(passes):
         proposer = DraftProposer(draft.config, target.config, passes)
-        state = proposer.start(
-            draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
+        state = prompt_state(
+            proposer, draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
         )
         return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)[0]
 
@@ -183,8 +183,8 @@ def test_a_shorter_block_drafts_the_full_blocks_first_drafts(target, draft, prom
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def drafts(config, passes):
         proposer = DraftProposer(config, target.config, passes)
-        state = proposer.start(
-            draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
+        state = prompt_state(
+            proposer, draft.params, target.params, tokens, taps.taps, jnp.asarray([11]), 32
         )
         return proposer.propose(draft.params, target.params, state, tokens[:, 11], None, tokens)[0]
 

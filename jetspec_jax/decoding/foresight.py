@@ -153,13 +153,10 @@ class ForesightProposer:
         target's embedding, final norm and LM head."""
         return self.refiner.proxy.first_target_layer
 
-    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
-        batch, count = prompts.shape[0], self.num_candidates
-        k_len = self.block_size
+    def empty(self, params, target_params, batch, capacity):
+        count, k_len = self.num_candidates, self.block_size
         return ForesightState(
-            refiner=self.refiner.start(
-                params, target_params, prompts, prompt_taps, prompt_lengths, capacity
-            ),
+            refiner=self.refiner.empty(params, target_params, batch, capacity),
             blocks=jnp.zeros((batch, count, k_len - 1), jnp.int32),
             keys_k=jnp.zeros((batch, count), jnp.int32),
             keys_a=jnp.zeros((batch, count), jnp.int32),

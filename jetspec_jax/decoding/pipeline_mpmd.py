@@ -271,7 +271,7 @@ class TwoProgramPipeline:
         chunk: int | None = None,
     ) -> tuple[SpecState, float]:
         """`(state, compile seconds)`: `prefill_speculative`'s carry with each side built on its
-        device (the target's prefill on device 0, the proposer's start on device 1; both `chunk`
+        device (the target's prefill on device 0, the proposer's state on device 1; both `chunk`
         positions at a time for prompts wider than that)."""
         static = dict(config=self.config, capacity=capacity, max_output=max_output, chunk=chunk)
         args = (self.target_params, prompts, prompt_lengths, requests)

@@ -1,14 +1,17 @@
-"""Chunked prefill: a long prompt goes through the target, and the proposer's start, `chunk`
+"""Chunked prefill: a long prompt goes through the target, and into the proposer, `chunk`
 positions at a time.
 
 One forward over T prompt positions holds the activations of all T at once: attention scores
 `[B, N, T, min(S, cache_chunk)]` in float32, the MLP's `[B, T, I]`. In chunks of C positions,
 each chunk a forward against the cache the earlier ones wrote, it holds those of C, so a long
-prompt's activations are bounded by the chunk, not by the prompt (the tap states a draft reads,
-`[n_taps, B, T, H]`, still span it; `benchmarks/bench_prefill_chunks.py` measures both). The
-chunks run in a `fori_loop` with a dynamic trip count (the longest row's chunks), so one program
-serves every prompt length up to the padded width: a session gives its long prompts the width of
-its context bucket, and compiles one chunked prefill for all of them.
+prompt's activations are bounded by the chunk, not by the prompt. So are the tap states a draft
+reads: each chunk's `[n_taps, B, C, H]` extend the proposer as soon as the target has them (the
+`read` of `forward_in_chunks`), in the same loop; only a caller that wants them all, the MPMD
+pipeline's target device, keeps them (`keep_taps`).
+
+The chunks run in a `fori_loop` with a dynamic trip count (the longest row's chunks), so one
+program serves every prompt length up to the padded width: a session gives its long prompts the
+width of its context bucket, and compiles one chunked prefill for all of them.
 
 The chunks split the padded width evenly (`even_chunk`: at most `chunk` positions each, as few as
 can be), so that a prompt as wide as its bucket computes no more positions than one forward does:
@@ -22,10 +25,13 @@ is stale, overwritten by the tokens they generate (as the right padding of a one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from jetspec_jax.decoding.buckets import uses_chunks
+from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward
 
@@ -39,7 +45,9 @@ def forward_in_chunks(
     *,
     chunk: int,
     tap_layers: tuple[int, ...],
-) -> tuple[jax.Array, jax.Array | None, object]:
+    read: Callable | None = None,
+    carry=None,
+):
     """The target's prefill forward over right-padded prompts, `chunk` positions at a time.
 
     Args:
@@ -48,49 +56,60 @@ def forward_in_chunks(
         prompt_lengths: `[B]` int32 real lengths (>= 1).
         cache: the empty cache to fill (`transformer.init_cache`).
         chunk: the most positions per forward (static; `even_chunk` splits T evenly).
-        tap_layers: target layers whose states to return (static).
+        tap_layers: target layers whose states `read` takes (static).
+        read: what takes each chunk's tap states as the chunks go, `read(index, carry, tokens
+            [B, C], taps [n_taps, B, C, H], num_new [B]) -> carry` (`keep_taps`, or a
+            proposer's `extend`); None: nothing reads them.
+        carry: `read`'s first carry.
 
     Returns:
-        `(last_hidden [B, 1, H], taps [n_taps, B, T, H] or None, cache)`: each row's final-normed
-        hidden state at its last prompt token, the tap states of every prompt position, and the
-        cache holding the prompts; as one forward over the prompts gives them (up to rounding).
+        `(last_hidden [B, 1, H], cache, carry)`: each row's final-normed hidden state at its last
+        prompt token and the cache holding the prompts, as one forward over the prompts gives
+        them (up to rounding), and `read`'s last carry.
     """
-    batch, width = prompts.shape
-    chunk = even_chunk(width, chunk)
+    chunk = even_chunk(prompts.shape[1], chunk)
     padded = _pad_to_chunks(prompts, chunk, axis=1)
-    shapes = jax.eval_shape(
-        lambda: forward(
-            params, config, padded[:, :chunk], cache, num_new=prompt_lengths, tap_layers=tap_layers
-        )
-    )
-    last = jnp.zeros((batch, 1, shapes.hidden.shape[-1]), shapes.hidden.dtype)
-    taps = None
-    if tap_layers:
-        n_taps, _, _, hidden_size = shapes.taps.shape
-        taps = jnp.zeros((n_taps, batch, padded.shape[1], hidden_size), shapes.taps.dtype)
+    hidden = _chunk_output(params, config, padded, cache, chunk, tap_layers).hidden
+    last = jnp.zeros((hidden.shape[0], 1, hidden.shape[2]), hidden.dtype)
 
-    def one_chunk(index, carry):
-        cache, last, taps = carry
-        out = forward(
-            params,
-            config,
-            chunk_at(padded, index, chunk, axis=1),
-            cache,
-            num_new=chunk_lengths(prompt_lengths, index, chunk),
-            tap_layers=tap_layers,
-        )
+    def one_chunk(index, loop_carry):
+        cache, last, carry = loop_carry
+        tokens = chunk_at(padded, index, chunk, axis=1)
+        num_new = chunk_lengths(prompt_lengths, index, chunk)
+        out = forward(params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers)
         place = prompt_lengths - 1 - index * chunk  # each row's last prompt token in the chunk
         picked = jnp.take_along_axis(out.hidden, jnp.clip(place, 0, chunk - 1)[:, None, None], 1)
         here = (place >= 0) & (place < chunk)
         last = jnp.where(here[:, None, None], picked, last)
-        if taps is not None:
-            taps = jax.lax.dynamic_update_slice_in_dim(taps, out.taps, index * chunk, axis=2)
-        return out.cache, last, taps
+        if read is not None:
+            # The reader starts once the chunk's forward is done: left free, the scheduler
+            # overlaps a reader's attention (the proxy's decoder layers) with the target's upper
+            # layers, and the two score buffers are live together.
+            cache, last, taps = jax.lax.optimization_barrier((out.cache, last, out.taps))
+            return cache, last, read(index, carry, tokens, taps, num_new)
+        return out.cache, last, carry
 
-    cache, last, taps = jax.lax.fori_loop(
-        0, chunk_count(prompt_lengths, chunk), one_chunk, (cache, last, taps)
-    )
-    return last, None if taps is None else taps[:, :, :width], cache
+    count = chunk_count(prompt_lengths, chunk)
+    cache, last, carry = jax.lax.fori_loop(0, count, one_chunk, (cache, last, carry))
+    return last, cache, carry
+
+
+def taps_buffer(params, config, prompts, cache, *, chunk, tap_layers) -> jax.Array:
+    """Zeros to hold the tap states of every prompt position as `keep_taps` writes them, for
+    `forward_in_chunks` with the same arguments: `[n_taps, B, W, H]`, W the prompts' width `T`
+    padded to whole chunks (keep the first T once the chunks are done)."""
+    chunk = even_chunk(prompts.shape[1], chunk)
+    padded = _pad_to_chunks(prompts, chunk, axis=1)
+    taps = _chunk_output(params, config, padded, cache, chunk, tap_layers).taps
+    n_taps, batch, _, hidden_size = taps.shape
+    return jnp.zeros((n_taps, batch, padded.shape[1], hidden_size), taps.dtype)
+
+
+def keep_taps(index, buffer, tokens, taps, num_new):
+    """A `forward_in_chunks` reader that writes chunk `index`'s taps into `buffer`
+    (`taps_buffer`)."""
+    del tokens, num_new
+    return jax.lax.dynamic_update_slice_in_dim(buffer, taps, index * taps.shape[2], axis=2)
 
 
 def start_in_chunks(
@@ -104,9 +123,10 @@ def start_in_chunks(
     *,
     chunk: int | None,
 ):
-    """`proposer.start` over the prompts, `chunk` positions at a time for prompts wider than
-    `chunk`: `start` on the first chunk, then `extend` by each further one (the proposer's
-    caches, like the target's, are filled by forwards over one chunk at a time).
+    """The proposer's state after the prompts (`proposers.prompt_state`), extended `chunk`
+    positions at a time for prompts wider than `chunk`, from tap states computed before (the
+    MPMD pipeline's draft device receives them whole; on one device, `prefill_speculative`
+    extends the proposer as the target's chunks go).
 
     Args:
         proposer: a `proposers.Proposer`.
@@ -114,21 +134,15 @@ def start_in_chunks(
         prompts: `[B, T]` right-padded prompts; prompt_taps: their `[n_taps, B, T, H]` states.
         prompt_lengths: `[B]` real lengths; capacity: the caches' positions per row.
         chunk: the most positions per call (static; split evenly as `forward_in_chunks` does);
-            None: one `start` over the whole prompts.
+            None: one `extend` over the whole prompts.
     """
     if not uses_chunks(prompts.shape[1], chunk):
-        return proposer.start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity)
+        return prompt_state(
+            proposer, params, target_params, prompts, prompt_taps, prompt_lengths, capacity
+        )
     chunk = even_chunk(prompts.shape[1], chunk)
     prompts = _pad_to_chunks(prompts, chunk, axis=1)
     prompt_taps = _pad_to_chunks(prompt_taps, chunk, axis=2)
-    state = proposer.start(
-        params,
-        target_params,
-        prompts[:, :chunk],
-        prompt_taps[:, :, :chunk],
-        jnp.minimum(prompt_lengths, chunk),
-        capacity,
-    )
 
     def one_chunk(index, state):
         return proposer.extend(
@@ -140,7 +154,8 @@ def start_in_chunks(
             chunk_lengths(prompt_lengths, index, chunk),
         )
 
-    return jax.lax.fori_loop(1, chunk_count(prompt_lengths, chunk), one_chunk, state)
+    empty = proposer.empty(params, target_params, prompts.shape[0], capacity)
+    return jax.lax.fori_loop(0, chunk_count(prompt_lengths, chunk), one_chunk, empty)
 
 
 def even_chunk(width: int, chunk: int) -> int:
@@ -163,6 +178,13 @@ def chunk_lengths(prompt_lengths: jax.Array, index: jax.Array, chunk: int) -> ja
 def chunk_at(values: jax.Array, index: jax.Array, chunk: int, *, axis: int) -> jax.Array:
     """Chunk `index` of `values` along `axis` (whose size is a multiple of `chunk`)."""
     return jax.lax.dynamic_slice_in_dim(values, index * chunk, chunk, axis=axis)
+
+
+def _chunk_output(params, config, padded, cache, chunk, tap_layers):
+    """The shapes and dtypes of one chunk's forward (`jax.eval_shape`: nothing runs)."""
+    return jax.eval_shape(
+        lambda: forward(params, config, padded[:, :chunk], cache, tap_layers=tap_layers)
+    )
 
 
 def _pad_to_chunks(values: jax.Array, chunk: int, *, axis: int) -> jax.Array:

@@ -1,15 +1,18 @@
 """Proposers: what drafts a block for the speculative loop.
 
-A proposer (`Proposer`) is a hashable description (a static jit argument) with three pure
+A proposer (`Proposer`) is a hashable description (a static jit argument) with four pure
 functions over its own parameter pytree and state pytree:
 
-    start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
+    empty(params, target_params, batch, capacity) -> state
+    extend(params, target_params, state, tokens, taps, num_new) -> state
     propose(params, target_params, state, anchor, anchor_positions, sequence)
         -> (drafts [B, K-1], state)
     observe(params, target_params, state, block, block_taps, num_committed) -> state
 
-`prompts` `[B, T]` and `block` `[B, K]` are the tokens whose tap states are `prompt_taps` and
-`block_taps` `[n_taps, B, T|K, H]`; the first `prompt_lengths` / `num_committed` of them are real.
+`tokens` `[B, T]` and `block` `[B, K]` are the tokens whose tap states are `taps` and
+`block_taps` `[n_taps, B, T|K, H]`; the first `num_new` / `num_committed` of them are real.
+The state after the prompts (`prompt_state`) is `extend` of the empty state by them, whole or a
+chunk at a time (`prompt_chunks.py`): one rule, so the two ways cannot drift apart.
 
 `propose` returns the state to observe next, in place of the one it was given: refinement writes
 predicted rows past the verified length into its caches (stale there, never read; `observe`
@@ -58,12 +61,15 @@ class Proposer(Protocol):
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        """The target layers whose states `start` and `observe` take."""
+        """The target layers whose states `extend` and `observe` take."""
 
-    def start(
-        self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity: int
-    ) -> Any:
-        """The state after the prompts `[B, T]` (their taps `[n_taps, B, T, H]`)."""
+    def empty(self, params, target_params, batch: int, capacity: int) -> Any:
+        """The state before any position: `batch` rows of `capacity` positions each."""
+
+    def extend(self, params, target_params, state, tokens, taps, num_new) -> Any:
+        """The state after `num_new` `[B]` more prompt positions: `tokens` `[B, T]` and their
+        taps `[n_taps, B, T, H]` (the whole prompts, or a chunked prefill's next chunk). As
+        `observe`, less what only a verified round records."""
 
     def propose(
         self, params, target_params, state, anchor, anchor_positions, sequence
@@ -73,12 +79,6 @@ class Proposer(Protocol):
 
     def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
         """The state after the verified `block` `[B, K]`, its first `num_committed` `[B]` real."""
-
-    def extend(self, params, target_params, state, tokens, taps, num_new) -> Any:
-        """The state after `num_new` `[B]` more prompt positions: `tokens` `[B, C]` and their
-        taps `[n_taps, B, C, H]` (a chunked prefill's chunks after the first,
-        `prompt_chunks.start_in_chunks`). As `observe`, less what only a verified round
-        records."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +121,9 @@ class DraftProposer:
     def tap_layers(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
-    def start(
-        self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity
-    ) -> ContextCache:
-        """The draft cache holding the projected prompt (the anchor is the first new token)."""
-        dtype = params["norm"]["scale"].dtype
-        cache = empty_cache(self.config, prompt_lengths.shape[0], capacity, dtype)
-        return extend_context(params, self.config, cache, prompt_taps, prompt_lengths)
+    def empty(self, params, target_params, batch, capacity) -> ContextCache:
+        """An empty draft context cache (in the draft's dtype)."""
+        return empty_cache(self.config, batch, capacity, params["norm"]["scale"].dtype)
 
     def propose(self, params, target_params, cache, anchor, anchor_positions, sequence):
         """`([B, K-1] drafts, cache)` for the block after `anchor` (at `anchor_positions`); the
@@ -177,8 +173,17 @@ class DraftProposer:
         return extend_context(params, self.config, cache, block_taps, num_committed)
 
     def extend(self, params, target_params, cache, tokens, taps, num_new):
-        """Extends the draft's context with more prompt positions."""
+        """Extends the draft's context with more prompt positions (the projected prompt: the
+        anchor is the first new token)."""
         return extend_context(params, self.config, cache, taps, num_new)
+
+
+def prompt_state(proposer, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+    """The state of `proposer` (or of a `refinement.Proxy`) after the prompts `[B, T]`, their tap
+    states `[n_taps, B, T, H]` and real lengths `[B]`: `extend` of its empty state, caches of
+    `capacity` positions per row."""
+    state = proposer.empty(params, target_params, prompts.shape[0], capacity)
+    return proposer.extend(params, target_params, state, prompts, prompt_taps, prompt_lengths)
 
 
 def with_anchor(anchor: jax.Array, drafts: jax.Array) -> jax.Array:

@@ -31,7 +31,8 @@ changes predictions before i.
 
 A proxy (`Proxy`) is a hashable description with pure functions over its own params and state:
 
-    start(params, target_params, prompts, prompt_taps, prompt_lengths, capacity) -> state
+    empty(params, target_params, batch, capacity) -> state
+    extend(params, target_params, state, tokens, taps, num_new) -> state
     observe(params, target_params, state, block, block_taps, num_committed) -> state
     predict(params, target_params, state, block) -> (taps [n, B, K, H], logits [B, K, V], state)
 
@@ -68,16 +69,14 @@ class Proxy(Protocol):
     def first_target_layer(self) -> int:
         """The lowest target layer the proxy runs (the drafting side must hold it and above)."""
 
-    def start(
-        self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity: int
-    ) -> Any:
-        """The state after the prompts, as `Proposer.start`."""
-
-    def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
-        """The state after a verified block, as `Proposer.observe`."""
+    def empty(self, params, target_params, batch: int, capacity: int) -> Any:
+        """The state before any position, as `Proposer.empty`."""
 
     def extend(self, params, target_params, state, tokens, taps, num_new) -> Any:
         """The state after more prompt positions, as `Proposer.extend`."""
+
+    def observe(self, params, target_params, state, block, block_taps, num_committed) -> Any:
+        """The state after a verified block, as `Proposer.observe`."""
 
     def predict(self, params, target_params, state, block) -> tuple[jax.Array, jax.Array, Any]:
         """`(taps [n_taps, B, K, H], logits [B, K, V], state)`: the block's predicted tap states
@@ -116,15 +115,15 @@ class LearnedProxy:
         """The lowest target layer the proxy runs: the decoder's first (deepest tap + 1)."""
         return self.adapter.target_layer_ids[-1] + 1
 
-    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
-        batch, dtype = prompts.shape[0], prompt_taps.dtype
-        state = ProxyState(
+    def empty(self, params, target_params, batch, capacity):
+        # The caches hold tap states and target layers: the target's dtype.
+        dtype = target_params["embed_tokens"]["embedding"].dtype
+        return ProxyState(
             adapter=adapter.empty_cache(self.adapter, batch, capacity, dtype),
             decoder=decoder.empty_cache(
                 self.target_config, self.first_target_layer, batch, capacity, dtype
             ),
         )
-        return self.observe(params, target_params, state, prompts, prompt_taps, prompt_lengths)
 
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         embedding = target_params["embed_tokens"]["embedding"]
@@ -199,11 +198,10 @@ class RefiningProposer:
     def tap_layers(self) -> tuple[int, ...]:
         return self.drafter.tap_layers
 
-    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
-        args = (prompts, prompt_taps, prompt_lengths, capacity)
+    def empty(self, params, target_params, batch, capacity):
         return RefinerState(
-            draft=self.drafter.start(params["draft"], target_params, *args),
-            proxy=self.proxy.start(params["proxy"], target_params, *args),
+            draft=self.drafter.empty(params["draft"], target_params, batch, capacity),
+            proxy=self.proxy.empty(params["proxy"], target_params, batch, capacity),
         )
 
     def observe(self, params, target_params, state, block, block_taps, num_committed):

@@ -22,9 +22,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.decoding.prefill import prefill
-from jetspec_jax.decoding.prompt_chunks import start_in_chunks
-from jetspec_jax.decoding.proposers import Proposer, with_anchor
+from jetspec_jax.decoding.buckets import uses_chunks
+from jetspec_jax.decoding.prefill import empty_cache, prefill, prefill_in_chunks
+from jetspec_jax.decoding.proposers import Proposer, prompt_state, with_anchor
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.decoding.verify import verify_chain
 from jetspec_jax.models.config import TransformerConfig
@@ -88,7 +88,7 @@ def start_speculative(
 
     Args:
         decode: the prefilled state (`decode.output` `[B, max_output]`, `last_token` `[B]`).
-        proposer_state: the proposer's `start` state.
+        proposer_state: the proposer's state after the prompts (`proposers.prompt_state`).
         prompts: `[B, T]` the prompts, padded; `prompt_lengths` `[B]` their real lengths.
         capacity: the sequence buffer's length (the target cache's capacity).
     """
@@ -238,23 +238,36 @@ def prefill_speculative(
     max_output: int,
     chunk: int | None = None,
 ) -> SpecState:
-    """Prefill for speculative decoding: the target's prefill, then the proposer's start (both
-    `chunk` positions at a time for prompts wider than that: `prompt_chunks.py`).
+    """Prefill for speculative decoding: the target's prefill and the proposer's start.
+
+    For prompts wider than `chunk`, both go a chunk at a time in one loop: each chunk's tap
+    states extend the proposer as soon as the target has them (`prefill_in_chunks`), so no
+    buffer of the whole prompt's `[n_taps, B, T, H]` states is held.
 
     Args and static arguments as `prefill` and `decode_speculative`; returns the loop carry.
     """
-    decode, taps = prefill(
-        params,
-        prompts,
-        prompt_lengths,
-        requests,
-        config=config,
-        capacity=capacity,
-        max_output=max_output,
-        tap_layers=proposer.tap_layers,
-        chunk=chunk,
-    )
-    proposer_state = start_in_chunks(
-        proposer, proposer_params, params, prompts, taps, prompt_lengths, capacity, chunk=chunk
-    )
+    sizes = dict(config=config, max_output=max_output, tap_layers=proposer.tap_layers)
+    if uses_chunks(prompts.shape[1], chunk):
+
+        def extend(index, state, tokens, taps, num_new):
+            return proposer.extend(proposer_params, params, state, tokens, taps, num_new)
+
+        decode, proposer_state = prefill_in_chunks(
+            params,
+            prompts,
+            prompt_lengths,
+            requests,
+            empty_cache(params, config, prompts.shape[0], capacity),
+            **sizes,
+            chunk=chunk,
+            read=extend,
+            carry=proposer.empty(proposer_params, params, prompts.shape[0], capacity),
+        )
+    else:
+        decode, taps = prefill(
+            params, prompts, prompt_lengths, requests, **sizes, capacity=capacity
+        )
+        proposer_state = prompt_state(
+            proposer, proposer_params, params, prompts, taps, prompt_lengths, capacity
+        )
     return start_speculative(decode, proposer_state, prompts, prompt_lengths, capacity)

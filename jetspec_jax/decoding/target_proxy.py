@@ -32,12 +32,9 @@ class TargetProxy:
 
     first_target_layer = 0  # it runs every target layer
 
-    def start(self, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
+    def empty(self, params, target_params, batch, capacity):
         dtype = target_params["embed_tokens"]["embedding"].dtype
-        cache = init_cache(self.target_config, prompts.shape[0], capacity, dtype)
-        return forward(
-            target_params, self.target_config, prompts, cache, num_new=prompt_lengths
-        ).cache
+        return init_cache(self.target_config, batch, capacity, dtype)
 
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         return forward(target_params, self.target_config, block, state, num_new=num_committed).cache

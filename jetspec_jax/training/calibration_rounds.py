@@ -47,6 +47,7 @@ import tqdm
 
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.outcomes import SELECTION_RULES, Calibration, hit, select_for_rule
+from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.decoding.refinement import LearnedProxy, RefiningProposer
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
@@ -174,11 +175,15 @@ def sequence_rounds(
     batch, capacity = tokens.shape
     k_len = proposer.block_size
     out = forward(target_params, config, tokens, tap_layers=proposer.tap_layers)
-    state = proposer.start(proposer_params, target_params, tokens, out.taps, lengths, capacity)
+    state = prompt_state(
+        proposer, proposer_params, target_params, tokens, out.taps, lengths, capacity
+    )
     if isinstance(proposer, RefiningProposer):
         proxy_state = state.proxy
     else:
-        proxy_state = proxy.start(proxy_params, target_params, tokens, out.taps, lengths, capacity)
+        proxy_state = prompt_state(
+            proxy, proxy_params, target_params, tokens, out.taps, lengths, capacity
+        )
     state, proxy_state = _at_anchors((state, proxy_state), anchors)
 
     rows = jnp.arange(batch)[:, None]
