@@ -6,9 +6,7 @@ first token). For each prompt length, the same session shapes both ways (`Decodi
 each after a first run that compiles. AR, and JetSpec++ J1-R1 with the shipped draft (its
 prefill also starts the draft, the adapter and the decoder, whose target layer runs over the
 prompt). Memory: the compiled prefill's temporary buffers (XLA's `memory_analysis`: activations
-and scratch, the caches and weights left out, as they are the same both ways); for JetSpec++ also
-that of the chunked prefill keeping the whole prompt's tap states for the proposer to read after
-(as the MPMD pipeline's two devices must), against extending the proposer as the chunks go.
+and scratch, the caches and weights left out, as they are the same both ways).
 
     python benchmarks/bench_prefill_chunks.py
 """
@@ -23,9 +21,6 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import functools  # noqa: E402
-
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -38,7 +33,6 @@ from jetspec_jax.decoding.buckets import (  # noqa: E402
 )
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.prefill import prefill  # noqa: E402
-from jetspec_jax.decoding.prompt_chunks import start_in_chunks  # noqa: E402
 from jetspec_jax.decoding.session import DecodeSession, resolve_proposer  # noqa: E402
 from jetspec_jax.decoding.speculative import prefill_speculative  # noqa: E402
 from jetspec_jax.decoding.state import Requests  # noqa: E402
@@ -67,10 +61,9 @@ def prefill_seconds(target, draft, prompt, options) -> tuple[float, float]:
     return session.timing.prefill_seconds, session.timing.compile_seconds
 
 
-def temp_bytes(target, draft, length: int, options: DecodingOptions, *, keep_taps=False) -> int:
+def temp_bytes(target, draft, length: int, options: DecodingOptions) -> int:
     """The temporary buffers of the prefill program a session of one `length`-token prompt runs
-    (the same shapes: width and cache capacity as `DecodeSession` sizes them). `keep_taps`: the
-    chunked prefill keeping every chunk's tap states, the proposer extended from them after."""
+    (the same shapes: width and cache capacity as `DecodeSession` sizes them)."""
     width = length_bucket(length)
     prompts = jnp.zeros((1, width), jnp.int32)
     lengths = jnp.asarray([length], jnp.int32)
@@ -89,30 +82,8 @@ def temp_bytes(target, draft, length: int, options: DecodingOptions, *, keep_tap
         args = (target.params, proposer_params, prompts, lengths, requests)
         fn, sizes["proposer"] = prefill_speculative, proposer
         sizes["capacity"] = width + max_output + proposer.block_size
-        if keep_taps:
-            fn = functools.partial(jax.jit, static_argnames=tuple(sizes))(after_whole_taps)
     stats = fn.lower(*args, **sizes).compile().memory_analysis()
     return stats.temp_size_in_bytes
-
-
-def after_whole_taps(
-    target_params,
-    proposer_params,
-    prompts,
-    lengths,
-    requests,
-    *,
-    proposer,
-    capacity,
-    chunk,
-    **sizes,
-):
-    """The chunked prefill keeping the whole prompt's tap states, then the proposer extended from
-    them a chunk at a time (the MPMD pipeline's two devices, on one)."""
-    sizes.update(capacity=capacity, chunk=chunk, tap_layers=proposer.tap_layers)
-    decode, taps = prefill(target_params, prompts, lengths, requests, **sizes)
-    args = (proposer, proposer_params, target_params, prompts, taps, lengths, capacity)
-    return decode, start_in_chunks(*args, chunk=chunk)
 
 
 def main() -> None:
@@ -139,10 +110,6 @@ def main() -> None:
                 for w, o in ways.items():
                     times[w].append(prefill_seconds(target, method_draft, prompt, o)[0])
             memory = {w: temp_bytes(target, method_draft, n, o) for w, o in ways.items()}
-            if method_draft is not None:
-                memory["taps kept"] = temp_bytes(
-                    target, method_draft, n, ways["chunked"], keep_taps=True
-                )
             whole, chunked = (statistics.median(times[w]) for w in ways)
             rows.append((method, n, whole, chunked, memory, compiles))
             print(method, n, f"{whole:.3f} {chunked:.3f} {whole / chunked:.2f}x", memory)
@@ -163,17 +130,15 @@ def main() -> None:
         "weights, the same both ways, left out).",
         "",
         "| method | prompt tokens | one forward ms | chunked ms | ratio | temp MiB one forward "
-        "| temp MiB chunked | temp MiB chunked, taps kept | compile s one forward "
-        "| compile s chunked |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| temp MiB chunked | compile s one forward | compile s chunked |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     mib = 1 / 2**20
     for method, n, whole, chunked, memory, compiles in rows:
-        kept = f"{memory['taps kept'] * mib:.0f}" if "taps kept" in memory else "-"
         lines.append(
             f"| {method} | {n} | {1e3 * whole:.0f} | {1e3 * chunked:.0f} | "
             f"{whole / chunked:.2f}x | {memory['one forward'] * mib:.0f} | "
-            f"{memory['chunked'] * mib:.0f} | {kept} | {compiles['one forward']:.1f} | "
+            f"{memory['chunked'] * mib:.0f} | {compiles['one forward']:.1f} | "
             f"{compiles['chunked']:.1f} |"
         )
     lines += [
@@ -189,13 +154,13 @@ def main() -> None:
         "prefill skips most of the causal mask's upper triangle that one forward computes and "
         "masks, and its scores stay small enough to stay in cache.",
         "",
-        "Taps kept: the chunked prefill keeping the tap states of every prompt position "
-        "(`[n_taps, B, T, H]`) for the proposer to be extended from after, as the MPMD "
-        "pipeline's draft device is; on one device, `prefill_speculative` extends the proposer "
-        "with each chunk's taps as the target computes them, so its temporary memory is bounded "
-        "by the chunk too. Below two chunks of 512 (700 tokens: 2 x 384) it needs a little more "
-        "than keeping them: its loop body holds one more attention-score buffer (the target's "
-        "and the proxy decoder's attention in one body) than the taps buffer is there.",
+        "JetSpec++'s chunked prefill extends the proposer with each chunk's tap states as the "
+        "target computes them (on one device in the same loop; in the MPMD pipeline on the "
+        "draft's device while the target's runs the next chunk), so no buffer of the whole "
+        "prompt's `[n_taps, B, T, H]` taps is held: its temporary memory is AR's plus the "
+        "drafting side's for one chunk. With few chunks (700 tokens: 2 x 384) the drafting "
+        "side adds more: the loop body holds the target's and the proxy decoder's attention "
+        "scores over the wider chunk.",
     ]
     body = "\n".join(lines) + "\n"
     print(body)

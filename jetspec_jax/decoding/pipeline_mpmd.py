@@ -32,10 +32,12 @@ dispatched: the draft-side programs skip their work when no row is active, verif
 its target forward (a `lax.cond` around it made XLA copy the target cache every round), and the
 round changes no row's tokens or results (a done row's token sequence past its end is scratch).
 
-The prefill is split the same way: the target's on device 0, then the prompts' tap states go to
-device 1, where the proposer starts. The computation is `foresight.foresight_round`'s, split
-between the devices: the tokens, outcomes
-and hit statistics are the single-device round's. Between calls the session holds a plain
+The prefill is split the same way, a chunk of prompt positions at a time (`prompt_chunks.py`; one
+chunk for prompts no wider than the session's prefill chunk): device 0 runs the target over a
+chunk, its tap states go to device 1, which extends the proposer with them while device 0 runs the
+next. Neither device holds the whole prompt's tap states. The round's computation is
+`foresight.foresight_round`'s, split between the devices: the tokens, outcomes and hit statistics
+are the single-device round's. Between calls the session holds a plain
 `SpecState` (its decode side on device 0, its proposer state on device 1); each call rebuilds the
 mirror from the decode side, so a row cancelled between calls is inactive on both devices.
 """
@@ -50,12 +52,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jetspec_jax.decoding.buckets import uses_chunks
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.pipeline import pipeline_devices
 from jetspec_jax.decoding.placement import PLACED
-from jetspec_jax.decoding.prefill import prefill
-from jetspec_jax.decoding.prompt_chunks import start_in_chunks
+from jetspec_jax.decoding.prefill import empty_cache, first_token
+from jetspec_jax.decoding.prompt_chunks import (
+    chunk_at,
+    chunk_count,
+    chunk_lengths,
+    even_chunk,
+    forward_chunk,
+    no_last_hidden,
+    pad_to_chunks,
+)
 from jetspec_jax.decoding.proposers import with_anchor
 from jetspec_jax.decoding.speculative import (
     SpecState,
@@ -192,30 +203,58 @@ def observe_outcome(
     return jax.lax.cond(jnp.any(~side.done), observe, lambda: side)
 
 
-@functools.partial(jax.jit, static_argnames=("proposer", "capacity", "chunk"))
-def start_proposer(
-    draft_params,
-    target_params,
-    prompts,
-    prompt_taps,
-    prompt_lengths,
-    *,
-    proposer,
-    capacity,
-    chunk=None,
+# -- the prefill's stage programs, a chunk at a time ---------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "chunk"))
+def start_target_prefill(params, padded, *, config: TransformerConfig, capacity: int, chunk: int):
+    """Device 0: `(cache, last)` before the first chunk of `padded` `[B, W]` (as
+    `prompt_chunks.forward_chunk` takes them): the empty cache and no last hidden state."""
+    cache = empty_cache(params, config, padded.shape[0], capacity)
+    return cache, no_last_hidden(params, config, padded, cache, chunk=chunk)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "chunk", "tap_layers"), donate_argnames=("cache", "last")
+)
+def target_prefill_chunk(
+    params, padded, prompt_lengths, cache, last, index, *, config, chunk, tap_layers
 ):
-    """Device 1: the proposer's state over the prompts (their tap states from device 0), `chunk`
-    positions at a time as `prompt_chunks.start_in_chunks`."""
-    return start_in_chunks(
-        proposer,
-        draft_params,
-        target_params,
-        prompts,
-        prompt_taps,
+    """Device 0: `prompt_chunks.forward_chunk`, `(cache, last, taps [n_taps, B, chunk, H])`."""
+    return forward_chunk(
+        params,
+        config,
+        padded,
         prompt_lengths,
-        capacity,
+        cache,
+        last,
+        index,
         chunk=chunk,
+        tap_layers=tap_layers,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_output"), donate_argnames=("cache",))
+def finish_target_prefill(params, cache, last, prompt_lengths, requests, *, config, max_output):
+    """Device 0: the `DecodeState` after the prompts, each row's first token committed."""
+    return first_token(params, config, last, cache, prompt_lengths, requests, max_output)
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "batch", "capacity"))
+def empty_proposer(draft_params, target_params, *, proposer, batch: int, capacity: int):
+    """Device 1: the proposer's state before the prompts (`Proposer.empty`)."""
+    return proposer.empty(draft_params, target_params, batch, capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "chunk"), donate_argnames=("state",))
+def extend_proposer(
+    draft_params, target_params, state, padded, prompt_lengths, taps, index, *, proposer, chunk
+):
+    """Device 1: the proposer extended with chunk `index` of the prompts and its tap states
+    `[n_taps, B, chunk, H]` from device 0."""
+    tokens = chunk_at(padded, index, chunk, axis=1)
+    num_new = chunk_lengths(prompt_lengths, index, chunk)
+    return proposer.extend(draft_params, target_params, state, tokens, taps, num_new)
 
 
 # -- the host loop -----------------------------------------------------------------------------
@@ -271,38 +310,76 @@ class TwoProgramPipeline:
         chunk: int | None = None,
     ) -> tuple[SpecState, float]:
         """`(state, compile seconds)`: `prefill_speculative`'s carry with each side built on its
-        device (the target's prefill on device 0, the proposer's state on device 1; both `chunk`
-        positions at a time for prompts wider than that)."""
-        static = dict(config=self.config, capacity=capacity, max_output=max_output, chunk=chunk)
-        args = (self.target_params, prompts, prompt_lengths, requests)
-        run, compile_seconds = self._compiled.get(
-            prefill, *args, **static, tap_layers=self.proposer.tap_layers
+        device, `chunk` positions at a time (one chunk for prompts no wider; None: one chunk).
+
+        The host dispatches the chunks without waiting: while device 1 extends the proposer with
+        chunk i's tap states, device 0 runs the target over chunk i + 1.
+        """
+        width = prompts.shape[1]
+        chunk = even_chunk(width, chunk if uses_chunks(width, chunk) else width)
+        padded = pad_to_chunks(jnp.asarray(prompts), chunk, axis=1)
+        count = int(chunk_count(np.asarray(jax.device_get(prompt_lengths)), chunk))
+        on_target = jax.device_put((padded, prompt_lengths, requests), self.target_device)
+        padded0, lengths0, requests0 = on_target
+        padded1, lengths1 = jax.device_put((padded, prompt_lengths), self.draft_device)
+        target_static = dict(config=self.config, chunk=chunk)
+        draft, tp1 = self.draft_params, self.draft_target_params
+        call = _StagePrograms(self._compiled)
+
+        cache, last = call(
+            start_target_prefill, self.target_params, padded0, **target_static, capacity=capacity
         )
-        decode, taps = run(*args)
-        args = (
-            self.draft_params,
-            self.draft_target_params,
-            *jax.device_put((prompts, taps, prompt_lengths), self.draft_device),
+        state = call(
+            empty_proposer,
+            draft,
+            tp1,
+            proposer=self.proposer,
+            batch=padded.shape[0],
+            capacity=capacity,
         )
-        run, seconds = self._compiled.get(
-            start_proposer, *args, proposer=self.proposer, capacity=capacity, chunk=chunk
+        for index in range(count):
+            index = np.int32(index)
+            cache, last, taps = call(
+                target_prefill_chunk,
+                self.target_params,
+                padded0,
+                lengths0,
+                cache,
+                last,
+                index,
+                **target_static,
+                tap_layers=self.proposer.tap_layers,
+            )
+            taps = jax.device_put(taps, self.draft_device)
+            state = call(
+                extend_proposer,
+                draft,
+                tp1,
+                state,
+                padded1,
+                lengths1,
+                taps,
+                index,
+                proposer=self.proposer,
+                chunk=chunk,
+            )
+        decode = call(
+            finish_target_prefill,
+            self.target_params,
+            cache,
+            last,
+            lengths0,
+            requests0,
+            config=self.config,
+            max_output=max_output,
         )
-        state = start_speculative(decode, run(*args), prompts, prompt_lengths, capacity)
-        return state, compile_seconds + seconds
+        state = start_speculative(decode, state, prompts, prompt_lengths, capacity)
+        return state, call.compile_seconds
 
     def advance(self, state: SpecState, requests, max_rounds: int) -> tuple[SpecState, float]:
         """`(state, compile seconds)` after at most `max_rounds` rounds, stopping once every row
         is done. `state` (from `prefill`, or an earlier call) is consumed."""
-        compile_seconds = 0.0
-        executables = {}
-
-        def call(fn, *args, **static):
-            nonlocal compile_seconds
-            if fn not in executables:
-                executables[fn], seconds = self._compiled.get(fn, *args, **static)
-                compile_seconds += seconds
-            return executables[fn](*args)
-
+        call = _StagePrograms(self._compiled)
         decode_side = jax.device_put(state.replace(proposer=None), self.target_device)
         d = decode_side.decode
         side = jax.device_put(
@@ -315,7 +392,7 @@ class TwoProgramPipeline:
         proposer = dict(proposer=self.proposer)
 
         if np.all(jax.device_get(d.done)):
-            return decode_side.replace(proposer=side.proposer), compile_seconds
+            return decode_side.replace(proposer=side.proposer), call.compile_seconds
         unread = None  # the done flags of the latest round the host has not checked
         for _ in range(max_rounds):
             side, block = call(propose_block, draft, tp1, side, **proposer)
@@ -335,4 +412,20 @@ class TwoProgramPipeline:
             if unread is not None and np.all(jax.device_get(unread)):
                 break
             unread = outcome.done
-        return decode_side.replace(proposer=side.proposer), compile_seconds
+        return decode_side.replace(proposer=side.proposer), call.compile_seconds
+
+
+class _StagePrograms:
+    """Calls stage programs for one host loop: each compiled (or found in the `CompiledCache`) at
+    its first call, whose arguments' shapes every later call keeps; the compile time summed."""
+
+    def __init__(self, compiled: CompiledCache):
+        self._compiled = compiled
+        self._executables = {}
+        self.compile_seconds = 0.0
+
+    def __call__(self, fn, *args, **static):
+        if fn not in self._executables:
+            self._executables[fn], seconds = self._compiled.get(fn, *args, **static)
+            self.compile_seconds += seconds
+        return self._executables[fn](*args)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.decoding.buckets import uses_chunks
-from jetspec_jax.decoding.prompt_chunks import forward_in_chunks, keep_taps, taps_buffer
+from jetspec_jax.decoding.prompt_chunks import forward_in_chunks
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward, init_cache, unembed
@@ -40,9 +40,9 @@ def prefill(
         requests: per-row budgets, stop tokens and sampling.
         capacity: KV cache positions per row (static); must hold prompt + generated tokens.
         max_output: size of the output buffer (static), >= every row's max_new_tokens.
-        tap_layers: target layers whose states over the prompt to return (static; for a draft
-            started elsewhere, as the MPMD pipeline's: `prefill_speculative` extends the draft
-            with each chunk's as they come, holding no buffer of them all).
+        tap_layers: target layers whose states over the prompts to return (static), for a
+            proposer to start from; one forward only: a chunked prefill hands each chunk's to a
+            reader as they come (`prefill_in_chunks`), holding no buffer of them all.
         chunk: prompts wider than this many positions go through the target this many at a time
             (`prompt_chunks.py`: bounded activation memory, one program for any length up to
             T); None: one forward (static).
@@ -51,6 +51,9 @@ def prefill(
         `(state, taps)`: a `DecodeState` whose cache holds the prompts and whose output holds one
         token per row (none for rows with a zero budget), and the `[n_taps, B, T, H]` tap states
         of the prompt positions (None without tap layers).
+
+    Raises:
+        ValueError: tap layers with prompts wider than `chunk`.
     """
     cache = empty_cache(params, config, prompts.shape[0], capacity)
     if not uses_chunks(prompts.shape[1], chunk):
@@ -60,11 +63,13 @@ def prefill(
             params, config, last_hidden, out.cache, prompt_lengths, requests, max_output
         )
         return state, out.taps
-    read = carry = None
-    if tap_layers:  # every position's tap states, as one forward returns them
-        read = keep_taps
-        carry = taps_buffer(params, config, prompts, cache, chunk=chunk, tap_layers=tap_layers)
-    state, taps = prefill_in_chunks(
+    if tap_layers:
+        raise ValueError(
+            f"prefill returns tap states from one forward only, not in chunks of {chunk} "
+            f"positions over a {prompts.shape[1]}-wide prompt: read each chunk's with "
+            "prefill_in_chunks"
+        )
+    state, _ = prefill_in_chunks(
         params,
         prompts,
         prompt_lengths,
@@ -73,11 +78,11 @@ def prefill(
         config=config,
         max_output=max_output,
         chunk=chunk,
-        tap_layers=tap_layers,
-        read=read,
-        carry=carry,
+        tap_layers=(),
+        read=None,
+        carry=None,
     )
-    return state, None if taps is None else taps[:, :, : prompts.shape[1]]
+    return state, None
 
 
 def prefill_in_chunks(

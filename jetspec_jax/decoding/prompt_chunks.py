@@ -5,13 +5,14 @@ One forward over T prompt positions holds the activations of all T at once: atte
 `[B, N, T, min(S, cache_chunk)]` in float32, the MLP's `[B, T, I]`. In chunks of C positions,
 each chunk a forward against the cache the earlier ones wrote, it holds those of C, so a long
 prompt's activations are bounded by the chunk, not by the prompt. So are the tap states a draft
-reads: each chunk's `[n_taps, B, C, H]` extend the proposer as soon as the target has them (the
-`read` of `forward_in_chunks`), in the same loop; only a caller that wants them all, the MPMD
-pipeline's target device, keeps them (`keep_taps`).
+reads: each chunk's `[n_taps, B, C, H]` extend the proposer as soon as the target has them, and
+nothing holds the whole prompt's.
 
-The chunks run in a `fori_loop` with a dynamic trip count (the longest row's chunks), so one
-program serves every prompt length up to the padded width: a session gives its long prompts the
-width of its context bucket, and compiles one chunked prefill for all of them.
+On one device the chunks run in a `fori_loop` (`forward_in_chunks`, the proposer's `extend` its
+`read`) with a dynamic trip count (the longest row's chunks), so one program serves every prompt
+length up to the padded width: a session gives its long prompts the width of its context bucket,
+and compiles one chunked prefill for all of them. The MPMD pipeline's host loop calls the same
+chunk step (`forward_chunk`) on the target's device and `extend` on the draft's, chunk by chunk.
 
 The chunks split the padded width evenly (`even_chunk`: at most `chunk` positions each, as few as
 can be), so that a prompt as wide as its bucket computes no more positions than one forward does:
@@ -30,8 +31,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jetspec_jax.decoding.buckets import uses_chunks
-from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward
 
@@ -57,9 +56,9 @@ def forward_in_chunks(
         cache: the empty cache to fill (`transformer.init_cache`).
         chunk: the most positions per forward (static; `even_chunk` splits T evenly).
         tap_layers: target layers whose states `read` takes (static).
-        read: what takes each chunk's tap states as the chunks go, `read(index, carry, tokens
-            [B, C], taps [n_taps, B, C, H], num_new [B]) -> carry` (`keep_taps`, or a
-            proposer's `extend`); None: nothing reads them.
+        read: what takes each chunk's tap states as the chunks go, `read(carry, tokens [B, C],
+            taps [n_taps, B, C, H], num_new [B]) -> carry` (a proposer's `extend`); None:
+            nothing reads them.
         carry: `read`'s first carry.
 
     Returns:
@@ -68,94 +67,78 @@ def forward_in_chunks(
         them (up to rounding), and `read`'s last carry.
     """
     chunk = even_chunk(prompts.shape[1], chunk)
-    padded = _pad_to_chunks(prompts, chunk, axis=1)
-    hidden = _chunk_output(params, config, padded, cache, chunk, tap_layers).hidden
-    last = jnp.zeros((hidden.shape[0], 1, hidden.shape[2]), hidden.dtype)
+    padded = pad_to_chunks(prompts, chunk, axis=1)
+    last = no_last_hidden(params, config, padded, cache, chunk=chunk)
 
     def one_chunk(index, loop_carry):
         cache, last, carry = loop_carry
+        cache, last, taps = forward_chunk(
+            params,
+            config,
+            padded,
+            prompt_lengths,
+            cache,
+            last,
+            index,
+            chunk=chunk,
+            tap_layers=tap_layers,
+        )
+        if read is None:
+            return cache, last, carry
+        # The reader starts once the chunk's forward is done: left free, the scheduler overlaps a
+        # reader's attention (the proxy's decoder layers) with the target's upper layers, and the
+        # two score buffers are live together.
+        cache, last, taps = jax.lax.optimization_barrier((cache, last, taps))
         tokens = chunk_at(padded, index, chunk, axis=1)
-        num_new = chunk_lengths(prompt_lengths, index, chunk)
-        out = forward(params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers)
-        place = prompt_lengths - 1 - index * chunk  # each row's last prompt token in the chunk
-        picked = jnp.take_along_axis(out.hidden, jnp.clip(place, 0, chunk - 1)[:, None, None], 1)
-        here = (place >= 0) & (place < chunk)
-        last = jnp.where(here[:, None, None], picked, last)
-        if read is not None:
-            # The reader starts once the chunk's forward is done: left free, the scheduler
-            # overlaps a reader's attention (the proxy's decoder layers) with the target's upper
-            # layers, and the two score buffers are live together.
-            cache, last, taps = jax.lax.optimization_barrier((out.cache, last, out.taps))
-            return cache, last, read(index, carry, tokens, taps, num_new)
-        return out.cache, last, carry
+        return cache, last, read(carry, tokens, taps, chunk_lengths(prompt_lengths, index, chunk))
 
     count = chunk_count(prompt_lengths, chunk)
     cache, last, carry = jax.lax.fori_loop(0, count, one_chunk, (cache, last, carry))
     return last, cache, carry
 
 
-def taps_buffer(params, config, prompts, cache, *, chunk, tap_layers) -> jax.Array:
-    """Zeros to hold the tap states of every prompt position as `keep_taps` writes them, for
-    `forward_in_chunks` with the same arguments: `[n_taps, B, W, H]`, W the prompts' width `T`
-    padded to whole chunks (keep the first T once the chunks are done)."""
-    chunk = even_chunk(prompts.shape[1], chunk)
-    padded = _pad_to_chunks(prompts, chunk, axis=1)
-    taps = _chunk_output(params, config, padded, cache, chunk, tap_layers).taps
-    n_taps, batch, _, hidden_size = taps.shape
-    return jnp.zeros((n_taps, batch, padded.shape[1], hidden_size), taps.dtype)
-
-
-def keep_taps(index, buffer, tokens, taps, num_new):
-    """A `forward_in_chunks` reader that writes chunk `index`'s taps into `buffer`
-    (`taps_buffer`)."""
-    del tokens, num_new
-    return jax.lax.dynamic_update_slice_in_dim(buffer, taps, index * taps.shape[2], axis=2)
-
-
-def start_in_chunks(
-    proposer,
-    params,
-    target_params,
-    prompts: jax.Array,
-    prompt_taps: jax.Array,
+def forward_chunk(
+    params: dict,
+    config: TransformerConfig,
+    padded: jax.Array,
     prompt_lengths: jax.Array,
-    capacity: int,
+    cache,
+    last: jax.Array,
+    index: jax.Array,
     *,
-    chunk: int | None,
+    chunk: int,
+    tap_layers: tuple[int, ...],
 ):
-    """The proposer's state after the prompts (`proposers.prompt_state`), extended `chunk`
-    positions at a time for prompts wider than `chunk`, from tap states computed before (the
-    MPMD pipeline's draft device receives them whole; on one device, `prefill_speculative`
-    extends the proposer as the target's chunks go).
+    """Chunk `index` of the prompts through the target, against the cache the earlier ones wrote.
 
     Args:
-        proposer: a `proposers.Proposer`.
-        params, target_params: the proposer's and the target's.
-        prompts: `[B, T]` right-padded prompts; prompt_taps: their `[n_taps, B, T, H]` states.
-        prompt_lengths: `[B]` real lengths; capacity: the caches' positions per row.
-        chunk: the most positions per call (static; split evenly as `forward_in_chunks` does);
-            None: one `extend` over the whole prompts.
+        params, config: the target.
+        padded: `[B, W]` int32 right-padded prompts, W a multiple of `chunk` (`pad_to_chunks`).
+        prompt_lengths: `[B]` int32 real lengths.
+        cache: the target cache after chunks `0 .. index - 1`.
+        last: `[B, 1, H]` each row's final-normed hidden state at its last prompt token, for
+            rows whose prompt ended in an earlier chunk (`no_last_hidden` before the first).
+        index: int32 scalar, the chunk.
+        chunk: positions per chunk (static); tap_layers: the layers whose states to return.
+
+    Returns:
+        `(cache, last, taps)`: the cache holding the chunk too, `last` updated for the rows whose
+        prompt ends in this chunk, and the chunk's `[n_taps, B, chunk, H]` tap states.
     """
-    if not uses_chunks(prompts.shape[1], chunk):
-        return prompt_state(
-            proposer, params, target_params, prompts, prompt_taps, prompt_lengths, capacity
-        )
-    chunk = even_chunk(prompts.shape[1], chunk)
-    prompts = _pad_to_chunks(prompts, chunk, axis=1)
-    prompt_taps = _pad_to_chunks(prompt_taps, chunk, axis=2)
+    tokens = chunk_at(padded, index, chunk, axis=1)
+    num_new = chunk_lengths(prompt_lengths, index, chunk)
+    out = forward(params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers)
+    place = prompt_lengths - 1 - index * chunk  # each row's last prompt token in the chunk
+    picked = jnp.take_along_axis(out.hidden, jnp.clip(place, 0, chunk - 1)[:, None, None], 1)
+    here = (place >= 0) & (place < chunk)
+    return out.cache, jnp.where(here[:, None, None], picked, last), out.taps
 
-    def one_chunk(index, state):
-        return proposer.extend(
-            params,
-            target_params,
-            state,
-            chunk_at(prompts, index, chunk, axis=1),
-            chunk_at(prompt_taps, index, chunk, axis=2),
-            chunk_lengths(prompt_lengths, index, chunk),
-        )
 
-    empty = proposer.empty(params, target_params, prompts.shape[0], capacity)
-    return jax.lax.fori_loop(0, chunk_count(prompt_lengths, chunk), one_chunk, empty)
+def no_last_hidden(params, config, padded, cache, *, chunk: int) -> jax.Array:
+    """`forward_chunk`'s `last` before the first chunk: zeros `[B, 1, H]` in the forward's
+    hidden-state dtype."""
+    hidden = jax.eval_shape(lambda: forward(params, config, padded[:, :chunk], cache).hidden)
+    return jnp.zeros((hidden.shape[0], 1, hidden.shape[2]), hidden.dtype)
 
 
 def even_chunk(width: int, chunk: int) -> int:
@@ -180,14 +163,7 @@ def chunk_at(values: jax.Array, index: jax.Array, chunk: int, *, axis: int) -> j
     return jax.lax.dynamic_slice_in_dim(values, index * chunk, chunk, axis=axis)
 
 
-def _chunk_output(params, config, padded, cache, chunk, tap_layers):
-    """The shapes and dtypes of one chunk's forward (`jax.eval_shape`: nothing runs)."""
-    return jax.eval_shape(
-        lambda: forward(params, config, padded[:, :chunk], cache, tap_layers=tap_layers)
-    )
-
-
-def _pad_to_chunks(values: jax.Array, chunk: int, *, axis: int) -> jax.Array:
+def pad_to_chunks(values: jax.Array, chunk: int, *, axis: int) -> jax.Array:
     """`values` zero-padded along `axis` to a multiple of `chunk`: a dynamic slice at a start
     past the end would be moved back (clamped), onto real positions."""
     pad = -values.shape[axis] % chunk

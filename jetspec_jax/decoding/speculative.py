@@ -249,7 +249,7 @@ def prefill_speculative(
     sizes = dict(config=config, max_output=max_output, tap_layers=proposer.tap_layers)
     if uses_chunks(prompts.shape[1], chunk):
 
-        def extend(index, state, tokens, taps, num_new):
+        def extend(state, tokens, taps, num_new):
             return proposer.extend(proposer_params, params, state, tokens, taps, num_new)
 
         decode, proposer_state = prefill_in_chunks(
