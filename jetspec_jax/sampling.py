@@ -104,6 +104,7 @@ class RowSampling:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams]) -> RowSampling:
+        """One row per entry of `params`, each row's key drawn from its seed."""
         return cls(
             temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),

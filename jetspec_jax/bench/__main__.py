@@ -9,6 +9,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m jetspec_jax.bench`: parses the flags, runs the harness; the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.random_draft_block is not None and args.random_draft is None:

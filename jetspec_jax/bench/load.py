@@ -155,6 +155,7 @@ def _has_text(event: dict) -> bool:
 
 
 def markdown(results: Sequence[LoadResult]) -> str:
+    """The results as a markdown table, one row per concurrency."""
     lines = [
         "| clients | requests | errors | req/s | tokens/s | p50 latency s | p99 latency s "
         "| p50 TTFT s | p99 TTFT s |",
@@ -192,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The load test's command line; returns the exit status."""
     args = _parser().parse_args(argv)
     from jetspec_jax.data.prompts import read_prompts
 

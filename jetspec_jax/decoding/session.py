@@ -206,6 +206,7 @@ class DecodeSession:
 
     @property
     def started(self) -> bool:
+        """`start` has run (the prompts are prefilled)."""
         return self._state is not None
 
     @property

@@ -60,6 +60,8 @@ class DecodeState:
 
     @classmethod
     def start(cls, cache: KVCache | HybridCache, max_output: int) -> DecodeState:
+        """The state before any token is committed: `cache` (the prompts') and an empty
+        `[B, max_output]` output buffer."""
         batch = cache.lengths.shape[0]
         zeros = jnp.zeros((batch,), jnp.int32)
         return cls(

@@ -88,6 +88,7 @@ class RequestError(Exception):
         )
 
     def body(self) -> dict[str, Any]:
+        """The error's JSON response body, in OpenAI's shape."""
         return {
             "error": {
                 "message": self.message,

@@ -10,10 +10,12 @@ from jetspec_jax.decoding.results import GenerationResult
 
 
 def new_id(chat: bool) -> str:
+    """A fresh response id, prefixed as OpenAI's (`chatcmpl-` or `cmpl-`)."""
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The response's `usage` object."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

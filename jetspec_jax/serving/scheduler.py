@@ -122,6 +122,7 @@ class Job:
 
     @property
     def cancelled(self) -> bool:
+        """`cancel` was called (the client went away, or the server is stopping)."""
         return self._cancelled.is_set()
 
 
@@ -246,6 +247,7 @@ class Scheduler:
 
     @property
     def accepting(self) -> bool:
+        """New jobs are taken (False after `begin_shutdown`)."""
         return self._accepting
 
     @property

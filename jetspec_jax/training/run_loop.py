@@ -276,6 +276,7 @@ class MetricsLog:
         self.close()
 
     def write(self, step: int, metrics: dict) -> None:
+        """Appends one step's metrics (the primary process only)."""
         if not self._primary:
             return
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
