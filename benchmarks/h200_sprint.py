@@ -35,10 +35,10 @@ stays there when the second does not name it):
 Calibration and the tau tables run here afterwards, on the CPU the default serves on (the
 commands: docs/BENCHMARKS.md, section shipped_draft).
 
-A CPU dry run of the whole flow on the installed default model, in minutes:
+A CPU dry run of the whole flow on the installed default model (13 minutes on 2 cores):
 
-    python benchmarks/h200_sprint.py run --out /tmp/sprint --budget 400 --limit 24 \\
-        --max-new-tokens 32 --dtype float32 --set optim.batch_size=2 \\
+    python benchmarks/h200_sprint.py run --out /tmp/sprint --prompts ../shared/data/train \\
+        --budget 900 --limit 24 --max-new-tokens 32 --dtype float32 --set optim.batch_size=2 \\
         --set adapter.optim.batch_size=2 --set data.max_length=128
 """
 
@@ -349,9 +349,12 @@ def _install_target(sprint: Sprint) -> None:
 
 def _unpacked_prompts(directory: pathlib.Path) -> pathlib.Path:
     """The staged (compressed) prompt files, written out into `directory`."""
+    staged = ROOT / HALVES[1] / "data"
+    if not staged.is_dir():
+        sys.exit(f"run: no staged prompt files in {staged}: run `stage` first, or pass --prompts")
     directory.mkdir(parents=True, exist_ok=True)
     for name in SETS:
-        packed = ROOT / HALVES[1] / "data" / f"{name}.jsonl.gz"
+        packed = staged / f"{name}.jsonl.gz"
         (directory / f"{name}.jsonl").write_bytes(gzip.decompress(packed.read_bytes()))
     return directory
 
@@ -465,7 +468,9 @@ def _parser() -> argparse.ArgumentParser:
     sprint = commands.add_parser("run", help="on the device: regenerate, train, export")
     sprint.add_argument("--out", required=True, help="where the files that come back go")
     sprint.add_argument("--budget", type=float, default=540, help="seconds for everything")
-    sprint.add_argument("--prompts", type=pathlib.Path, default=None, help="prompt files' folder")
+    sprint.add_argument(
+        "--prompts", type=pathlib.Path, default=None, help="prompt files' folder (default: staged)"
+    )
     sprint.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     sprint.add_argument("--batch-size", type=int, default=256, help="regeneration rows")
     sprint.add_argument("--max-new-tokens", type=int, default=256)

@@ -78,3 +78,9 @@ def test_the_steps_that_fit_follow_the_probes_rate(tmp_path):
 def test_each_runs_tokens_per_step_come_from_the_sprint_config():
     per_step = h200_sprint._tokens_per_step(["optim.batch_size=2", "data.max_length=128"])
     assert per_step == {"draft": 2 * 128, "adapter": 32 * 128}  # the adapter keeps its own batch
+
+
+def test_a_run_without_staged_prompts_says_how_to_give_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)  # nothing staged there
+    with pytest.raises(SystemExit, match="run `stage` first, or pass --prompts"):
+        h200_sprint._unpacked_prompts(tmp_path / "prompts")
