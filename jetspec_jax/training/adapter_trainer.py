@@ -123,23 +123,11 @@ def train_adapter(
         CheckpointError: the draft directory is missing or does not fit the target.
     """
     check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
-    if not isinstance(draft, Draft):  # checked before the run directory and the target load
-        draft = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
-        if not draft.is_dir():
-            raise CheckpointError(
-                f"draft {draft} does not exist: train the draft first (train.py draft) or give "
-                "its directory"
-            )
+    draft = _draft_or_directory(config, draft)  # checked before the target load
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
-    if not isinstance(draft, Draft):  # in the dtype it was exported in, by default
-        draft = load_draft(draft, target, dtype=config.export_dtype)
-    if not draft.config.token_inputs:  # refreshes feed the draft tokens, not mask embeddings
-        raise ValueError(
-            f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "
-            f"{draft.config.variant!r}"
-        )
+    draft = _token_input_draft(config, draft, target)
     check_fits_context(config, target)
     run_dir = adapter_run_dir(config)  # made once the draft has proved to be one
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -232,19 +220,9 @@ def train_adapter(
         if finished_before and is_bundle(export_dir):
             # A rerun of a finished run: exporting again would drop the calibration that
             # `train.py calibrate` may have fitted into the export since.
-            trained_for = recorded_setup(run_dir).get("draft_digest")
-            draft_rewritten = trained_for not in (None, setup["draft_digest"])
-            if draft_rewritten:
-                logger.warning(
-                    "%s holds the draft this adapter was trained with, not %s as it is now "
-                    "(rewritten since); pair them with `train.py export --draft %s "
-                    "--adapter-from %s --out NEW_DIR` and recalibrate, or train an adapter in a "
-                    "new run.dir",
-                    export_dir,
-                    draft.path,
-                    draft.path,
-                    export_dir,
-                )
+            draft_rewritten = _warn_if_draft_rewritten(
+                run_dir, export_dir, draft, setup["draft_digest"]
+            )
             evaluation = {}
             if not draft_rewritten and not logged(run_dir, int(state.step), "eval_loss"):
                 # Killed, or the evaluation failed, between the export and its evaluation.
@@ -257,6 +235,61 @@ def train_adapter(
             save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
         evaluation = evaluate(int(state.step), state)
     return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
+
+
+def _draft_or_directory(config: TrainConfig, draft) -> Draft | pathlib.Path:
+    """`train_adapter`'s `draft` as given, or its directory (None: `<run.dir>/draft`), which
+    must exist.
+
+    Raises:
+        CheckpointError: no such directory.
+    """
+    if isinstance(draft, Draft):
+        return draft
+    directory = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"draft {directory} does not exist: train the draft first (train.py draft) or give "
+            "its directory"
+        )
+    return directory
+
+
+def _token_input_draft(config: TrainConfig, draft, target: Target) -> Draft:
+    """The draft (loaded from its directory in the dtype it was exported in, by default), which
+    must take token inputs: refreshes feed the draft tokens, not mask embeddings.
+
+    Raises:
+        ValueError: a mask-input (dflash, jetspec) draft.
+        CheckpointError: the directory holds no draft that fits `target`.
+    """
+    if not isinstance(draft, Draft):
+        draft = load_draft(draft, target, dtype=config.export_dtype)
+    if not draft.config.token_inputs:
+        raise ValueError(
+            f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "
+            f"{draft.config.variant!r}"
+        )
+    return draft
+
+
+def _warn_if_draft_rewritten(run_dir, export_dir, draft: Draft, digest: str | None) -> bool:
+    """Whether the draft directory changed (`digest`, now) since the finished run recorded it;
+    if so, warns that the export holds the draft the adapter was trained with and how to pair
+    them anew."""
+    trained_for = recorded_setup(run_dir).get("draft_digest")
+    if trained_for in (None, digest):
+        return False
+    logger.warning(
+        "%s holds the draft this adapter was trained with, not %s as it is now (rewritten "
+        "since); pair them with `train.py export --draft %s --adapter-from %s --out NEW_DIR` "
+        "and recalibrate, or train an adapter in a new run.dir",
+        export_dir,
+        draft.path,
+        draft.path,
+        export_dir,
+    )
+    return True
 
 
 def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
