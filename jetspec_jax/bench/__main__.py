@@ -35,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
-    from jetspec_jax.default_model import default_draft_dir
     from jetspec_jax.prompting import has_chat_template
 
     enable_compile_cache()
@@ -49,29 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
-        drafts, sources = {}, {}  # variant -> draft, and where it came from (for errors)
-        shipped = (
-            args.target is None
-            and not args.draft
-            and not args.random_draft
-            and "jetspec++" in variants
-        )
-        for path in [default_draft_dir()] if shipped else args.draft:
-            draft = jetspec_jax.load_draft(path, target)
-            _add_draft(drafts, sources, draft.config.variant, draft, f"--draft {path}")
-        if args.random_draft:
-            draft = jetspec_jax.init_draft(
-                target, variant=args.random_draft, block_size=args.random_draft_block or 16
-            )
-            _add_draft(
-                drafts, sources, args.random_draft, draft, f"--random-draft {args.random_draft}"
-            )
-        unused = [source for variant, source in sources.items() if variant not in variants]
-        if unused:
-            raise ValueError(
-                f"no method of --methods {args.methods!r} uses {' or '.join(unused)} (a draft "
-                "serves the methods of its variant)"
-            )
+        drafts = _drafts(args, target, variants)
         chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         datasets = [
             load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
@@ -115,6 +92,38 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 1 if mismatches and level == "error" else 0
+
+
+def _drafts(args: argparse.Namespace, target, variants: set[str]) -> dict:
+    """variant -> draft: the `--draft` checkpoints and the `--random-draft`, or the shipped draft
+    when neither is given and a jetspec++ method runs on the default target.
+
+    Raises:
+        ValueError: two drafts of one variant, or a draft no method in `variants` uses.
+    """
+    import jetspec_jax
+    from jetspec_jax.default_model import default_draft_dir
+
+    drafts, sources = {}, {}  # variant -> draft, and where it came from (for errors)
+    shipped = (
+        args.target is None and not args.draft and not args.random_draft and "jetspec++" in variants
+    )
+    for path in [default_draft_dir()] if shipped else args.draft:
+        draft = jetspec_jax.load_draft(path, target)
+        _add_draft(drafts, sources, draft.config.variant, draft, f"--draft {path}")
+    if args.random_draft:
+        draft = jetspec_jax.init_draft(
+            target, variant=args.random_draft, block_size=args.random_draft_block or 16
+        )
+        source = f"--random-draft {args.random_draft}"
+        _add_draft(drafts, sources, args.random_draft, draft, source)
+    unused = [source for variant, source in sources.items() if variant not in variants]
+    if unused:
+        raise ValueError(
+            f"no method of --methods {args.methods!r} uses {' or '.join(unused)} (a draft "
+            "serves the methods of its variant)"
+        )
+    return drafts
 
 
 def _add_draft(drafts: dict, sources: dict, variant: str, draft, source: str) -> None:
