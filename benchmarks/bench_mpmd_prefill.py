@@ -72,7 +72,7 @@ def program_bytes(target, proposer, params, length: int, chunk: int) -> dict[str
     target_chunk = target_prefill_chunk.lower(
         target.params, padded, lengths, cache, last, index, **sizes
     )
-    taps = jax.eval_shape(lambda: target_chunk.out_info[2])
+    taps = target_chunk.out_info[2]  # [n_taps, 1, chunk, H]
     draft_target = draft_stage_target_params(target.params, proposer.first_target_layer)
     state = jax.eval_shape(
         functools.partial(empty_proposer, proposer=proposer, batch=1, capacity=capacity),
