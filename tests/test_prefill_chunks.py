@@ -162,13 +162,16 @@ def with_adapter(draft):
 
 
 @pytest.mark.parametrize("proxy", ["learned", "target"])
-@pytest.mark.parametrize("way", ["one_device", "mpmd"])
-def test_a_proposer_extended_in_chunks_holds_the_contexts_of_one_start(checkpoints, proxy, way):
+@pytest.mark.parametrize(("way", "chunk"), [("one_device", CHUNK), ("mpmd", CHUNK), ("mpmd", 10)])
+def test_a_proposer_extended_in_chunks_holds_the_contexts_of_one_start(
+    checkpoints, proxy, way, chunk
+):
     """Extended a chunk at a time as the target's chunks go, in one program
     (`prefill_speculative`) or on its own device (the MPMD pipeline's host loop), the draft's
     context cache and the proxy's caches (the adapter's context, the decoder's target layers; or
     the target proxy's whole cache) hold what one `prompt_state` over the prompts gives;
-    foresight's records stay empty."""
+    foresight's records stay empty. Chunks of 10 pad the width (48 -> 50) and end rows in middle
+    chunks."""
     target = near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
     draft = make_accepting_draft(target)
     draft = with_adapter(draft) if proxy == "learned" else ScaledOracleDraft(draft, MIXED)
@@ -195,12 +198,12 @@ def test_a_proposer_extended_in_chunks_holds_the_contexts_of_one_start(checkpoin
 
     whole = prefilled(None).proposer
     if way == "one_device":
-        chunked = prefilled(CHUNK).proposer
+        chunked = prefilled(chunk).proposer
     else:
         pipeline = TwoProgramPipeline(
             target.params, params, config=target.config, proposer=proposer, compiled=CompiledCache()
         )
-        chunked = pipeline.prefill(prompts, lengths, requests, **sizes, chunk=CHUNK)[0].proposer
+        chunked = pipeline.prefill(prompts, lengths, requests, **sizes, chunk=chunk)[0].proposer
         assert chunked.refiner.draft.k.devices() == {jax.devices()[1]}
         chunked = jax.device_put(chunked, jax.devices()[0])
 

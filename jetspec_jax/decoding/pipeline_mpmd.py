@@ -44,6 +44,7 @@ mirror from the decode side, so a row cancelled between calls is inactive on bot
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -205,6 +206,10 @@ def observe_outcome(
 
 # -- the prefill's stage programs, a chunk at a time ---------------------------------------------
 
+# The prefill's chunks whose taps may wait on device 1 for their extend (two: device 1 extends with
+# one while the next arrives).
+CHUNKS_IN_FLIGHT = 2
+
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "chunk"))
 def start_target_prefill(params, padded, *, config: TransformerConfig, capacity: int, chunk: int):
@@ -250,11 +255,13 @@ def empty_proposer(draft_params, target_params, *, proposer, batch: int, capacit
 def extend_proposer(
     draft_params, target_params, state, padded, prompt_lengths, taps, index, *, proposer, chunk
 ):
-    """Device 1: the proposer extended with chunk `index` of the prompts and its tap states
-    `[n_taps, B, chunk, H]` from device 0."""
+    """Device 1: `(state, done)`, the proposer extended with chunk `index` of the prompts and its
+    tap states `[n_taps, B, chunk, H]` from device 0, and a scalar the host can wait on, ready
+    once this extend has run (the state itself goes, donated, into the next chunk's)."""
     tokens = chunk_at(padded, index, chunk, axis=1)
     num_new = chunk_lengths(prompt_lengths, index, chunk)
-    return proposer.extend(draft_params, target_params, state, tokens, taps, num_new)
+    state = proposer.extend(draft_params, target_params, state, tokens, taps, num_new)
+    return state, jnp.max(num_new)
 
 
 # -- the host loop -----------------------------------------------------------------------------
@@ -312,8 +319,9 @@ class TwoProgramPipeline:
         """`(state, compile seconds)`: `prefill_speculative`'s carry with each side built on its
         device, `chunk` positions at a time (one chunk for prompts no wider; None: one chunk).
 
-        The host dispatches the chunks without waiting: while device 1 extends the proposer with
-        chunk i's tap states, device 0 runs the target over chunk i + 1.
+        The host dispatches the chunks ahead: while device 1 extends the proposer with chunk i's
+        tap states, device 0 runs the target over chunk i + 1. It waits only where device 1
+        falls `CHUNKS_IN_FLIGHT` chunks behind, so no more chunks' taps than that wait there.
         """
         width = prompts.shape[1]
         chunk = even_chunk(width, chunk if uses_chunks(width, chunk) else width)
@@ -337,7 +345,12 @@ class TwoProgramPipeline:
             batch=padded.shape[0],
             capacity=capacity,
         )
+        extended = collections.deque()  # the `done` of the chunks not yet waited for
         for index in range(count):
+            if len(extended) == CHUNKS_IN_FLIGHT:
+                # Were device 1 slower than device 0, every chunk's taps would queue there
+                # until the whole prompt's were held: wait for the extend that far back.
+                extended.popleft().block_until_ready()
             index = np.int32(index)
             cache, last, taps = call(
                 target_prefill_chunk,
@@ -351,7 +364,7 @@ class TwoProgramPipeline:
                 tap_layers=self.proposer.tap_layers,
             )
             taps = jax.device_put(taps, self.draft_device)
-            state = call(
+            state, done = call(
                 extend_proposer,
                 draft,
                 tp1,
@@ -363,6 +376,7 @@ class TwoProgramPipeline:
                 proposer=self.proposer,
                 chunk=chunk,
             )
+            extended.append(done)
         decode = call(
             finish_target_prefill,
             self.target_params,
