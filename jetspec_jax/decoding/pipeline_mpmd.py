@@ -60,9 +60,8 @@ from jetspec_jax.decoding.pipeline import pipeline_devices
 from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.prefill import empty_cache, first_token
 from jetspec_jax.decoding.prompt_chunks import (
-    chunk_at,
     chunk_count,
-    chunk_lengths,
+    chunk_inputs,
     even_chunk,
     forward_chunk,
     no_last_hidden,
@@ -258,8 +257,7 @@ def extend_proposer(
     """Device 1: `(state, done)`, the proposer extended with chunk `index` of the prompts and its
     tap states `[n_taps, B, chunk, H]` from device 0, and a scalar the host can wait on, ready
     once this extend has run (the state itself goes, donated, into the next chunk's)."""
-    tokens = chunk_at(padded, index, chunk, axis=1)
-    num_new = chunk_lengths(prompt_lengths, index, chunk)
+    tokens, num_new = chunk_inputs(padded, prompt_lengths, index, chunk)
     state = proposer.extend(draft_params, target_params, state, tokens, taps, num_new)
     return state, jnp.max(num_new)
 
@@ -325,7 +323,7 @@ class TwoProgramPipeline:
         """
         width = prompts.shape[1]
         chunk = even_chunk(width, chunk if uses_chunks(width, chunk) else width)
-        padded = pad_to_chunks(jnp.asarray(prompts), chunk, axis=1)
+        padded = pad_to_chunks(jnp.asarray(prompts), chunk)
         count = int(chunk_count(np.asarray(jax.device_get(prompt_lengths)), chunk))
         on_target = jax.device_put((padded, prompt_lengths, requests), self.target_device)
         padded0, lengths0, requests0 = on_target

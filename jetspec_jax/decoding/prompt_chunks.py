@@ -67,7 +67,7 @@ def forward_in_chunks(
         them (up to rounding), and `read`'s last carry.
     """
     chunk = even_chunk(prompts.shape[1], chunk)
-    padded = pad_to_chunks(prompts, chunk, axis=1)
+    padded = pad_to_chunks(prompts, chunk)
     last = no_last_hidden(params, config, padded, cache, chunk=chunk)
 
     def one_chunk(index, loop_carry):
@@ -89,8 +89,8 @@ def forward_in_chunks(
         # reader's attention (the proxy's decoder layers) with the target's upper layers, and the
         # two score buffers are live together.
         cache, last, taps = jax.lax.optimization_barrier((cache, last, taps))
-        tokens = chunk_at(padded, index, chunk, axis=1)
-        return cache, last, read(carry, tokens, taps, chunk_lengths(prompt_lengths, index, chunk))
+        tokens, num_new = chunk_inputs(padded, prompt_lengths, index, chunk)
+        return cache, last, read(carry, tokens, taps, num_new)
 
     count = chunk_count(prompt_lengths, chunk)
     cache, last, carry = jax.lax.fori_loop(0, count, one_chunk, (cache, last, carry))
@@ -125,8 +125,7 @@ def forward_chunk(
         `(cache, last, taps)`: the cache holding the chunk too, `last` updated for the rows whose
         prompt ends in this chunk, and the chunk's `[n_taps, B, chunk, H]` tap states.
     """
-    tokens = chunk_at(padded, index, chunk, axis=1)
-    num_new = chunk_lengths(prompt_lengths, index, chunk)
+    tokens, num_new = chunk_inputs(padded, prompt_lengths, index, chunk)
     out = forward(params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers)
     place = prompt_lengths - 1 - index * chunk  # each row's last prompt token in the chunk
     picked = jnp.take_along_axis(out.hidden, jnp.clip(place, 0, chunk - 1)[:, None, None], 1)
@@ -153,20 +152,17 @@ def chunk_count(prompt_lengths: jax.Array, chunk: int) -> jax.Array:
     return (jnp.max(prompt_lengths) + chunk - 1) // chunk
 
 
-def chunk_lengths(prompt_lengths: jax.Array, index: jax.Array, chunk: int) -> jax.Array:
-    """`[B]` each row's real positions in chunk `index` (0 once its prompt is done)."""
-    return jnp.clip(prompt_lengths - index * chunk, 0, chunk).astype(jnp.int32)
+def chunk_inputs(
+    padded: jax.Array, prompt_lengths: jax.Array, index: jax.Array, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """Chunk `index` of the prompts: its tokens `[B, chunk]` (of `padded`, a whole number of
+    chunks wide) and each row's real positions in it `[B]` int32 (0 once its prompt is done)."""
+    tokens = jax.lax.dynamic_slice_in_dim(padded, index * chunk, chunk, axis=1)
+    num_new = jnp.clip(prompt_lengths - index * chunk, 0, chunk).astype(jnp.int32)
+    return tokens, num_new
 
 
-def chunk_at(values: jax.Array, index: jax.Array, chunk: int, *, axis: int) -> jax.Array:
-    """Chunk `index` of `values` along `axis` (whose size is a multiple of `chunk`)."""
-    return jax.lax.dynamic_slice_in_dim(values, index * chunk, chunk, axis=axis)
-
-
-def pad_to_chunks(values: jax.Array, chunk: int, *, axis: int) -> jax.Array:
-    """`values` zero-padded along `axis` to a multiple of `chunk`: a dynamic slice at a start
-    past the end would be moved back (clamped), onto real positions."""
-    pad = -values.shape[axis] % chunk
-    widths = [(0, 0)] * values.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(values, widths)
+def pad_to_chunks(prompts: jax.Array, chunk: int) -> jax.Array:
+    """`prompts` `[B, T]` zero-padded to a multiple of `chunk` positions: a dynamic slice at a
+    start past the end would be moved back (clamped), onto real positions."""
+    return jnp.pad(prompts, ((0, 0), (0, -prompts.shape[1] % chunk)))
