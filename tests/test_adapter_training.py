@@ -19,6 +19,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.checkpoint.adapter_files import load_adapter
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.training import adapter_trainer
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics
@@ -374,6 +375,58 @@ def test_the_adapter_stage_reads_the_draft_in_the_export_dtype(target, draft, da
     result = train_adapter(config, target=bf16_target)
     assert result.adapter.dtype == "float32"
     assert read_manifest(result.export_dir)["dtype"] == "float32"
+
+
+def test_a_run_starts_from_a_saved_adapter_of_its_architecture(target, draft, tmp_path):
+    """`adapter.init_from`: the saved adapter's weights (from a JetSpec++ checkpoint or its
+    `adapter/` directory), read in float32 for a bfloat16 draft too; another architecture or
+    other taps are refused by field; a resumed run does not read it."""
+    saved = init_adapter(draft, layers_per_module=(1, 2), intermediate_size=32, seed=5)
+    bundle = draft.with_adapter(saved).save(tmp_path / "pp")
+    bf16_draft = jetspec_jax.load_draft(bundle, target, dtype="bfloat16")
+    for init_from, for_draft in ((bundle, draft), (bundle / "adapter", bf16_draft)):
+        config = _config("unused.jsonl", tmp_path, init_from=str(init_from))
+        start = initial_adapter(config, for_draft)
+        assert start.config == saved.config
+        leaves = zip(jax.tree.leaves(start.params), jax.tree.leaves(saved.params), strict=True)
+        for got, want in leaves:
+            assert got.dtype == want.dtype == np.float32
+            np.testing.assert_array_equal(got, want)
+
+    config = _config("unused.jsonl", tmp_path, init_from=str(bundle), intermediate_size=16)
+    with pytest.raises(ValueError, match="layers.intermediate_size 32 \\(configured 16\\)"):
+        initial_adapter(config, draft)
+    one_tap = jetspec_jax.init_draft(target, variant="jetspec++", target_layer_ids=(1,))
+    config = _config("unused.jsonl", tmp_path, init_from=str(bundle), layers_per_module=(1,))
+    with pytest.raises(CheckpointError, match="target_layer_ids \\[0, 1\\] != the draft's"):
+        initial_adapter(config, one_tap)
+    gone = _config("unused.jsonl", tmp_path, init_from=str(tmp_path / "gone"))
+    assert initial_adapter(gone, draft, resuming=True).config == saved.config  # not read
+
+
+def test_a_warm_started_run_trains_from_the_saved_adapter_and_resumes_without_it(
+    target, draft, data_file, tmp_path
+):
+    """The configured init (std 0.02) starts near the stale guess: gap closed ~0. A saved adapter
+    of std 0.5 is far off it, so its step-1 metrics (those of the weights the step starts from)
+    close a large negative gap. The start is checked before the model load, and a resume does
+    not need it any more."""
+    far = init_adapter(draft, layers_per_module=(1, 2), intermediate_size=32, init_std=0.5)
+    bundle = draft.with_adapter(far).save(tmp_path / "far")
+    run = tmp_path / "run"
+    config = _config(data_file, run, init_from=str(tmp_path / "gone"), eval_tau=False)
+    with pytest.raises(FileNotFoundError, match="gone/config.json"):
+        train_adapter(dataclasses.replace(config, target="no/such/target"))
+    assert not run.exists()
+
+    config = _config(data_file, run, init_from=str(bundle), eval_tau=False)
+    assert train_adapter(config, target=target, draft=draft, stop_after=1) is None
+    first = json.loads((run / "adapter_run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["gap_closed"][0] < -1.0, first
+
+    shutil.rmtree(bundle)
+    result = train_adapter(config, target=target, draft=draft)
+    assert result.steps == 4 and result.adapter.dtype == draft.dtype
 
 
 def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path, monkeypatch):

@@ -161,8 +161,8 @@ def save_adapter(adapter, out_dir: str | pathlib.Path) -> None:
     safetensors.numpy.save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
 
 
-def load_adapter(path: str | pathlib.Path, draft):
-    """Loads the `Adapter` saved in `path` for `draft` (in the draft's dtype).
+def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
+    """Loads the `Adapter` saved in `path` for `draft`, in `dtype` (None: the draft's).
 
     Raises:
         CheckpointError: a missing or malformed `config.json` or weights (every missing,
@@ -188,9 +188,10 @@ def load_adapter(path: str | pathlib.Path, draft):
         validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
     except CheckpointError as e:
         raise CheckpointError(f"adapter {path}: {e}") from e
+    dtype = draft.dtype if dtype is None else dtype
     with TensorReader(located) as tensors:
-        params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
-    return Adapter(config=config, params=params, dtype=draft.dtype)
+        params = tree_from_tensors(specs, tensors, DTYPES[dtype])
+    return Adapter(config=config, params=params, dtype=dtype)
 
 
 def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:

@@ -21,15 +21,16 @@ import logging
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.adapter import Adapter, init_adapter
-from jetspec_jax.checkpoint.bundle import is_bundle, save_bundle
+from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
+from jetspec_jax.checkpoint.adapter_files import load_adapter
+from jetspec_jax.checkpoint.bundle import ADAPTER_DIR, is_bundle, save_bundle
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.draft import Draft, load_draft
-from jetspec_jax.target import Target, load_target
+from jetspec_jax.target import DTYPES, Target, load_target
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
@@ -39,12 +40,19 @@ from jetspec_jax.training.data import (
     to_example,
     training_dataset,
 )
+from jetspec_jax.training.differences import leaf_differences
 from jetspec_jax.training.run_helpers import (
     host_params,
     with_device_params,
     with_host_params,
 )
-from jetspec_jax.training.run_loop import logged, opened_run, recorded_setup, run_steps
+from jetspec_jax.training.run_loop import (
+    has_checkpoint,
+    logged,
+    opened_run,
+    recorded_setup,
+    run_steps,
+)
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
 from jetspec_jax.training.trainer import (
@@ -122,21 +130,24 @@ def train_adapter(
             the draft is not a token-input (jetspec++) draft.
         CheckpointError: the draft directory is missing or does not fit the target.
     """
-    check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
+    run_dir = adapter_run_dir(config)
+    resuming = has_checkpoint(run_dir)
+    # A resumed run's weights are in its checkpoint: its start adapter is no longer read.
+    start = [] if resuming else saved_adapter_files(config.adapter.init_from)
+    check_input_files(config, *config.adapter.eval_files, *start, eval_tau=config.adapter.eval_tau)
     draft = _draft_or_directory(config, draft)  # checked before the target load
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     draft = _token_input_draft(config, draft, target)
     check_fits_context(config, target)
-    run_dir = adapter_run_dir(config)  # made once the draft has proved to be one
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # once the draft has proved to be one
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
     eval_prompts = read_eval_prompts(config, target, records) if config.adapter.eval_tau else None
     optim = adapter_optim(config, len(records))
-    adapter = initial_adapter(config, draft)
+    adapter = initial_adapter(config, draft, resuming=resuming)
     optimizer = make_optimizer(optim)
 
     local_batch, global_batch = batch_sizes(optim.batch_size, mesh)
@@ -188,7 +199,7 @@ def train_adapter(
                     evaluate_refinement_tau(
                         with_device_params(target),
                         with_device_params(draft),
-                        _as_adapter(adapter, state),
+                        _as_adapter(adapter, state, draft.dtype),
                         eval_prompts,
                         max_new_tokens=config.data.eval_max_new_tokens,
                     )
@@ -215,7 +226,7 @@ def train_adapter(
         )
         if int(state.step) < optim.steps:
             return None
-        trained = _as_adapter(adapter, state)
+        trained = _as_adapter(adapter, state, draft.dtype)
         export_dir = adapter_export_dir(config)
         if finished_before and is_bundle(export_dir):
             # A rerun of a finished run: exporting again would drop the calibration that
@@ -300,11 +311,32 @@ def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
     return resolve_steps(dataclasses.replace(config, optim=optim), num_examples, where).optim
 
 
-def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
-    """A fresh adapter for `draft`'s taps as `config.adapter` describes.
+def saved_adapter_files(init_from: str | None) -> list[str]:
+    """The file that must exist for `adapter.init_from` (none without one): checked before the
+    model load."""
+    if init_from is None:
+        return []
+    return [str(_saved_adapter_dir(init_from) / ADAPTER_CONFIG_FILE)]
+
+
+def _saved_adapter_dir(init_from: str) -> pathlib.Path:
+    """A JetSpec++ checkpoint's `adapter/` directory, or `init_from` itself."""
+    path = pathlib.Path(init_from)
+    return path / ADAPTER_DIR if is_bundle(path) else path
+
+
+def initial_adapter(config: TrainConfig, draft: Draft, *, resuming: bool = False) -> Adapter:
+    """The adapter a run starts from: random for `draft`'s taps as `config.adapter` describes
+    (in the draft's dtype), or the saved adapter `adapter.init_from` names, which must have that
+    architecture. A saved adapter is read in float32, so the float32 master weights start from it
+    unrounded whatever the draft's dtype. `resuming`: the checkpoint holds the weights, so
+    `init_from` is not read (it may be gone by then).
 
     Raises:
-        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft.
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft, or
+            the saved adapter has another architecture (named by field).
+        CheckpointError: the saved adapter is unreadable or predicts other taps or another
+            target's states.
     """
     a, taps = config.adapter, tuple(draft.config.target_layer_ids)
     if a.layers_per_module is not None and len(a.layers_per_module) != len(taps):
@@ -313,13 +345,25 @@ def initial_adapter(config: TrainConfig, draft: Draft) -> Adapter:
             f"layer of the draft ({len(taps)}: {list(taps)})"
         )
     optim = config.optim if a.optim is None else a.optim
-    return init_adapter(
+    fresh = init_adapter(
         draft,
         layers_per_module=a.layers_per_module,
         intermediate_size=a.intermediate_size,
         init_std=a.init_std,
         seed=optim.seed,
     )
+    if a.init_from is None or resuming:
+        return fresh
+    start = load_adapter(_saved_adapter_dir(a.init_from), draft, dtype="float32")
+    differ = leaf_differences(start.config, fresh.config)
+    if differ:
+        named = "; ".join(f"{path} {was!r} (configured {now!r})" for path, was, now in differ)
+        raise ValueError(
+            f"adapter.init_from {a.init_from} is not the configured adapter: {named}. The "
+            "adapter section sets layers_per_module and intermediate_size; the other layer "
+            "settings are the target's"
+        )
+    return start
 
 
 def _eval_batches(
@@ -377,9 +421,8 @@ def _eval_batches(
     return batches
 
 
-def _as_adapter(adapter: Adapter, state) -> Adapter:
-    """The trained weights as an `Adapter` in its dtype (on the host's default device). Every
-    process must call it (gathers fsdp shards held by other processes)."""
-    dtype = jnp.bfloat16 if adapter.dtype == "bfloat16" else jnp.float32
-    params = host_params(state.params, dtype)
-    return dataclasses.replace(adapter, params=params)
+def _as_adapter(adapter: Adapter, state, dtype: str) -> Adapter:
+    """The trained weights as an `Adapter` in `dtype`, the draft's (on the host's default
+    device). Every process must call it (gathers fsdp shards held by other processes)."""
+    params = host_params(state.params, DTYPES[dtype])
+    return dataclasses.replace(adapter, params=params, dtype=dtype)

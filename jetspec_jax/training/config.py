@@ -83,6 +83,11 @@ class AdapterTrainConfig:
 
     Blocks are the draft's `block_size` positions from random anchors; position j of a block
     weighs `kappa**j` (its chance of being reached), normalised per block.
+
+    `init_from`: a saved adapter (a JetSpec++ checkpoint, or its `adapter/` directory) to start
+    from instead of a random initialisation: to continue with more data or steps. It must have
+    the architecture this section describes and predict the draft's taps; which draft it was
+    trained with does not matter (it predicts the target's states).
     """
 
     layers_per_module: tuple[int, ...] | None = None  # one entry per tap; None: 1 each
@@ -96,6 +101,7 @@ class AdapterTrainConfig:
     eval_files: tuple[str, ...] = ()  # held-out regenerated JSONL; empty: the training files
     eval_batches: int = 2  # batches of the state metrics (normalised MSE, gap closed) per eval
     eval_tau: bool = True  # tau with J1-R1, predicted vs true states, on data.eval_prompts
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
