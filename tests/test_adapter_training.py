@@ -409,8 +409,8 @@ def test_a_warm_started_run_trains_from_the_saved_adapter_and_resumes_without_it
 ):
     """The configured init (std 0.02) starts near the stale guess: gap closed ~0. A saved adapter
     of std 0.5 is far off it, so its step-1 metrics (those of the weights the step starts from)
-    close a large negative gap. The start is checked before the model load, and a resume does
-    not need it any more."""
+    close a large negative gap, and so does the held-out evaluation of the start logged at step
+    0. The start is checked before the model load, and a resume does not need it any more."""
     far = init_adapter(draft, layers_per_module=(1, 2), intermediate_size=32, init_std=0.5)
     bundle = draft.with_adapter(far).save(tmp_path / "far")
     run = tmp_path / "run"
@@ -421,12 +421,16 @@ def test_a_warm_started_run_trains_from_the_saved_adapter_and_resumes_without_it
 
     config = _config(data_file, run, init_from=str(bundle), eval_tau=False)
     assert train_adapter(config, target=target, draft=draft, stop_after=1) is None
-    first = json.loads((run / "adapter_run" / "metrics.jsonl").read_text().splitlines()[0])
+    lines = (run / "adapter_run" / "metrics.jsonl").read_text().splitlines()
+    start, first = map(json.loads, lines)
+    assert start["step"] == 0 and start["eval_gap_closed"][0] < -1.0, start
     assert first["step"] == 1 and first["gap_closed"][0] < -1.0, first
 
     shutil.rmtree(bundle)
     result = train_adapter(config, target=target, draft=draft)
     assert result.steps == 4 and result.adapter.dtype == draft.dtype
+    steps = [json.loads(x)["step"] for x in (run / "adapter_run" / "metrics.jsonl").open()]
+    assert steps == [0, 1, 2, 3, 4, 4]  # one start evaluation; the end's after step 4's log
 
 
 def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path, monkeypatch):

@@ -207,6 +207,13 @@ def train_adapter(
             log.write(step, result)
             return result
 
+        if (
+            config.adapter.init_from
+            and int(state.step) == 0
+            and not logged(run_dir, 0, "eval_loss")
+        ):
+            evaluate(0, state)  # the saved adapter's figures: the run's gain reads off its log
+
         state, metrics = run_steps(
             state,
             functools.partial(adapter_train_step, config=step_config, mesh=mesh),
