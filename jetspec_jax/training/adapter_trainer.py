@@ -40,7 +40,7 @@ from jetspec_jax.training.data import (
     to_example,
     training_dataset,
 )
-from jetspec_jax.training.differences import leaf_differences
+from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
     host_params,
     with_device_params,
@@ -362,14 +362,13 @@ def initial_adapter(config: TrainConfig, draft: Draft, *, resuming: bool = False
     if a.init_from is None or resuming:
         return fresh
     start = load_adapter(_saved_adapter_dir(a.init_from), draft, dtype="float32")
-    differ = leaf_differences(start.config, fresh.config)
-    if differ:
-        named = "; ".join(f"{path} {was!r} (configured {now!r})" for path, was, now in differ)
-        raise ValueError(
-            f"adapter.init_from {a.init_from} is not the configured adapter: {named}. The "
-            "adapter section sets layers_per_module and intermediate_size; the other layer "
-            "settings are the target's"
-        )
+    check_start_fits(
+        f"adapter.init_from {a.init_from}",
+        start.config,
+        fresh.config,
+        "The adapter section sets layers_per_module and intermediate_size; the other layer "
+        "settings are the target's",
+    )
     return start
 
 

@@ -27,6 +27,20 @@ def leaf_differences(was: Any, now: Any, prefix: str = "") -> list[tuple[str, An
     return out
 
 
+def check_start_fits(setting: str, saved: Any, configured: Any, sets: str) -> None:
+    """Refuses a warm start (`setting`, e.g. `draft.init_from`) whose saved architecture differs
+    from the configured one.
+
+    Raises:
+        ValueError: naming each differing field with both values, then `sets`: what the config
+            section decides (the other fields are the target's).
+    """
+    differ = leaf_differences(saved, configured)
+    if differ:
+        named = "; ".join(f"{path} {was!r} (configured {now!r})" for path, was, now in differ)
+        raise ValueError(f"{setting} is not the configured architecture: {named}. {sets}")
+
+
 def _fields(config) -> dict:
     # Not `dataclasses.asdict`: it would turn nested dataclasses into dicts before they compare.
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

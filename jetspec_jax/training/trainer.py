@@ -30,7 +30,7 @@ from jetspec_jax.draft import Draft, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
-from jetspec_jax.training.differences import leaf_differences
+from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids, prompts_tau
 from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
 from jetspec_jax.training.run_loop import has_checkpoint, logged, opened_run, run_steps
@@ -199,14 +199,13 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     if d.init_from is None or resuming:
         return draft
     start = load_draft(d.init_from, target, dtype="float32")
-    differ = leaf_differences(start.config, draft.config)
-    if differ:
-        named = "; ".join(f"{path} {was!r} (configured {now!r})" for path, was, now in differ)
-        raise ValueError(
-            f"draft.init_from {d.init_from} is not the configured draft: {named}. The draft "
-            "section sets the variant, layers, taps, block size, mask token and the layers' "
-            "sizes; the other layer settings are the target's"
-        )
+    check_start_fits(
+        f"draft.init_from {d.init_from}",
+        start.config,
+        draft.config,
+        "The draft section sets the variant, layers, taps, block size, mask token and the "
+        "layers' sizes; the other layer settings are the target's",
+    )
     return dataclasses.replace(draft, params=start.params, dtype=start.dtype)
 
 
