@@ -133,7 +133,7 @@ def train_adapter(
     run_dir = adapter_run_dir(config)
     resuming = has_checkpoint(run_dir)
     # A resumed run's weights are in its checkpoint: its start adapter is no longer read.
-    start = [] if resuming else saved_adapter_files(config.adapter.init_from)
+    start = [] if resuming else _saved_adapter_files(config.adapter.init_from)
     check_input_files(config, *config.adapter.eval_files, *start, eval_tau=config.adapter.eval_tau)
     draft = _draft_or_directory(config, draft)  # checked before the target load
     mesh = make_mesh(config.mesh)
@@ -318,7 +318,7 @@ def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
     return resolve_steps(dataclasses.replace(config, optim=optim), num_examples, where).optim
 
 
-def saved_adapter_files(init_from: str | None) -> list[str]:
+def _saved_adapter_files(init_from: str | None) -> list[str]:
     """The file that must exist for `adapter.init_from` (none without one): checked before the
     model load."""
     if init_from is None:
