@@ -405,32 +405,54 @@ def test_a_run_starts_from_a_saved_adapter_of_its_architecture(target, draft, tm
 
 
 def test_a_warm_started_run_trains_from_the_saved_adapter_and_resumes_without_it(
-    target, draft, data_file, tmp_path
+    target, draft, data_file, tmp_path, monkeypatch, caplog
 ):
     """The configured init (std 0.02) starts near the stale guess: gap closed ~0. A saved adapter
     of std 0.5 is far off it, so its step-1 metrics (those of the weights the step starts from)
     close a large negative gap, and so does the held-out evaluation of the start logged at step
-    0. The start is checked before the model load, and a resume does not need it any more."""
+    0, once even when the first attempt dies before its first checkpoint. The start is checked
+    before the model load and a resume does not need it. A bfloat16 draft gets a bfloat16
+    adapter in its export, the float32 start notwithstanding."""
+    from jetspec_jax.checkpoint.bundle import read_manifest
+
     far = init_adapter(draft, layers_per_module=(1, 2), intermediate_size=32, init_std=0.5)
     bundle = draft.with_adapter(far).save(tmp_path / "far")
+    draft.save(tmp_path / "a_draft")  # a config.json, but not an adapter's
+    bf16_draft = jetspec_jax.load_draft(tmp_path / "a_draft", target, dtype="bfloat16")
     run = tmp_path / "run"
     config = _config(data_file, run, init_from=str(tmp_path / "gone"), eval_tau=False)
-    with pytest.raises(FileNotFoundError, match="gone/config.json"):
-        train_adapter(dataclasses.replace(config, target="no/such/target"))
+    no_target = dataclasses.replace(config, target="no/such/target")
+    with pytest.raises(FileNotFoundError, match="gone/config.json does not exist"):
+        train_adapter(no_target)
+    no_target = _config(data_file, run, init_from=str(tmp_path / "a_draft"))
+    with pytest.raises(CheckpointError, match="neither a JetSpec.. checkpoint nor an adapter"):
+        train_adapter(dataclasses.replace(no_target, target="no/such/target"))
     assert not run.exists()
 
     config = _config(data_file, run, init_from=str(bundle), eval_tau=False)
-    assert train_adapter(config, target=target, draft=draft, stop_after=1) is None
-    lines = (run / "adapter_run" / "metrics.jsonl").read_text().splitlines()
-    start, first = map(json.loads, lines)
-    assert start["step"] == 0 and start["eval_gap_closed"][0] < -1.0, start
-    assert first["step"] == 1 and first["gap_closed"][0] < -1.0, first
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("killed before the first checkpoint")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(adapter_trainer, "run_steps", dies)
+        with pytest.raises(RuntimeError, match="killed"):
+            train_adapter(config, target=target, draft=bf16_draft)
+    result = train_adapter(config, target=target, draft=bf16_draft)
+    assert result.steps == 4 and result.adapter.dtype == "bfloat16"
+    assert read_manifest(result.export_dir)["dtype"] == "bfloat16"
+    lines = [json.loads(x) for x in (run / "adapter_run" / "metrics.jsonl").open()]
+    # One step-0 row (the rerun did not log another); the end's evaluation after step 4's log.
+    assert [x["step"] for x in lines] == [0, 1, 2, 3, 4, 4]
+    assert lines[0]["eval_gap_closed"][0] < -1.0, lines[0]
+    assert lines[1]["gap_closed"][0] < -1.0, lines[1]
 
     shutil.rmtree(bundle)
-    result = train_adapter(config, target=target, draft=draft)
-    assert result.steps == 4 and result.adapter.dtype == draft.dtype
-    steps = [json.loads(x)["step"] for x in (run / "adapter_run" / "metrics.jsonl").open()]
-    assert steps == [0, 1, 2, 3, 4, 4]  # one start evaluation; the end's after step 4's log
+    with caplog.at_level("WARNING"):
+        again = train_adapter(config, target=target, draft=bf16_draft)
+    assert again.already_finished and again.steps == 4
+    assert "resumes from its checkpoint: adapter.init_from is not read" in caplog.text
+    assert "resuming with" not in caplog.text  # init_from is no setting of the run's steps
 
 
 def test_eval_batches_pad_only_the_records_they_use(target, data_file, tmp_path, monkeypatch):
@@ -535,6 +557,8 @@ def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, t
         "adapter: {kapa: 0.5}": "unknown key.*adapter.kapa",
         "adapter: {layers_per_module: [1, 0]}": "adapter.layers_per_module",
         "adapter: {optim: {steps: 0}}": "adapter.optim.steps",
+        "adapter: {init_from: ''}": "adapter.init_from",
+        "draft: {init_from: ''}": "draft.init_from",
         "adapter: {optim: {anchors_per_sequence: 2000}}": (
             r"adapter.optim.anchors_per_sequence \(<= data.max_length 1024\)"
         ),

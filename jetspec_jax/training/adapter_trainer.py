@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import pathlib
 
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 
 from jetspec_jax.adapter import Adapter, init_adapter
+from jetspec_jax.checkpoint.adapter_files import ARCHITECTURE as ADAPTER_ARCHITECTURE
 from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from jetspec_jax.checkpoint.adapter_files import load_adapter
 from jetspec_jax.checkpoint.bundle import ADAPTER_DIR, is_bundle, save_bundle
@@ -126,15 +128,22 @@ def train_adapter(
         The `AdapterTrainResult` once all steps are done; None after `stop_after` steps.
 
     Raises:
-        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft, or
-            the draft is not a token-input (jetspec++) draft.
-        CheckpointError: the draft directory is missing or does not fit the target.
+        ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft,
+            the draft is not a token-input (jetspec++) draft, or `adapter.init_from` has another
+            architecture than the section's.
+        FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
+            before the target load).
+        CheckpointError: the draft directory is missing or does not fit the target, or
+            `adapter.init_from` is no adapter or predicts other taps.
     """
     run_dir = adapter_run_dir(config)
     resuming = has_checkpoint(run_dir)
-    # A resumed run's weights are in its checkpoint: its start adapter is no longer read.
-    start = [] if resuming else _saved_adapter_files(config.adapter.init_from)
-    check_input_files(config, *config.adapter.eval_files, *start, eval_tau=config.adapter.eval_tau)
+    init_from = config.adapter.init_from
+    check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
+    if init_from is not None and resuming:  # its weights are in the checkpoint
+        logger.warning("%s resumes from its checkpoint: adapter.init_from is not read", run_dir)
+    elif init_from is not None:
+        _check_saved_adapter(init_from)  # before the target load
     draft = _draft_or_directory(config, draft)  # checked before the target load
     mesh = make_mesh(config.mesh)
     if target is None:
@@ -185,7 +194,10 @@ def train_adapter(
         max_length=config.data.max_length,
         draft=str(draft.path) if draft.path else None,
         draft_digest=directory_digest(draft.path) if draft.path else None,
-        adapter=dataclasses.asdict(dataclasses.replace(config.adapter, optim=optim)),
+        # Without `init_from`: read at the first start only, a resume may drop it.
+        adapter=dataclasses.asdict(
+            dataclasses.replace(config.adapter, optim=optim, init_from=None)
+        ),
     )
     with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
         finished_before = int(state.step) >= optim.steps
@@ -207,11 +219,7 @@ def train_adapter(
             log.write(step, result)
             return result
 
-        if (
-            config.adapter.init_from
-            and int(state.step) == 0
-            and not logged(run_dir, 0, "eval_loss")
-        ):
+        if init_from is not None and int(state.step) == 0 and not logged(run_dir, 0, "eval_loss"):
             evaluate(0, state)  # the saved adapter's figures: the run's gain reads off its log
 
         state, metrics = run_steps(
@@ -318,12 +326,30 @@ def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
     return resolve_steps(dataclasses.replace(config, optim=optim), num_examples, where).optim
 
 
-def _saved_adapter_files(init_from: str | None) -> list[str]:
-    """The file that must exist for `adapter.init_from` (none without one): checked before the
-    model load."""
-    if init_from is None:
-        return []
-    return [str(_saved_adapter_dir(init_from) / ADAPTER_CONFIG_FILE)]
+def _check_saved_adapter(init_from: str) -> None:
+    """Refuses an `adapter.init_from` that is neither a JetSpec++ checkpoint nor an adapter
+    directory (a draft directory, say), before the model load.
+
+    Raises:
+        FileNotFoundError: no `config.json` there.
+        CheckpointError: a `config.json` that is not an adapter's.
+    """
+    config_file = _saved_adapter_dir(init_from) / ADAPTER_CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"adapter.init_from: {config_file} does not exist (a JetSpec++ checkpoint or its "
+            "adapter/ directory is needed)"
+        )
+    try:
+        architecture = json.loads(config_file.read_text()).get("architecture")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        architecture = None
+    if architecture != ADAPTER_ARCHITECTURE:
+        raise CheckpointError(
+            f"adapter.init_from {init_from} is neither a JetSpec++ checkpoint nor an adapter "
+            f"directory: {config_file} is not an adapter's config (architecture "
+            f"{architecture!r}, not {ADAPTER_ARCHITECTURE!r})"
+        )
 
 
 def _saved_adapter_dir(init_from: str) -> pathlib.Path:

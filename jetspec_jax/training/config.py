@@ -120,7 +120,7 @@ class RunConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     log_every: int = 10
-    eval_every: int = 0  # 0: evaluate only at the end
+    eval_every: int = 0  # 0: evaluate only at the end (and a warm-started adapter at step 0)
     tensorboard: bool = True
 
 
@@ -170,6 +170,7 @@ class TrainConfig:
             _check(value is None or value >= 1, f"draft.{name}", value)
         mask = self.draft.mask_token_id
         _check(mask is None or mask >= 0, "draft.mask_token_id", mask)
+        _check(self.draft.init_from != "", "draft.init_from (a path, or null)", "")
         _check_optim(self.optim, "optim")
         _check_adapter(self.adapter, self.draft)
         _check(
@@ -267,6 +268,7 @@ def _check_adapter(adapter: AdapterTrainConfig, draft: DraftArchConfig) -> None:
         adapter.init_std,
     )
     _check(adapter.eval_batches >= 1, "adapter.eval_batches", adapter.eval_batches)
+    _check(adapter.init_from != "", "adapter.init_from (a path, or null)", "")
     if adapter.optim is not None:
         _check_optim(adapter.optim, "adapter.optim")
 

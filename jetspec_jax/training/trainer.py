@@ -89,7 +89,9 @@ def train(
     init_from = config.draft.init_from
     # A resumed run's weights are in its checkpoint: its start draft is no longer read.
     start_files = []
-    if init_from and not resuming:  # a draft directory, or a JetSpec++ checkpoint holding one
+    if init_from is not None and resuming:
+        logger.warning("%s resumes from its checkpoint: draft.init_from is not read", run_dir)
+    elif init_from is not None:  # a draft directory, or a JetSpec++ checkpoint holding one
         start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
     check_input_files(config, *start_files)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,7 +132,8 @@ def train(
         data_files=config.data.files,
         records=len(records),
         max_length=config.data.max_length,
-        draft=dataclasses.asdict(config.draft),
+        # Without `init_from`: read at the first start only, a resume may drop it.
+        draft=dataclasses.asdict(dataclasses.replace(config.draft, init_from=None)),
         optim=dataclasses.asdict(config.optim),
     )
     export_dtype = config.export_dtype or target.dtype
