@@ -101,14 +101,17 @@ def adapter_config_from_dict(data: Any, where: str = "adapter config") -> Adapte
         where: how messages name the source (e.g. the file's path).
 
     Raises:
-        CheckpointError: not an object, a missing or unknown key (named), a wrong type, or sizes
-            `AdapterConfig` / `TransformerConfig` refuse.
+        CheckpointError: not an object, another file's config (its `architecture` is not an
+            adapter's: checked first, so a draft's config is named as such rather than by its
+            keys), a missing or unknown key (named), a wrong type, or sizes `AdapterConfig` /
+            `TransformerConfig` refuse.
     """
-    top = _checked_keys(data, _TOP_KEYS, where)
-    if top["architecture"] != ARCHITECTURE:
+    if isinstance(data, dict) and data.get("architecture") != ARCHITECTURE:
         raise CheckpointError(
-            f"{where}: architecture must be {ARCHITECTURE!r}, got {top['architecture']!r}"
+            f"{where}: architecture must be {ARCHITECTURE!r}, got {data.get('architecture')!r} "
+            "(not an adapter's config)"
         )
+    top = _checked_keys(data, _TOP_KEYS, where)
     layers = _checked_keys(top["layers"], tuple(_LAYER_FIELDS), f"{where}: layers")
     rope = _checked_keys(layers["rope"], _ROPE_FIELDS, f"{where}: layers.rope")
     try:

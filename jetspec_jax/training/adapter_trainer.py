@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import pathlib
 
@@ -25,12 +24,12 @@ import jax
 import numpy as np
 
 from jetspec_jax.adapter import Adapter, init_adapter
-from jetspec_jax.checkpoint.adapter_files import ARCHITECTURE as ADAPTER_ARCHITECTURE
 from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
-from jetspec_jax.checkpoint.adapter_files import load_adapter
+from jetspec_jax.checkpoint.adapter_files import adapter_config_from_dict, load_adapter
 from jetspec_jax.checkpoint.bundle import ADAPTER_DIR, is_bundle, save_bundle
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.draft import Draft, load_draft
 from jetspec_jax.target import DTYPES, Target, load_target
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
@@ -334,22 +333,23 @@ def _check_saved_adapter(init_from: str) -> None:
         FileNotFoundError: no `config.json` there.
         CheckpointError: a `config.json` that is not an adapter's.
     """
-    config_file = _saved_adapter_dir(init_from) / ADAPTER_CONFIG_FILE
+    directory = _saved_adapter_dir(init_from)
+    config_file = directory / ADAPTER_CONFIG_FILE
     if not config_file.is_file():
         raise FileNotFoundError(
             f"adapter.init_from: {config_file} does not exist (a JetSpec++ checkpoint or its "
             "adapter/ directory is needed)"
         )
     try:
-        architecture = json.loads(config_file.read_text()).get("architecture")
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-        architecture = None
-    if architecture != ADAPTER_ARCHITECTURE:
+        data = read_json(
+            directory, ADAPTER_CONFIG_FILE, "adapter directory", "an adapter needs one"
+        )
+        adapter_config_from_dict(data, str(config_file))
+    except CheckpointError as e:
         raise CheckpointError(
             f"adapter.init_from {init_from} is neither a JetSpec++ checkpoint nor an adapter "
-            f"directory: {config_file} is not an adapter's config (architecture "
-            f"{architecture!r}, not {ADAPTER_ARCHITECTURE!r})"
-        )
+            f"directory: {e}"
+        ) from e
 
 
 def _saved_adapter_dir(init_from: str) -> pathlib.Path:
