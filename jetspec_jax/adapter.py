@@ -13,7 +13,7 @@ from jetspec_jax.draft import Draft, layers_like_target, random_tensor
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.target import DTYPES
 
-__all__ = ["Adapter", "init_adapter"]
+__all__ = ["Adapter", "adapter_config", "init_adapter"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,12 +49,8 @@ def init_adapter(
             every module near the identity: level m-1 states as the guess for level m.
         seed: seed of `jax.random`.
     """
-    taps = draft.config.target_layer_ids
-    per_module = (1,) * len(taps) if layers_per_module is None else tuple(layers_per_module)
-    config = AdapterConfig(
-        layers=layers_like_target(draft.target_config, 1, intermediate_size, None, None, None),
-        target_layer_ids=tuple(taps),
-        layers_per_module=per_module,
+    config = adapter_config(
+        draft, layers_per_module=layers_per_module, intermediate_size=intermediate_size
     )
     specs = adapter_tensor_specs(config)
     keys = jax.random.split(random_streams.stream(seed, random_streams.ADAPTER_INIT), len(specs))
@@ -64,3 +60,20 @@ def init_adapter(
     }
     params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
     return Adapter(config=config, params=params, dtype=draft.dtype)
+
+
+def adapter_config(
+    draft: Draft,
+    *,
+    layers_per_module: tuple[int, ...] | None = None,
+    intermediate_size: int | None = None,
+) -> AdapterConfig:
+    """The architecture of an adapter for `draft`'s taps with these settings (what
+    `init_adapter` builds, without drawing its weights); arguments as `init_adapter`'s."""
+    taps = draft.config.target_layer_ids
+    per_module = (1,) * len(taps) if layers_per_module is None else tuple(layers_per_module)
+    return AdapterConfig(
+        layers=layers_like_target(draft.target_config, 1, intermediate_size, None, None, None),
+        target_layer_ids=tuple(taps),
+        layers_per_module=per_module,
+    )

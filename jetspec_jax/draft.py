@@ -37,7 +37,14 @@ from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.scalars import as_int
 from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
 
-__all__ = ["Draft", "default_target_layer_ids", "init_draft", "load_draft", "load_draft_for_config"]
+__all__ = [
+    "Draft",
+    "default_target_layer_ids",
+    "draft_config",
+    "init_draft",
+    "load_draft",
+    "load_draft_for_config",
+]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -241,9 +248,62 @@ def init_draft(
 ) -> Draft:
     """A randomly initialised draft head for `target`, in the target's dtype.
 
-    Kernels are drawn from N(0, init_std) and norm scales are 1. Sizes default to the target's
-    (hidden size always is the target's; heads, head_dim, intermediate size, RoPE and RMSNorm eps
-    by default).
+    Kernels are drawn from N(0, init_std) and norm scales are 1. The architecture is
+    `draft_config`'s for the same settings (its docstring has their defaults).
+
+    Args:
+        target: the target to draft for.
+        variant, num_layers, target_layer_ids, block_size, mask_token_id, intermediate_size,
+            num_heads, num_kv_heads, head_dim: as `draft_config`.
+        init_std: standard deviation of the kernels.
+        seed: seed of `jax.random`.
+
+    Raises:
+        ValueError, CheckpointError, TypeError: as `draft_config`; ValueError: a seed outside
+            [0, 2**32).
+    """
+    config = draft_config(
+        target,
+        variant=variant,
+        num_layers=num_layers,
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    seed = check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    specs = draft_tensor_specs(config)
+    keys = jax.random.split(random_streams.stream(seed, random_streams.DRAFT_INIT), len(specs))
+    tensors = {
+        spec.hf_name: random_tensor(spec, key, init_std)
+        for spec, key in zip(specs, keys, strict=True)
+    }
+    params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
+    return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
+
+
+def draft_config(
+    target: Target,
+    *,
+    variant: str = "jetspec++",
+    num_layers: int = 1,
+    target_layer_ids: tuple[int, ...] | None = None,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    intermediate_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> DraftConfig:
+    """The architecture of a draft head for `target` with these settings, checked against the
+    target (what `init_draft` builds, without drawing its weights). Sizes default to the
+    target's (hidden size always is the target's; heads, head_dim, intermediate size, RoPE and
+    RMSNorm eps by default).
 
     Args:
         target: the target to draft for.
@@ -255,11 +315,9 @@ def init_draft(
             else `vocab_size - 1` (the first the target has). Only mask-input variants
             (dflash, jetspec) ever feed it to the draft.
         intermediate_size, num_heads, num_kv_heads, head_dim: None: the target's.
-        init_std: standard deviation of the kernels.
-        seed: seed of `jax.random`.
 
     Raises:
-        ValueError: an unknown variant, or a size, seed or tap list that is not one (each named).
+        ValueError: an unknown variant, or a size or tap list that is not one (each named).
         CheckpointError: tap layers or the mask token out of the target's range.
         TypeError: `target` is not a `Target`.
     """
@@ -274,9 +332,6 @@ def init_draft(
         head_dim=head_dim,
     )
     sizes = {k: None if v is None else check_int(k, v, 1) for k, v in sizes.items()}
-    seed = check_int("seed", seed, 0)
-    if seed >= 2**32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     if target_layer_ids is None:
         # The reference's rule, kept as it is: for very shallow targets it can repeat a tap or
         # go down (e.g. (1, 0) for 3 target layers and 2 draft layers).
@@ -299,14 +354,7 @@ def init_draft(
         **switches,
     )
     check_draft_matches_target(config, target.config)
-    specs = draft_tensor_specs(config)
-    keys = jax.random.split(random_streams.stream(seed, random_streams.DRAFT_INIT), len(specs))
-    tensors = {
-        spec.hf_name: random_tensor(spec, key, init_std)
-        for spec, key in zip(specs, keys, strict=True)
-    }
-    params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
-    return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
+    return config
 
 
 def layers_like_target(

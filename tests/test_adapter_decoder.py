@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jetspec_jax
-from jetspec_jax.adapter import init_adapter
+from jetspec_jax.adapter import adapter_config, init_adapter
 from jetspec_jax.models import adapter, decoder
 from jetspec_jax.models.transformer import forward, unembed
 
@@ -72,6 +72,13 @@ def _adapter_layers(target_config):
     from jetspec_jax.draft import layers_like_target
 
     return layers_like_target(target_config, 1, None, None, None, None)
+
+
+def test_adapter_config_is_the_architecture_init_adapter_builds(target):
+    """A warm start compares a saved adapter with `adapter_config`, not with a random adapter."""
+    draft = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 2), block_size=4)
+    for settings in (dict(), dict(layers_per_module=(2, 1), intermediate_size=24)):
+        assert adapter_config(draft, **settings) == init_adapter(draft, **settings).config
 
 
 def test_adapter_decode_path_equals_training_path(target):

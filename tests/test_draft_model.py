@@ -21,7 +21,7 @@ import transformers
 from dflash import model as dflash_model
 
 from jetspec_jax import CheckpointError, generate, load_target
-from jetspec_jax.draft import default_target_layer_ids, init_draft, load_draft
+from jetspec_jax.draft import default_target_layer_ids, draft_config, init_draft, load_draft
 from jetspec_jax.models.draft import DraftConfig, draft_hidden, draft_logits, empty_cache
 from jetspec_jax.models.draft import extend_context as extend_draft_context
 from jetspec_jax.models.transformer import forward
@@ -556,6 +556,26 @@ def test_init_names_a_bad_argument(target, kwargs, message):
     the first decode (head_dim 0), or a failure at `with_adapter` (taps out of order)."""
     with pytest.raises(ValueError, match=message):
         init_draft(target, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(variant="dflash", num_layers=2, block_size=4, mask_token_id=7),
+        dict(target_layer_ids=(0, 2), num_layers=2, intermediate_size=48, head_dim=8),
+    ],
+)
+def test_draft_config_is_the_architecture_init_draft_builds(target, settings):
+    """A warm start compares a saved draft with `draft_config`, not with a random draft."""
+    assert draft_config(target, **settings) == init_draft(target, **settings, seed=3).config
+
+
+def test_draft_config_refuses_what_init_draft_refuses(target):
+    with pytest.raises(ValueError, match="distinct layer indices in increasing order"):
+        draft_config(target, target_layer_ids=(2, 0))
+    with pytest.raises(CheckpointError, match=r"outside the target's layers"):
+        draft_config(target, target_layer_ids=(0, 3))
 
 
 def test_init_refuses_taps_outside_the_target(target):

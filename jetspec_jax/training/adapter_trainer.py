@@ -23,7 +23,7 @@ import pathlib
 import jax
 import numpy as np
 
-from jetspec_jax.adapter import Adapter, init_adapter
+from jetspec_jax.adapter import Adapter, adapter_config, init_adapter
 from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from jetspec_jax.checkpoint.adapter_files import adapter_config_from_dict, load_adapter
 from jetspec_jax.checkpoint.bundle import ADAPTER_DIR, is_bundle, save_bundle
@@ -377,21 +377,17 @@ def initial_adapter(config: TrainConfig, draft: Draft, *, resuming: bool = False
             f"adapter.layers_per_module {list(a.layers_per_module)} needs one entry per tap "
             f"layer of the draft ({len(taps)}: {list(taps)})"
         )
-    optim = config.optim if a.optim is None else a.optim
-    fresh = init_adapter(
-        draft,
-        layers_per_module=a.layers_per_module,
-        intermediate_size=a.intermediate_size,
-        init_std=a.init_std,
-        seed=optim.seed,
+    architecture = dict(
+        layers_per_module=a.layers_per_module, intermediate_size=a.intermediate_size
     )
     if a.init_from is None or resuming:
-        return fresh
+        optim = config.optim if a.optim is None else a.optim
+        return init_adapter(draft, **architecture, init_std=a.init_std, seed=optim.seed)
     start = load_adapter(_saved_adapter_dir(a.init_from), draft, dtype="float32")
     check_start_fits(
         f"adapter.init_from {a.init_from}",
         start.config,
-        fresh.config,
+        adapter_config(draft, **architecture),
         "The adapter section sets layers_per_module and intermediate_size; the other layer "
         "settings are the target's",
     )

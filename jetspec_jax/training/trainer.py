@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
 from jetspec_jax.decoding.request_checks import check_budget
-from jetspec_jax.draft import Draft, init_draft, load_draft
+from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
@@ -185,8 +185,7 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     float32 master weights start from it unrounded whatever the target's dtype. `resuming`: the
     checkpoint holds the weights, so `init_from` is not read (it may be gone by then)."""
     d = config.draft
-    draft = init_draft(
-        target,
+    architecture = dict(
         variant=d.variant,
         num_layers=d.num_layers,
         target_layer_ids=d.target_layer_ids,
@@ -196,20 +195,22 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
         num_kv_heads=d.num_kv_heads,
         head_dim=d.head_dim,
         mask_token_id=d.mask_token_id,
-        init_std=d.init_std,
-        seed=config.optim.seed,
     )
     if d.init_from is None or resuming:
-        return draft
+        return init_draft(target, **architecture, init_std=d.init_std, seed=config.optim.seed)
     start = load_draft(d.init_from, target, dtype="float32")
+    configured = draft_config(target, **architecture)
     check_start_fits(
         f"draft.init_from {d.init_from}",
         start.config,
-        draft.config,
+        configured,
         "The draft section sets the variant, layers, taps, block size, mask token and the "
         "layers' sizes; the other layer settings are the target's",
     )
-    return dataclasses.replace(draft, params=start.params, dtype=start.dtype)
+    # A new Draft, not `start`: its adapter and calibration would not fit the retrained draft.
+    return Draft(
+        config=configured, params=start.params, dtype=start.dtype, target_config=target.config
+    )
 
 
 def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
