@@ -48,8 +48,8 @@ from jetspec_jax.training.config import (
 )
 from jetspec_jax.training.data import read_regenerated, to_example
 from jetspec_jax.training.evaluate import evaluate_tau
+from jetspec_jax.training.run_helpers import batch_sizes
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
-from jetspec_jax.training.trainer import batch_sizes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -39,11 +39,11 @@ from jetspec_jax.training.data import (
     count_training_prompts,
     read_regenerated,
     to_example,
-    training_dataset,
 )
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
     host_params,
+    place_step_inputs,
     with_device_params,
     with_host_params,
 )
@@ -54,10 +54,8 @@ from jetspec_jax.training.run_loop import (
     recorded_setup,
     run_steps,
 )
-from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
-from jetspec_jax.training.step import init_state, make_optimizer
+from jetspec_jax.training.sharding import batch_sharding, make_mesh
 from jetspec_jax.training.trainer import (
-    batch_sizes,
     check_fits_context,
     check_input_files,
     read_eval_prompts,
@@ -156,21 +154,14 @@ def train_adapter(
     eval_prompts = read_eval_prompts(config, target, records) if config.adapter.eval_tau else None
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft, resuming=resuming)
-    optimizer = make_optimizer(optim)
-
-    local_batch, global_batch = batch_sizes(optim.batch_size, mesh)
-    dataset = training_dataset(
+    state, target_params, iterator, local_batch, global_batch = place_step_inputs(
         records,
-        batch_size=local_batch,
+        adapter.params,
+        target.params,
+        optim,
         max_length=config.data.max_length,
-        seed=optim.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+        mesh=mesh,
     )
-    iterator = iter(dataset)
-    state = init_state(adapter.params, optimizer)
-    state = jax.device_put(state, param_shardings(state, mesh))
-    target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
     # The steps read `state` and `target_params`; the frozen target and draft serve evaluation
     # and export only, so they wait in host memory (moved to the device while an evaluation runs).
     target, draft = with_host_params(target), with_host_params(draft)

@@ -1,6 +1,6 @@
 """Pieces both training runs (`trainer.py`, `adapter_trainer.py`) share besides `run_loop.py`:
-trained weights back on the host, frozen models kept in host memory for evaluation, and the logged
-throughput.
+the steps' inputs placed on the mesh, trained weights back on the host, frozen models kept in host
+memory for evaluation, and the logged throughput.
 """
 
 from __future__ import annotations
@@ -9,11 +9,76 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+
+from jetspec_jax.training.config import OptimConfig
+from jetspec_jax.training.data import training_dataset
+from jetspec_jax.training.sharding import param_shardings
+from jetspec_jax.training.step import TrainState, init_state, make_optimizer
+
+
+class StepInputs(NamedTuple):
+    """What a run's steps read, placed. Unpack it: a run that kept it whole would keep step 0's
+    state alive beside the restored or updated one.
+
+    Attributes:
+        state: step 0's train state (float32 master weights, optimizer state), sharded over the
+            mesh as `param_shardings` says.
+        target_params: the frozen target's params, sharded likewise.
+        iterator: this process's endless batches (`local_batch` sequences each); checkpointed
+            with the state, so a resume continues the data order.
+        local_batch, global_batch: sequences per step on this process, and on all of them.
+    """
+
+    state: TrainState
+    target_params: dict
+    iterator: Iterator
+    local_batch: int
+    global_batch: int
+
+
+def place_step_inputs(
+    records: list[dict], params, target_params, optim: OptimConfig, *, max_length: int, mesh
+) -> StepInputs:
+    """The data iterator over `records` and step 0's state for the trained `params` (the draft's
+    or the adapter's) with `optim`'s optimizer, and `target_params`, placed on `mesh`.
+
+    Raises:
+        ValueError: `optim.batch_size` does not split evenly over the mesh and the processes.
+    """
+    local_batch, global_batch = batch_sizes(optim.batch_size, mesh)
+    dataset = training_dataset(
+        records,
+        batch_size=local_batch,
+        max_length=max_length,
+        seed=optim.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    state = init_state(params, make_optimizer(optim))
+    return StepInputs(
+        state=jax.device_put(state, param_shardings(state, mesh)),
+        target_params=jax.device_put(target_params, param_shardings(target_params, mesh)),
+        iterator=iter(dataset),
+        local_batch=local_batch,
+        global_batch=global_batch,
+    )
+
+
+def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
+    """(per-process batch, global batch); the global batch must split evenly over processes."""
+    processes = jax.process_count()
+    if global_batch % processes or global_batch % mesh.size:
+        raise ValueError(
+            f"optim.batch_size={global_batch} must be a multiple of the mesh size "
+            f"({mesh.size}) and of the process count ({processes})"
+        )
+    return global_batch // processes, global_batch
 
 
 def host_params(tree, dtype):

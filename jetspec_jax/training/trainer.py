@@ -29,13 +29,18 @@ from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
-from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
+from jetspec_jax.training.data import count_training_prompts, read_regenerated
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids, prompts_tau
-from jetspec_jax.training.run_helpers import host_params, with_device_params, with_host_params
+from jetspec_jax.training.run_helpers import (
+    host_params,
+    place_step_inputs,
+    with_device_params,
+    with_host_params,
+)
 from jetspec_jax.training.run_loop import has_checkpoint, logged, opened_run, run_steps
-from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
-from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
+from jetspec_jax.training.sharding import batch_sharding, make_mesh
+from jetspec_jax.training.step import StepConfig, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -105,22 +110,14 @@ def train(
     eval_prompts = read_eval_prompts(config, target, records)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target, resuming=resuming)
-    optimizer = make_optimizer(config.optim)
-
-    local_batch, global_batch = batch_sizes(config.optim.batch_size, mesh)
-    dataset = training_dataset(
+    state, target_params, iterator, _, global_batch = place_step_inputs(
         records,
-        batch_size=local_batch,
+        draft.params,
+        target.params,
+        config.optim,
         max_length=config.data.max_length,
-        seed=config.optim.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+        mesh=mesh,
     )
-    iterator = iter(dataset)
-    state = init_state(draft.params, optimizer)
-    state_shardings = param_shardings(state, mesh)
-    state = jax.device_put(state, state_shardings)
-    target_params = jax.device_put(target.params, param_shardings(target.params, mesh))
     # From here the steps read `state` and `target_params`: no device keeps the whole target or
     # the initial draft besides them (evaluation moves the target back while it runs).
     target, draft = with_host_params(target), with_host_params(draft)
@@ -211,17 +208,6 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     return Draft(
         config=configured, params=start.params, dtype=start.dtype, target_config=target.config
     )
-
-
-def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
-    """(per-process batch, global batch); the global batch must split evenly over processes."""
-    processes = jax.process_count()
-    if global_batch % processes or global_batch % mesh.size:
-        raise ValueError(
-            f"optim.batch_size={global_batch} must be a multiple of the mesh size "
-            f"({mesh.size}) and of the process count ({processes})"
-        )
-    return global_batch // processes, global_batch
 
 
 def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) -> None:
