@@ -213,20 +213,31 @@ def _serve(args) -> int:
 
 def _check_before_loading(args, *, server: bool) -> None:
     """Builds what the flags describe before the (possibly minutes-long) model load, so that a
-    bad flag fails at once. Without --method the draft's variant is not known yet; "jetspec++",
-    which accepts every decoding flag another method does, stands in for it (the options are
-    built again, exactly, after the load)."""
+    bad flag fails at once. Without --method, --target without --draft decodes autoregressively;
+    otherwise the draft's variant is not known yet, and "jetspec++", which accepts every decoding
+    flag another method does, stands in for it (the options are built again, exactly, after the
+    load)."""
     if args.method == "ar" and args.draft:
         raise ValueError(
             f"--method ar decodes without a draft: drop --draft {args.draft}, or pass the "
             "draft's method (or no --method)"
         )
-    method = args.method or "jetspec++"
+    without_draft = args.method is None and args.target is not None and not args.draft
+    method = args.method or ("ar" if without_draft else "jetspec++")
+    try:
+        if server:
+            _server_config(args, None, method=method)
+        else:
+            _decoding_options(args, None, method=method)
+    except ValueError as e:
+        if without_draft:
+            raise ValueError(
+                f"{e} (--target without --draft decodes autoregressively: add --draft, or drop "
+                "the drafting flags)"
+            ) from None
+        raise
     if server:
-        _server_config(args, None, method=method)
         _check_address(args.host, args.port)
-    else:
-        _decoding_options(args, None, method=method)
 
 
 def _check_address(host: str, port: int) -> None:

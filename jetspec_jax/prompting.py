@@ -1,4 +1,5 @@
-"""Turning user text into prompt token ids (chat template or raw) and tokens back into text."""
+"""Turning user text into prompt token ids (chat template or raw); `serving/detokenize.py` turns
+tokens back into text."""
 
 from __future__ import annotations
 

@@ -32,11 +32,13 @@ class Client:
         self.events: dict[str, list] = {}
         self.ended = threading.Semaphore(0)
         self.then: dict[str, list[tuple[str, list[int], int]]] = {}
+        self.most_running = 0  # the most jobs running at once, seen at any delivery
 
     def submit(self, name: str, prompt: list[int], budget: int) -> None:
         self.events[name] = []
 
         def deliver(event) -> None:
+            self.most_running = max(self.most_running, self.scheduler.running)
             first_tokens = isinstance(event, Tokens) and not self.events[name]
             self.events[name].append(event)
             if first_tokens:
@@ -75,7 +77,8 @@ def _assert_as_alone(target, client: Client, name: str, prompt: list[int], budge
 def _serve(target, jobs, then, **options):
     """Serves `jobs` (submitted together) and the jobs `then` submits; returns the client and
     the scheduler (stopped)."""
-    scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2, pad_batch=True, **options)
+    settings = dict(max_batch_size=4, chunk_steps=2, pad_batch=True) | options
+    scheduler = Scheduler(target, **settings)
     client = Client(scheduler)
     client.then = then
     scheduler.start()
@@ -118,6 +121,43 @@ def test_with_static_batching_it_waits_for_the_next_batch(target):
     assert _count(scheduler, "jetspec_joined_requests_total") == 0
     assert _batches(scheduler) == 2
     _assert_as_alone(target, client, "short", *short)
+
+
+def test_an_unpadded_batch_too_small_for_the_queue_ends_and_the_next_holds_the_queue(target):
+    """Without padding, a job alone gets a one-row batch. Jobs that arrive while it runs do not
+    join it one at a time as its row frees (the batch would never end while the queue has work,
+    and would serve one job at a time): it ends, and the next batch takes them all."""
+    long = ([5, 6, 7], 16)
+    then = {"long": [(name, [8, 9, i], 6) for i, name in enumerate("abc")]}
+    client, scheduler = _serve(target, [("long", *long)], then, pad_batch=False)
+    assert _count(scheduler, "jetspec_joined_requests_total") == 0
+    assert _batches(scheduler) == 2
+    assert client.most_running == 3
+    for i, name in enumerate("abc"):
+        _assert_as_alone(target, client, name, [8, 9, i], 6)
+
+
+def test_an_unpadded_batch_takes_a_joiner_it_can_hold(target):
+    """The batch ends only when the queue outgrows it: one waiting job joins the row that the
+    job alone leaves, without a new batch."""
+    long, short = ([5, 6, 7], 16), ([8, 9], 6)
+    client, scheduler = _serve(
+        target, [("long", *long)], {"long": [("short", *short)]}, pad_batch=False
+    )
+    assert _count(scheduler, "jetspec_joined_requests_total") == 1
+    assert _batches(scheduler) == 1
+    _assert_as_alone(target, client, "short", *short)
+
+
+def test_joiners_never_run_more_jobs_than_max_batch_size(target):
+    """max_batch_size 3 pads batches to 4 rows: the fourth row is padding, not room for a
+    fourth job, which joins once a row is free."""
+    jobs = [(name, [5, 6, i], 8) for i, name in enumerate("abc")]
+    client, scheduler = _serve(target, jobs, {"a": [("d", [8, 9], 6)]}, max_batch_size=3)
+    assert client.most_running == 3
+    assert _count(scheduler, "jetspec_joined_requests_total") == 1
+    assert _batches(scheduler) == 1
+    _assert_as_alone(target, client, "d", [8, 9], 6)
 
 
 def test_a_job_the_batch_does_not_fit_waits_and_so_do_those_behind_it(target):

@@ -92,6 +92,12 @@ def test_serve_replacement_confidence_flag():
         (["generate", "hi", "--chunk-steps", "0"], "--chunk-steps must be >= 1"),
         (["generate", "hi", "--top-p", "1.5"], "top_p"),
         (["generate", "hi", "--method", "ar", "--block-size", "4"], "method 'ar' drafts none"),
+        # --target without --draft (or --method) decodes autoregressively.
+        (
+            ["generate", "hi", "--target", "T", "--refine-passes", "1"],
+            "not 'ar' (--target without --draft decodes autoregressively",
+        ),
+        (["--target", "T", "--foresight", "4"], "--target without --draft decodes"),
     ],
 )
 def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, capsys):

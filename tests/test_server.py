@@ -559,6 +559,12 @@ BAD = [
         400,
         "include_usage must be a boolean",
     ),
+    (
+        "/v1/completions",
+        dict(model=MODEL, prompt="Hi", stream=True, stream_options=[]),
+        400,
+        "stream_options must be an object",
+    ),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=2), 400, "logprobs"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", logprobs=0), 400, "logprobs"),
     # No max_tokens sent: the message does not ask to lower it.
@@ -725,6 +731,44 @@ def test_a_requests_sampling_settings_reach_decoding(target, http):
 
     assert completion(13) == completion(2**32 + 13) == (expected, len(result.tokens))
     assert completion(14)[0] != expected
+
+
+def test_a_request_its_stop_string_ended_is_answered_though_its_batch_fails_after(
+    target, http, monkeypatch
+):
+    """The row decodes on until the stop string's cancellation lands; its batch failing in that
+    window (a joiner's admission out of memory, say) must not turn the finished answer into a
+    500. The answer has no `jetspec` statistics: the row's result was lost with the batch."""
+    ids = target.tokenizer.encode("The sky")
+    full, result = _library(target, ids, 16)
+    stop = full[4:6]
+    expected = full[: full.index(stop)]
+
+    def decode_then_fail(self, batch, tokens, finish, joined):
+        (job,) = batch
+        tokens(job, result.tokens)
+        _wait_for(lambda: job.cancelled)  # the handler saw the stop string
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(Scheduler, "_decode", decode_then_fail)
+    answer = _complete(http, prompt="The sky", max_tokens=16, stop=stop)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["choices"][0]["text"] == expected
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert "jetspec" not in body
+    streamed = _complete(
+        http,
+        prompt="The sky",
+        max_tokens=16,
+        stop=stop,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert _sse_text(streamed.text) == expected
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"] == body["usage"] and "jetspec" not in chunks[-1]
 
 
 def test_unknown_routes_and_methods_answer_json_errors(http):

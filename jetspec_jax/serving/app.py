@@ -438,7 +438,8 @@ async def _decoded(
 ):
     """The request's text as its tokens arrive, in non-empty pieces (stop strings applied; the
     job is cancelled at the first hit), the detokenizer's tail last; `output.result` then holds
-    the `GenerationResult`. Observes the time to the first token. With `keepalive` (seconds),
+    the `GenerationResult` (None when the job's batch failed after its stop string ended the
+    text). Observes the time to the first token. With `keepalive` (seconds),
     `_KEEPALIVE` is yielded each time that long passes before the first piece of text.
 
     Raises:
@@ -472,7 +473,14 @@ async def _decoded(
                 due = None  # the stream is flowing: no more keep-alives
                 yield text
         elif isinstance(event, Failed):
-            raise RequestError(event.status, event.message, type="server_error")
+            if not output.stops.hit:
+                raise RequestError(event.status, event.message, type="server_error")
+            # The text ended at its stop string before the batch failed (the row decodes on
+            # until its cancellation lands): the answer stands, without the row's result.
+            tail = output.finish()
+            if tail:
+                yield tail
+            return
         elif isinstance(event, Finished):
             if event.result.finish_reason == "cancelled" and not output.stops.hit:
                 raise RequestError(

@@ -268,7 +268,7 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
         raise RequestError(
             400, "stream_options is only allowed when stream is true", param="stream_options"
         )
-    options = options or {}
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise RequestError(400, "stream_options must be an object", param="stream_options")
     include_usage = options.get("include_usage")

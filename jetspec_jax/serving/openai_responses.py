@@ -23,14 +23,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def stats(result: GenerationResult) -> dict[str, Any]:
-    """Our extension (`jetspec` field): decoding statistics of the request."""
+def stats(result: GenerationResult | None) -> dict[str, Any]:
+    """Our extension: `{"jetspec": decoding statistics of the request}`; empty without a result
+    (the request's batch failed after its stop string had ended the text)."""
+    if result is None:
+        return {}
     return {
-        "tau": round(result.tau, 4),
-        "target_forwards": len(result.acceptance_lengths),
-        "prefill_seconds": round(result.timing.prefill_seconds, 6),
-        "decode_seconds": round(result.timing.decode_seconds, 6),
-        "compile_seconds": round(result.timing.compile_seconds, 6),
+        "jetspec": {
+            "tau": round(result.tau, 4),
+            "target_forwards": len(result.acceptance_lengths),
+            "prefill_seconds": round(result.timing.prefill_seconds, 6),
+            "decode_seconds": round(result.timing.decode_seconds, 6),
+            "compile_seconds": round(result.timing.compile_seconds, 6),
+        }
     }
 
 
@@ -43,7 +48,7 @@ def full_response(
     finish_reason: str,
     prompt_tokens: int,
     completion_tokens: int,
-    result: GenerationResult,
+    result: GenerationResult | None,
 ) -> dict[str, Any]:
     """The non-streamed answer."""
     if chat:
@@ -62,7 +67,7 @@ def full_response(
         "model": model,
         "choices": [choice],
         "usage": usage(prompt_tokens, completion_tokens),
-        "jetspec": stats(result),
+        **stats(result),
     }
 
 
@@ -108,7 +113,7 @@ def usage_chunk(
     created: int,
     prompt_tokens: int,
     completion_tokens: int,
-    result: GenerationResult,
+    result: GenerationResult | None,
 ) -> dict[str, Any]:
     """The last streamed chunk when `stream_options.include_usage` is set: no choices."""
     return {
@@ -118,5 +123,5 @@ def usage_chunk(
         "model": model,
         "choices": [],
         "usage": usage(prompt_tokens, completion_tokens),
-        "jetspec": stats(result),
+        **stats(result),
     }

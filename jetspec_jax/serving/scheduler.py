@@ -14,6 +14,9 @@ it would alone). A job joins only if the batch's shapes hold it (`DecodeSession.
 within the output buffer, its prompt plus budget within the cache); the first that does not
 waits, with every job behind it, until the batch ends and a new one is sized for it (`reserve`
 sizes every batch for jobs up to a given prompt length and budget, so that those always join).
+At most `max_batch_size` jobs run at once. A batch smaller than a full one (unpadded, started by
+fewer jobs) takes no job while more wait than it has room for: it ends, and the next batch is
+sized for them (joining one at a time would keep it at its size while the queue has work).
 With `continuous=False`, jobs that arrive wait for the next batch, and a finished row stays idle
 until its batch ends.
 
@@ -472,12 +475,19 @@ class Scheduler:
             rows.advance(self.chunk_steps)
 
     def _join(self, rows: ContinuousBatch, joined: Callable[[Job], None]) -> bool:
-        """Admits waiting jobs, in order, into the batch's free rows. Stops at the first job the
-        batch does not fit (it waits for the next batch, and so does every job behind it); True
-        if any job joined."""
-        free, taken = rows.free_rows, []
+        """Admits waiting jobs, in order, into the batch's free rows, never past `max_batch_size`
+        running jobs (padding rows are not room for more). Stops at the first job the batch does
+        not fit (it waits for the next batch, and so does every job behind it). A batch smaller
+        than a full one takes no job while more wait than it has room for: joining one at a time
+        as rows free would keep it running, at its size, for as long as the queue has work; it
+        ends instead, and the next batch takes them together. True if any job joined."""
+        holds = min(rows.session.batch_size, self.max_batch_size)  # jobs at once
+        free, taken = min(rows.free_rows, holds - len(rows.running())), []
         with self._cond:
             if self._stopping or not self._accepting or self._held:
+                return False
+            waiting = sum(not job.cancelled for job in self._waiting)
+            if holds < self.max_batch_size and waiting > free:
                 return False
             while len(taken) < free and self._waiting:
                 job = self._waiting[0]
