@@ -328,6 +328,38 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
     assert f"{first.export_dir} holds the draft this adapter was trained with" in caplog.text
 
 
+def test_a_run_resumed_with_a_retrained_draft_records_it(target, workdir, monkeypatch, caplog):
+    """A run resumed (deliberately, after the warning) with a retrained draft trains and exports
+    with it: its setup is recorded then, so a rerun of the finished run does not claim that the
+    export holds another draft, and runs the final evaluation a kill cut from the log."""
+    monkeypatch.chdir(workdir)
+    shutil.copytree("runs/tiny/run/draft", "runs/tiny/retrained_draft")
+    config = _tiny_config("runs/tiny/retrained")
+    assert (
+        train_adapter(config, target=target, draft="runs/tiny/retrained_draft", stop_after=1)
+        is None
+    )
+    draft = jetspec_jax.load_draft("runs/tiny/retrained_draft", target)
+    retrained = dataclasses.replace(
+        draft, params=jax.tree.map(lambda x: x + 1e-3, draft.params), path=None
+    )
+    retrained.save("runs/tiny/retrained_draft", overwrite=True)
+    with caplog.at_level("WARNING"):
+        first = train_adapter(config, target=target, draft="runs/tiny/retrained_draft")
+    assert "resuming with draft_digest" in caplog.text
+    metrics = pathlib.Path("runs/tiny/retrained/adapter_run/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    kept = [row for row in rows if not (row["step"] == first.steps and "eval_loss" in row)]
+    assert len(kept) < len(rows)
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in kept))  # killed after the export
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = train_adapter(config, target=target, draft="runs/tiny/retrained_draft")
+    assert again.already_finished and "holds the draft" not in caplog.text
+    assert "resuming with" not in caplog.text
+    assert again.evaluation["eval_loss"] == pytest.approx(first.evaluation["eval_loss"])
+
+
 def test_a_mask_input_draft_is_refused_before_training(target, data_file, tmp_path):
     dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
     with pytest.raises(ValueError, match="token-input .* this draft is 'dflash'"):

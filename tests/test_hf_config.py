@@ -141,6 +141,22 @@ def test_a_missing_field_is_named_where_it_belongs(where):
         config_from_hf(hf)
 
 
+@pytest.mark.parametrize("top_level", [None, False, True])
+@pytest.mark.parametrize("in_text", [None, False, True])
+def test_a_multimodal_configs_top_level_flag_ties_the_lm_head(top_level, in_text):
+    """As transformers builds the full model: the top-level tie_word_embeddings, false when
+    absent, whatever text_config says."""
+    from transformers import Qwen3_5Config
+
+    # A deep copy: transformers' config edits the nested rope fields in place.
+    text = copy.deepcopy(HYBRID) | ({} if in_text is None else {"tie_word_embeddings": in_text})
+    hf = {"model_type": "qwen3_5", "text_config": text}
+    if top_level is not None:
+        hf["tie_word_embeddings"] = top_level
+    expected = Qwen3_5Config(**{k: v for k, v in hf.items() if k != "model_type"})
+    assert config_from_hf(hf).tie_word_embeddings is expected.tie_word_embeddings is bool(top_level)
+
+
 def test_a_null_partial_rotary_factor_is_absent():
     """As in transformers 5: Llama / Qwen3 rotate every channel; a Qwen3.5 null drops the
     config class's 0.25 default (it only fills an absent key), so the whole head rotates."""

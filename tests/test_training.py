@@ -184,7 +184,7 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
 ):
     """The restored data position and schedule assume the setup the checkpoints were written
     with; a resume with other data or optimisation settings says what changed."""
-    config = _config(data_files, tmp_path, steps=4, warmup_steps=1)
+    config = _config(data_files, tmp_path, steps=6, warmup_steps=1)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_prompts=None))
     assert train(config, target=target, stop_after=1) is None
     assert json.loads((tmp_path / "run_setup.json").read_text())["records"] == 24
@@ -197,8 +197,15 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
         assert not [r for r in caplog.records if "resuming" in r.getMessage()]
         changed = dataclasses.replace(config.optim, learning_rate=1e-4)
         train(dataclasses.replace(config, optim=changed), target=target, stop_after=1)
+        # That resume trained on: its checkpoints are the new setup's, recorded; the next
+        # resume with it is silent.
+        assert (
+            train(dataclasses.replace(config, optim=changed), target=target, stop_after=1) is None
+        )
     (warning,) = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
     assert "resuming with optim.learning_rate 0.0001 (the checkpoints': 0.005)" in warning, warning
+    recorded = json.loads((tmp_path / "run_setup.json").read_text())
+    assert recorded["optim"]["learning_rate"] == 1e-4
     # A train state of another shape cannot be resumed: said by run, not as orbax's tree diff,
     # naming the setting that changed.
     deeper = dataclasses.replace(config.draft, num_layers=2)
@@ -359,6 +366,13 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "run: {eval_every: -1}": "run.eval_every",
         "data: {files: [a.jsonl], eval_num_prompts: 0}": "data.eval_num_prompts",
         "data: {files: [a.jsonl, b.jsonl, a.jsonl]}": "data.files",  # trained on twice
+        "data: {files: [a.jsonl, '']}": r"data.files \(an empty path\)",
+        "adapter: {eval_files: [h.jsonl, ./h.jsonl]}": "adapter.eval_files: 'h.jsonl' and",
+        # Empty paths are no "none": the run would write into the working directory, the
+        # evaluation would be off unsaid, the target would fail only at its load.
+        "run: {dir: ''}": r"run.dir \(a directory\)",
+        "data: {files: [a.jsonl], eval_prompts: ''}": "data.eval_prompts",
+        "target: ''": "target",
         "data: {files: [a.jsonl], eval_max_new_tokens: 0}": "data.eval_max_new_tokens",
         "data: {files: [a.jsonl], max_length: 64}\noptim: {anchors_per_sequence: 65}": (
             r"optim.anchors_per_sequence \(<= data.max_length 64\): 65"

@@ -157,10 +157,9 @@ def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError("a model_type 'qwen3_5' config.json needs a text_config mapping")
-    text = dict(text)
-    if "tie_word_embeddings" in hf:  # the top-level flag governs the LM head of the full model
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return text
+    # The top-level flag governs the full model's LM head; absent, it is false (transformers
+    # unties the full model then, whatever text_config says).
+    return {**text, "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
 
 
 def _refuse_quantization(hf: dict[str, Any], where: str = "") -> None:

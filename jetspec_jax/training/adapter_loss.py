@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jetspec_jax.models.adapter import AdapterConfig, context_levels, predict_states_for_training
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward
+from jetspec_jax.training.blocks import sample_anchors
 
 
 @flax.struct.dataclass
@@ -77,7 +78,7 @@ def sample_blocks(
 ) -> AdapterBlocks:
     """Draws A anchors per sequence and their blocks of the sequence's own tokens.
 
-    Anchors follow the draft's rule (`training/blocks.py`): a uniformly random subset of the
+    Anchors follow the draft's rule (`blocks.sample_anchors`): a uniformly random subset of the
     positions whose next token is a response token, i.e. where decoding opens blocks.
 
     Args:
@@ -87,15 +88,12 @@ def sample_blocks(
         block_size: K.
         num_anchors: A.
     """
-    batch, length = tokens.shape
-    candidate = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((batch, 1), bool)], axis=1)
-    scores = jnp.where(candidate, jax.random.uniform(key, (batch, length)), -1.0)
-    top_scores, anchors = jax.lax.top_k(scores, num_anchors)  # [B, A]
-    anchors = anchors.astype(jnp.int32)
+    length = tokens.shape[1]
+    anchors, anchor_valid = sample_anchors(key, loss_mask, num_anchors)  # [B, A]
     index = jnp.arange(length, dtype=jnp.int32)
     seq_length = jnp.max(jnp.where(loss_mask, index[None] + 1, 0), axis=1)  # [B]
     raw = anchors[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)  # [B, A, K]
-    valid = (raw < seq_length[:, None, None]) & (top_scores >= 0)[:, :, None]
+    valid = (raw < seq_length[:, None, None]) & anchor_valid[:, :, None]
     positions = jnp.minimum(raw, length - 1)
     block_tokens = jnp.take_along_axis(tokens[:, None, :], positions, axis=2)
     return AdapterBlocks(tokens=block_tokens, anchors=anchors, positions=positions, valid=valid)

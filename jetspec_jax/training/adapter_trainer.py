@@ -189,7 +189,8 @@ def train_adapter(
             dataclasses.replace(config.adapter, optim=optim, init_from=None)
         ),
     )
-    with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
+    opened = opened_run(run_dir, config.run, state, iterator, setup=setup, total_steps=optim.steps)
+    with opened as (state, manager, log):
         finished_before = int(state.step) >= optim.steps
 
         def evaluate(step: int, state) -> dict:
@@ -272,7 +273,7 @@ def _draft_or_directory(config: TrainConfig, draft) -> Draft | pathlib.Path:
 
 
 def _token_input_draft(config: TrainConfig, draft, target: Target) -> Draft:
-    """The draft (loaded from its directory in the dtype it was exported in, by default), which
+    """The draft (loaded from its directory in `export_dtype`, by default the target's), which
     must take token inputs: refreshes feed the draft tokens, not mask embeddings.
 
     Raises:
@@ -425,8 +426,8 @@ def _eval_batches(
             local_batch,
             num_batches,
         )
-    # Regenerated files are in generation order, shortest prompts first: a sample drawn with a
-    # fixed seed (the same on every process and run) stands for the whole file.
+    # Regenerated files are in the order responses finished, roughly by prompt length: a sample
+    # drawn with a fixed seed (the same on every process and run) stands for the whole file.
     order = np.random.default_rng(0).permutation(len(records))
     chosen = order[jax.process_index() :: count][: num_batches * local_batch]
     examples = [to_example(records[i], config.data.max_length) for i in chosen]  # only these

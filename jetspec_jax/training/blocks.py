@@ -78,16 +78,32 @@ def build_blocks(
     return jax.vmap(build)(keys, tokens, loss_mask)
 
 
+def sample_anchors(
+    key: jax.Array, loss_mask: jax.Array, num_anchors: int
+) -> tuple[jax.Array, jax.Array]:
+    """Where blocks open in training: a uniformly random subset of the positions whose next token
+    is a response token (where decoding opens blocks), the draft's and the adapter's rule.
+
+    Args:
+        key: PRNG key.
+        loss_mask: `[..., T]` bool, True at response positions.
+        num_anchors: A.
+
+    Returns:
+        `([..., A] int32 anchors, [..., A] bool valid)`; a sequence with fewer than A candidate
+        positions fills the rest with invalid anchors.
+    """
+    candidate = jnp.concatenate([loss_mask[..., 1:], jnp.zeros_like(loss_mask[..., :1])], axis=-1)
+    scores = jnp.where(candidate, jax.random.uniform(key, loss_mask.shape), -1.0)
+    top_scores, anchors = jax.lax.top_k(scores, num_anchors)
+    return anchors.astype(jnp.int32), top_scores >= 0
+
+
 def _sequence_blocks(key, tokens, loss_mask, config: DraftConfig, num_anchors, p_full_noise):
     length, k_len = tokens.shape[0], config.block_size
     anchor_key, clean_key, noise_key = jax.random.split(key, 3)
 
-    # Anchors: a uniformly random subset of the positions whose next token is supervised.
-    candidate = jnp.concatenate([loss_mask[1:], jnp.zeros((1,), bool)])
-    scores = jnp.where(candidate, jax.random.uniform(anchor_key, (length,)), -1.0)
-    top_scores, anchors = jax.lax.top_k(scores, num_anchors)
-    anchor_valid = top_scores >= 0
-    anchors = anchors.astype(jnp.int32)
+    anchors, anchor_valid = sample_anchors(anchor_key, loss_mask, num_anchors)
 
     rows = jnp.arange(k_len, dtype=jnp.int32)
     if config.token_inputs:

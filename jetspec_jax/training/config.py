@@ -179,17 +179,12 @@ class TrainConfig:
             self.data.max_length,
         )
         _check(bool(self.data.files), "data.files", self.data.files)
-        # Listed twice, a file would be trained on twice as often as the others, silently; by its
-        # real path, since `a.jsonl`, `./a.jsonl` and a symlink to it are one file.
-        seen: dict[str, str] = {}  # real path -> the entry that named it first
-        for name in self.data.files:
-            real = os.path.realpath(name)
-            if real in seen:
-                raise ValueError(
-                    f"invalid value for data.files: {seen[real]!r} and {name!r} are one file, "
-                    "listed twice (it would be trained on twice as often as the others)"
-                )
-            seen[real] = name
+        _check_files(self.data.files, "data.files", "trained on twice as often as the others")
+        # An empty path is no "none": run.dir '' would write the run into the working directory,
+        # data.eval_prompts '' would turn the evaluation off unsaid (null does either on purpose).
+        _check(self.target != "", "target (a directory, or null for the default model)", "")
+        _check(self.run.dir != "", "run.dir (a directory)", "")
+        _check(self.data.eval_prompts != "", "data.eval_prompts (a file, or null)", "")
         for name in ("eval_num_prompts", "eval_max_new_tokens"):
             _check(getattr(self.data, name) >= 1, f"data.{name}", getattr(self.data, name))
         for name in ("checkpoint_every", "keep_checkpoints", "log_every"):
@@ -268,6 +263,7 @@ def _check_adapter(adapter: AdapterTrainConfig, draft: DraftArchConfig) -> None:
         adapter.init_std,
     )
     _check(adapter.eval_batches >= 1, "adapter.eval_batches", adapter.eval_batches)
+    _check_files(adapter.eval_files, "adapter.eval_files", "weighed twice in the evaluation")
     _check(adapter.init_from != "", "adapter.init_from (a path, or null)", "")
     if adapter.optim is not None:
         _check_optim(adapter.optim, "adapter.optim")
@@ -455,6 +451,21 @@ def _convert(hint, value, where: str):
         return value
     kind = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[hint]
     raise ValueError(f"{where} must be {kind}, got {value!r}")
+
+
+def _check_files(files: Sequence[str], where: str, twice: str) -> None:
+    """Refuses an empty path, and a file listed twice (it would be `twice`, silently), by its real
+    path: `a.jsonl`, `./a.jsonl` and a symlink to it are one file."""
+    seen: dict[str, str] = {}  # real path -> the entry that named it first
+    for name in files:
+        _check(name != "", f"{where} (an empty path)", list(files))
+        real = os.path.realpath(name)
+        if real in seen:
+            raise ValueError(
+                f"invalid value for {where}: {seen[real]!r} and {name!r} are one file, listed "
+                f"twice (it would be {twice})"
+            )
+        seen[real] = name
 
 
 def _check(ok: bool, where: str, value) -> None:

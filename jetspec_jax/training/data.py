@@ -138,7 +138,7 @@ def training_dataset(
     (`[process_index::process_count]`): the processes' shares of an epoch are disjoint and cover
     it, and a global batch is as random as one process's would be. Slicing before shuffling
     would give every process the same permutation of its slice, so that each global batch were
-    runs of `process_count` neighbouring records (`regenerate` writes them sorted by length).
+    runs of `process_count` neighbouring records (`regenerate` writes them roughly by length).
     Batches are of `batch_size` (the local batch).
     """
     # The smallest share decides, so that every process refuses alike (one refusing alone

@@ -94,8 +94,8 @@ def eval_prompt_ids(
 ) -> list[list[int]]:
     """The token ids of the first `num_prompts` prompts of `prompt_file`.
 
-    Records with `prompt_ids` (e.g. held-out `train.py regenerate` output, whose records are
-    sorted by prompt length: its first are its shortest) are used as they are;
+    Records with `prompt_ids` (e.g. held-out `train.py regenerate` output, whose records are in
+    the order responses finished, roughly longest prompt first) are used as they are;
     records with a text `prompt` are encoded with `encoding` (`data_encoding` gives the training
     data's), by default the target's chat template if it has one (no system message, thinking
     off); math sources (`MATH_SOURCES`) get the field's suffix when `math_suffix`.

@@ -121,7 +121,7 @@ def run_steps(
 
 @contextlib.contextmanager
 def opened_run(
-    run_dir: pathlib.Path, run: RunConfig, state, iterator, *, setup: dict
+    run_dir: pathlib.Path, run: RunConfig, state, iterator, *, setup: dict, total_steps: int
 ) -> Iterator[tuple[object, ocp.CheckpointManager, MetricsLog]]:
     """A run's checkpoints (`<run_dir>/checkpoints`) and metrics log, opened for the loop.
 
@@ -133,8 +133,11 @@ def opened_run(
     the target, the data files and record count, the optimisation and model sections). The first
     start records it, with the process count, in `<run_dir>/run_setup.json`; a resume whose setup
     differs logs each difference as a warning (the restored data position and schedule assume the
-    recorded setup), which a deliberate change, e.g. more steps, may ignore. Another process count
-    is refused (ValueError): each process saved its own data position.
+    recorded setup), which a deliberate change, e.g. more steps, may ignore. A resume that trains
+    on (its step below `total_steps`) then records its own setup: the checkpoints it writes are
+    under it, so a later resume compares with that. A finished run's rerun records nothing (the
+    recorded setup is what its last steps and export were made with). Another process count is
+    refused (ValueError): each process saved its own data position.
     """
     setup = {**setup, "process_count": jax.process_count()}
     manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
@@ -147,6 +150,8 @@ def opened_run(
             logger.info("%s: resumed from step %d", run_dir, int(state.step))
             for change in changes:
                 logger.warning("%s: resuming with %s", run_dir, change)
+            if changes and int(state.step) < total_steps and jax.process_index() == 0:
+                _write_json_atomically(run_dir / SETUP_FILE, setup)
         elif jax.process_index() == 0:
             _write_json_atomically(run_dir / SETUP_FILE, setup)
         with MetricsLog(run_dir, run.tensorboard, start_step=int(state.step)) as metrics_log:

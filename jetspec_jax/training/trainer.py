@@ -134,7 +134,10 @@ def train(
         optim=dataclasses.asdict(config.optim),
     )
     export_dtype = config.export_dtype or target.dtype
-    with opened_run(run_dir, config.run, state, iterator, setup=setup) as (state, manager, log):
+    opened = opened_run(
+        run_dir, config.run, state, iterator, setup=setup, total_steps=config.optim.steps
+    )
+    with opened as (state, manager, log):
         finished_before = int(state.step) >= config.optim.steps
 
         def evaluate(step: int, state) -> float | None:
