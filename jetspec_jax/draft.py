@@ -167,9 +167,11 @@ class Draft:
             calibration.warn_if_fitted_for_another(refine_passes, refreshes)
             replacement_confidence = calibration.replacement_confidence
         proxy = LearnedProxy(self.adapter.config, target.config)
-        return refining_proposer(
+        refiner, params = refining_proposer(
             proposer, proxy, refreshes, self.params, self.adapter.params, replacement_confidence
         )
+        # c = 1 trusts no position: no refresh runs, and without one nothing reads the proxy.
+        return (proposer, self.params) if refiner.refreshes == 0 else (refiner, params)
 
 
 def load_draft(path: str | pathlib.Path, target: Target, *, dtype: str | None = None) -> Draft:

@@ -128,6 +128,22 @@ def test_replacement_confidence_spans_the_paper_rule_to_no_refresh(target, draft
     assert outcomes(draft, refreshes=2, replacement_confidence=1.0) == no_refresh
     calibrated = dataclasses.replace(draft, calibration=Calibration(replacement_confidence=1.0))
     assert outcomes(calibrated, refreshes=2) == no_refresh
+    # c = 1 serves J2-R0's own proposer: no proxy observing a context nothing reads.
+    plain, _ = draft.proposer(target, method="jetspec++", refine_passes=2)
+    for served in (draft, calibrated):
+        confidence = 1.0 if served is draft else None
+        proposer, params = served.proposer(
+            target,
+            method="jetspec++",
+            refine_passes=2,
+            refreshes=2,
+            replacement_confidence=confidence,
+        )
+        assert proposer == plain and params is draft.params
+    with pytest.raises(ValueError, match="refreshes"):  # still checked
+        draft.proposer(
+            target, method="jetspec++", refine_passes=1, refreshes=2, replacement_confidence=1.0
+        )
 
 
 def test_refinement_on_a_hybrid_target_is_token_identical_to_ar(checkpoints, prompts):

@@ -33,8 +33,8 @@ class DecodingOptions:
             and sampled with the same seed, up to floating-point differences between block and
             single-token forwards); they differ in how many target forwards they need.
         refine_passes: "jetspec++" only: J extra Jacobi refinement passes of the draft per round
-            (J0 = one pass; at most the draft's block_size - 1: later passes change nothing,
-            refused when the proposer is built).
+            (J0 = one pass; at most the served block size - 1, `block_size` below if set, else
+            the draft's: later passes change nothing, refused when the proposer is built).
         refreshes: "jetspec++" only: R <= J context refreshes with anchor replacement, one before
             each of the first R passes (`Jj-Rr`; needs a draft with an adapter).
         replacement_confidence: with refreshes only: anchor replacement trusts the proxy where

@@ -272,7 +272,8 @@ def refining_proposer(
     `refine_passes`, r: `refreshes`) and the replacement confidence c (module docstring).
 
     c = 1 trusts no position, so a refresh would fix nothing: the proposer then runs none, and
-    drafts as `Jj-R0` without its proxy calls.
+    drafts as `Jj-R0` (its proxy still observes the context, for foresight; `Draft.proposer`
+    serves the plain drafter instead, without the proxy's calls).
 
     Raises:
         ValueError: c outside [0, 1], refreshes outside [0, j], or a mask-input draft.
