@@ -222,20 +222,27 @@ def _check_before_loading(args, *, server: bool) -> None:
             f"--method ar decodes without a draft: drop --draft {args.draft}, or pass the "
             "draft's method (or no --method)"
         )
-    without_draft = args.method is None and args.target is not None and not args.draft
-    method = args.method or ("ar" if without_draft else "jetspec++")
-    try:
+
+    def build(method: str) -> None:
         if server:
             _server_config(args, None, method=method)
         else:
             _decoding_options(args, None, method=method)
+
+    without_draft = args.method is None and args.target is not None and not args.draft
+    try:
+        build(args.method or ("ar" if without_draft else "jetspec++"))
     except ValueError as e:
-        if without_draft:
-            raise ValueError(
-                f"{e} (--target without --draft decodes autoregressively: add --draft, or drop "
-                "the drafting flags)"
-            ) from None
-        raise
+        if not without_draft:
+            raise
+        try:  # a drafting flag, or one no method accepts?
+            build("jetspec++")
+        except ValueError:
+            raise e from None
+        raise ValueError(
+            f"{e} (--target without --draft decodes autoregressively: add --draft, or drop the "
+            "drafting flags)"
+        ) from None
     if server:
         _check_address(args.host, args.port)
 

@@ -98,6 +98,7 @@ def test_serve_replacement_confidence_flag():
             "not 'ar' (--target without --draft decodes autoregressively",
         ),
         (["--target", "T", "--foresight", "4"], "--target without --draft decodes"),
+        (["--target", "T", "--max-batch-size", "0"], "max_batch_size"),  # no drafting hint
     ],
 )
 def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, capsys):
@@ -109,4 +110,6 @@ def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, 
 
     monkeypatch.setattr(jetspec_jax, "load_target", no_load)
     assert serve.main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert ("without --draft" in err) == ("without --draft" in message)
