@@ -1,21 +1,27 @@
 """Continuous vs static batching in the server's scheduler, side by side on one workload.
 
-The default target (SmolLM2-135M-Instruct, float32) behind a `Scheduler` (no HTTP: the figures
-are the scheduler's), batches of up to `--batch` rows padded to one shape, tokens delivered every
-8 target forwards. `--clients` closed-loop clients each send their next request as soon as the
-previous one is answered, `--requests` in all: chat-templated GSM8K test prompts, greedy, budgets
-alternating between a short and a long one (`--budgets`), so that static batches hold rows idle
-after their short requests end. Each mode serves the same workload once to compile, then
-`--repeats` times, the modes alternating; the figures are medians over the repeats. Every
+The default target (SmolLM2-135M-Instruct, float32) behind a `Scheduler` (no HTTP: the figures are
+the scheduler's), batches of up to `--batch` rows padded to one shape (see `--unpadded`), tokens
+delivered every 8 target forwards. `--clients` closed-loop clients each send their next request as
+soon as the previous one is answered, `--requests` in all: chat-templated GSM8K test prompts,
+greedy, budgets alternating between a short and a long one (`--budgets`), so that static batches
+hold rows idle after their short requests end. Each mode serves the same workload once to compile,
+then `--repeats` times, the modes alternating; the figures are medians over the repeats. Every
 request's tokens must be the same in every mode (each equals decoding it alone).
 
 With `--reserve P,N` a third mode, *reserved*, is continuous batching with every batch's shapes
 sized for prompts of P tokens and budgets of N (`Scheduler(reserve=...)`), so that a request the
 running batch's first requests did not size it for joins it too; its figures go to a section of
-their own (`continuous_batching_reserve`), on a workload whose first batch is all short budgets:
+their own (`continuous_batching_reserve`), on a workload whose first batch is all short budgets.
+
+With `--unpadded` every mode decodes batches of as many rows as the requests they start with (the
+server's default, without `--pad-batch`), and a fourth mode, *padded*, is continuous batching
+padded as above (section `continuous_batching_unpadded`). `--stagger S` starts the clients S
+seconds apart, so that the first batch starts with fewer requests than a full one:
 
     python benchmarks/bench_continuous_batching.py [--method jetspec++]
     python benchmarks/bench_continuous_batching.py --budgets 16,16,16,16,96,96 --reserve 256,96
+    python benchmarks/bench_continuous_batching.py --unpadded --stagger 0.5
 """
 
 from __future__ import annotations
@@ -48,11 +54,20 @@ def _parser():
     parser.add_argument("--method", default="ar", choices=("ar", "jetspec++"))
     parser.add_argument("--batch", type=int, default=4, help="max_batch_size (padded)")
     parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument(
+        "--stagger", type=float, default=0.0, help="seconds between the clients' first requests"
+    )
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--budgets", default="16,96", help="max_tokens, cycled over requests")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--reserve", default=None, metavar="P,N", help="add the reserved mode (see above)"
+    )
+    parser.add_argument(
+        "--unpadded",
+        action="store_true",
+        help="batches of as many rows as their requests (the server's default), and a padded "
+        "continuous mode beside them",
     )
     return parser
 
@@ -61,10 +76,11 @@ def _sample(scheduler: Scheduler, name: str) -> float:
     return scheduler.metrics.registry.get_sample_value(name) or 0.0
 
 
-def serve_workload(scheduler: Scheduler, jobs, clients: int) -> dict:
-    """Serves `jobs` (prompt, budget) from `clients` closed-loop clients; per request its tokens,
-    latency and time to first token, the wall time of the whole workload, and the batches
-    started and requests that joined one."""
+def serve_workload(scheduler: Scheduler, jobs, clients: int, stagger: float = 0.0) -> dict:
+    """Serves `jobs` (prompt, budget) from `clients` closed-loop clients, the i-th starting
+    `i * stagger` seconds after the first; per request its tokens, latency and time to first
+    token, the wall time of the whole workload, and the batches started and requests that joined
+    one."""
     counts = [_sample(scheduler, n) for n in ("jetspec_batch_size_count", JOINED)]
     pending = list(enumerate(jobs))
     lock, finished = threading.Lock(), threading.Semaphore(0)
@@ -92,7 +108,9 @@ def serve_workload(scheduler: Scheduler, jobs, clients: int) -> dict:
         scheduler.submit(Job(prompt, budget, SamplingParams(), deliver))
 
     start = time.perf_counter()
-    for _ in range(clients):
+    for i in range(clients):
+        if i:
+            time.sleep(stagger)
         send_next()
     for _ in jobs:
         if not finished.acquire(timeout=1800):
@@ -120,6 +138,10 @@ def main() -> int:
     modes = {"static": dict(continuous=False), "continuous": dict(continuous=True)}
     if reserve:
         modes["reserved"] = dict(continuous=True, reserve=reserve)
+    for settings in modes.values():
+        settings["pad_batch"] = not args.unpadded
+    if args.unpadded:
+        modes["padded"] = dict(continuous=True, pad_batch=True)
     records = read_prompts(EVAL, limit=args.requests)
     jobs = [
         (encode_prompt(target.tokenizer, r["prompt"], chat=True), budgets[i % len(budgets)])
@@ -133,7 +155,6 @@ def main() -> int:
             max_batch_size=args.batch,
             queue_size=len(jobs),
             chunk_steps=8,
-            pad_batch=True,
             **settings,
         )
         for mode, settings in modes.items()
@@ -144,7 +165,7 @@ def main() -> int:
     try:
         for repeat in range(args.repeats + 1):  # the first serves compile
             for mode, scheduler in schedulers.items():
-                run = serve_workload(scheduler, jobs, args.clients)
+                run = serve_workload(scheduler, jobs, args.clients, args.stagger)
                 print(f"{mode} run {repeat}: {run['wall']:.1f} s", flush=True)
                 if repeat:
                     runs[mode].append(run)
@@ -176,6 +197,7 @@ def main() -> int:
             joined=statistics.median(run["joined"] for run in runs[mode]),
         )
     title = "Continuous vs static batching" + (", and a reserve" if reserve else "")
+    title += ", unpadded batches" if args.unpadded else ""
     lines = [
         f"## {title} (`benchmarks/bench_continuous_batching.py`)",
         "",
@@ -183,8 +205,17 @@ def main() -> int:
         f"- Command: `python benchmarks/bench_continuous_batching.py{changed_flags(args, parser)}`",
         f"- Setup: default target (SmolLM2-135M-Instruct, float32), method {args.method}"
         + (" (the shipped draft, J0)" if args.method != "ar" else "")
-        + f", greedy; a `Scheduler` with max_batch_size {args.batch} (padded), chunk_steps 8; "
-        f"{args.clients} closed-loop clients, {len(jobs)} chat-templated GSM8K test prompts "
+        + f", greedy; a `Scheduler` with max_batch_size {args.batch} "
+        + (
+            "(unpadded: a batch has as many rows as the requests it starts with, rounded up to "
+            "a power of two; *padded*: continuous, every batch of max_batch_size rows)"
+            if args.unpadded
+            else "(padded)"
+        )
+        + ", chunk_steps 8; "
+        f"{args.clients} closed-loop clients"
+        + (f" starting {args.stagger:g} s apart" if args.stagger else "")
+        + f", {len(jobs)} chat-templated GSM8K test prompts "
         f"with budgets cycling {budgets} (a request ends at its budget or its end-of-turn "
         f"token: {generated} tokens in all). Median of "
         f"{args.repeats} serves of the workload per mode, the modes alternating, after one "
@@ -217,6 +248,13 @@ def main() -> int:
         f"p50 latency {static['p50'] / continuous['p50']:.2f}x lower, p50 time to first token "
         f"{static['ttft50'] / continuous['ttft50']:.2f}x lower.",
     ]
+    if args.unpadded:
+        padded = figures["padded"]
+        lines.append(
+            f"Padded over unpadded continuous: {continuous['wall'] / padded['wall']:.2f}x the "
+            f"throughput, p50 latency {continuous['p50'] / padded['p50']:.2f}x lower, p50 time "
+            f"to first token {continuous['ttft50'] / padded['ttft50']:.2f}x lower."
+        )
     if reserve:
         reserved = figures["reserved"]
         lines.append(
@@ -225,6 +263,7 @@ def main() -> int:
             f"to first token {continuous['ttft50'] / reserved['ttft50']:.2f}x lower."
         )
     section = "continuous_batching" + ("_reserve" if reserve else "")
+    section += "_unpadded" if args.unpadded else ""
     return publish(section, "\n".join(lines) + "\n", args.out, mismatches)
 
 
