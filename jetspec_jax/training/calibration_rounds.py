@@ -250,22 +250,7 @@ def collect_rounds(
     Raises:
         ValueError: no adapter, bad sizes, a hybrid target, or not a single usable round.
     """
-    if draft.adapter is None:
-        raise ValueError(
-            "calibration scores outcomes with the adapter + decoder proxy: the draft needs an "
-            "adapter (a JetSpec++ checkpoint)"
-        )
-    if num_rounds < 1 or anchors_per_sequence < 1:
-        raise ValueError(
-            f"num_rounds and anchors_per_sequence must be >= 1, got {num_rounds}, "
-            f"{anchors_per_sequence}"
-        )
-    if target.config.is_hybrid:  # refused now, not after the first jitted call (`_at_anchors`)
-        raise ValueError(
-            "calibration rounds start every anchor from one prefix by cutting the caches back, "
-            "which a hybrid target's recurrent state does not allow: calibrate needs a dense "
-            "target (Qwen3, Llama)"
-        )
+    _check_calibratable(target, draft, num_rounds, anchors_per_sequence)
     proposer, proposer_params = draft.proposer(
         target,
         method=draft.config.variant,
@@ -294,12 +279,7 @@ def collect_rounds(
             candidates = anchor_candidates(len(record["prompt_ids"]), len(sequence), k_len)
             if not candidates.size:
                 continue
-            count = min(anchors_per_sequence, candidates.size)
-            chosen = np.sort(rng.choice(candidates, count, replace=False))
-            # Fixed A per call (one compilation per length bucket): pad with the last anchor.
-            anchors = np.concatenate(
-                [chosen, np.full(anchors_per_sequence - count, chosen[-1], np.int32)]
-            )
+            anchors, count = _draw_anchors(rng, candidates, anchors_per_sequence)
             tokens = np.zeros((1, bucket(len(sequence) + 1)), np.int32)
             tokens[0, : len(sequence)] = sequence
             logits_hat, drafts, k_true, a_true, greedy = jax.device_get(
@@ -338,6 +318,36 @@ def collect_rounds(
         logger.warning("%d rounds dropped: the sequence is not the target's greedy output", dropped)
     arrays = [np.concatenate(column) for column in zip(*parts, strict=True)]
     return Rounds(*arrays, dropped=dropped)
+
+
+def _check_calibratable(target, draft, num_rounds: int, anchors_per_sequence: int) -> None:
+    """`collect_rounds`' refusals, before anything compiles (ValueError)."""
+    if draft.adapter is None:
+        raise ValueError(
+            "calibration scores outcomes with the adapter + decoder proxy: the draft needs an "
+            "adapter (a JetSpec++ checkpoint)"
+        )
+    if num_rounds < 1 or anchors_per_sequence < 1:
+        raise ValueError(
+            f"num_rounds and anchors_per_sequence must be >= 1, got {num_rounds}, "
+            f"{anchors_per_sequence}"
+        )
+    if target.config.is_hybrid:  # refused now, not after the first jitted call (`_at_anchors`)
+        raise ValueError(
+            "calibration rounds start every anchor from one prefix by cutting the caches back, "
+            "which a hybrid target's recurrent state does not allow: calibrate needs a dense "
+            "target (Qwen3, Llama)"
+        )
+
+
+def _draw_anchors(
+    rng: np.random.Generator, candidates: np.ndarray, num_anchors: int
+) -> tuple[np.ndarray, int]:
+    """`([num_anchors] int32 anchors, count)`: `count` distinct candidates, sorted, then the last
+    repeated to the fixed width (one compilation per length bucket)."""
+    count = min(num_anchors, candidates.size)
+    chosen = np.sort(rng.choice(candidates, count, replace=False))
+    return np.concatenate([chosen, np.full(num_anchors - count, chosen[-1], np.int32)]), count
 
 
 def check_holdout_fraction(holdout_fraction: float) -> float:
