@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from jetspec_jax import random_streams
 from jetspec_jax.checkpoint.adapter_files import adapter_tensor_specs
-from jetspec_jax.checkpoint.hf_params import tree_from_tensors
-from jetspec_jax.draft import Draft, layers_like_target, random_tensor
+from jetspec_jax.draft import Draft, layers_like_target, random_params
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.target import DTYPES
 
@@ -52,13 +49,8 @@ def init_adapter(
     config = adapter_config(
         draft, layers_per_module=layers_per_module, intermediate_size=intermediate_size
     )
-    specs = adapter_tensor_specs(config)
-    keys = jax.random.split(random_streams.stream(seed, random_streams.ADAPTER_INIT), len(specs))
-    tensors = {
-        spec.hf_name: random_tensor(spec, key, init_std)
-        for spec, key in zip(specs, keys, strict=True)
-    }
-    params = tree_from_tensors(specs, tensors, DTYPES[draft.dtype])
+    key = random_streams.stream(seed, random_streams.ADAPTER_INIT)
+    params = random_params(adapter_tensor_specs(config), key, init_std, DTYPES[draft.dtype])
     return Adapter(config=config, params=params, dtype=draft.dtype)
 
 

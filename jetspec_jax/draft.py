@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -279,13 +280,8 @@ def init_draft(
     seed = check_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
-    specs = draft_tensor_specs(config)
-    keys = jax.random.split(random_streams.stream(seed, random_streams.DRAFT_INIT), len(specs))
-    tensors = {
-        spec.hf_name: random_tensor(spec, key, init_std)
-        for spec, key in zip(specs, keys, strict=True)
-    }
-    params = tree_from_tensors(specs, tensors, DTYPES[target.dtype])
+    key = random_streams.stream(seed, random_streams.DRAFT_INIT)
+    params = random_params(draft_tensor_specs(config), key, init_std, DTYPES[target.dtype])
     return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
 
 
@@ -393,6 +389,15 @@ def _default_mask_token_id(target: Target) -> int:
             if token_id is not None:
                 return int(token_id)
     return target.config.vocab_size - 1
+
+
+def random_params(specs: Sequence[TensorSpec], key: jax.Array, init_std: float, dtype) -> dict:
+    """The parameter pytree of `specs`, each tensor `random_tensor`'s with its own key."""
+    keys = jax.random.split(key, len(specs))
+    tensors = {
+        spec.hf_name: random_tensor(spec, k, init_std) for spec, k in zip(specs, keys, strict=True)
+    }
+    return tree_from_tensors(specs, tensors, dtype)
 
 
 def random_tensor(spec: TensorSpec, key: jax.Array, init_std: float) -> np.ndarray:

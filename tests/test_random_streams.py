@@ -26,19 +26,18 @@ def test_init_step_and_eval_keys_never_coincide(checkpoints, monkeypatch):
     """The keys the initialisers really use (recorded), against the training and evaluation
     streams the step functions fold their counters into."""
     used = {"draft": [], "adapter": []}
+    into = []  # the initialiser running
 
-    def recording(into):
-        def random_tensor(spec, key, init_std):
-            used[into].append(key)
-            return original(spec, key, init_std)
-
-        return random_tensor
+    def random_tensor(spec, key, init_std):
+        used[into[-1]].append(key)
+        return original(spec, key, init_std)
 
     original = jetspec_jax.draft.random_tensor
-    monkeypatch.setattr(jetspec_jax.draft, "random_tensor", recording("draft"))
-    monkeypatch.setattr(jetspec_jax.adapter, "random_tensor", recording("adapter"))
+    monkeypatch.setattr(jetspec_jax.draft, "random_tensor", random_tensor)  # both draw with it
     target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    into.append("draft")
     draft = jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, seed=SEED)
+    into.append("adapter")
     init_adapter(draft, seed=SEED)
 
     draft_keys = _bits(jax.numpy.stack(used["draft"]))
