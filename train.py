@@ -42,6 +42,8 @@ import os
 import pathlib
 import sys
 
+logger = logging.getLogger("train")
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = _with_default_command(list(sys.argv[1:] if argv is None else argv))
@@ -172,6 +174,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from jetspec_jax.training.calibration import fit_calibration
     from jetspec_jax.training.calibration_rounds import (
         collect_rounds,
+        distinct_sequences,
         evaluate_rounds,
         held_out_sequences,
     )
@@ -187,6 +190,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     for value in [args.replacement_confidence or 0.0, *(args.confidence_grid or [])]:
         check_replacement_confidence(value)
+    grid = args.confidence_grid or []
+    if len(set(grid)) != len(grid):  # refused now, not after the loads
+        raise ValueError(f"--confidence-grid {','.join(map(str, grid))} repeats a value")
     if not is_bundle(args.draft):
         raise ValueError(
             f"--draft {args.draft} is not a JetSpec++ checkpoint (no jetspec_pp.json): "
@@ -200,7 +206,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     if report_path is not None and (report_path.is_dir() or not report_path.parent.is_dir()):
         raise ValueError(f"--report {report_path}: not a file path in an existing directory")
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-    records = read_regenerated(args.data, vocab_size=target.config.vocab_size)
+    records, repeats = distinct_sequences(
+        read_regenerated(args.data, vocab_size=target.config.vocab_size)
+    )
+    if repeats:
+        logger.warning(
+            "--data: %d records repeat an earlier record's sequence and are left out (a copy on "
+            "each side of the held-out split would flatter the held-out figures)",
+            repeats,
+        )
     draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
     round_args = dict(
         num_rounds=args.num_rounds,

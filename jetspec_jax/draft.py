@@ -76,8 +76,9 @@ class Draft:
         """This draft with `adapter` (an `Adapter` for its taps) and optionally a calibration.
 
         Raises:
-            ValueError: the adapter predicts other tap layers than the draft reads, or states of
-                another width (a `CheckpointError`), or holds another dtype than the draft's.
+            ValueError: a mask-input (dflash, jetspec) draft, an adapter that predicts other tap
+                layers than the draft reads or states of another width (each a
+                `CheckpointError`), or one that holds another dtype than the draft's.
         """
         check_adapter_matches_draft(adapter.config, self)
         if adapter.dtype != self.dtype:  # one dtype per checkpoint (its manifest names one)

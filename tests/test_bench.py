@@ -349,9 +349,14 @@ def test_an_interrupted_run_keeps_the_runs_that_finished(checkpoints, monkeypatc
         "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 130
-    rows = [json.loads(line) for line in (out / "samples.partial.jsonl").read_text().splitlines()]
+    partial = (out / "samples.partial.jsonl").read_text()
+    rows = [json.loads(line) for line in partial.splitlines()]
     assert [(r["method"], r["prompt_id"]) for r in rows] == [("ar", "t-0"), ("jetspec", "t-0")]
     assert not (out / "results.jsonl").exists()
+    # A rerun refused before its first run (here a method without its draft) keeps them.
+    refused = [*argv[: argv.index("--random-draft")], "--warmup", "0", "--out", str(out)]
+    assert main([*refused[:5], "jetspec,dflash", *refused[6:]]) == 2
+    assert (out / "samples.partial.jsonl").read_text() == partial
 
 
 def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):
@@ -420,6 +425,15 @@ def test_load_test_counts_network_errors(capsys):
     assert "3 of 3 requests at concurrency 2 failed: ConnectError" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no prompts"):
         run_load(f"http://127.0.0.1:{port}", "m", [], concurrency=1, requests=1)
+
+
+def test_load_test_checks_every_concurrency_level_before_the_first_runs(monkeypatch, capsys):
+    from jetspec_jax.bench import load
+
+    monkeypatch.setattr(load, "run_load", lambda *a, **k: pytest.fail("a level ran"))
+    for levels in ("1,4,0", ","):
+        assert load.main(["--model", "m", "--concurrency", levels]) == 2
+        assert f"--concurrency {levels!r}: levels must be integers >= 1" in capsys.readouterr().err
 
 
 def test_load_test_without_httpx_says_how_to_install_it(monkeypatch, capsys):

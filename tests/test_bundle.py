@@ -171,6 +171,17 @@ def test_refusals(target, saved, tmp_path, break_it, message):
         jetspec_jax.load_draft(path, target)
 
 
+@pytest.mark.parametrize("variant", ["dflash", "jetspec"])
+def test_an_adapter_is_refused_for_a_mask_input_draft(target, variant):
+    """Refreshes and foresight feed the draft tokens: paired with a mask-input draft (say by
+    `train.py export --adapter-from`), an adapter could never serve."""
+    taps = dict(target_layer_ids=(0, 2), block_size=4)
+    adapter = init_adapter(jetspec_jax.init_draft(target, **taps))
+    mask_input = jetspec_jax.init_draft(target, variant=variant, **taps)
+    with pytest.raises(CheckpointError, match=f"token-input .* this draft is '{variant}'"):
+        mask_input.with_adapter(adapter)
+
+
 def test_refusals_name_the_part_directory(target, saved, tmp_path):
     """A draft/ or adapter/ that does not fit is named by its directory, as a target is."""
     path = _copy(saved, tmp_path)

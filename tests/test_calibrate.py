@@ -21,6 +21,7 @@ from jetspec_jax.models.transformer import forward
 from jetspec_jax.training.calibration import fit_calibration
 from jetspec_jax.training.calibration_rounds import (
     collect_rounds,
+    distinct_sequences,
     evaluate_rounds,
     held_out_sequences,
     sequence_rounds,
@@ -177,7 +178,7 @@ def test_confidences_below_one_share_one_compiled_program(setup):
     assert len(COMPILED._executables) == 2  # prefill and the decode loop
 
 
-def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypatch):
+def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, monkeypatch):
     target, draft, records = setup
     target_dir = target.save(tmp_path / "target")
     bundle = draft.save(tmp_path / "pp")
@@ -241,6 +242,13 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
     assert "0.25 (given, not fitted)" in capsys.readouterr().out
     stored = jetspec_jax.load_draft(tmp_path / "given", target).calibration
     assert stored.replacement_confidence == 0.25
+    # The data given twice: the repeats are left out, so the same rounds and split, the same fit.
+    twice = [*given[:-1], str(tmp_path / "given_twice")]
+    twice[twice.index("--data") + 1 : twice.index("--data") + 2] = [str(data), str(data)]
+    with caplog.at_level("WARNING", logger="train"):
+        assert train.main(twice) == 0
+    assert f"--data: {len(records)} records repeat an earlier record's sequence" in caplog.text
+    assert jetspec_jax.load_draft(tmp_path / "given_twice", target).calibration == stored
     # Without refreshes the confidence is neither fitted nor read: the checkpoint's stays.
     from_given = [*argv, "--refreshes", "0", "--out", str(tmp_path / "r0")]
     from_given[from_given.index("--draft") + 1] = str(tmp_path / "given")
@@ -259,6 +267,8 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
         m.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
         assert train.main([*argv, "--out", str(tmp_path / "given")]) == 2
         assert "exists and is not --draft" in capsys.readouterr().err
+        assert train.main([*argv, "--confidence-grid", "0,0.5,0"]) == 2
+        assert "--confidence-grid 0.0,0.5,0.0 repeats a value" in capsys.readouterr().err
         argv[argv.index("--report") + 1] = str(tmp_path / "missing" / "report.json")
         assert train.main(argv) == 2
         assert "not a file path in an existing directory" in capsys.readouterr().err
@@ -269,6 +279,15 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, monkeypat
     argv[argv.index("--draft") + 1] = str(plain)
     assert train.main(argv) == 2
     assert "not a JetSpec++ checkpoint" in capsys.readouterr().err
+
+
+def test_distinct_sequences_keep_the_first_of_each():
+    """A held-out split by record would put a repeated sequence on both sides."""
+    a = {"prompt_ids": [1, 2], "response_ids": [3]}
+    b = {"prompt_ids": np.asarray([1], np.int32), "response_ids": np.asarray([2, 3], np.int32)}
+    again = {"prompt_ids": np.asarray([1, 2], np.int32), "response_ids": np.asarray([3])}
+    kept, repeats = distinct_sequences([a, b, again, b])
+    assert kept == [a, b] and repeats == 2  # the split point is part of the sequence
 
 
 def test_a_hybrid_target_is_refused_before_any_round(checkpoints):

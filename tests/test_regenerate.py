@@ -172,6 +172,14 @@ def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path)
     with pytest.raises(ValueError, match="other settings; resuming would mix.*stop_token_ids"):
         regenerate(other_stops, prompt_files, out, max_new_tokens=MAX_NEW)
     assert out.read_text() == written
+    # A model card or a download cache beside the weights is not another checkpoint.
+    documented = shutil.copytree(target.path, tmp_path / "documented_checkpoint")
+    (documented / "README.md").write_text("# A model card")
+    (documented / ".cache").mkdir()
+    (documented / ".cache" / "model.safetensors.metadata").write_text("etag")
+    documented_target = jetspec_jax.load_target(documented)
+    resumed = regenerate(documented_target, prompt_files, out, max_new_tokens=MAX_NEW, limit=1)
+    assert (resumed.written, resumed.skipped_existing) == (0, 1)
     # A new output (the old one deleted) records its own settings.
     out.unlink()
     regenerate(target, prompt_files, out, max_new_tokens=MAX_NEW + 1, limit=1)

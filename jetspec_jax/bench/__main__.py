@@ -53,7 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         datasets = [
             load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
         ]
-        (out / PARTIAL_SAMPLES).unlink(missing_ok=True)  # an interrupted run's, replaced
+        first = [True]
+
+        def keep(sample) -> None:
+            # An interrupted run's samples are replaced once this run measures, not before: a
+            # run that `run_benchmark`'s checks refuse keeps them.
+            if first:
+                (out / PARTIAL_SAMPLES).unlink(missing_ok=True)
+                first.clear()
+            log_sample(out, sample)
+
         samples, summaries = run_benchmark(
             target,
             datasets,
@@ -62,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             temperatures=temperatures,
             max_new_tokens=args.max_new_tokens,
             warmup=args.warmup,
-            on_sample=lambda sample: log_sample(out, sample),
+            on_sample=keep,
         )
     except (ValueError, ImportError, OSError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)

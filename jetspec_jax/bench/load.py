@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if not levels or min(levels) < 1:  # all checked before the first level runs
+            raise ValueError(f"--concurrency {args.concurrency!r}: levels must be integers >= 1")
         prompts = (
             [r["prompt"] for r in read_prompts(args.prompts, limit=args.limit)]
             if args.prompts

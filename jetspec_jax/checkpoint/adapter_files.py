@@ -204,8 +204,14 @@ def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
     predicted states would be off).
 
     Raises:
-        CheckpointError: naming the field and both values.
+        CheckpointError: a mask-input draft (refreshes and foresight feed the draft tokens), or
+            a field that differs, named with both values.
     """
+    if not draft.config.token_inputs:
+        raise CheckpointError(
+            f"an adapter serves a token-input (jetspec++) draft's refinement and foresight; this "
+            f"draft is {draft.config.variant!r}"
+        )
     taps = tuple(draft.config.target_layer_ids)
     if tuple(config.target_layer_ids) != taps:
         raise CheckpointError(

@@ -357,10 +357,26 @@ def check_holdout_fraction(holdout_fraction: float) -> float:
     return holdout_fraction
 
 
+def distinct_sequences(records: Sequence[dict]) -> tuple[list[dict], int]:
+    """`(records, repeats)`: the first record of each prompt + response sequence, in order, and
+    how many repeats were dropped. Held-out splits go by record, so a sequence given twice (files
+    that overlap) could put copies on both sides; pass records through this first."""
+    seen, kept = set(), []
+    for record in records:
+        key = (
+            np.asarray(record["prompt_ids"], np.int64).tobytes(),
+            np.asarray(record["response_ids"], np.int64).tobytes(),
+        )
+        if key not in seen:
+            seen.add(key)
+            kept.append(record)
+    return kept, len(records) - len(kept)
+
+
 def held_out_sequences(rounds: Rounds, holdout_fraction: float, seed: int = 0) -> np.ndarray:
     """The record ids of a `holdout_fraction` of the source sequences of `rounds`, drawn by `seed`
-    (whole sequences, so that correlated rounds of one sequence never straddle a split); at least
-    one sequence on each side.
+    (whole sequences, so that correlated rounds of one sequence never straddle a split, provided
+    the records are distinct: `distinct_sequences`); at least one sequence on each side.
 
     Raises:
         ValueError: `holdout_fraction` outside (0, 1), or a single source sequence.
