@@ -83,6 +83,8 @@ class Target:
         context = self.config.max_position_embeddings
         if ids.shape[1] > context:  # RoPE past its range computes, but nothing trained for it
             raise ValueError(f"{ids.shape[1]} tokens exceed the model's context of {context}")
+        if not ids.size:  # nothing to run (a hybrid's chunked recurrence cannot split 0 rows)
+            return jnp.zeros((*ids.shape, self.config.vocab_size), jnp.float32)
         return _full_logits(self.params, self.config, jnp.asarray(ids, jnp.int32))
 
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:

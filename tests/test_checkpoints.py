@@ -643,6 +643,13 @@ def test_logits_refuse_ids_outside_the_vocabulary_before_any_int32_wrap(checkpoi
     assert target.logits([[1, 96]]).shape == (1, 2, 97)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_logits_of_no_rows_are_empty(checkpoints, kind):
+    """As for a dense target, a hybrid's (whose chunked recurrence cannot split zero rows)."""
+    target = jetspec_jax.load_target(checkpoints.get(kind)[0])
+    assert target.logits(np.zeros((0, 3), np.int32)).shape == (0, 3, target.config.vocab_size)
+
+
 def test_the_tensor_reader_opens_each_file_once_and_reads_only_what_is_asked(tmp_path, monkeypatch):
     import safetensors.numpy
 

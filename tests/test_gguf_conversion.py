@@ -16,6 +16,7 @@ import pytest
 import safetensors.numpy
 import torch
 
+import jetspec_jax
 from jetspec_jax import default_model
 from jetspec_jax.checkpoint import gguf_to_hf
 from jetspec_jax.checkpoint.errors import CheckpointError
@@ -245,9 +246,11 @@ def _write_gguf(
     tensors: dict[str, np.ndarray],
     fields: dict | None = None,
     vocab: list[str] | None = None,
+    eot: int | None = None,
 ) -> Path:
     """A GGUF file; with `vocab`, a SentencePiece ("llama") tokenizer of those tokens (the first
-    three: unk, bos, eos) and no add_bos_token flag, as older files have."""
+    three: unk, bos, eos; `eot`: an end-of-turn id) and no add_bos_token flag, as older files
+    have."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (fields or {}).items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
@@ -262,6 +265,8 @@ def _write_gguf(
         writer.add_unk_token_id(0)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
+        if eot is not None:
+            writer.add_eot_token_id(eot)
     for name, value in tensors.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -279,6 +284,7 @@ def _tiny_llama_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     vocab: list[str] | None = TINY_VOCAB,
     fields: dict | None = None,
+    eot: int | None = None,
 ) -> Path:
     """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head) with the tokenizer of `vocab` (see
     `_write_gguf`); None: without a tokenizer. `fields` override its metadata."""
@@ -305,7 +311,7 @@ def _tiny_llama_gguf(
         "blk.0.ffn_down.weight": (8, 16),
     }
     tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
-    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab)
+    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab, eot)
 
 
 def test_sentencepiece_tokenizer_adds_bos_as_transformers_does(tmp_path):
@@ -322,6 +328,18 @@ def test_sentencepiece_tokenizer_adds_bos_as_transformers_does(tmp_path):
     assert (tmp_path / "ref" / "tokenizer.json").read_bytes() == (
         out / "tokenizer.json"
     ).read_bytes()
+
+
+def test_an_end_of_turn_token_stops_decoding_too(tmp_path):
+    """A chat GGUF whose end of turn is not its eos: both are stop ids, as llama.cpp stops."""
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", eot=4)
+    out = convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [2, 4]
+    assert jetspec_jax.load_target(out).stop_token_ids == (2, 4)
+    same = _tiny_llama_gguf(tmp_path / "same.gguf", eot=2)
+    same = convert_gguf_to_hf(same, tmp_path / "same", show_progress=False)
+    assert json.loads((same / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
 def test_unsupported_architecture(tmp_path):
@@ -351,8 +369,11 @@ def _count_dequantized(monkeypatch) -> list[str]:
     [
         ({"blk.0.attn_q.bias": np.zeros(8, np.float32)}, {}, r"unsupported GGUF tensor 'blk\.0"),
         ({}, {"block_count": 2}, r"lacks tensors for: model\.layers\.1\."),
+        # Converted, either would be another model: a rotation of every channel, no scaling.
+        ({}, {"rope.dimension_count": 2}, r"rope.dimension_count 2 != head_dim 4: partial"),
+        ({"rope_freqs.weight": np.ones(2, np.float32)}, {}, "per-frequency rope scaling"),
     ],
-    ids=["unknown", "missing"],
+    ids=["unknown", "missing", "partial rotary", "llama3 rope"],
 )
 def test_unknown_or_missing_tensors_are_refused_before_any_is_dequantized(
     tmp_path, monkeypatch, tensors, fields, message

@@ -111,10 +111,14 @@ def _write_checkpoint(
         config["tie_word_embeddings"] = "output.weight" not in shapes
 
         _write_json(out / "config.json", config)
-        _write_json(
-            out / "generation_config.json",
-            {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config},
-        )
+        generation = {
+            k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
+        }
+        # A chat model's end of turn, when not its eos: decoding stops there too (as llama.cpp).
+        eot = _field(reader, "tokenizer.ggml.eot_token_id", default=None)
+        if eot is not None and eot != generation.get("eos_token_id", eot):
+            generation["eos_token_id"] = [generation["eos_token_id"], eot]
+        _write_json(out / "generation_config.json", generation)
         write_safetensors(tensors, out, max_shard_bytes=max_shard_bytes)
     _save_tokenizer(reader, out)
 
@@ -131,6 +135,13 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
 
     hidden = _field(reader, "llama.embedding_length")
     n_heads = _field(reader, "llama.attention.head_count")
+    head_dim = _field(reader, "llama.attention.key_length", default=hidden // n_heads)
+    rotated = _field(reader, "llama.rope.dimension_count", default=head_dim)
+    if rotated != head_dim:  # an HF Llama rotates every channel of a head
+        raise CheckpointError(
+            f"GGUF rope.dimension_count {rotated} != head_dim {head_dim}: partial rotary "
+            "embeddings are not supported for llama GGUF files"
+        )
     rope_theta = _f32(_field(reader, "llama.rope.freq_base", default=10000.0))
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -141,7 +152,7 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "num_hidden_layers": _field(reader, "llama.block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", default=n_heads),
-        "head_dim": _field(reader, "llama.attention.key_length", default=hidden // n_heads),
+        "head_dim": head_dim,
         "max_position_embeddings": _field(reader, "llama.context_length"),
         "rms_norm_eps": _f32(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
@@ -203,6 +214,11 @@ def _hf_name(gguf_name: str) -> str:
     match = _LAYER_RE.fullmatch(gguf_name)
     if match and match.group(2) in _LAYER_TENSORS:
         return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+    if gguf_name == "rope_freqs.weight":
+        raise CheckpointError(
+            "GGUF tensor 'rope_freqs.weight' holds per-frequency rope scaling (Llama 3.1 and "
+            "later), which this converter cannot rebuild: convert the original HF checkpoint"
+        )
     raise CheckpointError(f"unsupported GGUF tensor {gguf_name!r} (no HF Llama equivalent known)")
 
 

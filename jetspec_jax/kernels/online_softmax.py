@@ -81,8 +81,8 @@ def online_softmax_step(
         state: `(m, total, acc)`: `m`, `total` `[..., Q]` and `acc` `[..., Q, D]`, float32.
         scores: `[..., Q, S]` the chunk's scaled scores, float32.
         visible: bool, broadcastable to `scores`: the keys each query may attend to. Invisible
-            keys add exactly nothing, whatever their scores or values (a NaN in them included,
-            as long as its score is masked here).
+            keys add nothing whatever their scores (a NaN score included); their values must be
+            finite (a zero weight times a NaN value is NaN).
         values: the chunk's values, contracted with the probabilities by `weighted_sum`.
         weighted_sum: the einsum of `(probabilities [..., Q, S], values)` into `[..., Q, D]`.
         precision: its matmul precision (`matmul_precision` of the attention's operands).

@@ -63,8 +63,8 @@ class TransformerConfig:
 
     The architectures differ only by switches: Qwen3 RMS-normalises every query and key head
     (`qk_norm`, which follows from the model type) before RoPE and decouples `head_dim` from
-    `hidden_size / num_heads`; Llama may carry biases on the attention (`attention_bias`) and MLP
-    (`mlp_bias`) projections.
+    `hidden_size / num_heads`; any of them may carry biases on the attention projections
+    (`attention_bias`), Llama on the MLP's too (`mlp_bias`).
 
     `model_type="qwen3_5"` is the hybrid text model (`models/hybrid.py`): `layer_types[i]` is
     "linear_attention" (Gated DeltaNet, sized by the `linear_*` fields) or "full_attention" (gated
