@@ -10,12 +10,14 @@ from jetspec_jax.decoding.session import COMPILED
 
 def compiled_program(name: str) -> str:
     """The HLO text of the one compiled program of the jitted function `name`."""
-    (text,) = [
-        e.as_text()
-        for e in COMPILED._executables.values()
-        if e.as_text().startswith(f"HloModule jit_{name}")
-    ]
+    (text,) = compiled_programs(name)
     return text
+
+
+def compiled_programs(name: str) -> list[str]:
+    """The HLO texts of the compiled programs of the jitted function `name` (one per shape)."""
+    texts = [e.as_text() for e in COMPILED._executables.values()]
+    return [text for text in texts if text.startswith(f"HloModule jit_{name}")]
 
 
 def copies_shaped_like(hlo: str, shapes: Iterable[tuple[int, ...]]) -> list[str]:

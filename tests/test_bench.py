@@ -11,8 +11,10 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
+from unittest import mock
 
 import pytest
 
@@ -168,9 +170,12 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     assert "results.md would be written over directories" in capsys.readouterr().err
     read_only = tmp_path / "read_only"
     read_only.mkdir(mode=0o555)
-    if not os.access(read_only, os.W_OK):  # root writes anywhere
+    with monkeypatch.context() as m:
+        if os.access(read_only, os.W_OK):  # root writes anywhere: refuse the probe as the
+            denied = mock.Mock(side_effect=PermissionError(13, "Permission denied"))  # mode would
+            m.setattr(tempfile, "NamedTemporaryFile", denied)
         assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(read_only)]) == 2
-        assert "cannot be written into" in capsys.readouterr().err
+    assert "cannot be written into" in capsys.readouterr().err
     assert not list(tmp_path.glob("**/.write_probe*"))
     for flags, message in (
         (["--random-draft-block", "4"], "sizes the --random-draft, which is not given"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,9 +33,9 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import Calibration, select_for_rule
-from jetspec_jax.decoding.refinement import refining_proposer
+from jetspec_jax.decoding.refinement import RefiningProposer, refining_proposer
 from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_rate
-from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.sampling import RowSampling, SamplingParams
 from tests.oracles import TargetProxy
@@ -199,6 +200,29 @@ def test_forced_hits_give_ar_tokens_and_the_plain_outcomes(target, draft, prompt
     # An exact proxy predicts the true states: cached blocks are the blocks the fallback drafts
     # from the true states, so every round has the outcome of plain (no foresight) decoding.
     assert outcomes == plain_outcomes
+
+
+@pytest.mark.parametrize("scale", [HITS, MISSES], ids=["hits", "misses"])
+def test_the_fallback_drafts_only_in_rounds_some_row_missed(
+    target, draft, prompts, monkeypatch, scale
+):
+    """The fallback's drafting runs (a `lax.cond` branch) only in rounds where some row found no
+    cached block: with every later round hitting, in the first round alone, so the blocks those
+    rounds propose are the cached ones."""
+    runs = []
+    propose = RefiningProposer.propose
+
+    def counted(self, *args, **kwargs):  # traced into the fallback's branch
+        jax.debug.callback(lambda: runs.append(1))
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(RefiningProposer, "propose", counted)
+    COMPILED.clear()  # the session's programs, compiled without the counter
+    jax.clear_caches()
+    tokens, outcomes, stats = run(target, prompts, ScaledOracleDraft(draft, scale))
+    assert tokens == _ar(target, prompts)
+    rounds = max(len(row["hits"]) for row in stats)
+    assert len(runs) == (1 if scale == HITS else rounds) and rounds > 2
 
 
 def test_forced_misses_give_ar_tokens_and_the_plain_outcomes(

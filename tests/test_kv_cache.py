@@ -116,9 +116,18 @@ def test_chunked_cache_attention_reads_only_the_filled_span(last):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
 
 
-def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target):
+def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target, monkeypatch):
     """AR and JetSpec++ over caches attended in chunks of 16 (a capacity of 16 + 40 + the block)
-    give the tokens of AR over whole caches."""
+    give the tokens of AR over whole caches, and the model did attend in chunks of 16."""
+    chunks = []
+    cached_attention = layers.cached_attention
+
+    def spy(*args, chunk, **kwargs):  # called while tracing
+        chunks.append(chunk)
+        return cached_attention(*args, chunk=chunk, **kwargs)
+
+    monkeypatch.setattr(layers, "cached_attention", spy)
+    jax.clear_caches()  # programs compiled before the spy would not trace through it
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 97, n).tolist() for n in (11, 5)]
     common = dict(max_new_tokens=40, stop_token_ids=[])
@@ -130,6 +139,7 @@ def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target):
         kwargs = dict(draft=draft, method=method) if method != "ar" else {}
         got = jetspec_jax.generate_batch(target, prompts, **kwargs, **common)
         assert [r.tokens for r in got] == want, method
+    assert 16 in chunks
 
 
 def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):

@@ -27,7 +27,7 @@ from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
 from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
-from tests.compiled_hlo import compiled_program, copies_shaped_like
+from tests.compiled_hlo import compiled_program, compiled_programs, copies_shaped_like
 from tests.test_foresight import (
     BLOCK,
     HITS,
@@ -89,7 +89,11 @@ def run_with_candidates(target, prompts, draft, pipeline=None):
 @pytest.mark.parametrize("scale", [HITS, MISSES, MIXED], ids=["hits", "misses", "mixed"])
 def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale, form):
     oracle = ScaledOracleDraft(draft, scale)
+    COMPILED.clear()
     piped = run_with_candidates(target, prompts, oracle, pipeline=form)
+    if form == "spmd":  # the two-stage program ran, exchanging values across the devices
+        programs = compiled_programs("decode_pipelined")
+        assert programs and all("collective-permute" in hlo for hlo in programs)
     single = run_with_candidates(target, prompts, oracle)
     assert piped == single  # tokens, outcomes, hit and occupancy logs, candidate blocks
     assert piped[0] == _ar(target, prompts)

@@ -8,6 +8,8 @@ caches attended that way: AR's tokens, and the dense run's round outcomes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -93,14 +95,17 @@ def target(checkpoints):
 def test_decoding_over_chunked_draft_and_adapter_caches(target, monkeypatch):
     """J1-R1 with foresight B = 2 (the draft and adapter caches, foresight's candidates of one
     row at several context lengths) over caches of more than 8 slots attended 8 at a time: AR's
-    tokens and the whole-cache run's outcomes and hits; the span form did run."""
-    spans = []
+    tokens and the whole-cache run's outcomes and hits; the span form did run, for the draft's
+    caches and for the adapter's."""
+    spans = []  # per call (at trace time), the model files on the stack
     span = refinement_module.refinement_attention_over_span
-    monkeypatch.setattr(
-        refinement_module,
-        "refinement_attention_over_span",
-        lambda *a, **k: spans.append(1) or span(*a, **k),
-    )
+
+    def spy(*args, **kwargs):
+        models = {pathlib.Path(frame.filename).name for frame in inspect.stack()}
+        spans.append(models & {"draft.py", "adapter.py"})
+        return span(*args, **kwargs)
+
+    monkeypatch.setattr(refinement_module, "refinement_attention_over_span", spy)
     draft = make_accepting_draft(target)
     draft = draft.with_adapter(init_adapter(draft, init_std=0.05))
     prompts = [np.random.default_rng(8).integers(0, 97, n).tolist() for n in (13, 6)]
@@ -113,6 +118,7 @@ def test_decoding_over_chunked_draft_and_adapter_caches(target, monkeypatch):
             target, prompts, draft=draft.with_cache_chunk(chunk), **common
         )
         assert bool(spans) == (chunk == 8), chunk
+    assert {"draft.py"} in spans and {"adapter.py"} in spans
     for row, (whole, chunked) in enumerate(zip(runs[1024], runs[8], strict=True)):
         assert chunked.tokens == whole.tokens == ar[row].tokens, row
         assert chunked.outcomes == whole.outcomes, row

@@ -161,15 +161,26 @@ def test_draws_follow_the_filtered_distribution():
     assert chi2 < 25, (counts, expected)
 
 
-def test_greedy_rows_filter_nothing_whatever_their_top_k_and_top_p():
+def test_greedy_rows_filter_nothing_whatever_their_top_k_and_top_p(monkeypatch):
     """A greedy row's top-k / top-p (OpenAI clients send `top_p` with temperature 0) leave its
     logits unfiltered and do not turn on the filter (a vocabulary sort) for a batch where no row
     samples; a sampled row beside it is filtered as alone."""
+    import jetspec_jax.sampling as sampling_module
+
+    asked = []  # the (top_k, top_p) each call asks the filter for
+    filter_logits = sampling_module.filter_logits
+
+    def spy(logits, temperature, top_k, top_p):
+        asked.append((np.asarray(top_k).tolist(), np.asarray(top_p).tolist()))
+        return filter_logits(logits, temperature, top_k, top_p)
+
+    monkeypatch.setattr(sampling_module, "filter_logits", spy)
     logits = jax.random.normal(jax.random.key(0), (2, 3, 500))
     greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5)
     sampled = SamplingParams(temperature=0.7, top_k=40, top_p=0.9)
     both_greedy = sampling_logits(logits, RowSampling.from_params([greedy, greedy]))
     np.testing.assert_array_equal(both_greedy, logits)
+    assert asked == [([0, 0], [1.0, 1.0])]  # nothing to filter: the filter's cond stays off
     mixed = sampling_logits(logits, RowSampling.from_params([greedy, sampled]))
     np.testing.assert_array_equal(mixed[0], logits[0])
     alone = sampling_logits(logits[1:], RowSampling.from_params([sampled]))
