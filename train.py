@@ -179,7 +179,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         held_out_sequences,
     )
     from jetspec_jax.training.data import read_regenerated
-    from jetspec_jax.training.replacement_fit import fit_replacement_confidence
+    from jetspec_jax.training.replacement_fit import (
+        check_confidence_grid,
+        fit_replacement_confidence,
+    )
 
     if args.replacement_confidence is not None and args.confidence_grid is not None:
         raise ValueError("give --replacement-confidence (store it) or --confidence-grid (fit)")
@@ -188,11 +191,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             "--confidence-grid fits the replacement confidence of refreshes: it needs "
             "--refreshes >= 1"
         )
-    for value in [args.replacement_confidence or 0.0, *(args.confidence_grid or [])]:
-        check_replacement_confidence(value)
-    grid = args.confidence_grid or []
-    if len(set(grid)) != len(grid):  # refused now, not after the loads
-        raise ValueError(f"--confidence-grid {','.join(map(str, grid))} repeats a value")
+    check_replacement_confidence(args.replacement_confidence or 0.0)
+    if args.confidence_grid is not None:  # refused now, not after the loads
+        check_confidence_grid(args.confidence_grid, "--confidence-grid")
     if not is_bundle(args.draft):
         raise ValueError(
             f"--draft {args.draft} is not a JetSpec++ checkpoint (no jetspec_pp.json): "

@@ -127,6 +127,11 @@ def _complete(http, prompt="Hi", max_tokens=2, **kwargs):
     return http.post("/v1/completions", json=body)
 
 
+def _stream_with_usage(http, **kwargs):
+    """A streamed completion whose last chunk carries the usage."""
+    return _complete(http, stream=True, stream_options={"include_usage": True}, **kwargs)
+
+
 def _wait_for(condition, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -757,14 +762,7 @@ def test_a_request_its_stop_string_ended_is_answered_though_its_batch_fails_afte
     assert body["choices"][0]["text"] == expected
     assert body["choices"][0]["finish_reason"] == "stop"
     assert "jetspec" not in body
-    streamed = _complete(
-        http,
-        prompt="The sky",
-        max_tokens=16,
-        stop=stop,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    streamed = _stream_with_usage(http, prompt="The sky", max_tokens=16, stop=stop)
     assert _sse_text(streamed.text) == expected
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
@@ -800,14 +798,7 @@ def test_stop_strings_cut_the_output(target, http):
         n for n in range(1, 17) if stop in decode(result.tokens[:n], skip_special_tokens=True)
     )
     assert answer["usage"]["completion_tokens"] == upto
-    usage = _complete(
-        http,
-        prompt="The sky",
-        max_tokens=16,
-        stop=stop,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    usage = _stream_with_usage(http, prompt="The sky", max_tokens=16, stop=stop)
     chunks = [json.loads(line[6:]) for line in usage.text.splitlines() if line[6:7] == "{"]
     assert chunks[-1]["usage"]["completion_tokens"] == upto
 

@@ -53,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         datasets = [
             load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
         ]
-        first = [True]
+        replaced = False
 
         def keep(sample) -> None:
             # An interrupted run's samples are replaced once this run measures, not before: a
             # run that `run_benchmark`'s checks refuse keeps them.
-            if first:
+            nonlocal replaced
+            if not replaced:
                 (out / PARTIAL_SAMPLES).unlink(missing_ok=True)
-                first.clear()
+                replaced = True
             log_sample(out, sample)
 
         samples, summaries = run_benchmark(

@@ -197,6 +197,16 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
     return Adapter(config=config, params=params, dtype=dtype)
 
 
+def check_takes_an_adapter(draft_config) -> None:
+    """Refuses (CheckpointError) a mask-input (dflash, jetspec) draft's config: refreshes and
+    foresight, which an adapter serves, feed the draft tokens, not mask embeddings."""
+    if not draft_config.token_inputs:
+        raise CheckpointError(
+            f"an adapter serves a token-input (jetspec++) draft's refinement and foresight; this "
+            f"draft is {draft_config.variant!r}"
+        )
+
+
 def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
     """Refuses an adapter that cannot serve `draft`: other taps, or layers not sized and
     positioned as the draft's target's (`init_adapter` copies the target's hidden size, vocabulary
@@ -207,11 +217,7 @@ def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
         CheckpointError: a mask-input draft (refreshes and foresight feed the draft tokens), or
             a field that differs, named with both values.
     """
-    if not draft.config.token_inputs:
-        raise CheckpointError(
-            f"an adapter serves a token-input (jetspec++) draft's refinement and foresight; this "
-            f"draft is {draft.config.variant!r}"
-        )
+    check_takes_an_adapter(draft.config)
     taps = tuple(draft.config.target_layer_ids)
     if tuple(config.target_layer_ids) != taps:
         raise CheckpointError(

@@ -25,7 +25,11 @@ import numpy as np
 
 from jetspec_jax.adapter import Adapter, adapter_config, init_adapter
 from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
-from jetspec_jax.checkpoint.adapter_files import adapter_config_from_dict, load_adapter
+from jetspec_jax.checkpoint.adapter_files import (
+    adapter_config_from_dict,
+    check_takes_an_adapter,
+    load_adapter,
+)
 from jetspec_jax.checkpoint.bundle import ADAPTER_DIR, is_bundle, save_bundle
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.checkpoint.errors import CheckpointError
@@ -126,12 +130,12 @@ def train_adapter(
 
     Raises:
         ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft,
-            the draft is not a token-input (jetspec++) draft, or `adapter.init_from` has another
-            architecture than the section's.
+            or `adapter.init_from` has another architecture than the section's.
         FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
             before the target load).
-        CheckpointError: the draft directory is missing or does not fit the target, or
-            `adapter.init_from` is no adapter or predicts other taps.
+        CheckpointError: the draft directory is missing or does not fit the target, the draft
+            is not a token-input (jetspec++) draft, or `adapter.init_from` is no adapter or
+            predicts other taps.
     """
     run_dir = adapter_run_dir(config)
     resuming = has_checkpoint(run_dir)
@@ -277,16 +281,12 @@ def _token_input_draft(config: TrainConfig, draft, target: Target) -> Draft:
     must take token inputs: refreshes feed the draft tokens, not mask embeddings.
 
     Raises:
-        ValueError: a mask-input (dflash, jetspec) draft.
-        CheckpointError: the directory holds no draft that fits `target`.
+        CheckpointError: a mask-input (dflash, jetspec) draft, or the directory holds no draft
+            that fits `target`.
     """
     if not isinstance(draft, Draft):
         draft = load_draft(draft, target, dtype=config.export_dtype)
-    if not draft.config.token_inputs:
-        raise ValueError(
-            f"an adapter serves a token-input (jetspec++) draft's refinement; this draft is "
-            f"{draft.config.variant!r}"
-        )
+    check_takes_an_adapter(draft.config)
     return draft
 
 

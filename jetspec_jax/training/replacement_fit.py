@@ -67,6 +67,17 @@ def choose_confidence(tau: dict[float, float]) -> float:
     return max(tau, key=lambda c: (tau[c], c == 1.0, -c))
 
 
+def check_confidence_grid(grid, name: str = "the confidence grid") -> tuple[float, ...]:
+    """`grid` as a tuple of replacement confidences, or a ValueError naming it (`name`): a value
+    outside [0, 1], a repeated value, or no value."""
+    grid = tuple(check_replacement_confidence(c) for c in grid)
+    if not grid or len(set(grid)) != len(grid):
+        values = ",".join(map(str, grid))
+        problem = f"{values} repeats a value" if grid else "is empty"
+        raise ValueError(f"{name} {problem}: it must be non-empty without repeats")
+    return grid
+
+
 def fit_replacement_confidence(
     target,
     draft,
@@ -97,9 +108,7 @@ def fit_replacement_confidence(
         ValueError: an empty, repeated or out-of-range grid, refreshes == 0, a bad
             `holdout_fraction`, or what `collect_rounds` refuses.
     """
-    grid = tuple(check_replacement_confidence(c) for c in grid)
-    if not grid or len(set(grid)) != len(grid):
-        raise ValueError(f"the confidence grid must be non-empty without repeats, got {grid}")
+    grid = check_confidence_grid(grid)
     if refreshes < 1:
         raise ValueError("the replacement confidence acts on refreshes: fit it with refreshes >= 1")
     check_holdout_fraction(holdout_fraction)  # before any rounds are collected
