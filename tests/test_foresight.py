@@ -225,6 +225,48 @@ def test_the_fallback_drafts_only_in_rounds_some_row_missed(
     assert len(runs) == (1 if scale == HITS else rounds) and rounds > 2
 
 
+FALLBACK = 96
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantFallback(RefiningProposer):
+    """The refiner with its drafting replaced by a constant block, told apart from any cached
+    one (with the exact proxy, a hit's cached block equals the fallback's drafts)."""
+
+    def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
+        return jnp.full((anchor.shape[0], self.block_size - 1), FALLBACK, jnp.int32), state
+
+
+@pytest.mark.parametrize("active", [None, (True, False, False)], ids=["all-active", "hit-active"])
+def test_a_round_of_hits_and_misses_keeps_the_hit_rows_cached_blocks(target, draft, active):
+    """Row 0 hits, rows 1 and 2 miss: the fallback drafts the misses and leaves row 0's cached
+    block. Misses of inactive rows alone run no fallback (their blocks are never verified)."""
+    refiner, params = ScaledOracleDraft(draft, 1.0).proposer(target, method="jetspec++")
+    proposer = ForesightProposer(ConstantFallback(**vars(refiner)), 2, rule="uncalibrated")
+    state = proposer.empty(params, target.params, 3, 32)
+    # Row r caches blocks of tokens 10r + c for outcomes (k=1, a=5 + c), c = 0, 1.
+    blocks = 10 * np.arange(3)[:, None, None] + np.arange(2)[None, :, None]
+    state = state.replace(
+        blocks=jnp.asarray(np.broadcast_to(blocks, (3, 2, BLOCK - 1)), jnp.int32),
+        keys_k=jnp.ones((3, 2), jnp.int32),
+        keys_a=jnp.asarray([[5, 6]] * 3, jnp.int32),
+        valid=jnp.ones((3, 2), bool),
+        last_k=jnp.ones((3,), jnp.int32),
+    )
+    anchor = jnp.asarray([6, 7, 8], jnp.int32)  # row 0: the outcome of its second candidate
+    positions, sequence = jnp.full((3,), 4), jnp.zeros((3, 32), jnp.int32)  # read by no one here
+    active = None if active is None else jnp.asarray(active)
+    drafts, hit, _ = proposer.propose_with_hits(
+        params, target.params, state, anchor, positions, sequence, active
+    )
+    assert hit.tolist() == [True, False, False]
+    assert drafts[0].tolist() == [1] * (BLOCK - 1)
+    if active is None:
+        assert drafts[1:].tolist() == [[FALLBACK] * (BLOCK - 1)] * 2
+    else:  # no fallback: each row's first cached block
+        assert drafts[1:].tolist() == [[10] * (BLOCK - 1), [20] * (BLOCK - 1)]
+
+
 def test_forced_misses_give_ar_tokens_and_the_plain_outcomes(
     target, draft, prompts, plain_outcomes
 ):
