@@ -159,11 +159,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.holdout_fraction < 1:
         raise ValueError(f"--holdout-fraction must be in (0, 1), got {args.holdout_fraction}")
-    if args.refreshes > args.refine_passes:
-        raise ValueError(
-            f"--refreshes {args.refreshes} > --refine-passes {args.refine_passes} (each refresh "
-            "precedes a refinement pass)"
-        )
+    _check_refreshes(args)
     _require("--draft", [args.draft], directory=True)
     _require("--data", args.data)
     _check_greedy(args.data)
@@ -376,6 +372,15 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_refreshes(args: argparse.Namespace) -> None:
+    """`Jj-Rr` refreshes before refinement passes: at most one before each of them."""
+    if args.refreshes > args.refine_passes:
+        raise ValueError(
+            f"--refreshes {args.refreshes} exceeds --refine-passes {args.refine_passes} (one "
+            "refresh before each of the first R passes)"
+        )
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
@@ -383,11 +388,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
-    if args.refreshes > args.refine_passes:
-        raise ValueError(
-            f"--refreshes {args.refreshes} exceeds --refine-passes {args.refine_passes} (one "
-            "refresh before each of the first R passes)"
-        )
+    _check_refreshes(args)
     encoding = _prompt_encoding(args)
     if encoding == type(encoding)():  # no flag: the template if the tokenizer has one, else raw
         encoding = None

@@ -308,7 +308,7 @@ def draft_config(
         target: the target to draft for.
         variant: "dflash", "jetspec" or "jetspec++" (`DraftConfig.variant_switches`).
         num_layers: draft decoder layers.
-        target_layer_ids: tap layers; None: the reference's rule (`default_target_layer_ids`).
+        target_layer_ids: tap layers; None: DFlash's rule (`default_target_layer_ids`).
         block_size: positions per drafted block.
         mask_token_id: None: the tokenizer's mask token, else its pad token, else its unk token,
             else `vocab_size - 1` (the first the target has). Only mask-input variants
@@ -332,7 +332,7 @@ def draft_config(
     )
     sizes = {k: None if v is None else check_int(k, v, 1) for k, v in sizes.items()}
     if target_layer_ids is None:
-        # The reference's rule, kept as it is: for very shallow targets it can repeat a tap or
+        # DFlash's rule, kept as it is: for very shallow targets it can repeat a tap or
         # go down (e.g. (1, 0) for 3 target layers and 2 draft layers).
         taps = default_target_layer_ids(target.config.num_layers, num_layers)
     else:
@@ -364,7 +364,7 @@ def layers_like_target(
     num_kv_heads: int | None,
     head_dim: int | None,
 ) -> TransformerConfig:
-    """Qwen3 decoder layers sized by the target unless overridden (the reference is Qwen3)."""
+    """Qwen3 decoder layers sized by the target unless overridden (DFlash's drafts are)."""
     t = target_config
     return TransformerConfig(
         model_type="qwen3",

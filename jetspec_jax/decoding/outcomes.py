@@ -119,7 +119,7 @@ class Calibration:
 _SETTING = re.compile(r"J\d+-R\d+")
 
 
-def _draft_mask(drafts: jax.Array, k_len: int, vocab: int) -> jax.Array:
+def _draft_mask(drafts: jax.Array, vocab: int) -> jax.Array:
     """`[..., K, V]` bool: True at `[k, d_(k+1)]` for k < K-1 (the token a rejection excludes)."""
     is_draft = jax.nn.one_hot(drafts, vocab, dtype=jnp.bool_)
     pad = jnp.zeros(is_draft.shape[:-2] + (1, vocab), jnp.bool_)
@@ -140,11 +140,11 @@ def acceptance_log_terms(
         `(log_reach, log_stop)`, both `[..., K]`: `log_reach[k]` = log P̂(the first k drafts are
         accepted); `log_stop[k]` = log P̂(d_(k+1) rejected | reached k), 0 at k = K-1.
     """
-    k_len, vocab = logits_hat.shape[-2:]
+    vocab = logits_hat.shape[-1]
     z = logits_hat / temperature
     lse = jax.nn.logsumexp(z, axis=-1)
     # Rejection mass as a log-sum-exp over the other tokens, not log(1 - p): exact when p -> 1.
-    lse_rest = jax.nn.logsumexp(jnp.where(_draft_mask(drafts, k_len, vocab), -jnp.inf, z), axis=-1)
+    lse_rest = jax.nn.logsumexp(jnp.where(_draft_mask(drafts, vocab), -jnp.inf, z), axis=-1)
     log_accept = jnp.take_along_axis(z[..., :-1, :], drafts[..., None], axis=-1)[..., 0]
     log_accept = log_accept - lse[..., :-1]
     zero = jnp.zeros_like(log_accept[..., :1])
@@ -175,9 +175,9 @@ def outcome_log_scores_at(
     bonus_temperature: jax.Array | float,
 ) -> jax.Array:
     """`outcome_log_scores` with the temperatures as (possibly traced) scalars."""
-    k_len, vocab = logits_hat.shape[-2:]
+    vocab = logits_hat.shape[-1]
     log_reach, log_stop = acceptance_log_terms(logits_hat, drafts, acceptance_temperature)
-    log_bonus = bonus_log_probs(logits_hat, _draft_mask(drafts, k_len, vocab), bonus_temperature)
+    log_bonus = bonus_log_probs(logits_hat, _draft_mask(drafts, vocab), bonus_temperature)
     return (log_reach + log_stop)[..., None] + log_bonus
 
 
@@ -272,7 +272,7 @@ def geometric_fanout(
     """
     batch, k_len, vocab = logits_hat.shape
     counts = geometric_counts(num, k_len, vocab, ratio)
-    masked = jnp.where(_draft_mask(drafts, k_len, vocab), -jnp.inf, logits_hat)
+    masked = jnp.where(_draft_mask(drafts, vocab), -jnp.inf, logits_hat)
     _, tokens = jax.lax.top_k(masked, max(counts))  # [B, K, max count]
     slot_k = np.repeat(np.arange(k_len), counts)
     slot_rank = np.concatenate([np.arange(c) for c in counts])
@@ -294,14 +294,14 @@ def select_for_rule(
     calibration: Calibration = Calibration(),
     *,
     calibrated_rows: jax.Array | None = None,
-    ratio: float = 0.5,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The `num` outcomes a selection rule drafts ahead for (foresight and its calibration both
     select through here).
 
     Args:
         rule: one of `SELECTION_RULES` (static). `calibrated` scores with `calibration`,
-            `uncalibrated` with temperatures 1, `geometric` ignores `calibration` and uses `ratio`.
+            `uncalibrated` with temperatures 1; `geometric` ignores `calibration` (SSD's halving
+            fan-out, `geometric_fanout`).
         logits_hat: `[B, K, V]` decoder logits; drafts: `[B, K-1]`; num: static.
         calibrated_rows: `[B]` bool, the rows `calibration` applies to (the others score with
             temperatures 1); None: every row.
@@ -321,7 +321,7 @@ def select_for_rule(
     elif rule == "uncalibrated":
         scores = outcome_log_scores(logits_hat, drafts)
     elif rule == "geometric":
-        k, a = geometric_fanout(logits_hat, drafts, num, ratio)
+        k, a = geometric_fanout(logits_hat, drafts, num)
         return k, a, jnp.ones(k.shape, bool)
     else:
         raise ValueError(f"unknown selection rule {rule!r}; expected one of {SELECTION_RULES}")

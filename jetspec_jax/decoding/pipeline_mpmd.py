@@ -325,11 +325,12 @@ class TwoProgramPipeline:
         chunk = even_chunk(width, chunk if uses_chunks(width, chunk) else width)
         padded = pad_to_chunks(jnp.asarray(prompts), chunk)
         count = int(chunk_count(np.asarray(jax.device_get(prompt_lengths)), chunk))
+        # Suffixes 0 and 1 name the copy on device 0 (the target's) and device 1 (the draft's).
         on_target = jax.device_put((padded, prompt_lengths, requests), self.target_device)
         padded0, lengths0, requests0 = on_target
         padded1, lengths1 = jax.device_put((padded, prompt_lengths), self.draft_device)
         target_static = dict(config=self.config, chunk=chunk)
-        draft, tp1 = self.draft_params, self.draft_target_params
+        params1, target_params1 = self.draft_params, self.draft_target_params
         call = _StagePrograms(self._compiled)
 
         cache, last = call(
@@ -337,8 +338,8 @@ class TwoProgramPipeline:
         )
         state = call(
             empty_proposer,
-            draft,
-            tp1,
+            params1,
+            target_params1,
             proposer=self.proposer,
             batch=padded.shape[0],
             capacity=capacity,
@@ -364,8 +365,8 @@ class TwoProgramPipeline:
             taps = jax.device_put(taps, self.draft_device)
             state, done = call(
                 extend_proposer,
-                draft,
-                tp1,
+                params1,
+                target_params1,
                 state,
                 padded1,
                 lengths1,
@@ -400,14 +401,14 @@ class TwoProgramPipeline:
         )
         requests0 = jax.device_put(requests, self.target_device)
         sampling1 = jax.device_put(requests.sampling, self.draft_device)
-        draft, tp1 = self.draft_params, self.draft_target_params
-        proposer = dict(proposer=self.proposer)
+        params1, target_params1 = self.draft_params, self.draft_target_params
+        static1 = dict(proposer=self.proposer)
 
         if np.all(jax.device_get(d.done)):
             return decode_side.replace(proposer=side.proposer), call.compile_seconds
         unread = None  # the done flags of the latest round the host has not checked
         for _ in range(max_rounds):
-            side, block = call(propose_block, draft, tp1, side, **proposer)
+            side, block = call(propose_block, params1, target_params1, side, **static1)
             decode_side, outcome = call(
                 verify_and_commit,
                 self.target_params,
@@ -417,9 +418,9 @@ class TwoProgramPipeline:
                 config=self.config,
                 tap_layers=self.proposer.tap_layers,
             )
-            side = call(draft_ahead, draft, tp1, side, block, sampling1, **proposer)
+            side = call(draft_ahead, params1, target_params1, side, block, sampling1, **static1)
             outcome1 = jax.device_put(outcome, self.draft_device)
-            side = call(observe_outcome, draft, tp1, side, block, outcome1, **proposer)
+            side = call(observe_outcome, params1, target_params1, side, block, outcome1, **static1)
             # The previous round's flags: this round is already queued behind it.
             if unread is not None and np.all(jax.device_get(unread)):
                 break

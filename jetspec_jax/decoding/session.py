@@ -371,8 +371,8 @@ class DecodeSession:
         self._admission_prefill_seconds += seconds
         for row, prompt, budget in zip(rows, prompts, budgets, strict=True):
             if row == self.num_rows:  # a padding row joins: every per-row list grows by one
-                for per_row in (self.prompt_lengths, self._budgets, self._polled, self._row_done):
-                    per_row.append(None)
+                for values in (self.prompt_lengths, self._budgets, self._polled, self._row_done):
+                    values.append(None)
                 self._joined.append(None)
             self.prompt_lengths[row], self._budgets[row] = len(prompt), budget
             self._polled[row], self._row_done[row] = 0, False

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jetspec_jax.kernels import check_impl
 from jetspec_jax.models import layers
 from jetspec_jax.models.block_stack import (
+    CachedContext,
     ContextCache,
     block_layers,
-    cached_context,
     check_block_layers,
     keys_values,
 )
@@ -148,7 +148,7 @@ def predict_states(
     x = jnp.take(embedding, block_tokens, axis=0).astype(cache.k.dtype)[:, None]
 
     def cached(m):
-        return cached_context(cache, config.module_layers(m).start)
+        return CachedContext(cache, config.module_layers(m).start)
 
     states = _chain(params, config, x, positions[:, None], cache.lengths[:, None], cached)
     return states[:, :, 0]

@@ -179,8 +179,3 @@ class CachedContext:
 
     cache: ContextCache
     first_layer: int = 0
-
-
-def cached_context(cache: ContextCache, first_layer: int = 0) -> CachedContext:
-    """The context of a stack whose layer i reads layer `first_layer + i` of `cache`."""
-    return CachedContext(cache, first_layer)

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from jetspec_jax.kernels import check_impl
 from jetspec_jax.models import layers
 from jetspec_jax.models.block_stack import (
+    CachedContext,
     ContextCache,
     block_layers,
-    cached_context,
     check_block_layers,
     keys_values,
 )
@@ -59,9 +59,9 @@ class DraftConfig:
         causal: causal attention within the block (JetSpec, JetSpec++) or bidirectional (DFlash).
         token_inputs: block inputs are real tokens (JetSpec++) rather than mask tokens.
         shifted: block row i predicts position i+1 (JetSpec++) rather than position i.
-        input_embedding_scale: multiplies the block's input embeddings (reference option).
-        output_multiplier: multiplies the draft logits (reference option).
-        final_logit_softcapping: `tanh(logits / c) * c` when set (reference option).
+        input_embedding_scale: multiplies the block's input embeddings (a DFlash option).
+        output_multiplier: multiplies the draft logits (a DFlash option).
+        final_logit_softcapping: `tanh(logits / c) * c` when set (a DFlash option).
         attention_impl: how the draft's attention runs (`jetspec_jax.kernels.IMPLS`: "auto",
             "reference", "pallas", "pallas_interpret"); a runtime choice, never read from or
             written to a checkpoint.
@@ -342,5 +342,5 @@ def draft_hidden_candidates(
         block_tokens,
         positions,
         context_lengths,
-        cached_context(cache),
+        CachedContext(cache),
     )

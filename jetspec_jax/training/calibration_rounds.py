@@ -21,7 +21,7 @@ without running the decode loop:
 **[decision]** That is valid only while the sequence is the target's own greedy continuation along
 the accepted prefix (`g[t + j] == seq[t + j + 1]` for j < k); a round where it is not (a sampled
 or truncated response, or a float near-tie flipped between the regeneration and this forward) is
-dropped and counted, never guessed. With greedy regenerations it is the brief's rule: k = the
+dropped and counted, never guessed. With greedy regenerations the rule is simply: k = the
 number of leading drafts equal to the sequence's next tokens, `a = seq[t + k + 1]`. We fit the
 calibration for greedy decoding only: under sampling the true outcome is a draw of the target at
 every block position, which these sequences do not hold. Anchors are drawn uniformly from the

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import pathlib
 from collections.abc import Callable, Iterator
 
@@ -336,12 +335,7 @@ def drop_rows_after(path: pathlib.Path, step: int) -> None:
     kept = [line for line, row in rows if row["step"] <= step]
     if len(kept) == len(rows) and not torn:
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(line + "\n" for line in kept))
 
 
 def _metric_rows(path: pathlib.Path, lines: list[str]) -> Iterator[tuple[str, dict]]:
