@@ -46,7 +46,6 @@ copy per chunk, not per round).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -66,6 +65,7 @@ from jetspec_jax.decoding.speculative import (
     run_rounds,
     verify_block,
 )
+from jetspec_jax.decoding.word_packing import pack_words, unpack_words
 from jetspec_jax.models.config import TransformerConfig
 
 STAGE = "stage"
@@ -108,54 +108,9 @@ def replicated_weights(tree):
 
 
 def _permute_packed(tree, pairs):
-    """`ppermute` of a whole pytree as one collective over one packed uint32 buffer: one launch
-    and one rendezvous per exchange rather than one per leaf (the tap states, the accepted counts
-    and the tokens travel together)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    words = jax.lax.ppermute(jnp.concatenate([_to_words(x) for x in leaves]), STAGE, pairs)
-    out, start = [], 0
-    for x in leaves:
-        count = _word_count(x)
-        out.append(_from_words(words[start : start + count], x.shape, x.dtype))
-        start += count
-    return jax.tree.unflatten(treedef, out)
-
-
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _narrow_uint(dtype) -> Any:
-    """The unsigned dtype of `dtype`'s width (bool: a byte)."""
-    return jnp.uint8 if dtype == jnp.bool_ else _UINT[jnp.dtype(dtype).itemsize]
-
-
-def _word_count(x: jax.Array) -> int:
-    """uint32 words `_to_words` packs `x` into."""
-    return -(-x.size * jnp.dtype(_narrow_uint(x.dtype)).itemsize // 4)
-
-
-def _to_words(x: jax.Array) -> jax.Array:
-    """`[_word_count(x)]` uint32 holding the bits of `x`, 16- and 8-bit values packed two and
-    four to a word (bfloat16 tap states travel at their own width), the last word zero-padded."""
-    narrow = _narrow_uint(x.dtype)
-    bits = x.astype(narrow) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, narrow)
-    per_word = 4 // jnp.dtype(narrow).itemsize
-    flat = bits.reshape(-1)
-    if per_word == 1:
-        return flat
-    flat = jnp.pad(flat, (0, -flat.size % per_word))
-    return jax.lax.bitcast_convert_type(flat.reshape(-1, per_word), jnp.uint32)
-
-
-def _from_words(words: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-    """The inverse of `_to_words`: the `shape` array of `dtype` packed in `words`."""
-    narrow = _narrow_uint(dtype)
-    size = math.prod(shape)
-    bits = words if narrow == jnp.uint32 else jax.lax.bitcast_convert_type(words, narrow)
-    bits = bits.reshape(-1)[:size].reshape(shape)
-    if jnp.dtype(dtype) == jnp.bool_:
-        return bits != 0
-    return jax.lax.bitcast_convert_type(bits, dtype)
+    """`ppermute` of a whole pytree as one collective over one packed uint32 buffer
+    (`word_packing`): the tap states, the accepted counts and the tokens travel together."""
+    return unpack_words(jax.lax.ppermute(pack_words(tree), STAGE, pairs), tree)
 
 
 def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config, proposer):
