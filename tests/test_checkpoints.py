@@ -251,6 +251,26 @@ def test_a_tokenizer_eos_outside_the_vocabulary_is_refused(checkpoints, tmp_path
 
 
 @pytest.mark.parametrize(
+    "tokenizer_json",
+    ['{"foo": 1}', '{"version": "1.0", "trunc', '{"model": {"type": "NoSuchModel"}}'],
+    ids=["not-a-tokenizer", "truncated", "unknown-model"],
+)
+def test_a_broken_tokenizer_is_refused_naming_the_directory_before_the_weights(
+    checkpoints, tmp_path, monkeypatch, tokenizer_json
+):
+    path, _ = _copy(checkpoints, tmp_path)
+    char_tokenizer().save_pretrained(path)
+    (path / "tokenizer.json").write_text(tokenizer_json)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(jetspec_jax.target, "load_hf_params", no_weights)
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(path))}: its tokenizer cannot be"):
+        jetspec_jax.load_target(path)
+
+
+@pytest.mark.parametrize(
     "changes, message",
     [
         (dict(model_type="gpt2"), "unsupported model_type 'gpt2'"),
