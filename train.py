@@ -164,8 +164,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     _require("--data", args.data)
     _check_greedy(args.data)
     import jetspec_jax
-    from jetspec_jax.checkpoint.atomic import write_text_atomically
+    from jetspec_jax.checkpoint.atomic import check_can_write, write_text_atomically
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
+    from jetspec_jax.checkpoint.roles import replaces_only
     from jetspec_jax.decoding.refinement import check_replacement_confidence
     from jetspec_jax.training.calibration import fit_calibration
     from jetspec_jax.training.calibration_rounds import (
@@ -197,8 +198,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     stored_dtype = read_manifest(args.draft)["dtype"]
     out = pathlib.Path(args.out or args.draft)
-    if out.exists() and out.resolve() != pathlib.Path(args.draft).resolve():
-        raise ValueError(f"--out {out} exists and is not --draft; not replacing it")
+    if out.exists():
+        if out.resolve() != pathlib.Path(args.draft).resolve():
+            raise ValueError(f"--out {out} exists and is not --draft; not replacing it")
+        out = out.resolve()  # in place: where a symlinked checkpoint lies
+    # Refused now, not after the fit: the calibration is written there last.
+    check_can_write(out, overwrite=out.exists(), refuse=replaces_only("draft"))
     report_path = None if args.report is None else pathlib.Path(args.report)
     if report_path is not None and (report_path.is_dir() or not report_path.parent.is_dir()):
         raise ValueError(f"--report {report_path}: not a file path in an existing directory")
@@ -257,7 +262,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         if draft.dtype == stored_dtype
         else (jetspec_jax.load_draft(args.draft, target, dtype=stored_dtype))
     )
-    stored.with_adapter(stored.adapter, calibration).save(out, overwrite=out.exists())
 
     if confidence_fit is not None:
         print(
@@ -289,7 +293,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     print("held-out hit rate  " + "".join(f"{'B=' + str(b):>8}" for b in budgets))
     for rule, rates in report["hit_rate"].items():
         print(f"  {rule:<16}" + "".join(f"{rates[b]:>8.3f}" for b in budgets))
-    print(f"calibration saved in {out / 'calibration.json'}")
     if report_path is not None:
         full = {
             "calibration": calibration.to_dict(),
@@ -312,6 +315,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             **{"held_out_" + k: v for k, v in report.items()},
         }
         write_text_atomically(report_path, json.dumps(full, indent=2) + "\n")
+    # Last: the figures above are printed (and reported) even if this write fails.
+    stored.with_adapter(stored.adapter, calibration).save(out, overwrite=out.exists())
+    print(f"calibration saved in {out / 'calibration.json'}")
     return 0
 
 

@@ -29,6 +29,7 @@ from jetspec_jax.checkpoint.draft_hf import (
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import read_hf_config
 from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
+from jetspec_jax.checkpoint.roles import replaces_only
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
@@ -121,14 +122,15 @@ class Draft:
         under `draft/`, plus `adapter/` and the calibration).
 
         Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
-        only a checkpoint directory (or an empty one): anything else there is refused.
+        only a draft's checkpoint directory, plain or JetSpec++ (or an empty one): anything else
+        there is refused.
         """
         if self.adapter is not None:
             from jetspec_jax.checkpoint.bundle import save_bundle  # imports this module
 
             return save_bundle(self, out_dir, overwrite=overwrite)
         hf = draft_config_to_hf(self.config, self.target_config, self.dtype)
-        with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        with atomic_directory(out_dir, overwrite=overwrite, refuse=replaces_only("draft")) as tmp:
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
             save_draft_params(self.params, self.config, tmp)
         return pathlib.Path(out_dir)

@@ -22,6 +22,7 @@ from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf, read_
 from jetspec_jax.checkpoint.hf_params import load_hf_params, save_hf_params
 from jetspec_jax.checkpoint.json_fields import json_integer
 from jetspec_jax.checkpoint.json_files import read_json
+from jetspec_jax.checkpoint.roles import replaces_only
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.transformer import forward, unembed
 
@@ -97,13 +98,13 @@ class Target:
         (`generation_config`, `source_token_ids`), even if that directory changed since.
 
         Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
-        only a checkpoint directory (or an empty one): anything else there is refused.
+        only a target checkpoint directory (or an empty one): anything else there is refused.
         """
         hf = config_to_hf(self.config, self.dtype) | self.source_token_ids
         generation = dict(self.generation_config)
         # `generate` in transformers stops on generation_config.json's ids.
         hf["eos_token_id"] = generation["eos_token_id"] = list(self.stop_token_ids) or None
-        with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        with atomic_directory(out_dir, overwrite=overwrite, refuse=replaces_only("target")) as tmp:
             (tmp / "config.json").write_text(json.dumps(hf, indent=2))
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
             save_hf_params(self.params, self.config, tmp)

@@ -236,6 +236,46 @@ def test_overwrite(target, draft, saved, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # no temporaries left
 
 
+def _contents(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "writer, there",
+    [
+        ("jetspec++ draft", "target"),
+        ("plain draft", "target"),
+        ("target", "jetspec++ draft"),
+        ("target", "plain draft"),
+        ("target", "adapter"),
+        ("plain draft", "adapter"),
+    ],
+)
+def test_overwrite_never_replaces_a_checkpoint_of_another_kind(
+    target, draft, saved, tmp_path, writer, there
+):
+    """A draft saved with overwrite=True where its target lies (a swapped variable, a wrong path)
+    would delete the target's weights and tokenizer: refused, and the reverse too."""
+    sources = {
+        "target": target.path,
+        "jetspec++ draft": saved,
+        "plain draft": saved / bundle.DRAFT_DIR,
+        "adapter": saved / bundle.ADAPTER_DIR,
+    }
+    path = shutil.copytree(sources[there], tmp_path / "there")
+    before = _contents(path)
+    save = {
+        "jetspec++ draft": draft.save,
+        "plain draft": dataclasses.replace(draft, adapter=None, calibration=None).save,
+        "target": target.save,
+    }[writer]
+    kind = there.split()[-1]
+    with pytest.raises(FileExistsError, match=f"holds a {kind} checkpoint, and this writes a"):
+        save(path, overwrite=True)
+    assert _contents(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
+
+
 def test_train_export_reads_the_target_config_not_its_weights(
     checkpoints, target, draft, saved, tmp_path, monkeypatch, capsys
 ):

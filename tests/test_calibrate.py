@@ -256,6 +256,16 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
     assert "0.25 (the checkpoint's, kept: R0 does not use it)" in capsys.readouterr().out
     kept = jetspec_jax.load_draft(tmp_path / "r0", target).calibration
     assert kept.replacement_confidence == 0.25 and kept.fitted_for == "J1-R0"
+    # A symlinked checkpoint is calibrated where it lies, the link kept (refused after the
+    # rounds before: overwrite replaces no symlink).
+    (tmp_path / "link").symlink_to(tmp_path / "given")
+    relinked = [*argv, "--replacement-confidence", "0.5"]
+    relinked[relinked.index("--draft") + 1] = str(tmp_path / "link")
+    assert train.main(relinked) == 0
+    assert (tmp_path / "link").is_symlink()
+    assert (
+        jetspec_jax.load_draft(tmp_path / "given", target).calibration.replacement_confidence == 0.5
+    )
     assert train.main(given[:-2] + ["--confidence-grid", "0,1"]) == 2
     assert "--replacement-confidence (store it) or --confidence-grid" in capsys.readouterr().err
     # Without refreshes there is no replacement to fit: a grid would be ignored.
@@ -267,6 +277,8 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
         m.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
         assert train.main([*argv, "--out", str(tmp_path / "given")]) == 2
         assert "exists and is not --draft" in capsys.readouterr().err
+        assert train.main([*argv, "--out", str(data / "calibrated")]) == 2
+        assert f"{data} is a file" in capsys.readouterr().err
         assert train.main([*argv, "--confidence-grid", "0,0.5,0"]) == 2
         assert "--confidence-grid 0.0,0.5,0.0 repeats a value" in capsys.readouterr().err
         argv[argv.index("--report") + 1] = str(tmp_path / "missing" / "report.json")

@@ -438,6 +438,28 @@ def test_overwrite_replaces_only_a_checkpoint_or_empty_directory(tmp_path, kind)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
 
 
+def test_check_can_write_refuses_early_what_the_write_would_refuse(tmp_path, monkeypatch):
+    """`check_can_write`: `atomic_directory`'s own refusals, and a place that takes no new files
+    (read-only; probed with a temporary file, as root reads every mode as writable)."""
+    from jetspec_jax.checkpoint import atomic
+
+    (tmp_path / "a file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="a file is a file"):
+        atomic.check_can_write(tmp_path / "a file" / "out")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        atomic.check_can_write(tmp_path / "taken")
+    atomic.check_can_write(tmp_path / "new" / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a file", "taken"]  # nothing left
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(atomic.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(PermissionError, match=f"{tmp_path} takes no new files"):
+        atomic.check_can_write(tmp_path / "new" / "out")
+
+
 @pytest.mark.parametrize("theirs", ["empty", "filled", "filled during our rename", "a file"])
 def test_a_directory_that_appears_meanwhile_is_kept(tmp_path, monkeypatch, theirs):
     """`atomic_directory()`: another writer's `out` that appears while ours is written is kept

@@ -9,16 +9,21 @@ import secrets
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 # Files that mark a directory `overwrite=True` may replace: an HF / plain-draft checkpoint, a
 # JetSpec++ bundle (`bundle.MANIFEST`; not imported: bundle.py imports this module).
 _CHECKPOINT_MARKERS = ("config.json", "jetspec_pp.json")
 
 
+# A reason not to replace an existing checkpoint directory (a target when a draft is written, say),
+# or None to allow it.
+Refusal = Callable[[pathlib.Path], str | None]
+
+
 @contextlib.contextmanager
 def atomic_directory(
-    out_dir: str | os.PathLike, *, overwrite: bool = False
+    out_dir: str | os.PathLike, *, overwrite: bool = False, refuse: Refusal | None = None
 ) -> Iterator[pathlib.Path]:
     """Yields a temporary sibling of `out_dir` to fill; renames it to `out_dir` on success.
 
@@ -40,6 +45,8 @@ def atomic_directory(
             directory tree) is refused, before any work or just before the rename.
             Without it an existing `out_dir` is an error raised before any work; and if another
             writer creates `out_dir` while the body runs, theirs is kept and ours discarded.
+        refuse: with `overwrite`, what else the existing checkpoint may not be (its reason
+            becomes the error): a draft's writer refuses to replace a target, and the reverse.
 
     `out_dir` is checked again just before the final rename, since POSIX `rename` would silently
     replace an *empty* directory there (it fails on anything else). What remains unguarded (the
@@ -56,23 +63,14 @@ def atomic_directory(
         NotADirectoryError: a parent of `out_dir` is a file.
     """
     out = pathlib.Path(out_dir)
-    # `lexists`, not `exists`: a dangling symlink is an entry too, refused now, not after the work.
-    if os.path.lexists(out):
-        if not overwrite:
-            raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
-        _check_replaceable(out)
-    for parent in out.parents:  # mkdir would say only "File exists", naming the file
-        if parent.exists():
-            if not parent.is_dir():
-                raise NotADirectoryError(f"cannot write {out}: {parent} is a file")
-            break
+    _check_destination(out, overwrite, refuse)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         yield tmp
         _finalize_tree(tmp)
         if overwrite and os.path.lexists(out):
-            _check_replaceable(out)  # again: it may have been replaced while the body ran
+            _check_replaceable(out, refuse)  # again: it may have been replaced meanwhile
             old = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
             os.replace(out, old / out.name)
             try:
@@ -109,9 +107,44 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
         raise
 
 
-def _check_replaceable(out: pathlib.Path) -> None:
+def check_can_write(
+    out_dir: str | os.PathLike, *, overwrite: bool = False, refuse: Refusal | None = None
+) -> None:
+    """Refuses, before long work, what `atomic_directory(out_dir, overwrite=..., refuse=...)`
+    would refuse at its start, and a place that takes no new files (a read-only install, say):
+    a command whose result goes there checks it first rather than lose that work.
+
+    Raises:
+        FileExistsError, NotADirectoryError: as `atomic_directory`.
+        PermissionError: the nearest existing parent of `out_dir` takes no new entry.
+    """
+    out = pathlib.Path(out_dir)
+    _check_destination(out, overwrite, refuse)
+    parent = next(p for p in out.parents if p.exists())
+    try:
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise PermissionError(f"cannot write {out}: {parent} takes no new files ({e})") from e
+
+
+def _check_destination(out: pathlib.Path, overwrite: bool, refuse: Refusal | None) -> None:
+    """`atomic_directory`'s checks before any work (see its Raises)."""
+    # `lexists`, not `exists`: a dangling symlink is an entry too, refused now, not after the work.
+    if os.path.lexists(out):
+        if not overwrite:
+            raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+        _check_replaceable(out, refuse)
+    for parent in out.parents:  # mkdir would say only "File exists", naming the file
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"cannot write {out}: {parent} is a file")
+            break
+
+
+def _check_replaceable(out: pathlib.Path, refuse: Refusal | None = None) -> None:
     """Refuses to let `overwrite` replace (and so delete) anything but one of our or HF's
-    checkpoint directories, or an empty directory: a mistyped path must not cost a tree."""
+    checkpoint directories, or an empty directory: a mistyped path must not cost a tree; nor a
+    checkpoint `refuse` gives a reason not to replace."""
     if out.is_symlink() or not out.is_dir():
         kind = "a symlink" if out.is_symlink() else "not a directory"
         raise FileExistsError(
@@ -123,6 +156,9 @@ def _check_replaceable(out: pathlib.Path) -> None:
             f"{out} is not a checkpoint directory (it holds no {markers}); overwrite=True "
             "replaces only a checkpoint directory or an empty one: delete it or choose another path"
         )
+    reason = None if refuse is None else refuse(out)
+    if reason is not None:
+        raise FileExistsError(f"{out} {reason}; overwrite=True does not replace it")
 
 
 def _rename_to_new(tmp: pathlib.Path, out: pathlib.Path) -> bool:

@@ -30,8 +30,9 @@ from jetspec_jax.checkpoint.adapter_files import load_adapter, save_adapter
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.json_files import read_json
+from jetspec_jax.checkpoint.roles import BUNDLE_MANIFEST, replaces_only
 
-MANIFEST = "jetspec_pp.json"
+MANIFEST = BUNDLE_MANIFEST
 FORMAT = "jetspec_pp"
 FORMAT_VERSION = 1
 DRAFT_DIR = "draft"
@@ -68,7 +69,7 @@ def save_bundle(draft, out_dir: str | pathlib.Path, *, overwrite: bool = False) 
         "contents": contents,
     }
     plain = dataclasses.replace(draft, adapter=None, calibration=None)
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, refuse=replaces_only("draft")) as tmp:
         plain.save(tmp / DRAFT_DIR)
         save_adapter(draft.adapter, tmp / ADAPTER_DIR)
         if draft.calibration is not None:
