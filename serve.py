@@ -217,6 +217,8 @@ def _check_before_loading(args, *, server: bool) -> None:
     otherwise the draft's variant is not known yet, and "jetspec++", which accepts every decoding
     flag another method does, stands in for it (the options are built again, exactly, after the
     load)."""
+    from jetspec_jax.flag_paths import require_paths
+
     if args.method == "ar" and args.draft:
         raise ValueError(
             f"--method ar decodes without a draft: drop --draft {args.draft}, or pass the "
@@ -245,6 +247,8 @@ def _check_before_loading(args, *, server: bool) -> None:
         ) from None
     if server:
         _check_address(args.host, args.port)
+    require_paths("--target", [args.target], directory=True)
+    require_paths("--draft", [args.draft], directory=True)
 
 
 def _check_address(host: str, port: int) -> None:

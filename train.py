@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import pathlib
 import sys
 
@@ -154,14 +153,16 @@ def _calibrate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    from jetspec_jax.flag_paths import require_paths
+
     for name in ("num_rounds", "anchors_per_sequence", "max_length"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.holdout_fraction < 1:
         raise ValueError(f"--holdout-fraction must be in (0, 1), got {args.holdout_fraction}")
     _check_refreshes(args)
-    _require("--draft", [args.draft], directory=True)
-    _require("--data", args.data)
+    require_paths("--draft", [args.draft], directory=True)
+    require_paths("--data", args.data)
     _check_greedy(args.data)
     import jetspec_jax
     from jetspec_jax.checkpoint.atomic import check_can_write, write_text_atomically
@@ -321,15 +322,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _require(flag: str, paths: list[str], *, directory: bool = False) -> None:
-    """Refuses a missing `flag` path before the target loads (minutes for a large model), as
-    training does (`check_input_files`)."""
-    kind, exists = ("directory", os.path.isdir) if directory else ("file", os.path.isfile)
-    for path in paths:
-        if not exists(path):
-            raise FileNotFoundError(f"{flag} {path}: no such {kind}")
-
-
 def _check_greedy(data_files: list[str]) -> None:
     """Refuses `--data` that `train.py regenerate` sampled (temperature > 0): calibration scores
     the drafts against the target's greedy continuation (`calibration_rounds`), which sampled
@@ -353,13 +345,14 @@ def _export(args: argparse.Namespace) -> int:
     """Re-saves a draft or JetSpec++ checkpoint in `--dtype`, optionally with another adapter."""
     from jetspec_jax.checkpoint.bundle import is_bundle
     from jetspec_jax.draft import load_draft_for_config
+    from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.target import load_target_config
 
     out = pathlib.Path(args.out)
     if out.exists():
         raise ValueError(f"--out {out} exists; not replacing it")
-    _require("--draft", [args.draft], directory=True)
-    _require("--adapter-from", [args.adapter_from] if args.adapter_from else [], directory=True)
+    require_paths("--draft", [args.draft], directory=True)
+    require_paths("--adapter-from", [args.adapter_from], directory=True)
     if args.adapter_from is not None and not is_bundle(args.adapter_from):
         raise ValueError(f"--adapter-from {args.adapter_from} is not a JetSpec++ checkpoint")
     # The target's architecture checks the drafts; its weights are not needed to re-save them.
@@ -390,6 +383,7 @@ def _check_refreshes(args: argparse.Namespace) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
+    from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.training.evaluate import eval_prompt_ids, prompts_tau
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -398,8 +392,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     encoding = _prompt_encoding(args)
     if encoding == type(encoding)():  # no flag: the template if the tokenizer has one, else raw
         encoding = None
-    _require("--draft", [args.draft], directory=True)
-    _require("--prompts", [args.prompts])
+    require_paths("--draft", [args.draft], directory=True)
+    require_paths("--prompts", [args.prompts])
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     # Read and checked before the draft loads (a file may hold fewer than --num-prompts).
     prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts, encoding=encoding)

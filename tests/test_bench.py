@@ -161,6 +161,14 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     for bad in ("0,1e-6", "0,nan", "0,inf", ","):
         assert main(["--prompts", str(tmp_path / "p.jsonl"), "--temperatures", bad]) == 2
         assert f"--temperatures {bad!r}" in capsys.readouterr().err
+    # A missing input path fails before the model load too.
+    assert main(["--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert f"--prompts {tmp_path / 'p.jsonl'}: no such file" in capsys.readouterr().err
+    (tmp_path / "p.jsonl").write_text("")
+    for flag in ("--draft", "--target"):
+        assert main(["--prompts", str(tmp_path / "p.jsonl"), flag, str(tmp_path / "nowhere")]) == 2
+        assert f"{flag} {tmp_path / 'nowhere'}: no such directory" in capsys.readouterr().err
+    (tmp_path / "p.jsonl").unlink()
     a_file = tmp_path / "results"
     a_file.write_text("not a directory")
     assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(a_file / "bench")]) == 2

@@ -99,6 +99,9 @@ def test_serve_replacement_confidence_flag():
         ),
         (["--target", "T", "--foresight", "4"], "--target without --draft decodes"),
         (["--target", "T", "--max-batch-size", "0"], "max_batch_size"),  # no drafting hint
+        # Paths, after the flags: a missing one fails before the load, not minutes into it.
+        (["generate", "hi", "--target", "T"], "--target T: no such directory"),
+        (["generate", "hi", "--draft", "D"], "--draft D: no such directory"),
     ],
 )
 def test_bad_serve_flags_fail_before_the_model_load(argv, message, monkeypatch, capsys):

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
+    from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.prompting import has_chat_template
 
     enable_compile_cache()
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         methods = parse_methods(args.methods)
         variants = {m.method for m in methods}
         temperatures = _temperatures(args.temperatures)
+        require_paths("--target", [args.target], directory=True)  # nor after the model load
+        require_paths("--draft", args.draft or [], directory=True)
+        require_paths("--prompts", args.prompts)
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
