@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import gc
 import json
 import shutil
@@ -32,7 +33,7 @@ from jetspec_jax.training.config import (
 from jetspec_jax.training.data import read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau, prompts_tau
 from jetspec_jax.training.run_helpers import Throughput, host_params
-from jetspec_jax.training.run_loop import has_checkpoint
+from jetspec_jax.training.run_loop import LOCK_FILE, has_checkpoint
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
 from jetspec_jax.training.trainer import train
@@ -829,6 +830,20 @@ def test_the_draft_is_exported_before_the_final_evaluation(
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_tau" in r] == [80]
     assert train(_config(data_files, tmp_path), target=target).eval_tau is None  # logged: done
+
+
+def test_a_run_dir_another_process_trains_is_refused(target, data_files, tmp_path):
+    """Two trainings of one run.dir would interleave checkpoints (orbax errors) and duplicate
+    metrics rows: the second is refused while the first holds the run's lock."""
+    tmp_path.mkdir(exist_ok=True)
+    with (tmp_path / LOCK_FILE).open("ab") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another open file: as another process holds it
+        with pytest.raises(ValueError, match="being trained by another process"):
+            train(_config(data_files, tmp_path, steps=2, warmup_steps=1), target=target)
+        assert not has_checkpoint(tmp_path) and not (tmp_path / "metrics.jsonl").exists()
+    assert (
+        train(_config(data_files, tmp_path, steps=2, warmup_steps=1), target=target).steps == 2
+    )  # released
 
 
 def test_a_run_killed_while_evaluating_evaluates_that_step_on_resume(

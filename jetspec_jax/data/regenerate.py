@@ -27,15 +27,13 @@ same order and the same settings (the limit may differ).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
 import pathlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import tqdm
@@ -44,6 +42,7 @@ from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.data.jsonl import is_json_object, read_jsonl
 from jetspec_jax.data.prompts import MATH_SOURCES, prompt_text, read_prompts
+from jetspec_jax.file_lock import exclusively
 from jetspec_jax.generate import generate_as_completed
 from jetspec_jax.prompting import PromptEncoding
 from jetspec_jax.sampling import SamplingParams, row_seed
@@ -226,7 +225,11 @@ def regenerate(
         math_suffix_sources=sorted(math_suffix_sources),
         sampling=_json_ready(sampling),
     )
-    with _exclusively(out_path):
+    busy = (
+        f"{out_path} is being written by another regenerate run; wait for it, or give another "
+        "output file"
+    )
+    with exclusively(out_path, busy=busy):  # a second run would append the same records
         done = _existing_ids(out_path)
         record_settings(settings_path(out_path), settings, resuming=bool(done))
         existing = sum(r.id in done for r in records)
@@ -439,29 +442,6 @@ def _json_ready(value) -> dict:
     fields.pop("recurrence_impl", None)
     fields.pop("cache_chunk", None)
     return json.loads(json.dumps(fields))
-
-
-@contextlib.contextmanager
-def _exclusively(out_path: pathlib.Path) -> Iterator[None]:
-    """Holds an exclusive lock on `out_path` (created, with its directory, if missing): a
-    second run on the same output would append the same records again.
-
-    Raises:
-        ValueError: another process holds the lock.
-    """
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("ab") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(
-                f"{out_path} is being written by another regenerate run; wait for it, or give "
-                "another output file"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _existing_ids(out_path: pathlib.Path) -> set[str]:

@@ -28,6 +28,7 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
+from jetspec_jax.file_lock import exclusively
 from jetspec_jax.training.config import RunConfig
 from jetspec_jax.training.differences import leaf_differences
 from jetspec_jax.training.run_helpers import Throughput
@@ -35,6 +36,7 @@ from jetspec_jax.training.run_helpers import Throughput
 logger = logging.getLogger(__name__)
 
 SETUP_FILE = "run_setup.json"  # what the run's checkpoints were written with (`opened_run`)
+LOCK_FILE = ".lock"  # held by the process training the run (`opened_run`)
 
 
 def run_steps(
@@ -136,11 +138,17 @@ def opened_run(
     on (its step below `total_steps`) then records its own setup: the checkpoints it writes are
     under it, so a later resume compares with that. A finished run's rerun records nothing (the
     recorded setup is what its last steps and export were made with). Another process count is
-    refused (ValueError): each process saved its own data position.
+    refused (ValueError): each process saved its own data position. So is a `run_dir` another
+    process is training (ValueError): the primary process holds a lock on `<run_dir>/.lock`
+    while the run is open.
     """
     setup = {**setup, "process_count": jax.process_count()}
-    manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
-    with contextlib.closing(manager):
+    with contextlib.ExitStack() as stack:
+        if jax.process_index() == 0:  # keeps a second run's checkpoints, metrics and export out
+            busy = f"{run_dir} is being trained by another process: wait, or give another run.dir"
+            stack.enter_context(exclusively(run_dir / LOCK_FILE, busy=busy))
+        manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
+        stack.enter_context(contextlib.closing(manager))
         if manager.latest_step() is not None:
             recorded = recorded_setup(run_dir)
             _check_process_count(run_dir, recorded, setup["process_count"])

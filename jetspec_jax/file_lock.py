@@ -1,0 +1,32 @@
+"""`exclusively`: an advisory lock that keeps a second process off the same output (a second
+regeneration appending the same records, a second training writing the same checkpoints)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pathlib
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def exclusively(lock_path: str | os.PathLike, *, busy: str) -> Iterator[None]:
+    """Holds an exclusive `flock` on `lock_path` (created, with its directory, if missing; an
+    existing file is opened for appending, never truncated) while the body runs. The kernel
+    releases it when the process dies, so a killed holder never blocks the next run.
+
+    Raises:
+        ValueError: `busy`, when another process holds the lock.
+    """
+    lock_path = pathlib.Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("ab") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(busy) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
