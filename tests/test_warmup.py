@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import jax
 import numpy as np
 import pytest
 
@@ -45,6 +46,21 @@ def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, dr
     assert compiled > 0
     rng = np.random.default_rng(0)
     prompt = lambda n: rng.integers(0, 97, n).tolist()  # noqa: E731
+    lowered = []  # every program traced and lowered from here: jitted, eager or AOT
+
+    def count(event, seconds, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kwargs.get("fun_name", event))  # named in the failure
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        _serve_after_warming_up(target, prompt, kwargs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert not lowered
+
+
+def _serve_after_warming_up(target, prompt, kwargs):
     for first, together in [(5, (30, 3)), (20, (40, 12)), (40, (3, 20))]:
         session = DecodeSession(
             target,
@@ -56,12 +72,14 @@ def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, dr
             **kwargs,
         )
         session.start()
-        session.advance(3)
+        # Joiners, first into the fresh batch's state (as the scheduler's first join does).
         session.admit_many([1, 2], [prompt(n) for n in together], max_new_tokens=[10, 6])
+        session.advance(3)
         session.admit(3, prompt(first), max_new_tokens=4)
         session.advance()
         session.poll()
         assert session.done
+        session.result(3)  # one row's answer, as the scheduler reads each finished row
         assert session.timing.compile_seconds == 0, (first, together)
 
 

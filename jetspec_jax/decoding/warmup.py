@@ -8,9 +8,9 @@ within it, and the buckets left are few: the batch sizes, and the prompt buckets
 reserve's or the prefill chunk's, and past the chunk the one chunked prefill
 (`buckets.prefill_lengths_up_to`). `warm_up` runs each of their programs once, on dummy prompts:
 
-    per batch size B:  the batch prefill at each prompt width, the decode loop, and the row
+    per batch size B:  the batch prefill at each prompt width, the decode loop, the row
                        writes of each admission group size (powers of two up to
-                       `DecodeSession.admission_group_size`)
+                       `DecodeSession.admission_group_size`), and the read of one row's result
     once:              each admission group's prefill at each prompt width
 
 after which a request within the reserve, and one that joins a running batch, compiles nothing.
@@ -84,6 +84,7 @@ def warm_up(
             prefilled_groups.add(group)
         session.admit(0, [0], max_new_tokens=2)  # a budget of 2: the decode loop runs
         session.advance(1)
+        session.result(0)  # the reads of one finished row's outputs (eager slices per shape)
     return compile_seconds + session.timing.compile_seconds
 
 
