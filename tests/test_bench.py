@@ -381,12 +381,15 @@ def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):
     loaded = []
     variant = types.SimpleNamespace(config=types.SimpleNamespace(variant="jetspec++"))
     monkeypatch.setattr(jetspec_jax, "load_draft", lambda path, *a: loaded.append(path) or variant)
-    prompts = str(tmp_path / "missing.jsonl")
-    assert main(["--prompts", prompts, "--target", "T", "--draft", "a"]) == 2
+    monkeypatch.chdir(tmp_path)  # the paths given exist (checked before any load)
+    for directory in ("T", "a"):
+        (tmp_path / directory).mkdir()
+    (tmp_path / "p.jsonl").write_text("")  # no prompts: refused once the drafts are loaded
+    assert main(["--prompts", "p.jsonl", "--target", "T", "--draft", "a"]) == 2
     assert "no method of --methods 'ar' uses --draft a" in capsys.readouterr().err
-    assert main(["--prompts", prompts, "--methods", "ar"]) == 2  # then: the prompt file is missing
-    assert "missing.jsonl" in capsys.readouterr().err and loaded == ["a"]
-    assert main(["--prompts", prompts, "--methods", "jetspec++"]) == 2
+    assert main(["--prompts", "p.jsonl", "--methods", "ar"]) == 2  # then: the empty prompt file
+    assert "p.jsonl" in capsys.readouterr().err and loaded == ["a"]
+    assert main(["--prompts", "p.jsonl", "--methods", "jetspec++"]) == 2
     assert len(loaded) == 2  # the shipped draft
 
 
@@ -400,7 +403,11 @@ def test_two_drafts_of_one_variant_are_refused(monkeypatch, tmp_path, capsys):
     variant = types.SimpleNamespace(config=types.SimpleNamespace(variant="jetspec++"))
     monkeypatch.setattr(jetspec_jax, "load_draft", lambda *a, **k: variant)
     monkeypatch.setattr(jetspec_jax, "init_draft", lambda *a, **k: variant)
-    prompts = str(tmp_path / "p.jsonl")
+    monkeypatch.chdir(tmp_path)  # the paths given exist (checked before any load)
+    for directory in ("T", "a", "b"):
+        (tmp_path / directory).mkdir()
+    prompts = "p.jsonl"
+    (tmp_path / prompts).write_text("")
     assert main(["--prompts", prompts, "--target", "T", "--draft", "a", "--draft", "b"]) == 2
     assert "--draft a and --draft b are both 'jetspec++' drafts" in capsys.readouterr().err
     argv = ["--prompts", prompts, "--target", "T", "--draft", "a", "--random-draft", "jetspec++"]
@@ -424,6 +431,29 @@ def test_report_without_matplotlib_skips_the_plots(monkeypatch, tmp_path, capsys
     assert "no plots (tau.png, speedup.png): matplotlib is not importable" in (
         capsys.readouterr().err
     )
+
+
+def test_a_failed_plot_leaves_no_plot_of_an_earlier_run(monkeypatch, tmp_path):
+    """The tables are replaced before the plots are drawn: a plot that fails must not leave the
+    previous run's plots beside the new tables (nor a partial file)."""
+    from jetspec_jax.bench import report
+
+    summary = Summary("tiny", 0.0, "ar", 1, 8, 1.0, 10.0, 1.0, 1.0, 1.0, 0.5, None, None)
+    for name in ("tau.png", "speedup.png"):
+        (tmp_path / name).write_bytes(b"a previous run's plot")
+
+    def failing(summaries, metric, path):
+        path.write_bytes(b"half a plot")
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(report, "plot", failing)
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        report.write_report(tmp_path, [], [summary])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "results.jsonl",
+        "results.md",
+        "samples.jsonl",
+    ]
 
 
 def test_load_test_counts_network_errors(capsys):

@@ -123,21 +123,21 @@ def write_report(
     (each file atomically; a previous run's files there are replaced), then removes the partial
     log (`log_sample`).
 
-    The plots need matplotlib (the `bench` extra); without it they are skipped, with a note on
-    stderr, and a previous run's plots are removed (they would not match the tables). Returns
-    the paths written, by kind.
+    A previous run's plots are removed first, so they never sit beside this run's tables (should
+    plotting fail). The plots need matplotlib (the `bench` extra); without it they are skipped,
+    with a note on stderr. Returns the paths written, by kind.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {metric: out_dir / REPORT_FILES[metric] for metric in ("tau", "speedup")}
+    for stale in plots.values():  # first: a failure below never leaves old plots by new tables
+        stale.unlink(missing_ok=True)
     paths = {kind: out_dir / REPORT_FILES[kind] for kind in ("results", "samples", "table")}
     write_jsonl(paths["results"], summaries)
     write_jsonl(paths["samples"], samples)
     write_text_atomically(paths["table"], markdown_table(summaries))
-    plots = {metric: out_dir / REPORT_FILES[metric] for metric in ("tau", "speedup")}
     try:
         import matplotlib  # noqa: F401  (the plots' only optional dependency)
     except ImportError as e:
-        for stale in plots.values():
-            stale.unlink(missing_ok=True)
         print(
             f"note: no plots (tau.png, speedup.png): matplotlib is not importable ({e}); "
             'pip install -e ".[bench]"',
@@ -146,8 +146,11 @@ def write_report(
     else:
         for metric, path in plots.items():
             partial = path.with_name(f".{path.name}.tmp.png")  # the suffix tells savefig the format
-            plot(summaries, metric, partial)
-            partial.replace(path)
+            try:
+                plot(summaries, metric, partial)
+                partial.replace(path)
+            finally:
+                partial.unlink(missing_ok=True)
             paths[metric] = path
     (out_dir / PARTIAL_SAMPLES).unlink(missing_ok=True)
     return paths
