@@ -1196,7 +1196,7 @@ def test_compare_ar_measures_the_speedup_and_checks_the_tokens(
     result = jetspec_jax.generate(target, ids, draft=draft, **decoding, **request)
     vocab = target.config.vocab_size
     wrong = dataclasses.replace(result, tokens=[(result.tokens[0] + 1) % vocab, *result.tokens[1:]])
-    line = serve_py._speedup_line(args, options, jetspec_jax, target, ids, request, wrong)
+    line = serve_py._speedup_line(args, options, target, ids, request, wrong)
     assert line.endswith("AR output DIFFERENT)")
 
 
@@ -1249,14 +1249,16 @@ def test_serve_py_says_to_pass_a_draft_as_draft(target, tmp_path, capsys, comman
     assert "load_draft" not in err
 
 
-def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, capsys):
+def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, tmp_path, capsys):
     def unreadable(path, dtype):
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(jetspec_jax, "load_target", unreadable)
-    assert serve_py.main(["generate", "--target", "/locked/model"]) == 2
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    assert serve_py.main(["generate", "--target", str(locked)]) == 2
     err = capsys.readouterr().err
-    assert "error: [Errno 13] Permission denied: '/locked/model'" in err
+    assert f"error: [Errno 13] Permission denied: '{locked}'" in err
     assert "Traceback" not in err
 
 
