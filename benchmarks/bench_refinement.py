@@ -162,6 +162,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _append_row(path: pathlib.Path, row: dict) -> None:
+    """Appends one JSONL row to `path`; a last line cut by a kill (no newline) is dropped first,
+    so the row never runs on from it."""
+    if path.exists():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            path.write_bytes(data[: data.rfind(b"\n") + 1])
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -242,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     ar_seconds=seconds["AR"],
                     identical_to_ar=same,
                 )
-                with args.results.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(row) + "\n")
+                _append_row(args.results, row)
         rows.append((name, taus))
         times.append((name, seconds))
         for b in budgets:

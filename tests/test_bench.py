@@ -470,13 +470,23 @@ def test_load_test_counts_network_errors(capsys):
         run_load(f"http://127.0.0.1:{port}", "m", [], concurrency=1, requests=1)
 
 
-def test_load_test_checks_every_concurrency_level_before_the_first_runs(monkeypatch, capsys):
+def test_load_test_checks_every_concurrency_level_before_the_first_runs(
+    monkeypatch, tmp_path, capsys
+):
     from jetspec_jax.bench import load
 
     monkeypatch.setattr(load, "run_load", lambda *a, **k: pytest.fail("a level ran"))
     for levels in ("1,4,0", ","):
         assert load.main(["--model", "m", "--concurrency", levels]) == 2
         assert f"--concurrency {levels!r}: levels must be integers >= 1" in capsys.readouterr().err
+    # And the other flags the results depend on, and where they go.
+    for flags, message in [
+        (["--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
+        (["--requests", "0"], "--requests must be >= 1, got 0"),
+        (["--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
+    ]:
+        assert load.main(["--model", "m", *flags]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_load_test_without_httpx_says_how_to_install_it(monkeypatch, capsys):
@@ -697,8 +707,9 @@ def test_the_refinement_bench_runs_a_baseline_draft_one_pass(
     common += ["--num-prompts", "2", "--max-new-tokens", "6", "--foresight", ""]
     # No --settings: every setting of the draft's variant, here one pass as DFlash.
     argv = ["--draft", str(draft_dir), *common, "--results", str(rows), "--out", str(out)]
+    rows.write_text('{"set": "tiny", "setting": "DF')  # a row an earlier run's kill cut
     assert bench_refinement.main(argv) == 0
-    (row,) = [json.loads(line) for line in rows.read_text().splitlines()]
+    (row,) = [json.loads(line) for line in rows.read_text().splitlines()]  # not run on from it
     assert (row["set"], row["setting"], row["prompts"]) == ("tiny", "DFlash", 2)
     assert row["identical_to_ar"] == 2
     assert row["tau"] >= 1 and row["new_tokens"] == 12

@@ -22,7 +22,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.data.prompts import MATH_SUFFIX
-from jetspec_jax.data.regenerate import regenerate, settings_path
+from jetspec_jax.data.regenerate import check_output_path, regenerate, settings_path
 from jetspec_jax.prompting import PromptEncoding, encode_prompt
 from jetspec_jax.sampling import row_seed
 from tests.text_fixtures import with_tokenizer
@@ -312,6 +312,16 @@ def test_a_prompt_file_is_refused_as_the_output(target, prompt_files, tmp_path):
     with pytest.raises(ValueError, match="is no regenerated record"):
         regenerate(target, prompt_files, other)
     assert prompt_files[0].read_bytes() == before == other.read_bytes()
+
+
+def test_an_output_that_cannot_be_a_file_is_refused_before_the_load(prompt_files, tmp_path):
+    """`check_output_path`, which `train.py regenerate` runs before loading the target: a
+    directory, or a path under a file (mkdir would say only "File exists")."""
+    with pytest.raises(ValueError, match="is a directory; give a file path"):
+        check_output_path(tmp_path, prompt_files)
+    with pytest.raises(ValueError, match=f"cannot be written: {prompt_files[0]} is a file"):
+        check_output_path(prompt_files[0] / "sub" / "out.jsonl", prompt_files)
+    check_output_path(tmp_path / "new" / "out.jsonl", prompt_files)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -207,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:  # all checked before the first level runs
             raise ValueError(f"--concurrency {args.concurrency!r}: levels must be integers >= 1")
+        for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.out and os.path.isdir(args.out):  # found now, not after the whole load test
+            raise ValueError(f"--out {args.out} is a directory; give a JSONL file path")
         prompts = (
             [r["prompt"] for r in read_prompts(args.prompts, limit=args.limit)]
             if args.prompts

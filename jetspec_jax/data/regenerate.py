@@ -138,8 +138,8 @@ def read_records(
 def check_output_path(
     out_path: str | os.PathLike, prompt_files: Sequence[str | os.PathLike]
 ) -> None:
-    """Refuses an output path that is a directory or one of the prompt files (resuming into a
-    prompt file would append responses to the user's prompts).
+    """Refuses an output path that is a directory, lies under a file, or is one of the prompt
+    files (resuming into a prompt file would append responses to the user's prompts).
 
     Raises:
         ValueError: naming the path.
@@ -147,6 +147,9 @@ def check_output_path(
     out_path = pathlib.Path(out_path)
     if out_path.is_dir():
         raise ValueError(f"the output {out_path} is a directory; give a file path")
+    parent = next(p for p in out_path.parents if p.exists())
+    if not parent.is_dir():
+        raise ValueError(f"the output {out_path} cannot be written: {parent} is a file")
     if any(out_path.resolve() == pathlib.Path(f).resolve() for f in prompt_files):
         raise ValueError(f"the output {out_path} is one of the prompt files")
 
