@@ -161,6 +161,44 @@ def test_draws_follow_the_filtered_distribution():
     assert chi2 < 25, (counts, expected)
 
 
+def test_draws_of_other_seeds_and_positions_are_unrelated():
+    """Each (seed, position) keys its own stream: on a uniform distribution over 8 tokens, the
+    draw of (s, p) agrees with that of (s + ds, p + dp) at the chance rate 1/8 (within 6 sigma),
+    so clients sending seeds 0, 1, 2 ... get no shifted copies of each other's samples."""
+    seeds, positions, vocab = 64, 64, 8
+    sampling = RowSampling.from_params(
+        [SamplingParams(temperature=1.0, seed=s) for s in range(seeds)]
+    )
+    at = jnp.broadcast_to(jnp.arange(100, 100 + positions, dtype=jnp.int32), (seeds, positions))
+    tokens = np.asarray(select_tokens(jnp.zeros((seeds, positions, vocab)), sampling, at))
+    chance = 1 / vocab
+    for ds in range(4):
+        for dp in range(-3, 4):
+            if ds == 0 and dp <= 0:
+                continue  # a draw with itself, or a pair counted the other way round
+            width = positions - abs(dp)
+            a = tokens[: seeds - ds, max(0, -dp) : max(0, -dp) + width]
+            b = tokens[ds:, max(0, dp) : max(0, dp) + width]
+            sigma = np.sqrt(chance * (1 - chance) / a.size)
+            assert abs(np.mean(a == b) - chance) < 6 * sigma, (ds, dp)
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token():
+    """`top_p=0` keeps the most likely token (with its ties), so its draws are the argmax."""
+    logits = np.random.default_rng(0).normal(size=(2, 5, 50)).astype(np.float32)
+    logits[1, :, [7, 9]] = 10.0  # row 1: two tokens tie at the top
+    kept = np.isfinite(
+        filter_logits(jnp.asarray(logits), jnp.ones(2), jnp.zeros(2, int), jnp.zeros(2))
+    )
+    np.testing.assert_array_equal(kept, logits == logits.max(-1, keepdims=True))
+    sampling = RowSampling.from_params(
+        [SamplingParams(temperature=1.0, top_p=0.0, seed=s) for s in (1, 2)]
+    )
+    row0 = np.repeat(logits[:1], 2, axis=0)
+    tokens = select_tokens(jnp.asarray(row0), sampling, jnp.arange(10).reshape(2, 5))
+    np.testing.assert_array_equal(tokens, np.argmax(row0, -1))
+
+
 def test_greedy_rows_filter_nothing_whatever_their_top_k_and_top_p(monkeypatch):
     """A greedy row's top-k / top-p (OpenAI clients send `top_p` with temperature 0) leave its
     logits unfiltered and do not turn on the filter (a vocabulary sort) for a batch where no row

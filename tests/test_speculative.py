@@ -178,6 +178,32 @@ def test_stop_token_inside_an_accepted_block_ends_the_output_there(target, promp
     assert result.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("wrong_at", [None, 2], ids=["all-accepted", "rejected-at-2"])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_p=0.9, seed=4)])
+def test_a_stop_token_at_any_block_position_ends_the_output(target, prompts, wrong_at, sampling):
+    """Oracle drafts of the (same-seed) AR continuation, wrong at block position `wrong_at`: each
+    round commits the accepted drafts and a bonus token, after a rejection or after the whole
+    block. A stop token at each committed position in turn (an accepted draft, either kind of
+    bonus) ends the output there, as AR's."""
+    prompt = prompts[2]
+    free = _ar(target, prompt, **sampling).tokens
+    draft = _oracle(target, prompt, block_size=6, wrong_at=wrong_at, **sampling)
+    firsts = [i for i in range(1, 14) if free.index(free[i]) == i]  # the stop's first place
+    assert len(firsts) >= 4
+    for i in firsts:
+        result = jetspec_jax.generate(
+            target,
+            prompt,
+            draft=draft,
+            method="jetspec",
+            max_new_tokens=N_NEW,
+            stop_token_ids=[free[i]],
+            **sampling,
+        )
+        assert result.tokens == free[: i + 1], i
+        assert result.finish_reason == "stop", i
+
+
 def test_method_must_match_the_draft_variant(target):
     draft = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
     with pytest.raises(ValueError, match="cannot serve method 'jetspec'"):
