@@ -21,6 +21,8 @@ from jetspec_jax.adapter import init_adapter
 from jetspec_jax.checkpoint.adapter_files import load_adapter
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
+from jetspec_jax.models import adapter as adapter_model
+from jetspec_jax.models.transformer import forward
 from jetspec_jax.training import adapter_trainer
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics
 from jetspec_jax.training.adapter_loss import (
@@ -30,7 +32,7 @@ from jetspec_jax.training.adapter_loss import (
     sample_blocks,
     teacher_levels,
 )
-from jetspec_jax.training.adapter_step import AdapterStepConfig
+from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_eval_metrics
 from jetspec_jax.training.adapter_trainer import (
     _eval_batches,
     adapter_optim,
@@ -155,6 +157,54 @@ def test_a_zero_adapter_is_the_stale_guess(target, draft, data_file):
     np.testing.assert_allclose(float(m["gap_closed"][0]), 0.0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(m["nmse"])[0], np.asarray(m["stale_nmse"])[0], 1e-6)
     np.testing.assert_allclose(float(loss), float(np.sum(np.asarray(m["nmse"]))), rtol=1e-6)
+
+
+def test_the_adapter_loss_equals_a_reference_built_from_the_decode_path(target, draft):
+    """nmse of tap m = sum w |pred - tap_m(a+j)|^2 / sum w |tap_m(a+j)|^2 over each block's
+    positions a+j inside the sequence, w = kappa^j normalised per block; tap_m is the target's
+    state at the draft's m-th tap layer (what decoding feeds the draft), and pred the adapter's
+    decode-time prediction from the verified context up to the anchor and the block's tokens."""
+    adapter = init_adapter(draft, layers_per_module=(1, 1), intermediate_size=32, init_std=0.2)
+    k_len, anchors_per_row, kappa, length = 4, 6, 0.5, 24
+    prompt, end = np.array([5, 8]), np.array([17, 24])
+    positions = np.arange(length)[None]
+    rng = np.random.default_rng(0)
+    tokens = np.where(positions < end[:, None], rng.integers(1, 97, (2, length)), 0)
+    mask = (positions >= prompt[:, None]) & (positions < end[:, None])
+    batch = {"tokens": jnp.asarray(tokens, jnp.int32), "loss_mask": jnp.asarray(mask)}
+    optim = OptimConfig(batch_size=2, anchors_per_sequence=anchors_per_row, compute_dtype="float32")
+    config = AdapterStepConfig(target.config, adapter.config, optim, k_len, kappa)
+    key = jax.random.key(7)
+    got = adapter_eval_metrics(adapter.params, target.params, batch, key, config=config)
+
+    anchors = np.asarray(
+        sample_blocks(key, batch["tokens"], batch["loss_mask"], k_len, anchors_per_row).anchors
+    )
+    embedding = target.params["embed_tokens"]["embedding"]
+    taps = forward(
+        target.params, target.config, batch["tokens"], tap_layers=draft.config.target_layer_ids
+    ).taps
+    levels = adapter_model.context_levels(embedding, batch["tokens"], taps)
+    taps = np.asarray(taps)
+    predict = jax.jit(adapter_model.predict_states, static_argnums=1)
+    error, norm = np.zeros(2), np.zeros(2)
+    for b, j in np.ndindex(anchors.shape):
+        a = anchors[b, j]
+        if not mask[b, a + 1]:
+            continue  # not an anchor: no response token follows
+        cache = adapter_model.empty_cache(adapter.config, 1, 32, jnp.float32)
+        cache = adapter_model.extend_context(
+            adapter.params, adapter.config, cache, levels[:, b : b + 1], jnp.asarray([a])
+        )
+        block = np.minimum(a + np.arange(k_len), length - 1)
+        block_tokens = batch["tokens"][b : b + 1, block]
+        pred = np.asarray(predict(adapter.params, adapter.config, cache, embedding, block_tokens))
+        weights = np.where(a + np.arange(k_len) < end[b], kappa ** np.arange(k_len), 0.0)
+        weights /= weights.sum()
+        true = taps[:, b, block]  # [n, K, H]
+        error += np.sum(weights * np.sum((pred[:, 0] - true) ** 2, -1), -1)
+        norm += np.sum(weights * np.sum(true**2, -1), -1)
+    np.testing.assert_allclose(np.asarray(got["nmse"]), error / norm, rtol=2e-4)
 
 
 @pytest.fixture(scope="module")

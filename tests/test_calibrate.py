@@ -18,8 +18,10 @@ from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.decoding.refinement import LearnedProxy
 from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
+from jetspec_jax.training import calibration, replacement_fit
 from jetspec_jax.training.calibration import fit_calibration
 from jetspec_jax.training.calibration_rounds import (
+    Rounds,
     collect_rounds,
     distinct_sequences,
     evaluate_rounds,
@@ -149,6 +151,58 @@ def test_confidence_ties_go_to_no_refresh_else_to_the_smaller():
     assert choose_confidence({1.0: 3.0, 0.8: 3.0, 0.7: 3.0, 0.0: 2.5}) == 1.0
     assert choose_confidence({1.0: 2.0, 0.8: 3.0, 0.7: 3.0}) == 0.7
     assert choose_confidence({0.3: 2.0, 1.0: 2.5, 0.5: 2.6}) == 0.5
+
+
+def _rounds(k_true, records) -> Rounds:
+    """Rounds with the given outcomes k (one per entry of `records`, their source sequences)."""
+    n = len(k_true)
+    return Rounds(
+        logits_hat=np.zeros((n, 3, 5), np.float32),
+        drafts=np.zeros((n, 2), np.int32),
+        k_true=np.asarray(k_true, np.int32),
+        a_true=np.ones(n, np.int32),
+        anchors=np.zeros(n, np.int32),
+        records=np.asarray(records, np.int32),
+    )
+
+
+def test_the_confidence_is_chosen_on_the_fit_sequences_not_the_held_out(monkeypatch):
+    """Rounds made up so that c = 0 wins on the fit sequences and c = 0.5 on the held-out one:
+    the held-out figures are reported, never chosen on (they would flatter the choice)."""
+    records = [0, 1, 2, 3, 4]  # a fraction of 0.2 holds one sequence out
+    (held,) = held_out_sequences(_rounds([0] * 5, records), 0.2, 0)
+
+    def made_up(target, draft, sequences, *, replacement_confidence, **kwargs):
+        if replacement_confidence == 0.0:
+            return _rounds([0 if r == held else 2 for r in records], records)
+        return _rounds([2 if r == held else 1 for r in records], records)
+
+    monkeypatch.setattr(replacement_fit, "collect_rounds", made_up)
+    fit = fit_replacement_confidence(None, None, [], grid=(0.0, 0.5))
+    assert fit.tau[0.0] > fit.tau[0.5] and fit.held_out_tau[0.5] > fit.held_out_tau[0.0]
+    assert fit.best == 0.0
+
+
+def test_calibrate_fits_the_temperatures_on_the_fit_rounds_only(setup, tmp_path, monkeypatch):
+    """The temperatures are fitted on the rounds of the sequences not held out, which the report
+    then scores them on (this untrained pair's fit would not tell the sets apart by its values)."""
+    target, draft, records = setup
+    fitted_on = []
+    fit = calibration.fit_calibration
+
+    def spy(logits_hat, drafts, k_true, a_true, **kwargs):
+        fitted_on.append(len(k_true))
+        return fit(logits_hat, drafts, k_true, a_true, **kwargs)
+
+    monkeypatch.setattr(calibration, "fit_calibration", spy)
+    data, report = tmp_path / "data.jsonl", tmp_path / "report.json"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["calibrate", "--target", str(target.save(tmp_path / "target"))]
+    argv += ["--draft", str(draft.save(tmp_path / "pp")), "--data", str(data)]
+    argv += ["--num-rounds", "48", "--anchors-per-sequence", "8", "--report", str(report)]
+    assert train.main([*argv, "--replacement-confidence", "0"]) == 0
+    summary = json.loads(report.read_text())
+    assert fitted_on == [summary["fit_rounds"]] and summary["fit_rounds"] < summary["rounds"]
 
 
 def test_confidences_below_one_share_one_compiled_program(setup):

@@ -13,6 +13,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from scipy import stats
 
@@ -35,7 +36,13 @@ from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau, prompts
 from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.run_loop import LOCK_FILE, has_checkpoint
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
-from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step
+from jetspec_jax.training.step import (
+    StepConfig,
+    init_state,
+    learning_rate_schedule,
+    make_optimizer,
+    train_step,
+)
 from jetspec_jax.training.trainer import train
 
 
@@ -292,6 +299,105 @@ def test_blocks_supervise_exactly_the_drafts(variant):
     full = np.asarray(blocks.anchors) + 8 < 200  # blocks wholly inside the sequence
     assert full.sum() > 40
     assert np.all(supervised[full] == (offsets[full] >= 1) & (offsets[full] <= 7))
+
+
+def _right_padded_batch():
+    """`(tokens [4, 64], loss mask, T)`: responses after prompts of 7 .. 20 tokens, ending at
+    30 .. 64 with padding after (mask False)."""
+    rng = np.random.default_rng(5)
+    length, prompt, end = 64, np.array([7, 12, 3, 20]), np.array([40, 55, 30, 64])
+    positions = np.arange(length)[None]
+    tokens = np.where(positions < end[:, None], rng.integers(1, 49, (4, length)), 0)
+    mask = (positions >= prompt[:, None]) & (positions < end[:, None])
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), length
+
+
+def test_block_weights_equal_a_numpy_reference_on_right_padded_sequences():
+    """Row i of anchor a is supervised exactly when i < K-1, a precedes a response token, and
+    position a+i+1 is a response token: not the prompt, not right padding, not past the end."""
+    config = _toy_config("jetspec++", block_size=8)
+    tokens, mask, length = _right_padded_batch()
+    blocks = build_blocks(jax.random.key(3), tokens, mask, config, 24)
+    mask, anchors = np.asarray(mask), np.asarray(blocks.anchors)
+    want = np.zeros(blocks.weights.shape, np.float32)
+    for b, j in np.ndindex(anchors.shape):
+        a = anchors[b, j]
+        if a + 1 < length and mask[b, a + 1]:
+            for i in range(7):
+                want[b, j, i] = a + i + 1 < length and mask[b, a + i + 1]
+    np.testing.assert_array_equal(np.asarray(blocks.weights), want)
+    assert (want.sum(-1) < 7).sum() > 5  # blocks that run into the padding are among them
+
+
+def test_block_rows_copy_the_clean_prefix_and_noise_from_at_or_before_the_anchor():
+    """Rows 0..c of a token-input block are positions a..a+c of the sequence; the noise rows
+    after them are copies of positions at or before the anchor; the tokens are those copies."""
+    config = _toy_config("jetspec++", block_size=8)
+    tokens, mask, length = _right_padded_batch()
+    blocks = build_blocks(jax.random.key(4), tokens, mask, config, 24)
+    src, clean = np.asarray(blocks.input_positions), np.asarray(blocks.clean)
+    anchors = np.asarray(blocks.anchors)
+    np.testing.assert_array_equal(
+        blocks.tokens, np.asarray(tokens)[np.arange(4)[:, None, None], src]
+    )
+    for b, j in np.ndindex(anchors.shape):
+        a, c = anchors[b, j], clean[b, j]
+        np.testing.assert_array_equal(
+            src[b, j, : c + 1], np.minimum(a + np.arange(c + 1), length - 1)
+        )
+        assert np.all(src[b, j, c + 1 :] <= a)
+
+
+def test_the_schedule_warms_up_from_zero_then_decays_to_the_end_ratio():
+    config = OptimConfig(
+        learning_rate=1e-3, warmup_steps=10, steps=100, end_learning_rate_ratio=0.1
+    )
+    schedule = learning_rate_schedule(config)
+    assert float(schedule(0)) == 0.0
+    assert float(schedule(5)) == pytest.approx(5e-4)
+    assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(100)) == pytest.approx(1e-4)
+
+
+def test_gradients_are_clipped_to_their_global_norm_before_adam():
+    """Adam's first update is about sign(g) whatever g's size, so the clipping is read from its
+    first moment: (1 - b1) * g / |g| for a gradient of norm 50 clipped to 1."""
+    config = OptimConfig(learning_rate=1e-3, warmup_steps=1, steps=10, grad_clip=1.0)
+    optimizer = make_optimizer(config)
+    params = {"w": {"kernel": jnp.ones((3,))}}
+    gradient = {"w": {"kernel": jnp.asarray([30.0, 40.0, 0.0])}}
+    _, state = optimizer.update(gradient, optimizer.init(params), params)
+    adam = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    (moment,) = [s.mu["w"]["kernel"] for s in adam]
+    np.testing.assert_allclose(moment, 0.1 * np.array([0.6, 0.8, 0.0]), rtol=1e-6)
+
+
+def test_each_step_draws_new_blocks(target):
+    """The same batch with unchanged weights (learning rate 0): steps 0 and 1 draw other anchors
+    and noise (their keys fold in the step), so their losses differ."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
+    optim = OptimConfig(
+        learning_rate=0.0,
+        warmup_steps=1,
+        steps=4,
+        batch_size=2,
+        anchors_per_sequence=4,
+        compute_dtype="float32",
+    )
+    config = StepConfig(target=target.config, draft=draft.config, optim=optim)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 32))
+    batch = {
+        "tokens": jnp.asarray(tokens, jnp.int32),
+        "loss_mask": jnp.broadcast_to(jnp.arange(32) >= 4, (2, 32)),
+    }
+    state = init_state(draft.params, make_optimizer(optim))
+    state, first = train_step(state, target.params, batch, config=config)
+    _, second = train_step(state, target.params, batch, config=config)
+    assert float(first["loss"]) != float(second["loss"])
 
 
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])
