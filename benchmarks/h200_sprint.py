@@ -364,7 +364,7 @@ def _complete_lines(path: pathlib.Path) -> int:
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     if end < len(data):
-        path.write_bytes(data[:end])
+        os.truncate(path, end)  # in place: a kill here cannot lose the complete lines
     return data[:end].count(b"\n")
 
 
@@ -397,7 +397,8 @@ def _steps(section: str, steps: int) -> list[str]:
 
 def _finish_at_checkpoint(sprint: Sprint, name: str, argv: list[str], section: str) -> int | None:
     """A run stopped at the deadline: resumed with its steps cut to its last checkpoint, which
-    exports it without a step more."""
+    exports it without a step more. The steps of the export left in place (the probe's when this
+    one fails), or None without a checkpoint."""
     directory = RUN_DIR / ("adapter_run" if name == "adapter" else "") / "checkpoints"
     saved = (
         [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
@@ -405,10 +406,21 @@ def _finish_at_checkpoint(sprint: Sprint, name: str, argv: list[str], section: s
     if not saved:
         return None
     step = max(saved)
-    # The probe's export is there: a run found finished would keep it rather than export.
-    shutil.rmtree(RUN_DIR / ("jetspec_pp" if name == "adapter" else "draft"), ignore_errors=True)
+    # The probe's export is there: a run found finished would keep it rather than export. Set
+    # aside, not deleted: should the export fail, the probe's is still there to ship.
+    export = RUN_DIR / ("jetspec_pp" if name == "adapter" else "draft")
+    probe = export.with_name(f"{export.name}.probe")
+    shutil.rmtree(probe, ignore_errors=True)
+    if export.exists():
+        export.rename(probe)
     warmup = ["--set", f"{section}.warmup_steps={min(PROBE_STEPS, step)}"]
     sprint.run(f"{name}_export", [*argv, *_steps(section, step), *warmup], sprint.at(0.95))
+    if export.exists():
+        shutil.rmtree(probe, ignore_errors=True)
+    elif probe.exists():
+        probe.rename(export)
+        sprint.note(f"{name}: the export at step {step} failed; the probe's export is kept")
+        return PROBE_STEPS
     return step
 
 

@@ -63,6 +63,34 @@ def test_a_regeneration_stopped_mid_line_keeps_its_complete_lines(tmp_path):
     assert h200_sprint._complete_lines(path) == 2  # whole lines are left alone
 
 
+@pytest.mark.parametrize("exported", [True, False], ids=["export-ran", "export-failed"])
+def test_finishing_at_a_checkpoint_keeps_the_probes_export_until_its_own(
+    tmp_path, monkeypatch, exported
+):
+    """A run cut by the deadline is exported from its last checkpoint; the probe's export is
+    set aside for that, and comes back if the export fails (the sprint then still ships one)."""
+    monkeypatch.setattr(h200_sprint, "RUN_DIR", tmp_path)
+    (tmp_path / "checkpoints" / "40").mkdir(parents=True)
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("the probe's")
+
+    class Exporting(Clock):
+        def at(self, fraction: float) -> float:
+            return 0.0
+
+        def run(self, name, argv, until):
+            assert not (tmp_path / "draft").exists()  # a finished run would keep it, not export
+            if exported:
+                (tmp_path / "draft").mkdir()
+                (tmp_path / "draft" / "config.json").write_text("step 40's")
+            return 0 if exported else 1
+
+    steps = h200_sprint._finish_at_checkpoint(Exporting(), "draft", ["train.py"], "optim")
+    want = ("step 40's", 40) if exported else ("the probe's", h200_sprint.PROBE_STEPS)
+    assert ((tmp_path / "draft" / "config.json").read_text(), steps) == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "draft"]
+
+
 def test_the_steps_that_fit_follow_the_probes_rate(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.0, "tokens_per_second": 3200.0}]
