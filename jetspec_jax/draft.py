@@ -32,7 +32,8 @@ from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.checkpoint.roles import replaces_only
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
-from jetspec_jax.decoding.refinement import LearnedProxy, refining_proposer
+from jetspec_jax.decoding.proxy import LearnedProxy
+from jetspec_jax.decoding.refinement import refining_proposer
 from jetspec_jax.decoding.request_checks import check_int
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig

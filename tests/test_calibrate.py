@@ -15,7 +15,7 @@ import train
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding.foresight import foresight_proposer
 from jetspec_jax.decoding.proposers import prompt_state
-from jetspec_jax.decoding.refinement import LearnedProxy
+from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
 from jetspec_jax.training import calibration, replacement_fit

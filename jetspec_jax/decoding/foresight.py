@@ -52,12 +52,8 @@ from jetspec_jax.decoding.outcomes import (
     select_for_rule,
 )
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions, with_anchor
-from jetspec_jax.decoding.refinement import (
-    LearnedProxy,
-    RefinerState,
-    RefiningProposer,
-    refining_proposer,
-)
+from jetspec_jax.decoding.proxy import LearnedProxy
+from jetspec_jax.decoding.refinement import RefinerState, RefiningProposer, refining_proposer
 from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import extend_context

@@ -179,7 +179,7 @@ class DraftProposer:
 
 
 def prompt_state(proposer, params, target_params, prompts, prompt_taps, prompt_lengths, capacity):
-    """The state of `proposer` (or of a `refinement.Proxy`) after the prompts `[B, T]`, their tap
+    """The state of `proposer` (or of a `proxy.Proxy`) after the prompts `[B, T]`, their tap
     states `[n_taps, B, T, H]` and real lengths `[B]`: `extend` of its empty state, caches of
     `capacity` positions per row."""
     state = proposer.empty(params, target_params, prompts.shape[0], capacity)

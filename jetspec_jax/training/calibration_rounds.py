@@ -48,7 +48,8 @@ import tqdm
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.outcomes import SELECTION_RULES, Calibration, hit, select_for_rule
 from jetspec_jax.decoding.proposers import prompt_state
-from jetspec_jax.decoding.refinement import LearnedProxy, RefiningProposer
+from jetspec_jax.decoding.proxy import LearnedProxy
+from jetspec_jax.decoding.refinement import RefiningProposer
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.hybrid_cache import HybridCache
