@@ -195,7 +195,7 @@ def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
     encoded alike: the encoding `regenerate` recorded, not the tokenizer's default."""
     from jetspec_jax.training.config import DataConfig, TrainConfig
     from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids
-    from jetspec_jax.training.trainer import read_eval_prompts
+    from jetspec_jax.training.run_helpers import read_eval_prompts
 
     kwargs = dict(max_new_tokens=MAX_NEW, limit=1)
     briefed, plain, raw = (tmp_path / f"{n}.jsonl" for n in ("briefed", "plain", "raw"))

@@ -1140,7 +1140,7 @@ def test_training_data_is_checked_against_the_target(tmp_path, caplog):
 
 def test_evaluation_prompts_that_are_training_prompts_are_warned_about(target, tmp_path, caplog):
     from jetspec_jax.training.config import load_train_config
-    from jetspec_jax.training.trainer import read_eval_prompts
+    from jetspec_jax.training.run_helpers import read_eval_prompts
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3, 4]}\n{"prompt_ids": [5]}\n')

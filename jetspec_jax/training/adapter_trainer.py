@@ -46,8 +46,11 @@ from jetspec_jax.training.data import (
 )
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
+    check_fits_context,
+    check_input_files,
     host_params,
     place_step_inputs,
+    read_eval_prompts,
     with_device_params,
     with_host_params,
 )
@@ -59,11 +62,6 @@ from jetspec_jax.training.run_loop import (
     run_steps,
 )
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
-from jetspec_jax.training.trainer import (
-    check_fits_context,
-    check_input_files,
-    read_eval_prompts,
-)
 
 logger = logging.getLogger(__name__)
 

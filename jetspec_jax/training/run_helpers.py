@@ -1,12 +1,15 @@
 """Pieces both training runs (`trainer.py`, `adapter_trainer.py`) share besides `run_loop.py`:
-the steps' inputs placed on the mesh, trained weights back on the host, frozen models kept in host
-memory for evaluation, and the logged throughput.
+their input checks before the model load and their evaluation prompts, the steps' inputs placed
+on the mesh, trained weights back on the host, frozen models kept in host memory for evaluation,
+and the logged throughput.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -16,10 +19,72 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jetspec_jax.training.config import OptimConfig
-from jetspec_jax.training.data import training_dataset
+from jetspec_jax.decoding.request_checks import check_budget
+from jetspec_jax.target import Target
+from jetspec_jax.training.config import OptimConfig, TrainConfig
+from jetspec_jax.training.data import count_training_prompts, training_dataset
+from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids
 from jetspec_jax.training.sharding import param_shardings
 from jetspec_jax.training.step import TrainState, init_state, make_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) -> None:
+    """Refuses missing data or evaluation files (`data` and `more`) before the model load, which
+    can take minutes. `eval_tau`: the run reads `data.eval_prompts` (when it names a file)."""
+    eval_prompts = [config.data.eval_prompts] if eval_tau and config.data.eval_prompts else []
+    missing = [f for f in (*config.data.files, *eval_prompts, *more) if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
+
+
+def check_fits_context(config: TrainConfig, target: Target) -> None:
+    """Refuses `data.max_length` beyond the target's context: positions past it would run the
+    target's rotary embedding where it was never trained."""
+    context = target.config.max_position_embeddings
+    if config.data.max_length > context:
+        raise ValueError(
+            f"data.max_length {config.data.max_length} exceeds the target's context of "
+            f"{context} tokens"
+        )
+
+
+def read_eval_prompts(
+    config: TrainConfig, target: Target, records: list[dict]
+) -> list[list[int]] | None:
+    """The token ids of the evaluation prompts `config.data` names (None when it names none),
+    read before any training so that a missing or malformed file, or a prompt too long for the
+    context, fails the run at once (not at its first evaluation, which would fail every resume
+    too). Text prompts are encoded as the training data was (`data_encoding`); those that are
+    prompts of the training `records` are counted in a warning.
+
+    Raises:
+        FileNotFoundError, ValueError: as `eval_prompt_ids` and `data_encoding`; ValueError: a
+            prompt (named by index) that with `data.eval_max_new_tokens` exceeds the target's
+            context.
+    """
+    if not config.data.eval_prompts:
+        return None
+    prompts = eval_prompt_ids(
+        target,
+        config.data.eval_prompts,
+        num_prompts=config.data.eval_num_prompts,
+        math_suffix=config.data.eval_math_suffix,
+        encoding=data_encoding(config.data.files),
+    )
+    for i, ids in enumerate(prompts):
+        what = f"data.eval_prompts {config.data.eval_prompts}: prompt {i}"
+        check_budget(target.config, len(ids), config.data.eval_max_new_tokens, what)
+    repeated = count_training_prompts(prompts, records)
+    if repeated:
+        logger.warning(
+            "%d of the %d evaluation prompts of %s are training prompts: their tau is not held out",
+            repeated,
+            len(prompts),
+            config.data.eval_prompts,
+        )
+    return prompts
 
 
 class StepInputs(NamedTuple):

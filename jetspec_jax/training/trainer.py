@@ -25,16 +25,18 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
-from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
-from jetspec_jax.training.data import count_training_prompts, read_regenerated
+from jetspec_jax.training.data import read_regenerated
 from jetspec_jax.training.differences import check_start_fits
-from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids, prompts_tau
+from jetspec_jax.training.evaluate import prompts_tau
 from jetspec_jax.training.run_helpers import (
+    check_fits_context,
+    check_input_files,
     host_params,
     place_step_inputs,
+    read_eval_prompts,
     with_device_params,
     with_host_params,
 )
@@ -211,63 +213,6 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     return Draft(
         config=configured, params=start.params, dtype=start.dtype, target_config=target.config
     )
-
-
-def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) -> None:
-    """Refuses missing data or evaluation files (`data` and `more`) before the model load, which
-    can take minutes. `eval_tau`: the run reads `data.eval_prompts` (when it names a file)."""
-    eval_prompts = [config.data.eval_prompts] if eval_tau and config.data.eval_prompts else []
-    missing = [f for f in (*config.data.files, *eval_prompts, *more) if not os.path.isfile(f)]
-    if missing:
-        raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
-
-
-def check_fits_context(config: TrainConfig, target: Target) -> None:
-    """Refuses `data.max_length` beyond the target's context: positions past it would run the
-    target's rotary embedding where it was never trained."""
-    context = target.config.max_position_embeddings
-    if config.data.max_length > context:
-        raise ValueError(
-            f"data.max_length {config.data.max_length} exceeds the target's context of "
-            f"{context} tokens"
-        )
-
-
-def read_eval_prompts(
-    config: TrainConfig, target: Target, records: list[dict]
-) -> list[list[int]] | None:
-    """The token ids of the evaluation prompts `config.data` names (None when it names none),
-    read before any training so that a missing or malformed file, or a prompt too long for the
-    context, fails the run at once (not at its first evaluation, which would fail every resume
-    too). Text prompts are encoded as the training data was (`data_encoding`); those that are
-    prompts of the training `records` are counted in a warning.
-
-    Raises:
-        FileNotFoundError, ValueError: as `eval_prompt_ids` and `data_encoding`; ValueError: a
-            prompt (named by index) that with `data.eval_max_new_tokens` exceeds the target's
-            context.
-    """
-    if not config.data.eval_prompts:
-        return None
-    prompts = eval_prompt_ids(
-        target,
-        config.data.eval_prompts,
-        num_prompts=config.data.eval_num_prompts,
-        math_suffix=config.data.eval_math_suffix,
-        encoding=data_encoding(config.data.files),
-    )
-    for i, ids in enumerate(prompts):
-        what = f"data.eval_prompts {config.data.eval_prompts}: prompt {i}"
-        check_budget(target.config, len(ids), config.data.eval_max_new_tokens, what)
-    repeated = count_training_prompts(prompts, records)
-    if repeated:
-        logger.warning(
-            "%d of the %d evaluation prompts of %s are training prompts: their tau is not held out",
-            repeated,
-            len(prompts),
-            config.data.eval_prompts,
-        )
-    return prompts
 
 
 def _as_draft(draft: Draft, state, dtype: str) -> Draft:
