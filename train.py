@@ -150,7 +150,6 @@ def _train_adapter(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     """Fits the calibration of a JetSpec++ checkpoint (replacement confidence, outcome-score
     temperatures) and stores it in the checkpoint."""
-    import dataclasses
     import json
 
     from jetspec_jax.flag_paths import require_paths
@@ -169,19 +168,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
     from jetspec_jax.checkpoint.roles import replaces_only
     from jetspec_jax.decoding.refinement import check_replacement_confidence
-    from jetspec_jax.training.calibration import fit_calibration
-    from jetspec_jax.training.calibration_rounds import (
-        collect_rounds,
-        distinct_sequences,
-        evaluate_rounds,
-        held_out_sequences,
-    )
+    from jetspec_jax.training.calibrate import calibrate
+    from jetspec_jax.training.calibration_rounds import distinct_sequences
     from jetspec_jax.training.data import read_regenerated
-    from jetspec_jax.training.replacement_fit import (
-        check_confidence_grid,
-        fit_replacement_confidence,
-    )
+    from jetspec_jax.training.replacement_fit import check_confidence_grid
 
+    # The flags `calibrate` refuses, refused now in their own terms, not after the loads.
     if args.replacement_confidence is not None and args.confidence_grid is not None:
         raise ValueError("give --replacement-confidence (store it) or --confidence-grid (fit)")
     if args.confidence_grid is not None and not args.refreshes:
@@ -190,7 +182,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             "--refreshes >= 1"
         )
     check_replacement_confidence(args.replacement_confidence or 0.0)
-    if args.confidence_grid is not None:  # refused now, not after the loads
+    if args.confidence_grid is not None:
         check_confidence_grid(args.confidence_grid, "--confidence-grid")
     if not is_bundle(args.draft):
         raise ValueError(
@@ -219,107 +211,73 @@ def _calibrate(args: argparse.Namespace) -> int:
             repeats,
         )
     draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
-    round_args = dict(
-        num_rounds=args.num_rounds,
+    result = calibrate(
+        target,
+        draft,
+        records,
         refine_passes=args.refine_passes,
         refreshes=args.refreshes,
+        replacement_confidence=args.replacement_confidence,
+        confidence_grid=args.confidence_grid,
+        holdout_fraction=args.holdout_fraction,
+        num_rounds=args.num_rounds,
         anchors_per_sequence=args.anchors_per_sequence,
         max_length=args.max_length,
         seed=args.seed,
     )
-    confidence, confidence_fit = args.replacement_confidence, None
-    confidence_source = "given, not fitted"
-    if confidence is None and args.refreshes:
-        grid = {} if args.confidence_grid is None else {"grid": args.confidence_grid}
-        confidence_fit = fit_replacement_confidence(
-            target, draft, records, **grid, holdout_fraction=args.holdout_fraction, **round_args
-        )
-        confidence = confidence_fit.best
-    if confidence is None:  # neither given nor fitted (no refreshes, which never read it)
-        confidence = draft.calibration.replacement_confidence if draft.calibration else 0.0
-        confidence_source = "the checkpoint's, kept: R0 does not use it"
-    # The temperatures score the drafts the served refinement (with that confidence) makes.
-    rounds = (
-        collect_rounds(target, draft, records, replacement_confidence=confidence, **round_args)
-        if confidence_fit is None
-        else confidence_fit.chosen_rounds
-    )
-    # The sequences held out of the confidence's choice are held out of the temperatures' fit.
-    held = (
-        held_out_sequences(rounds, args.holdout_fraction, seed=args.seed)
-        if confidence_fit is None
-        else confidence_fit.held_sequences
-    )
-    fit, held_out = rounds.split(held)
-    calibration = dataclasses.replace(
-        fit_calibration(*fit.fit_arrays),
-        replacement_confidence=confidence,
-        fitted_for=f"J{args.refine_passes}-R{args.refreshes}",
-    )
-    report = evaluate_rounds(held_out, calibration)
-    # Saved in the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).
-    stored = (
-        draft
-        if draft.dtype == stored_dtype
-        else (jetspec_jax.load_draft(args.draft, target, dtype=stored_dtype))
-    )
+    _print_calibration(result, f"J{args.refine_passes}-R{args.refreshes}")
+    if report_path is not None:
+        report = {"refine_passes": args.refine_passes, "refreshes": args.refreshes}
+        report |= result.report()
+        write_text_atomically(report_path, json.dumps(report, indent=2) + "\n")
+    # Last: the figures above are printed (and reported) even if this write fails. Saved in the
+    # checkpoint's own dtype (a bfloat16 target must not round fp32 weights).
+    if draft.dtype != stored_dtype:
+        draft = jetspec_jax.load_draft(args.draft, target, dtype=stored_dtype)
+    draft.with_adapter(draft.adapter, result.calibration).save(out, overwrite=out.exists())
+    print(f"calibration saved in {out / 'calibration.json'}")
+    return 0
 
-    if confidence_fit is not None:
+
+def _print_calibration(result, setting: str) -> None:
+    """`calibrate`'s summary: the confidence (its grid's scores when fitted), the rounds, the
+    temperatures, and their held-out log-likelihood and hit rates."""
+    calibration, fit = result.calibration, result.confidence_fit
+    confidence = calibration.replacement_confidence
+    if fit is not None:
         print(
-            f"replacement confidence: tau per round (J{args.refine_passes}-R{args.refreshes}) "
-            f"on {confidence_fit.rounds} fit and {confidence_fit.held_out_rounds} held-out rounds"
+            f"replacement confidence: tau per round ({setting}) on {fit.rounds} fit and "
+            f"{fit.held_out_rounds} held-out rounds"
         )
         print("  confidence     fit  held out")
-        for value, tau in confidence_fit.tau.items():
-            held_tau = confidence_fit.held_out_tau[value]
+        for value, tau in fit.tau.items():
             chosen = "  <- fitted" if value == confidence else ""
-            print(f"  {value:>10.2f}  {tau:.4f}  {held_tau:.4f}{chosen}")
+            print(f"  {value:>10.2f}  {tau:.4f}  {fit.held_out_tau[value]:.4f}{chosen}")
     else:
-        print(f"replacement confidence: {confidence:.2f} ({confidence_source})")
-    ll = report["log_likelihood"]
+        source = {
+            "given": "given, not fitted",
+            "kept": "the checkpoint's, kept: R0 does not use it",
+        }[result.confidence_source]
+        print(f"replacement confidence: {confidence:.2f} ({source})")
     print(
-        f"calibration rounds: {len(rounds)} (J{args.refine_passes}-R{args.refreshes}; fit "
-        f"{len(fit)}, held out {len(held_out)}; {rounds.dropped} dropped: not the target's "
-        "greedy continuation)"
+        f"calibration rounds: {len(result.rounds)} ({setting}; fit {result.fit_rounds}, held out "
+        f"{result.held_out_rounds}; {result.rounds.dropped} dropped: not the target's greedy "
+        "continuation)"
     )
     print(
         f"fitted acceptance_temperature {calibration.acceptance_temperature:.4f}, "
         f"bonus_temperature {calibration.bonus_temperature:.4f}"
     )
+    ll = result.held_out["log_likelihood"]
     print(
         f"held-out log-likelihood per round: uncalibrated {ll['uncalibrated']:.4f} -> "
         f"calibrated {ll['calibrated']:.4f} nats"
     )
-    budgets = list(next(iter(report["hit_rate"].values())))
+    hit_rate = result.held_out["hit_rate"]
+    budgets = list(next(iter(hit_rate.values())))
     print("held-out hit rate  " + "".join(f"{'B=' + str(b):>8}" for b in budgets))
-    for rule, rates in report["hit_rate"].items():
+    for rule, rates in hit_rate.items():
         print(f"  {rule:<16}" + "".join(f"{rates[b]:>8.3f}" for b in budgets))
-    if report_path is not None:
-        full = {
-            "calibration": calibration.to_dict(),
-            "refine_passes": args.refine_passes,
-            "refreshes": args.refreshes,
-            "rounds": len(rounds),
-            "fit_rounds": len(fit),
-            "dropped": rounds.dropped,
-            "replacement_confidence_tau": (
-                None
-                if confidence_fit is None
-                else {
-                    side: {str(c): tau for c, tau in scores.items()}
-                    for side, scores in (
-                        ("fit", confidence_fit.tau),
-                        ("held_out", confidence_fit.held_out_tau),
-                    )
-                }
-            ),
-            **{"held_out_" + k: v for k, v in report.items()},
-        }
-        write_text_atomically(report_path, json.dumps(full, indent=2) + "\n")
-    # Last: the figures above are printed (and reported) even if this write fails.
-    stored.with_adapter(stored.adapter, calibration).save(out, overwrite=out.exists())
-    print(f"calibration saved in {out / 'calibration.json'}")
-    return 0
 
 
 def _check_greedy(data_files: list[str]) -> None:

@@ -18,7 +18,8 @@ from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
-from jetspec_jax.training import calibration, replacement_fit
+from jetspec_jax.training import calibrate as calibrate_module
+from jetspec_jax.training import replacement_fit
 from jetspec_jax.training.calibration import fit_calibration
 from jetspec_jax.training.calibration_rounds import (
     Rounds,
@@ -188,13 +189,13 @@ def test_calibrate_fits_the_temperatures_on_the_fit_rounds_only(setup, tmp_path,
     then scores them on (this untrained pair's fit would not tell the sets apart by its values)."""
     target, draft, records = setup
     fitted_on = []
-    fit = calibration.fit_calibration
+    fit = calibrate_module.fit_calibration
 
     def spy(logits_hat, drafts, k_true, a_true, **kwargs):
         fitted_on.append(len(k_true))
         return fit(logits_hat, drafts, k_true, a_true, **kwargs)
 
-    monkeypatch.setattr(calibration, "fit_calibration", spy)
+    monkeypatch.setattr(calibrate_module, "fit_calibration", spy)
     data, report = tmp_path / "data.jsonl", tmp_path / "report.json"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     argv = ["calibrate", "--target", str(target.save(tmp_path / "target"))]
@@ -203,6 +204,23 @@ def test_calibrate_fits_the_temperatures_on_the_fit_rounds_only(setup, tmp_path,
     assert train.main([*argv, "--replacement-confidence", "0"]) == 0
     summary = json.loads(report.read_text())
     assert fitted_on == [summary["fit_rounds"]] and summary["fit_rounds"] < summary["rounds"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(replacement_confidence=0.5, confidence_grid=(0, 1)), "not both"),
+        (dict(refreshes=0, confidence_grid=(0, 1)), "it needs refreshes >= 1"),
+        (dict(confidence_grid=(0, 1, 0)), "repeats a value"),
+        (dict(replacement_confidence=1.5), "replacement_confidence must be in"),
+        (dict(holdout_fraction=1.0), "holdout fraction must be in"),
+    ],
+)
+def test_calibrate_refuses_bad_settings_before_any_round(kwargs, message, monkeypatch):
+    monkeypatch.setattr(calibrate_module, "collect_rounds", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(replacement_fit, "collect_rounds", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(ValueError, match=message):
+        calibrate_module.calibrate(None, None, [], **kwargs)
 
 
 def test_confidences_below_one_share_one_compiled_program(setup):
