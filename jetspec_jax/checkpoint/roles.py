@@ -17,8 +17,9 @@ BUNDLE_MANIFEST = "jetspec_pp.json"
 
 
 def checkpoint_role(path: str | pathlib.Path) -> str | None:
-    """ "draft" (a JetSpec++ checkpoint, or a draft in the DFlash/JetSpec layout), "adapter",
-    "target" (any other HF `config.json`), or None: no readable `config.json` object."""
+    """The role of the checkpoint at `path`: "draft" (a JetSpec++ checkpoint, or a draft in the
+    DFlash/JetSpec layout), "adapter", "target" (any other HF `config.json`), or None (no
+    readable `config.json` object)."""
     if (pathlib.Path(path) / BUNDLE_MANIFEST).is_file():
         return "draft"
     try:
