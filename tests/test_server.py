@@ -37,6 +37,7 @@ import serve as serve_py
 from jetspec_jax import DecodingOptions
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.bench.load import markdown, run_load
+from jetspec_jax.decoding.results import Timing, row_result
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.prompting import encode_prompt
 from jetspec_jax.sampling import SamplingParams
@@ -865,6 +866,54 @@ def test_load_tool_measures_the_server(server):
         assert 0 < result.ttft_p50 <= result.latency_p50 <= result.latency_p99
         assert result.requests_per_second > 0 and result.tokens_per_second > 0
     assert "| 4 | 6 | 0 |" in markdown([result])
+
+
+def test_max_tokens_that_fill_the_context_exactly_are_accepted_and_one_more_refused():
+    """The check that backs the server's `max_model_len` (the scheduler checks only the model's
+    own, larger context): an off-by-one here would serve requests past the advertised limit."""
+    model = ModelInfo("tiny", tokenizer=None, context_length=20)  # token-id prompts
+    prompt = [5, 6, 7, 8]
+    assert (
+        parse_completion(dict(model="tiny", prompt=prompt, max_tokens=16), model).max_tokens == 16
+    )
+    with pytest.raises(RequestError) as refused:
+        parse_completion(dict(model="tiny", prompt=prompt, max_tokens=17), model)
+    assert refused.value.status == 400
+    assert refused.value.body()["error"]["code"] == "context_length_exceeded"
+
+
+def _finished_row(tokens):
+    """`row_outputs` of a finished row whose output buffer is exactly its budget."""
+    return {
+        "output": np.asarray(tokens, np.int32),
+        "num_generated": len(tokens),
+        "round_lengths": np.ones(len(tokens), np.int32),
+        "num_rounds": len(tokens),
+        "done": True,
+    }
+
+
+class _LetterTokenizer:
+    """Token i is a letter; 9 is the stop token (skipped as special)."""
+
+    added_tokens_decoder = {}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids if i != 9)
+
+
+def test_a_stop_token_that_spends_the_budget_finishes_with_stop():
+    """OpenAI's "stop": the model stopped, here on the last token its budget allowed, which
+    "length" would misreport (the library's and the server's answers both)."""
+    timing = Timing(0.0, 0.0, 0.0)
+    assert row_result(_finished_row([4, 5, 9]), 3, (9,), timing, False).finish_reason == "stop"
+    assert row_result(_finished_row([4, 5, 6]), 3, (9,), timing, False).finish_reason == "length"
+    assert row_result(_finished_row([4, 9]), 3, (9,), timing, True).finish_reason == "stop"
+    result = row_result(_finished_row([4, 5, 9]), 3, (9,), timing, False)
+    output = app_module._Output(_LetterTokenizer(), ())
+    output.add(result.tokens)
+    assert output.finish_reason(result) == "stop"
+    assert output.completion_tokens(result) == 3  # the stop token counted, as OpenAI counts it
 
 
 def test_metrics_parse(server, http):
