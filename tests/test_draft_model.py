@@ -21,6 +21,7 @@ import transformers
 from dflash import model as dflash_model
 
 from jetspec_jax import CheckpointError, generate, load_target
+from jetspec_jax.checkpoint.draft_hf import draft_config_from_hf, draft_config_to_hf
 from jetspec_jax.draft import default_target_layer_ids, draft_config, init_draft, load_draft
 from jetspec_jax.models.draft import DraftConfig, draft_hidden, draft_logits, empty_cache
 from jetspec_jax.models.draft import extend_context as extend_draft_context
@@ -594,3 +595,13 @@ def test_a_target_or_an_adapter_directory_is_refused_as_a_draft(checkpoints, tar
     save_adapter(adapter, tmp_path / "adapter")
     with pytest.raises(CheckpointError, match="is an adapter, not a draft"):
         load_draft(tmp_path / "adapter", target)
+
+
+def test_the_drafts_output_options_survive_export_and_load(target):
+    """Non-default logit and embedding options written to config.json and read back: a field
+    export dropped would change the served draft's logits (and its acceptance) unsaid."""
+    draft = init_draft(target, variant="jetspec++")
+    config = dataclasses.replace(
+        draft.config, input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=30.0
+    )
+    assert draft_config_from_hf(draft_config_to_hf(config, target.config), target.config) == config

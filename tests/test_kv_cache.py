@@ -13,7 +13,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.models import layers
 from jetspec_jax.models.kv_cache import KVCache
-from jetspec_jax.models.transformer import forward, unembed
+from jetspec_jax.models.transformer import forward, init_cache, unembed
 
 TOL = 1e-4
 
@@ -143,8 +143,6 @@ def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target, 
 
 
 def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):
-    from jetspec_jax.models.transformer import init_cache
-
     dense = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
     hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
     tokens = jnp.ones((1, 2), jnp.int32)
@@ -154,3 +152,30 @@ def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):
     with pytest.raises(ValueError, match="dense model's cache is a KVCache, got HybridCache"):
         forward(dense.params, dense.config, tokens, hybrid_cache)
     assert isinstance(init_cache(dense.config, 1, 8, jnp.float32), KVCache)
+
+
+def test_rolling_back_never_lengthens_a_row(whole_cache_target):
+    """`rolled_back` to a length past a row's own keeps the row's (what it holds past that is
+    not its context)."""
+    t = whole_cache_target
+    cache = init_cache(t.config, 2, 16, jnp.float32)
+    ids = np.random.default_rng(0).integers(0, t.config.vocab_size, (2, 5))
+    cache = forward(t.params, t.config, ids, cache, num_new=jnp.array([5, 3])).cache
+    np.testing.assert_array_equal(cache.rolled_back(jnp.array([2, 9])).lengths, [2, 3])
+
+
+def test_padding_past_a_full_cache_is_dropped_not_written_on_its_last_slot(whole_cache_target):
+    """A block whose real token fills the cache's last slot and whose padding runs past the
+    capacity (a verify block near the end of a budget): the padding's writes are dropped, so the
+    committed slot keeps the real token's key and value."""
+    t = whole_cache_target
+    p, c = t.params, t.config
+    ids = np.random.default_rng(5).integers(0, c.vocab_size, (1, 6))
+    want = np.asarray(unembed(p, c, forward(p, c, ids).hidden))[0, -1]
+    cache = forward(p, c, ids[:, :5], init_cache(c, 1, 6, jnp.float32)).cache
+    block = np.concatenate([ids[:, 5:], np.array([[7, 8, 9]])], axis=1)  # positions 5 .. 8
+    out = forward(p, c, block, cache, num_new=jnp.array([1]))
+    np.testing.assert_allclose(np.asarray(unembed(p, c, out.hidden))[0, 0], want, atol=TOL)
+    alone = forward(p, c, ids[:, 5:], cache).cache  # the real token written alone
+    np.testing.assert_allclose(out.cache.k[:, 0, 5], alone.k[:, 0, 5], atol=TOL)
+    np.testing.assert_allclose(out.cache.v[:, 0, 5], alone.v[:, 0, 5], atol=TOL)

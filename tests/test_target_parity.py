@@ -59,6 +59,22 @@ def test_tap_layers_out_of_range_are_refused(checkpoints):
         forward(target.params, target.config, np.zeros((1, 4), np.int32), tap_layers=(3,))
 
 
+def test_bfloat16_weights_are_rounded_to_nearest_as_torch_rounds_them(checkpoints):
+    """A truncating cast would stay within the tolerance below, but lose bitwise agreement with
+    HF's own bfloat16 weights."""
+    path, model = checkpoints.get("qwen3")
+    target = jetspec_jax.load_target(path, dtype="bfloat16")
+
+    def torch_bf16(weight):
+        return weight.detach().to(torch.bfloat16).float().numpy()
+
+    q_kernel = target.params["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    want = torch_bf16(model.model.layers[0].self_attn.q_proj.weight).T
+    np.testing.assert_array_equal(np.asarray(q_kernel).astype(np.float32), want)
+    embedding = np.asarray(target.params["embed_tokens"]["embedding"]).astype(np.float32)
+    np.testing.assert_array_equal(embedding, torch_bf16(model.model.embed_tokens.weight))
+
+
 def test_bfloat16_stays_close_to_float32(checkpoints):
     path, _ = checkpoints.get("qwen3")
     ids = np.random.default_rng(4).integers(0, 97, (1, 24))
