@@ -194,6 +194,14 @@ def test_zero_attention_heads_is_named(base):
 
 
 @pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}, HYBRID])
+def test_an_absent_rms_norm_eps_defaults_as_transformers_reads_it(base):
+    hf = {k: v for k, v in base.items() if k != "rms_norm_eps"}
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    want = transformers.AutoConfig.for_model(hf["model_type"], **fields).rms_norm_eps
+    assert config_from_hf(hf).rms_norm_eps == want
+
+
+@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}, HYBRID])
 @pytest.mark.parametrize("value", ["absent", None])
 def test_num_key_value_heads_defaults_as_transformers_reads_it(base, value):
     """Absent: Qwen3's default is 32 KV heads, Qwen3.5's 4, Llama's num_attention_heads; null:
