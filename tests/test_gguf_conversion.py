@@ -314,6 +314,41 @@ def _tiny_llama_gguf(
     return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab, eot)
 
 
+def test_grouped_heads_are_unpermuted_as_transformers_reads_them(tmp_path):
+    """4 query heads over 2 KV heads (the default model's 9 over 3 leave some head counts
+    unexercised): llama.cpp's rotary permutation of q and of k, each undone with its own head
+    count, gives transformers' weights (its GGUF loader as the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(0)
+    weights = {
+        "blk.0.attn_q.weight": rng.standard_normal((16, 16)).astype(np.float32),
+        "blk.0.attn_k.weight": rng.standard_normal((8, 16)).astype(np.float32),
+    }
+    fields = {"embedding_length": 16, "attention.head_count": 4, "attention.head_count_kv": 2}
+    shapes = {
+        "token_embd.weight": (len(TINY_VOCAB), 16),
+        "output_norm.weight": (16,),
+        "blk.0.attn_norm.weight": (16,),
+        "blk.0.ffn_norm.weight": (16,),
+        "blk.0.attn_v.weight": (8, 16),
+        "blk.0.attn_output.weight": (16, 16),
+        "blk.0.ffn_gate.weight": (16, 16),
+        "blk.0.ffn_up.weight": (16, 16),
+        "blk.0.ffn_down.weight": (16, 16),
+    }
+    tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()} | weights
+    base = {"block_count": 1, "feed_forward_length": 16, "context_length": 32}
+    base["attention.layer_norm_rms_epsilon"] = 1e-5
+    path = _write_gguf(tmp_path / "gqa.gguf", "llama", tensors, base | fields, TINY_VOCAB)
+    out = convert_gguf_to_hf(path, tmp_path / "hf", show_progress=False)
+    ours = safetensors.numpy.load_file(out / "model.safetensors")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).state_dict()
+    for name in ("q_proj", "k_proj"):
+        key = f"model.layers.0.self_attn.{name}.weight"
+        np.testing.assert_array_equal(ours[key], ref[key].numpy())
+
+
 def test_sentencepiece_tokenizer_adds_bos_as_transformers_does(tmp_path):
     """A "llama" (SentencePiece) vocabulary whose file has no add_bos_token flag gets BOS, as
     transformers' `get_gguf_tokenizer` (and llama.cpp) give it."""
