@@ -121,19 +121,28 @@ def test_pipelined_sampled_tokens_equal_ar_with_the_same_seed(target, draft, pro
 @pytest.mark.parametrize("form", PIPELINES)
 def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
     """The loop resumes across chunks (SPMD: the carry is gathered and re-replicated each call;
-    MPMD: the draft device's mirror is rebuilt from the decode side)."""
-    session = DecodeSession(
-        target,
-        prompts,
-        draft=ScaledOracleDraft(draft, MIXED),
-        options=foresight_options(1, form),
-        max_new_tokens=N_NEW,
-        stop_token_ids=[],
-    )
-    chunks = list(session.chunks(2))
+    MPMD: the draft device's mirror is rebuilt from the decode side), and a chunk of n target
+    forwards is n rounds (a loop one round short would still join up to AR's tokens)."""
+
+    def session():
+        return DecodeSession(
+            target,
+            prompts,
+            draft=ScaledOracleDraft(draft, MIXED),
+            options=foresight_options(1, form),
+            max_new_tokens=N_NEW,
+            stop_token_ids=[],
+        )
+
+    chunks = list(session().chunks(2))
     assert len(chunks) > 2
     joined = [sum((chunk[row] for chunk in chunks), []) for row in range(len(prompts))]
     assert joined == _ar(target, prompts)
+    two = session()
+    two.start()
+    two.advance(2)
+    rounds = two._state.num_verify_rounds  # test-only inspection
+    assert jax.device_get(rounds).tolist() == [2] * len(prompts)
 
 
 @pytest.mark.parametrize("form", PIPELINES)
