@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 import jetspec_jax
 from jetspec_jax import SamplingParams
-from jetspec_jax.decoding.request_checks import check_token_ids
+from jetspec_jax.decoding.request_checks import check_budget, check_token_ids
 from jetspec_jax.decoding.session import DecodeSession
 from tests.text_fixtures import EOS_ID, with_tokenizer
 
@@ -264,3 +266,10 @@ def test_a_draft_without_its_method_is_refused_naming_the_method(target, prompts
     message = "method 'ar' \\(the default\\) takes no draft model; pass method='jetspec'"
     with pytest.raises(ValueError, match=message):
         jetspec_jax.generate(target, prompts[0], draft=draft, max_new_tokens=4)
+
+
+def test_a_prompt_and_budget_that_exactly_fill_the_context_fit():
+    config = types.SimpleNamespace(max_position_embeddings=64)
+    assert check_budget(config, 60, 4) == 4
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        check_budget(config, 60, 5)

@@ -17,14 +17,17 @@ import types
 from unittest import mock
 
 import pytest
+import tqdm
 
 import jetspec_jax
+from jetspec_jax.bench import runner
 from jetspec_jax.bench.__main__ import main
 from jetspec_jax.bench.datasets import Dataset, load_dataset
-from jetspec_jax.bench.methods import MethodSpec, parse_methods
-from jetspec_jax.bench.runner import Summary, run_benchmark
+from jetspec_jax.bench.methods import MethodSpec, parse_method, parse_methods
+from jetspec_jax.bench.runner import Sample, Summary, run_benchmark, summarize
 from jetspec_jax.data.prompts import MATH_SUFFIX, prompt_text
 from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.results import GenerationResult, Timing
 from tests.text_fixtures import with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -764,3 +767,64 @@ def test_the_refinement_bench_refuses_an_empty_run(flag, capsys):
     with pytest.raises(SystemExit):
         bench_refinement.main(["--draft", "d", flag, "0"])
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _sample(method, new_tokens, rounds, seconds, matches=None):
+    """A measured sample of prompt "p" (tau as `GenerationResult.tau` reads: the prefill's token
+    excluded)."""
+    return Sample(
+        dataset="d",
+        prompt_id="p",
+        method=method,
+        temperature=0.0,
+        prompt_tokens=4,
+        new_tokens=new_tokens,
+        rounds=rounds,
+        tau=max(new_tokens - 1, 0) / max(rounds, 1),
+        prefill_seconds=0.0,
+        decode_seconds=seconds,
+        compile_seconds=0.0,
+        finish_reason="length",
+        matches_ar=matches,
+        foresight_hits=None,
+    )
+
+
+def test_a_summary_pools_tau_over_rounds_and_speedup_is_the_methods_rate_over_ars():
+    samples = [
+        _sample("ar", 11, 10, 1.0),
+        _sample("ar", 2, 1, 0.1),
+        _sample("spec", 11, 2, 0.5, True),  # tau 5
+        _sample("spec", 2, 1, 0.05, True),  # tau 1
+    ]
+    ar, spec = summarize(samples)
+    assert spec.tau == pytest.approx(11 / 3)  # pooled, not (5 + 1) / 2
+    assert ar.tau == pytest.approx(1.0)
+    assert spec.speedup == pytest.approx((11 / 0.55) / (11 / 1.1))  # 2x, not 0.5x
+    assert spec.matches_ar == 2 and ar.matches_ar is None
+
+
+def test_an_output_that_is_a_prefix_of_ars_or_runs_past_it_does_not_match(monkeypatch):
+    outputs = {("ar", 0): [7, 8, 9], ("jetspec", 0): [7, 8], ("ar", 1): [5], ("jetspec", 1): [5, 6]}
+
+    def fake_generate(target, prompt, *, method, seed, **kwargs):
+        tokens = outputs[(method, seed)]
+        return GenerationResult(
+            tokens, [1] * len(tokens), "length", len(prompt), Timing(0, 0.01, 0)
+        )
+
+    monkeypatch.setattr(runner, "generate", fake_generate)
+    data = Dataset("d", ["a", "b"], [[1, 2], [3, 4]])
+    settings = dict(temperature=0.0, max_new_tokens=4)
+    with tqdm.tqdm(disable=True) as progress:
+        samples = runner._side_by_side(
+            None, data, parse_methods("jetspec"), {"jetspec": object()}, settings, 0, progress, None
+        )
+    assert [s.matches_ar for s in samples] == [None, False, None, False]
+
+
+def test_foresight_alone_sets_no_refinement_passes():
+    options = parse_method("jetspec++-F4").options
+    assert (options.refine_passes, options.refreshes, options.foresight) == (0, 0, 4)
+    options = parse_method("jetspec++-K8-F2-spmd").options
+    assert (options.refine_passes, options.foresight, options.block_size) == (0, 2, 8)

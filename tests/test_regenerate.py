@@ -21,11 +21,12 @@ import sys
 import pytest
 
 import jetspec_jax
+from jetspec_jax.data.jsonl import read_jsonl
 from jetspec_jax.data.prompts import MATH_SUFFIX
-from jetspec_jax.data.regenerate import check_output_path, regenerate, settings_path
+from jetspec_jax.data.regenerate import check_output_path, read_records, regenerate, settings_path
 from jetspec_jax.prompting import PromptEncoding, encode_prompt
 from jetspec_jax.sampling import row_seed
-from tests.text_fixtures import with_tokenizer
+from tests.text_fixtures import char_tokenizer, with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_NEW = 8
@@ -461,3 +462,46 @@ def test_cli_bad_argument_exits_2_without_traceback(prompt_files, tmp_path):
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 2 and "Traceback" not in stderr
         assert f"error: {flag[0]} is a chat-template setting; drop --no-chat" in stderr
+
+
+def test_chat_prompts_end_in_the_assistants_turn_with_thinking_off():
+    """With a template that reads `enable_thinking` (Qwen3's do): the generation prompt is added,
+    thinking is off unless asked for, and a system message comes first."""
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'][0] }}:{{ m['content'] }}<|im_end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>a:"
+        "{% if enable_thinking is defined and not enable_thinking %}N{% endif %}{% endif %}"
+    )
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    turn = "<|im_start|>u:Hi<|im_end|><|im_start|>a:"
+    assert encode_prompt(tokenizer, "Hi", chat=True) == ids(turn + "N")
+    assert encode_prompt(tokenizer, "Hi", chat=True, thinking=True) == ids(turn)
+    with_system = encode_prompt(tokenizer, "Hi", chat=True, system="S")
+    assert with_system == ids("<|im_start|>s:S<|im_end|>" + turn + "N")
+
+
+def test_a_malformed_middle_line_is_an_error_even_when_skipping_a_torn_tail(tmp_path):
+    """Only a last line without its newline is a write a kill cut; a damaged line before it is
+    an error (a resume that stopped reading there would write the later records again)."""
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": "a"}\n{"id": "b", \n{"id": "c"}\n{"id": "d", "x"')
+    with pytest.raises(ValueError, match="out.jsonl:2 is not valid JSON"):
+        list(read_jsonl(path, skip_partial_tail=True))
+    path.write_bytes(b'{"id": "a"}\n{"id": "c"}\n{"id": "d", "x"')
+    assert [o["id"] for _, o in read_jsonl(path, skip_partial_tail=True)] == ["a", "c"]
+
+
+def test_read_records_suffixes_the_sources_it_is_given(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"id": "g", "prompt": "x", "source": "gsm8k"},
+        {"id": "m", "prompt": "y", "source": "mbpp"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_id = {r.id: r.text for r in read_records([path], math_suffix_sources=("mbpp",))}
+    assert by_id == {"g": "x", "m": "y" + MATH_SUFFIX}
+    assert [r.text for r in read_records([path], math_suffix_sources=())] == ["x", "y"]

@@ -31,7 +31,7 @@ from jetspec_jax.training.config import (
     RunConfig,
     TrainConfig,
 )
-from jetspec_jax.training.data import read_regenerated, training_dataset
+from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau, prompts_tau
 from jetspec_jax.training.run_helpers import Throughput, host_params
 from jetspec_jax.training.run_loop import LOCK_FILE, has_checkpoint
@@ -1205,3 +1205,16 @@ def test_export_dtype_keeps_a_bfloat16_targets_draft_in_float32(target, data_fil
     assert any(np.any(x != x.astype(jnp.bfloat16).astype(np.float32)) for x in leaves)
     with pytest.raises(ValueError, match="invalid value for export_dtype"):
         dataclasses.replace(config, export_dtype="float16")
+
+
+def test_an_example_keeps_the_prompt_cuts_the_responses_end_and_masks_the_response():
+    record = {
+        "prompt_ids": np.asarray([1, 2, 3], np.int32),
+        "response_ids": np.asarray([4, 5, 6, 7, 8, 9], np.int32),
+    }
+    cut = to_example(record, max_length=6)
+    assert cut["tokens"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert cut["loss_mask"].tolist() == [False] * 3 + [True] * 3
+    padded = to_example(record, max_length=12)
+    assert padded["tokens"].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0]
+    assert padded["loss_mask"].tolist() == [False] * 3 + [True] * 6 + [False] * 3
