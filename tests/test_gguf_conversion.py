@@ -285,9 +285,11 @@ def _tiny_llama_gguf(
     vocab: list[str] | None = TINY_VOCAB,
     fields: dict | None = None,
     eot: int | None = None,
+    vocab_rows: int = 10,
 ) -> Path:
-    """A 1-layer llama GGUF (hidden 8, 2 heads, 1 KV head) with the tokenizer of `vocab` (see
-    `_write_gguf`); None: without a tokenizer. `fields` override its metadata."""
+    """A 1-layer llama GGUF (by default hidden 8, 2 heads, 1 KV head; `fields` override its
+    metadata, and the tensors follow) of all-ones weights but `extra_tensors`, with the
+    tokenizer of `vocab` (see `_write_gguf`; None: without a tokenizer)."""
     fields = {
         "block_count": 1,
         "embedding_length": 8,
@@ -297,18 +299,20 @@ def _tiny_llama_gguf(
         "attention.head_count_kv": 1,
         "attention.layer_norm_rms_epsilon": 1e-5,
     } | (fields or {})
+    hidden, ffn = fields["embedding_length"], fields["feed_forward_length"]
+    kv_width = hidden // fields["attention.head_count"] * fields["attention.head_count_kv"]
     shapes = {
-        "token_embd.weight": (10, 8),
-        "output_norm.weight": (8,),
-        "blk.0.attn_norm.weight": (8,),
-        "blk.0.ffn_norm.weight": (8,),
-        "blk.0.attn_q.weight": (8, 8),
-        "blk.0.attn_k.weight": (4, 8),
-        "blk.0.attn_v.weight": (4, 8),
-        "blk.0.attn_output.weight": (8, 8),
-        "blk.0.ffn_gate.weight": (16, 8),
-        "blk.0.ffn_up.weight": (16, 8),
-        "blk.0.ffn_down.weight": (8, 16),
+        "token_embd.weight": (vocab_rows, hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (kv_width, hidden),
+        "blk.0.attn_v.weight": (kv_width, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
     }
     tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
     return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab, eot)
@@ -326,21 +330,9 @@ def test_grouped_heads_are_unpermuted_as_transformers_reads_them(tmp_path):
         "blk.0.attn_k.weight": rng.standard_normal((8, 16)).astype(np.float32),
     }
     fields = {"embedding_length": 16, "attention.head_count": 4, "attention.head_count_kv": 2}
-    shapes = {
-        "token_embd.weight": (len(TINY_VOCAB), 16),
-        "output_norm.weight": (16,),
-        "blk.0.attn_norm.weight": (16,),
-        "blk.0.ffn_norm.weight": (16,),
-        "blk.0.attn_v.weight": (8, 16),
-        "blk.0.attn_output.weight": (16, 16),
-        "blk.0.ffn_gate.weight": (16, 16),
-        "blk.0.ffn_up.weight": (16, 16),
-        "blk.0.ffn_down.weight": (16, 16),
-    }
-    tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()} | weights
-    base = {"block_count": 1, "feed_forward_length": 16, "context_length": 32}
-    base["attention.layer_norm_rms_epsilon"] = 1e-5
-    path = _write_gguf(tmp_path / "gqa.gguf", "llama", tensors, base | fields, TINY_VOCAB)
+    path = _tiny_llama_gguf(
+        tmp_path / "gqa.gguf", weights, fields=fields, vocab_rows=len(TINY_VOCAB)
+    )
     out = convert_gguf_to_hf(path, tmp_path / "hf", show_progress=False)
     ours = safetensors.numpy.load_file(out / "model.safetensors")
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).state_dict()
