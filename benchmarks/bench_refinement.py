@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import jetspec_jax  # noqa: E402
 from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, publish  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
+from jetspec_jax.data.jsonl import trim_partial_last_line  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.results import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
@@ -163,12 +164,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _append_row(path: pathlib.Path, row: dict) -> None:
-    """Appends one JSONL row to `path`; a last line cut by a kill (no newline) is dropped first,
-    so the row never runs on from it."""
+    """Appends one JSONL row to `path`, after a last line a kill cut (which the row would run on
+    from) if there is one."""
     if path.exists():
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            path.write_bytes(data[: data.rfind(b"\n") + 1])
+        trim_partial_last_line(path)
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 

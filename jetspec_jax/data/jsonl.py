@@ -1,8 +1,10 @@
-"""Reading JSONL files with errors that name the file and line."""
+"""Reading JSONL files with errors that name the file and line, and mending one whose last write
+a kill cut, before appending to it."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 from collections.abc import Iterator
 
@@ -55,3 +57,40 @@ def is_partial_tail(line: bytes) -> bool:
     """Whether a file's last `line` is a JSON object's write cut short: no newline, starts with
     `{`, does not parse."""
     return not line.endswith(b"\n") and line.lstrip().startswith(b"{") and not is_json_object(line)
+
+
+def trim_partial_last_line(path: str | pathlib.Path) -> int:
+    """Makes the JSONL file `path` end with a complete line before more are appended: cuts a
+    last line that is no complete JSON object (a write a kill cut short), or ends a complete one
+    that lacks its newline. Returns the bytes cut (0 when nothing was)."""
+    with pathlib.Path(path).open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        keep = _end_of_last_line(f, size)
+        f.seek(keep)
+        if is_json_object(f.read(size - keep)):
+            f.write(b"\n")
+            cut = 0
+        else:
+            f.truncate(keep)
+            cut = size - keep
+        f.flush()
+        os.fsync(f.fileno())
+        return cut
+
+
+def _end_of_last_line(f, size: int, chunk: int = 1 << 16) -> int:
+    """Offset just after the last newline of the open binary file `f` (0 if it has none)."""
+    end = size
+    while end > 0:
+        begin = max(0, end - chunk)
+        f.seek(begin)
+        newline = f.read(end - begin).rfind(b"\n")
+        if newline >= 0:
+            return begin + newline + 1
+        end = begin
+    return 0

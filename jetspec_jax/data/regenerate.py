@@ -40,7 +40,7 @@ import tqdm
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.checkpoint.digest import directory_digest
-from jetspec_jax.data.jsonl import is_json_object, read_jsonl
+from jetspec_jax.data.jsonl import read_jsonl, trim_partial_last_line
 from jetspec_jax.data.prompts import MATH_SOURCES, prompt_text, read_prompts
 from jetspec_jax.file_lock import exclusively
 from jetspec_jax.generate import generate_as_completed
@@ -462,50 +462,15 @@ def _existing_ids(out_path: pathlib.Path) -> set[str]:
                 "'response_ids'); is it an output file?"
             )
         ids.add(obj["id"])
-    _truncate_partial_line(out_path)
-    return ids
-
-
-def _truncate_partial_line(path: pathlib.Path) -> None:
-    """Cuts the file after its last newline if what follows is no complete JSON line (a line cut
-    by a kill: `read_jsonl(skip_partial_tail=True)` has checked it is one); a complete last line
-    without its newline gets one."""
-    with path.open("r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return
-        keep = _end_of_last_line(f, size)
-        f.seek(keep)
-        if is_json_object(f.read(size - keep)):
-            f.write(b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-            return
+    cut = trim_partial_last_line(out_path)
+    if cut:
         logger.warning(
-            "%s ends in a partial line of %d bytes (an interrupted write); truncating it, so its "
-            "record is generated again",
-            path,
-            size - keep,
+            "%s ended in a partial line of %d bytes (an interrupted write), now cut: its record "
+            "is generated again",
+            out_path,
+            cut,
         )
-        f.truncate(keep)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _end_of_last_line(f, size: int, chunk: int = 1 << 16) -> int:
-    """Offset just after the last newline of the open binary file `f` (0 if it has none)."""
-    end = size
-    while end > 0:
-        begin = max(0, end - chunk)
-        f.seek(begin)
-        newline = f.read(end - begin).rfind(b"\n")
-        if newline >= 0:
-            return begin + newline + 1
-        end = begin
-    return 0
+    return ids
 
 
 def _check_positive(name: str, value) -> None:
