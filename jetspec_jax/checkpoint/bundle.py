@@ -30,9 +30,8 @@ from jetspec_jax.checkpoint.adapter_files import load_adapter, save_adapter
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.json_files import read_json
-from jetspec_jax.checkpoint.roles import BUNDLE_MANIFEST, replaces_only
 
-MANIFEST = BUNDLE_MANIFEST
+MANIFEST = "jetspec_pp.json"
 FORMAT = "jetspec_pp"
 FORMAT_VERSION = 1
 DRAFT_DIR = "draft"
@@ -69,6 +68,8 @@ def save_bundle(draft, out_dir: str | pathlib.Path, *, overwrite: bool = False) 
         "contents": contents,
     }
     plain = dataclasses.replace(draft, adapter=None, calibration=None)
+    from jetspec_jax.checkpoint.roles import replaces_only  # imports this module
+
     with atomic_directory(out_dir, overwrite=overwrite, refuse=replaces_only("draft")) as tmp:
         plain.save(tmp / DRAFT_DIR)
         save_adapter(draft.adapter, tmp / ADAPTER_DIR)

@@ -8,19 +8,17 @@ import pathlib
 
 from jetspec_jax.checkpoint.adapter_files import ARCHITECTURE as ADAPTER_ARCHITECTURE
 from jetspec_jax.checkpoint.atomic import Refusal
+from jetspec_jax.checkpoint.bundle import is_bundle
 from jetspec_jax.checkpoint.draft_hf import is_draft_config
 
 ROLES = ("target", "draft", "adapter")
-# The file that marks a JetSpec++ checkpoint (`bundle.MANIFEST`; defined here, which bundle.py
-# imports).
-BUNDLE_MANIFEST = "jetspec_pp.json"
 
 
 def checkpoint_role(path: str | pathlib.Path) -> str | None:
     """The role of the checkpoint at `path`: "draft" (a JetSpec++ checkpoint, or a draft in the
     DFlash/JetSpec layout), "adapter", "target" (any other HF `config.json`), or None (no
     readable `config.json` object)."""
-    if (pathlib.Path(path) / BUNDLE_MANIFEST).is_file():
+    if is_bundle(path):
         return "draft"
     try:
         hf = json.loads((pathlib.Path(path) / "config.json").read_text(encoding="utf-8"))
