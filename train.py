@@ -157,8 +157,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     for name in ("num_rounds", "anchors_per_sequence", "max_length"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 < args.holdout_fraction < 1:
-        raise ValueError(f"--holdout-fraction must be in (0, 1), got {args.holdout_fraction}")
     _check_refreshes(args)
     require_paths("--draft", [args.draft], directory=True)
     require_paths("--data", args.data)
@@ -167,23 +165,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     from jetspec_jax.checkpoint.atomic import check_can_write, write_text_atomically
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
     from jetspec_jax.checkpoint.roles import replaces_only
-    from jetspec_jax.decoding.refinement import check_replacement_confidence
-    from jetspec_jax.training.calibrate import calibrate
+    from jetspec_jax.training.calibrate import SETTING_NAMES, calibrate, check_settings
     from jetspec_jax.training.calibration_rounds import distinct_sequences
     from jetspec_jax.training.data import read_regenerated
-    from jetspec_jax.training.replacement_fit import check_confidence_grid
 
-    # The flags `calibrate` refuses, refused now in their own terms, not after the loads.
-    if args.replacement_confidence is not None and args.confidence_grid is not None:
-        raise ValueError("give --replacement-confidence (store it) or --confidence-grid (fit)")
-    if args.confidence_grid is not None and not args.refreshes:
-        raise ValueError(
-            "--confidence-grid fits the replacement confidence of refreshes: it needs "
-            "--refreshes >= 1"
-        )
-    check_replacement_confidence(args.replacement_confidence or 0.0)
-    if args.confidence_grid is not None:
-        check_confidence_grid(args.confidence_grid, "--confidence-grid")
+    # The settings `calibrate` refuses, refused now in the flags' terms, not after the loads.
+    check_settings(
+        replacement_confidence=args.replacement_confidence,
+        confidence_grid=args.confidence_grid,
+        refreshes=args.refreshes,
+        holdout_fraction=args.holdout_fraction,
+        names={name: "--" + name.replace("_", "-") for name in SETTING_NAMES},
+    )
     if not is_bundle(args.draft):
         raise ValueError(
             f"--draft {args.draft} is not a JetSpec++ checkpoint (no jetspec_pp.json): "

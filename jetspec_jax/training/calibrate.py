@@ -16,7 +16,7 @@ out of both and score the result (`evaluate_rounds`: log-likelihood, foresight h
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.refinement import check_replacement_confidence
@@ -79,6 +79,47 @@ class CalibrationResult:
         }
 
 
+# What `check_settings` calls each setting in its refusals (a command line passes its flags).
+SETTING_NAMES = {
+    "replacement_confidence": "replacement_confidence",
+    "confidence_grid": "confidence_grid",
+    "refreshes": "refreshes",
+    "holdout_fraction": "holdout fraction",
+}
+
+
+def check_settings(
+    *,
+    replacement_confidence: float | None,
+    confidence_grid: Sequence[float] | None,
+    refreshes: int,
+    holdout_fraction: float,
+    names: Mapping[str, str] = SETTING_NAMES,
+) -> None:
+    """`calibrate`'s refusals of its settings, which need nothing loaded: a command line runs
+    them before its loads, naming its flags (`names`, keyed as `SETTING_NAMES`).
+
+    Raises:
+        ValueError: a given confidence and a grid both, a grid without refreshes, a confidence
+            or grid value outside [0, 1], a repeated grid value, or a fraction outside (0, 1).
+    """
+    if replacement_confidence is not None and confidence_grid is not None:
+        raise ValueError(
+            f"give {names['replacement_confidence']} (store it) or {names['confidence_grid']} "
+            "(fit), not both"
+        )
+    if confidence_grid is not None:
+        if not refreshes:
+            raise ValueError(
+                f"{names['confidence_grid']} fits the replacement confidence of refreshes: it "
+                f"needs {names['refreshes']} >= 1"
+            )
+        check_confidence_grid(confidence_grid, names["confidence_grid"])
+    if replacement_confidence is not None:
+        check_replacement_confidence(replacement_confidence)
+    check_holdout_fraction(holdout_fraction, names["holdout_fraction"])
+
+
 def calibrate(
     target,
     draft,
@@ -109,21 +150,15 @@ def calibrate(
         num_rounds, anchors_per_sequence, max_length, seed, show_progress: as `collect_rounds`.
 
     Raises:
-        ValueError: a given confidence and a grid both, a grid without refreshes, a bad
-            confidence, grid or fraction, or what `collect_rounds` refuses.
+        ValueError: what `check_settings` refuses (before any round), or what `collect_rounds`
+            refuses.
     """
-    if replacement_confidence is not None and confidence_grid is not None:
-        raise ValueError("give a replacement confidence (to store) or a grid (to fit), not both")
-    if confidence_grid is not None:
-        if not refreshes:
-            raise ValueError(
-                "a confidence grid fits the replacement confidence of refreshes: it needs "
-                "refreshes >= 1"
-            )
-        check_confidence_grid(confidence_grid)
-    if replacement_confidence is not None:
-        check_replacement_confidence(replacement_confidence)
-    check_holdout_fraction(holdout_fraction)  # before any round is collected
+    check_settings(
+        replacement_confidence=replacement_confidence,
+        confidence_grid=confidence_grid,
+        refreshes=refreshes,
+        holdout_fraction=holdout_fraction,
+    )
     round_args = dict(
         num_rounds=num_rounds,
         refine_passes=refine_passes,

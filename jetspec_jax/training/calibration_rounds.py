@@ -351,10 +351,10 @@ def _draw_anchors(
     return np.concatenate([chosen, np.full(num_anchors - count, chosen[-1], np.int32)]), count
 
 
-def check_holdout_fraction(holdout_fraction: float) -> float:
-    """`holdout_fraction` if it is in (0, 1), else a ValueError."""
+def check_holdout_fraction(holdout_fraction: float, name: str = "holdout fraction") -> float:
+    """`holdout_fraction` if it is in (0, 1), else a ValueError naming it (`name`)."""
     if not 0 < holdout_fraction < 1:
-        raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+        raise ValueError(f"{name} must be in (0, 1), got {holdout_fraction}")
     return holdout_fraction
 
 
