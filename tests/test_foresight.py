@@ -30,7 +30,8 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
-from jetspec_jax.decoding.foresight import ForesightProposer
+from jetspec_jax.decoding import session as session_module
+from jetspec_jax.decoding.foresight import ForesightProposer, foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import Calibration, select_for_rule
 from jetspec_jax.decoding.refinement import RefiningProposer, refining_proposer
@@ -38,6 +39,7 @@ from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_ra
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.sampling import RowSampling, SamplingParams
+from tests.compiled_hlo import compiled_program, copies_shaped_like
 from tests.oracles import TargetProxy
 from tests.tiny_models import near_bigram, with_target_norm
 
@@ -172,8 +174,9 @@ def foresight_options(foresight: int, pipeline: str | None = None) -> DecodingOp
     )
 
 
-def run(target, prompts, draft, *, foresight=1, pipeline=None, **sampling):
-    """`(tokens, outcomes, stats)` per row, through the public session path."""
+def run(target, prompts, draft, *, foresight=1, pipeline=None, rounds_per_call=None, **sampling):
+    """`(tokens, outcomes, stats)` per row, through the public session path, the decode loop
+    called for `rounds_per_call` rounds at a time (None: one call)."""
     session = DecodeSession(
         target,
         prompts,
@@ -184,7 +187,9 @@ def run(target, prompts, draft, *, foresight=1, pipeline=None, **sampling):
         stop_token_ids=[],
     )
     session.start()
-    session.advance()
+    while not session.done:
+        session.advance(rounds_per_call)
+        session.poll()
     results = session.results()
     stats = [dict(hits=r.foresight_hits, occupancy=r.foresight_occupancy) for r in results]
     return [r.tokens for r in results], [r.outcomes for r in results], stats
@@ -279,6 +284,51 @@ def test_forced_misses_give_ar_tokens_and_the_plain_outcomes(
     assert outcomes == plain_outcomes
 
 
+@dataclasses.dataclass(frozen=True)
+class ForgetfulForesight(ForesightProposer):
+    """Foresight that forgets every block it drafts ahead: every round misses, whatever the
+    proxy predicts."""
+
+    def draft_ahead(self, params, target_params, state, block, sequence, sampling):
+        state = super().draft_ahead(params, target_params, state, block, sequence, sampling)
+        return state.replace(valid=jnp.zeros_like(state.valid))
+
+
+def test_misses_with_refreshes_give_the_outcomes_of_refinement_alone(
+    target, draft, prompts, monkeypatch
+):
+    """Every round misses at J2-R2 with the exact proxy: each block is the fallback's, refined
+    with refreshes from the true states, so the outcomes are J2-R2's without foresight (which
+    differ from J2-R0's: the refreshes fix drafts)."""
+    oracle = ScaledOracleDraft(draft, HITS)  # the exact proxy: its refreshes fix drafts
+
+    def forgetful(*args, **kwargs):
+        proposer, params = foresight_proposer(*args, **kwargs)
+        return ForgetfulForesight(**vars(proposer)), params
+
+    monkeypatch.setattr(session_module, "foresight_proposer", forgetful)
+
+    def outcomes(refreshes, foresight):
+        results = jetspec_jax.generate_batch(
+            target,
+            prompts,
+            draft=oracle,
+            method="jetspec++",
+            refine_passes=2,
+            refreshes=refreshes,
+            foresight=foresight,
+            foresight_rule="uncalibrated" if foresight else "calibrated",
+            max_new_tokens=N_NEW,
+            stop_token_ids=[],
+        )
+        assert all(not any(r.foresight_hits) for r in results)
+        return [r.outcomes for r in results]
+
+    refined = outcomes(2, foresight=0)
+    assert refined != outcomes(0, foresight=0)
+    assert outcomes(2, foresight=1) == refined
+
+
 def test_interleaved_hits_and_misses_give_ar_tokens_and_the_plain_outcomes(
     target, draft, prompts, plain_outcomes
 ):
@@ -292,6 +342,40 @@ def test_interleaved_hits_and_misses_give_ar_tokens_and_the_plain_outcomes(
         assert row["hits"] == [False] + [a % 2 == 0 for a in anchors[:-1]]
         hits = row["hits"][1:]
         assert any(hits) and not all(hits), hits  # both, in every row
+
+
+def test_rounds_split_over_calls_give_the_outcomes_and_hits_of_one_call(target, draft, prompts):
+    """The loop observes each round's verified block at the start of the next round, and its
+    last round's after the loop: each call leaves every round observed, so decoding a round per
+    call changes no outcome and no hit (a call that left its last round unobserved would start
+    the next one from a draft context K rows short)."""
+    proposing = ScaledOracleDraft(draft, MIXED)
+    tokens, outcomes, stats = run(target, prompts, proposing)
+    assert run(target, prompts, proposing, rounds_per_call=1) == (tokens, outcomes, stats)
+    assert tokens == _ar(target, prompts)
+    for row in stats:
+        assert any(row["hits"]) and not all(row["hits"]), row["hits"]
+
+
+@pytest.mark.parametrize("passes, refreshes", [(0, 0), (2, 0), (1, 1), (3, 3)])
+def test_the_foresight_loop_writes_every_cache_in_place(target, draft, prompts, passes, refreshes):
+    """Drafting ahead reads the draft's, the adapter's and the decoder's caches, which the
+    round's observation then writes. Observed at the start of the next round, the writes follow
+    the reads in the loop's own order and land in place (observed at the end of its own, all
+    six caches, keys and values, were copied twice per round: 12 copies). The fallback's
+    refreshes write into the draft's and the decoder's caches inside a loop of zero or one trip,
+    in place too (in a `lax.cond` they were copied: 16 copies for J1-R1, 20 for J3-R3)."""
+    COMPILED.clear()
+    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
+    options = dataclasses.replace(foresight_options(2), refine_passes=passes, refreshes=refreshes)
+    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
+    session.start()
+    session.advance(1)
+    refiner = session._state.proposer.refiner
+    caches = [refiner.draft.k, refiner.proxy.decoder.k, refiner.proxy.adapter.k]
+    assert all(session._capacity in c.shape for c in caches)
+    loop = compiled_program("decode_foresight")
+    assert copies_shaped_like(loop, [c.shape for c in caches]) == []
 
 
 def test_hits_on_later_candidates_give_the_plain_outcomes(target, draft, prompts, plain_outcomes):

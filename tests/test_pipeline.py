@@ -257,21 +257,19 @@ def test_mpmd_verification_writes_the_target_cache_in_place(target, draft, promp
     assert copies_shaped_like(verify, [session._state.decode.cache.k.shape]) == []
 
 
-def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts):
+@pytest.mark.parametrize("passes", [0, 3], ids=["J0", "J3-R3"])
+def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts, passes):
     """Device 1's programs (propose, draft ahead, observe) copy none of the draft's, the
     adapter's or the decoder's caches: each is its own program over donated buffers, so the
-    predicted rows drafting ahead writes and the true rows observing writes land in place. (In one
-    program, as the single-device foresight round and the SPMD loop are, XLA's CPU compiler copies
-    the caches between those writes.)"""
+    predicted rows drafting ahead writes and the true rows observing writes land in place; so do
+    the rows the fallback's refreshes write (in a `lax.cond`, J3-R3's fallback copied the draft's
+    and the decoder's keys and values twice each: 8 copies)."""
     COMPILED.clear()
     learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
-    session = DecodeSession(
-        target,
-        prompts,
-        draft=learned,
-        options=foresight_options(2, "mpmd"),
-        max_new_tokens=N_NEW,
+    options = dataclasses.replace(
+        foresight_options(2, "mpmd"), refine_passes=passes, refreshes=passes
     )
+    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
     session.start()
     session.advance(2)
     refiner = session._state.proposer.refiner
@@ -340,11 +338,16 @@ def test_draft_stage_target_params_leave_out_the_lower_layers():
 @pytest.mark.parametrize("form", PIPELINES)
 def test_pipelined_round_on_a_hybrid_target(checkpoints, form):
     """Qwen3.5 hybrid: the verify stage's Gated DeltaNet states roll back across the pipeline
-    (recompute of the committed prefix) and the tokens stay exactly AR's, greedy and sampled."""
+    (recompute of the committed prefix) and the tokens stay exactly AR's, greedy and sampled.
+    The single-device loop, called a round at a time (each call's first round observes
+    nothing, its last round's block is observed after its loop), gives the same outcomes and
+    hits."""
     hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
     prompts = make_prompts()
     oracle = ScaledOracleDraft(make_draft(hybrid), MIXED)
     for sampling in ({}, dict(temperature=1.0, top_p=0.9, seed=3)):
-        tokens, outcomes, _ = run(hybrid, prompts, oracle, pipeline=form, **sampling)
+        piped = run(hybrid, prompts, oracle, pipeline=form, **sampling)
+        tokens, outcomes, _ = piped
         assert tokens == _ar(hybrid, prompts, **sampling)
         assert any(k < BLOCK - 1 for row in outcomes for k, _ in row)  # rejections happened
+        assert run(hybrid, prompts, oracle, rounds_per_call=1, **sampling) == piped

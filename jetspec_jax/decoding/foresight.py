@@ -13,8 +13,8 @@ While the target verifies block t = `[anchor, d_1 .. d_(K-1)]`, the draft side
 
 and when the outcome arrives: hit -> the cached block is block t+1's drafts (no drafting on the
 critical path); miss -> fallback drafting from the true states, as without foresight. Within a
-batch the fallback is one `lax.cond`: it runs (for every row, hits keep their cached block) when
-any active row missed.
+batch the fallback runs once (for every row, hits keep their cached block) when any active row
+missed, and not at all otherwise.
 
 Only proposals change, so verification and the committed tokens are exactly those of plain
 speculative (and autoregressive) decoding, at any temperature. The draft's context for later
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -54,7 +54,7 @@ from jetspec_jax.decoding.outcomes import (
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions, with_anchor
 from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.refinement import RefinerState, RefiningProposer, refining_proposer
-from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
+from jetspec_jax.decoding.speculative import SpecState, commit_round, verify_block
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import extend_context
 from jetspec_jax.sampling import sampling_logits
@@ -197,19 +197,20 @@ class ForesightProposer:
         self, params, target_params, state, anchor, anchor_positions, sequence, active=None
     ):
         """`(drafts [B, K-1], hit [B], state)`: cached blocks on hits; the fallback drafts the
-        rest (one `lax.cond`: skipped when every `active` row hit). The state replaces `state`
-        from then on (the fallback's refreshes write rows past the verified length: see
+        rest, skipped when every `active` row hit. The state replaces `state` from then on (the
+        fallback's refreshes write rows past the verified length: see
         `RefiningProposer.propose`)."""
         hit, cached = self.lookup(state, anchor)
         need = ~hit if active is None else (~hit & active)
 
-        def fallback():
+        def fallback(carry):
+            _, refiner = carry
             drafts, refiner = self.refiner.propose(
-                params, target_params, state.refiner, anchor, anchor_positions, sequence
+                params, target_params, refiner, anchor, anchor_positions, sequence
             )
             return jnp.where(hit[:, None], cached, drafts), refiner
 
-        drafts, refiner = jax.lax.cond(jnp.any(need), fallback, lambda: (cached, state.refiner))
+        drafts, refiner = _apply_if(jnp.any(need), fallback, (cached, state.refiner))
         return drafts, hit, state.replace(refiner=refiner)
 
     def select(self, logits_hat, drafts, sampling):
@@ -290,6 +291,24 @@ class ForesightProposer:
         )
 
 
+def _apply_if(pred: jax.Array, fn, operand):
+    """`fn(operand)` if `pred` else `operand`, as a `lax.while_loop` of zero or one trip.
+
+    Not a `lax.cond`: XLA writes a buffer that a `cond` branch updates into a copy (XLA:CPU,
+    jax 0.10: once before the branch and again after it), where a loop's body updates its carry
+    in place. The fallback's refreshes write rows into the draft's and the decoder's caches, so a
+    `cond` copied both, keys and values, twice per miss round (tests/test_foresight.py pins
+    none). Where XLA reads such a predicate on the host (a GPU), the loop reads one more, after
+    its trip.
+    """
+
+    def once(carry):
+        _, value = carry
+        return jnp.bool_(False), fn(value)
+
+    return jax.lax.while_loop(lambda carry: carry[0], once, (pred, operand))[1]
+
+
 def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):
     """`[B, C, K-1]` first-pass noise of the candidates: what `proposers._first_pass_noise` draws
     for a row whose committed tokens are the verified ones, the block's first k+1 and the
@@ -350,9 +369,26 @@ def foresight_proposer(
 # -- the round, in pieces the pipeline reuses ------------------------------------------------------
 
 
-def foresight_round(params, proposer_params, s: SpecState, requests, config, proposer):
-    """One round, sequentially: propose (hit or fallback), draft ahead for the block's likely
-    outcomes, verify, commit, observe the true states."""
+class Observation(NamedTuple):
+    """A verified block for the proposer to observe (`ForesightProposer.observe`'s arguments).
+
+    Attributes:
+        block: `[B, K]` int32 the block verified, `[anchor, d_1 .. d_(K-1)]`.
+        taps: `[n_taps, B, K, H]` the target's tap states over it.
+        num_committed: `[B]` int32 block positions the round kept (0: none, nothing observed).
+    """
+
+    block: jax.Array
+    taps: jax.Array
+    num_committed: jax.Array
+
+
+def foresight_round(
+    params, proposer_params, s: SpecState, requests, config, proposer
+) -> tuple[SpecState, Observation]:
+    """One round, sequentially, up to its observation: propose (hit or fallback), draft ahead for
+    the block's likely outcomes, verify, commit. Returns the state and the round's verified block,
+    which the proposer must observe before the next round proposes (`decode_foresight`)."""
     d = s.decode
     active = ~d.done
     anchor, anchor_pos = d.last_token, d.cache.lengths
@@ -365,9 +401,7 @@ def foresight_round(params, proposer_params, s: SpecState, requests, config, pro
     ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
     verified = verify_block(params, config, proposer.tap_layers, d, drafts, requests)
     s = commit_round(s, requests, verified)
-    return s.replace(
-        proposer=proposer.observe(pp, params, ahead, block, verified.taps, verified.num_committed)
-    )
+    return s.replace(proposer=ahead), Observation(block, verified.taps, verified.num_committed)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "proposer"), donate_argnames=("state",))
@@ -381,10 +415,34 @@ def decode_foresight(
     config: TransformerConfig,
     proposer: ForesightProposer,
 ) -> SpecState:
-    """`decode_speculative` with foresight rounds on one device (the pipeline's reference)."""
+    """`decode_speculative` with foresight rounds on one device (the pipeline's reference).
 
-    return run_rounds(
-        lambda s: foresight_round(params, proposer_params, s, requests, config, proposer),
-        state,
-        max_rounds,
-    )
+    Each round's verified block is observed at the start of the next round (the last one's
+    after the loop), not at the end of its own. Drafting ahead reads the draft's, the adapter's
+    and the decoder's caches, which the observation then writes; nothing the observation
+    computes depends on those reads, so within one loop body XLA could not order them first and
+    copied all six caches (keys and values) twice per round. Across the loop's boundary the
+    order is the loop's own, and every cache is written in place (docs/BENCHMARKS.md, section
+    `bench_foresight_copies`). The price: each call's first round observes nothing (K stale
+    rows written past each context's length).
+    """
+
+    def not_finished(carry):
+        step, s, _ = carry
+        return (step < max_rounds) & jnp.any(~s.decode.done)
+
+    def observed(s, seen: Observation):
+        return s.replace(proposer=proposer.observe(proposer_params, params, s.proposer, *seen))
+
+    def one_round(s):
+        return foresight_round(params, proposer_params, s, requests, config, proposer)
+
+    def body(carry):
+        step, s, seen = carry
+        return step + 1, *one_round(observed(s, seen))
+
+    # Zeros shaped as a round's observation: no position committed, nothing observed.
+    shapes = jax.eval_shape(lambda s: one_round(s)[1], state)
+    nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    _, state, seen = jax.lax.while_loop(not_finished, body, (jnp.int32(0), state, nothing))
+    return observed(state, seen)
