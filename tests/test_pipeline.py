@@ -280,6 +280,29 @@ def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts,
         assert copies_shaped_like(hlo, [c.shape for c in caches]) == [], program
 
 
+@pytest.mark.parametrize("passes", [0, 3], ids=["J0", "J3-R3"])
+def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passes):
+    """Each stage's steps run in loops of zero or one trip (`conditional.apply_if`), which write
+    the target's cache (verifying) and the draft side's (drafting ahead, observing, the
+    fallback's refreshes) in place: the loop copies no cache (under `lax.cond`s on the stage it
+    copied the target's keys and values three times each per round). The program takes no
+    donation, so it copies its arguments once per call, before its loop."""
+    COMPILED.clear()
+    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
+    options = dataclasses.replace(
+        foresight_options(2, "spmd"), refine_passes=passes, refreshes=passes
+    )
+    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
+    session.start()
+    session.advance(2)
+    refiner = session._state.proposer.refiner
+    caches = [session._state.decode.cache.k, refiner.draft.k, refiner.proxy.decoder.k]
+    caches.append(refiner.proxy.adapter.k)
+    assert all(session._capacity in c.shape for c in caches)
+    hlo = compiled_program("decode_pipelined")
+    assert copies_shaped_like(hlo, [c.shape for c in caches], skip_entry=True) == []
+
+
 @pytest.mark.parametrize("form", PIPELINES)
 def test_sessions_with_other_drafts_share_the_placed_target(target, draft, prompts, form):
     """One placed copy of the target, whatever the drafts: a copy per (target, draft) pair

@@ -46,6 +46,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.decoding.conditional import apply_if
 from jetspec_jax.decoding.outcomes import (
     SELECTION_RULES,
     Calibration,
@@ -210,7 +211,8 @@ class ForesightProposer:
             )
             return jnp.where(hit[:, None], cached, drafts), refiner
 
-        drafts, refiner = _apply_if(jnp.any(need), fallback, (cached, state.refiner))
+        # Not a `lax.cond`: the refreshes' cache writes would land in copies (`conditional.py`).
+        drafts, refiner = apply_if(jnp.any(need), fallback, (cached, state.refiner))
         return drafts, hit, state.replace(refiner=refiner)
 
     def select(self, logits_hat, drafts, sampling):
@@ -289,24 +291,6 @@ class ForesightProposer:
             ),
             num_rounds=state.num_rounds + active,
         )
-
-
-def _apply_if(pred: jax.Array, fn, operand):
-    """`fn(operand)` if `pred` else `operand`, as a `lax.while_loop` of zero or one trip.
-
-    Not a `lax.cond`: XLA writes a buffer that a `cond` branch updates into a copy (XLA:CPU,
-    jax 0.10: once before the branch and again after it), where a loop's body updates its carry
-    in place. The fallback's refreshes write rows into the draft's and the decoder's caches, so a
-    `cond` copied both, keys and values, twice per miss round (tests/test_foresight.py pins
-    none). Where XLA reads such a predicate on the host (a GPU), the loop reads one more, after
-    its trip.
-    """
-
-    def once(carry):
-        _, value = carry
-        return jnp.bool_(False), fn(value)
-
-    return jax.lax.while_loop(lambda carry: carry[0], once, (pred, operand))[1]
 
 
 def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):

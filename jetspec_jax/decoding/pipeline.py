@@ -14,8 +14,10 @@ decode loop (`lax.while_loop`) on both devices, each branching on `lax.axis_inde
     6                                             observe: extend the draft's and the proxy's
                                                   contexts with the true tap states
 
-Steps 1/3/6 are `lax.cond`s on the stage, so each device executes only its own side; the two
-ppermutes are the only communication. Per round on a hit the critical path is
+Steps 1/3/6 run on their stage only (`conditional.apply_if` of the stage index: a loop of zero
+or one trip, which writes the caches in place where a `lax.cond` on the stage copied the target's
+every round), so each device executes only its own side; the two ppermutes are the only
+communication. Per round on a hit the critical path is
 `T_lookup + T_comm + max(T_verify, T_draft_ahead) + T_comm + T_observe`; a miss adds the fallback
 draft. The computation is exactly `foresight.foresight_round` (the single-device reference and
 fallback, `decode_foresight`): tokens, outcomes and hit statistics are the same.
@@ -53,6 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jetspec_jax.decoding.conditional import apply_if
 from jetspec_jax.decoding.foresight import ForesightProposer, decode_foresight
 from jetspec_jax.decoding.placement import PLACED
 from jetspec_jax.decoding.proposers import with_anchor
@@ -135,32 +138,30 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
         batch = anchor.shape[0]
 
         # 1-2. the draft stage proposes block t (cache hit or fallback) and sends it over.
-        def propose():
+        def propose(idle):
             return proposer.propose_with_hits(
-                pp, params, s.proposer, anchor, anchor_pos, s.sequence, active
+                pp, params, idle[2], anchor, anchor_pos, s.sequence, active
             )
 
-        def idle_propose():
-            return jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool), s.proposer
-
-        drafts, hit, proposed = jax.lax.cond(is_draft, propose, idle_propose)
+        idle = (jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool), s.proposer)
+        drafts, hit, pstate = apply_if(is_draft, propose, idle)
         drafts = from_draft(drafts)
         block = with_anchor(anchor, drafts)
 
         # 3. in parallel: the target stage verifies, the draft stage drafts ahead.
-        def verify_side():
-            verified = verify_block(params, config, proposer.tap_layers, d, drafts, requests)
-            return verified, proposed
+        def verify(idle: Verified) -> Verified:
+            decode = d.replace(cache=idle.cache)
+            return verify_block(params, config, proposer.tap_layers, decode, drafts, requests)
 
-        def draft_side():
-            ahead = proposer.record(proposed, hit, active)
-            ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
-            # This stage verifies nothing: zeros shaped as the outcome, its cache unchanged.
-            shapes = jax.eval_shape(verify_side)[0]._replace(cache=())
-            idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-            return idle._replace(cache=d.cache), ahead
+        def draft_ahead(pstate):
+            pstate = proposer.record(pstate, hit, active)
+            return proposer.draft_ahead(pp, params, pstate, block, s.sequence, requests.sampling)
 
-        own, pstate = jax.lax.cond(is_draft, draft_side, verify_side)
+        # The draft stage verifies nothing: zeros shaped as the outcome, its cache unchanged.
+        shapes = jax.eval_shape(verify, Verified(d.cache, None, None, None, None))
+        idle = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes._replace(cache=()))
+        own = apply_if(~is_draft, verify, idle._replace(cache=d.cache))
+        pstate = apply_if(is_draft, draft_ahead, pstate)
 
         # 4-5. the outcome and the true states go to the draft stage; both commit alike.
         taps, accepted, tokens = from_target((own.taps, own.accepted, own.tokens))
@@ -171,14 +172,10 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
         s = commit_round(s, requests, verified)
 
         # 6. the draft stage extends its contexts with the true states.
-        pstate = jax.lax.cond(
-            is_draft,
-            lambda: proposer.observe(
-                pp, params, pstate, block, verified.taps, verified.num_committed
-            ),
-            lambda: pstate,
-        )
-        return s.replace(proposer=pstate)
+        def observe(pstate):
+            return proposer.observe(pp, params, pstate, block, taps, num_committed)
+
+        return s.replace(proposer=apply_if(is_draft, observe, pstate))
 
     state = run_rounds(one_round, state, max_rounds)
     return jax.tree.map(lambda x: x[None], state)
