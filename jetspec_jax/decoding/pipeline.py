@@ -138,19 +138,21 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
         batch = anchor.shape[0]
 
         # 1-2. the draft stage proposes block t (cache hit or fallback) and sends it over.
-        def propose(idle):
+        def propose(unproposed):
+            _, _, pstate = unproposed
             return proposer.propose_with_hits(
-                pp, params, idle[2], anchor, anchor_pos, s.sequence, active
+                pp, params, pstate, anchor, anchor_pos, s.sequence, active
             )
 
-        idle = (jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool), s.proposer)
-        drafts, hit, pstate = apply_if(is_draft, propose, idle)
+        # The target stage proposes nothing: zeros shaped as the proposal, its state unchanged.
+        nothing = jnp.zeros((batch, k_len - 1), jnp.int32), jnp.zeros((batch,), bool)
+        drafts, hit, pstate = apply_if(is_draft, propose, (*nothing, s.proposer))
         drafts = from_draft(drafts)
         block = with_anchor(anchor, drafts)
 
         # 3. in parallel: the target stage verifies, the draft stage drafts ahead.
-        def verify(idle: Verified) -> Verified:
-            decode = d.replace(cache=idle.cache)
+        def verify(unverified: Verified) -> Verified:
+            decode = d.replace(cache=unverified.cache)
             return verify_block(params, config, proposer.tap_layers, decode, drafts, requests)
 
         def draft_ahead(pstate):
