@@ -174,6 +174,22 @@ def foresight_options(foresight: int, pipeline: str | None = None) -> DecodingOp
     )
 
 
+def cache_shapes_after_compiling(target, draft, prompts, options) -> list[tuple[int, ...]]:
+    """Compiles `options`' programs afresh (`COMPILED` cleared) by decoding two rounds with
+    `draft` and a random adapter; the shapes of the session's caches: the target's, the draft's,
+    the decoder's and the adapter's keys."""
+    COMPILED.clear()
+    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
+    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
+    session.start()
+    session.advance(2)
+    refiner = session._state.proposer.refiner
+    caches = [session._state.decode.cache, refiner.draft, refiner.proxy.decoder]
+    shapes = [c.k.shape for c in [*caches, refiner.proxy.adapter]]
+    assert all(session._capacity in shape for shape in shapes)
+    return shapes
+
+
 def run(target, prompts, draft, *, foresight=1, pipeline=None, rounds_per_call=None, **sampling):
     """`(tokens, outcomes, stats)` per row, through the public session path, the decode loop
     called for `rounds_per_call` rounds at a time (None: one call)."""
@@ -365,17 +381,9 @@ def test_the_foresight_loop_writes_every_cache_in_place(target, draft, prompts, 
     six caches, keys and values, were copied twice per round: 12 copies). The fallback's
     refreshes write into the draft's and the decoder's caches inside a loop of zero or one trip,
     in place too (in a `lax.cond` they were copied: 16 copies for J1-R1, 20 for J3-R3)."""
-    COMPILED.clear()
-    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
     options = dataclasses.replace(foresight_options(2), refine_passes=passes, refreshes=refreshes)
-    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
-    session.start()
-    session.advance(1)
-    refiner = session._state.proposer.refiner
-    caches = [refiner.draft.k, refiner.proxy.decoder.k, refiner.proxy.adapter.k]
-    assert all(session._capacity in c.shape for c in caches)
-    loop = compiled_program("decode_foresight")
-    assert copies_shaped_like(loop, [c.shape for c in caches]) == []
+    shapes = cache_shapes_after_compiling(target, draft, prompts, options)
+    assert copies_shaped_like(compiled_program("decode_foresight"), shapes) == []
 
 
 def test_hits_on_later_candidates_give_the_plain_outcomes(target, draft, prompts, plain_outcomes):

@@ -35,6 +35,7 @@ from tests.test_foresight import (
     N_NEW,
     ScaledOracleDraft,
     _ar,
+    cache_shapes_after_compiling,
     foresight_options,
     make_accepting_draft,
     make_draft,
@@ -264,20 +265,12 @@ def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts,
     predicted rows drafting ahead writes and the true rows observing writes land in place; so do
     the rows the fallback's refreshes write (in a `lax.cond`, J3-R3's fallback copied the draft's
     and the decoder's keys and values twice each: 8 copies)."""
-    COMPILED.clear()
-    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
     options = dataclasses.replace(
         foresight_options(2, "mpmd"), refine_passes=passes, refreshes=passes
     )
-    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
-    session.start()
-    session.advance(2)
-    refiner = session._state.proposer.refiner
-    caches = [refiner.draft.k, refiner.proxy.decoder.k, refiner.proxy.adapter.k]
-    assert all(session._capacity in c.shape for c in caches)
+    shapes = cache_shapes_after_compiling(target, draft, prompts, options)
     for program in ("propose_block", "draft_ahead", "observe_outcome"):
-        hlo = compiled_program(program)
-        assert copies_shaped_like(hlo, [c.shape for c in caches]) == [], program
+        assert copies_shaped_like(compiled_program(program), shapes) == [], program
 
 
 @pytest.mark.parametrize("passes", [0, 3], ids=["J0", "J3-R3"])
@@ -287,20 +280,12 @@ def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passe
     fallback's refreshes) in place: the loop copies no cache (under `lax.cond`s on the stage it
     copied the target's keys and values three times each per round). The program takes no
     donation, so it copies its arguments once per call, before its loop."""
-    COMPILED.clear()
-    learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
     options = dataclasses.replace(
         foresight_options(2, "spmd"), refine_passes=passes, refreshes=passes
     )
-    session = DecodeSession(target, prompts, draft=learned, options=options, max_new_tokens=N_NEW)
-    session.start()
-    session.advance(2)
-    refiner = session._state.proposer.refiner
-    caches = [session._state.decode.cache.k, refiner.draft.k, refiner.proxy.decoder.k]
-    caches.append(refiner.proxy.adapter.k)
-    assert all(session._capacity in c.shape for c in caches)
+    shapes = cache_shapes_after_compiling(target, draft, prompts, options)
     hlo = compiled_program("decode_pipelined")
-    assert copies_shaped_like(hlo, [c.shape for c in caches], skip_entry=True) == []
+    assert copies_shaped_like(hlo, shapes, skip_entry=True) == []
 
 
 @pytest.mark.parametrize("form", PIPELINES)

@@ -204,8 +204,8 @@ class ForesightProposer:
         hit, cached = self.lookup(state, anchor)
         need = ~hit if active is None else (~hit & active)
 
-        def fallback(carry):
-            _, refiner = carry
+        def fallback(unproposed):
+            _, refiner = unproposed
             drafts, refiner = self.refiner.propose(
                 params, target_params, refiner, anchor, anchor_positions, sequence
             )
