@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax import random_streams
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.checkpoint.adapter_files import ARCHITECTURE as ADAPTER_ARCHITECTURE
 from jetspec_jax.checkpoint.adapter_files import check_adapter_matches_draft
 from jetspec_jax.checkpoint.atomic import atomic_directory
@@ -30,7 +31,6 @@ from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import read_hf_config
 from jetspec_jax.checkpoint.hf_params import TensorSpec, tree_from_tensors
 from jetspec_jax.checkpoint.roles import replaces_only
-from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import draft_proposer
 from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.refinement import refining_proposer

@@ -348,7 +348,7 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
     """`train.py calibrate` writes into the export; rerunning the finished stage (as the README's
     resumable commands invite) must not export again over it, nor evaluate again; and if the
     draft was retrained since, it says that the export holds the old one."""
-    from jetspec_jax.decoding.outcomes import Calibration
+    from jetspec_jax.calibration import Calibration
 
     monkeypatch.chdir(workdir)
     shutil.copytree("runs/tiny/run/draft", "runs/tiny/rerun_draft")

@@ -212,7 +212,7 @@ def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     harness path without `pipeline`; tests/test_foresight.py decodes it)."""
     import jetspec_jax
     from jetspec_jax.adapter import init_adapter
-    from jetspec_jax.decoding.outcomes import Calibration
+    from jetspec_jax.calibration import Calibration
 
     target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")
     target = jetspec_jax.load_target(target_dir)

@@ -14,8 +14,8 @@ import pytest
 import jetspec_jax
 from jetspec_jax import CheckpointError
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.checkpoint import adapter_files, bundle
-from jetspec_jax.decoding.outcomes import Calibration
 
 PROMPT = [5, 17, 3, 88, 41, 12, 9]
 CALIBRATION = Calibration(acceptance_temperature=1.25, bonus_temperature=0.75)

@@ -5,11 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jetspec_jax.decoding.outcomes import (
-    Calibration,
-    outcome_log_scores,
-    select_for_rule,
-)
+from jetspec_jax.calibration import Calibration
+from jetspec_jax.decoding.outcomes import outcome_log_scores, select_for_rule
 from jetspec_jax.training import calibration
 from jetspec_jax.training.calibration import _row_terms, fit_calibration, outcome_log_likelihood
 from tests.oracles import hit_rate

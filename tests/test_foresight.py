@@ -30,10 +30,11 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding import session as session_module
 from jetspec_jax.decoding.foresight import ForesightProposer, foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
-from jetspec_jax.decoding.outcomes import Calibration, select_for_rule
+from jetspec_jax.decoding.outcomes import select_for_rule
 from jetspec_jax.decoding.refinement import RefiningProposer, refining_proposer
 from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_rate
 from jetspec_jax.decoding.session import COMPILED, DecodeSession

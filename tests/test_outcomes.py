@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding.outcomes import (
     SELECTION_RULES,
-    Calibration,
     geometric_counts,
     geometric_fanout,
     hit,

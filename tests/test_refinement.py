@@ -13,8 +13,8 @@ import pytest
 import jetspec_jax
 from jetspec_jax import SamplingParams
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding.options import DecodingOptions
-from jetspec_jax.decoding.outcomes import Calibration
 from jetspec_jax.decoding.proposers import DraftProposer, prompt_state
 from jetspec_jax.decoding.refinement import replace_first_disagreement
 from jetspec_jax.decoding.session import COMPILED, DecodeSession

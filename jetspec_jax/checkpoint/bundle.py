@@ -93,7 +93,7 @@ def load_bundle(path: str | pathlib.Path, target_config, dtype: str):
         CheckpointError: a missing or malformed `jetspec_pp.json`, an unknown format or version,
             missing parts, a malformed calibration, or a draft / adapter that does not fit.
     """
-    from jetspec_jax.decoding.outcomes import Calibration
+    from jetspec_jax.calibration import Calibration
     from jetspec_jax.draft import load_draft_for_config
 
     path = pathlib.Path(path)

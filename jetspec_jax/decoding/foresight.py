@@ -46,12 +46,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding.conditional import apply_if
-from jetspec_jax.decoding.outcomes import (
-    SELECTION_RULES,
-    Calibration,
-    select_for_rule,
-)
+from jetspec_jax.decoding.outcomes import SELECTION_RULES, select_for_rule
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions, with_anchor
 from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.refinement import RefinerState, RefiningProposer, refining_proposer

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from jetspec_jax.decoding.outcomes import Calibration
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding.refinement import check_replacement_confidence
 from jetspec_jax.training.calibration import fit_calibration
 from jetspec_jax.training.calibration_rounds import (

@@ -1,4 +1,4 @@
-"""Fitting the outcome-score calibration (`decoding.outcomes.Calibration`) on held-out rounds.
+"""Fitting the outcome-score calibration (`jetspec_jax.calibration.Calibration`) on held-out rounds.
 
 Each held-out round gives the decoder's logits for the block, the drafts, and the outcome the
 target actually produced. We maximise the mean log-likelihood of those outcomes under
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jetspec_jax.decoding.outcomes import Calibration, acceptance_log_terms, bonus_log_probs
+from jetspec_jax.calibration import Calibration
+from jetspec_jax.decoding.outcomes import acceptance_log_terms, bonus_log_probs
 
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 _CHUNK_ELEMENTS = 1 << 24  # logits per chunk of rows: 64 MB per float32 intermediate

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding.buckets import bucket
-from jetspec_jax.decoding.outcomes import SELECTION_RULES, Calibration, hit, select_for_rule
+from jetspec_jax.decoding.outcomes import SELECTION_RULES, hit, select_for_rule
 from jetspec_jax.decoding.proposers import prompt_state
 from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.refinement import RefiningProposer
