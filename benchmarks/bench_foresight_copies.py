@@ -48,6 +48,7 @@ from jetspec_jax.decoding.foresight import (  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 from jetspec_jax.decoding.speculative import run_rounds  # noqa: E402
+from tests.compiled_hlo import copies_shaped_like  # noqa: E402
 
 SETTINGS = ((0, 0), (3, 3))  # (J, R)
 BATCHES, BUDGET = (1, 4), 3700
@@ -93,12 +94,6 @@ def _parser() -> argparse.ArgumentParser:
     return out_parser(__doc__.split("\n")[0])
 
 
-def cache_copies(hlo: str, shapes) -> int:
-    """`copy` ops of `hlo` whose result is shaped as one of `shapes`."""
-    wanted = ["[" + ",".join(map(str, s)) + "]{" for s in shapes]
-    return sum(" copy(" in line and any(w in line for w in wanted) for line in hlo.splitlines())
-
-
 def measure(target, draft, passes, refreshes, batch) -> dict:
     """Per loop: copies, ms per round, and the results (tokens, hits) of its timed rounds."""
     rng = np.random.default_rng(batch)
@@ -130,7 +125,10 @@ def measure(target, draft, passes, refreshes, batch) -> dict:
     for other in rest:  # the same tokens, outcomes and hits, either loop
         assert all(np.array_equal(a, b) for a, b in zip(first, other, strict=True))
     return {
-        name: (cache_copies(compiled[name].as_text(), shapes), statistics.median(samples[name]))
+        name: (
+            len(copies_shaped_like(compiled[name].as_text(), shapes)),
+            statistics.median(samples[name]),
+        )
         for name in LOOPS
     } | {"capacity": session._capacity}
 
