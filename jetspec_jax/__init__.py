@@ -4,13 +4,15 @@ Public API:
     load_target(path=None, dtype="float32") -> Target
     load_draft(path, target) / init_draft(target, *, variant="jetspec++", ...) -> Draft
     default_draft_dir() -> Path (the JetSpec++ checkpoint shipped for the default target)
-    generate(target, prompt_ids, *, draft=None, method="ar", ...) -> GenerationResult
+    generate(target, prompt_ids, *, draft=None, ..., **decoding) -> GenerationResult
+        (`**decoding`: the fields of DecodingOptions, `method="ar"` and the rest; every entry
+        point takes them so)
     generate_batch(target, prompts, *, ...) -> list[GenerationResult]
     generate_as_completed(target, prompts, *, max_batch_size=8, ...) -> iterator of
         (index, GenerationResult) as each prompt finishes (continuous batching)
     stream(target, prompt_ids, *, chunk_steps=8, ...) -> TokenStream (chunks of new token ids)
-    DecodingOptions (how a batch is decoded: the server's and `DecodeSession`'s form of the
-        method arguments above), SamplingParams, CheckpointError
+    DecodingOptions (how a batch is decoded: the entry points' `**decoding` as one value, the
+        form the server and `DecodeSession` take), SamplingParams, CheckpointError
 """
 
 from jetspec_jax.checkpoint.errors import CheckpointError

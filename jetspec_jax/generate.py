@@ -11,6 +11,7 @@ forwards and yields each chunk's new tokens as soon as it is on the host.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -18,7 +19,7 @@ import tqdm
 
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.continuous import ContinuousBatch
-from jetspec_jax.decoding.options import DEFAULT_PREFILL_CHUNK, METHODS, DecodingOptions
+from jetspec_jax.decoding.options import METHODS, DecodingOptions
 from jetspec_jax.decoding.request_checks import (
     check_budget,
     check_int,
@@ -47,6 +48,24 @@ __all__ = [
 
 # Target forwards between progress-bar updates (one host round trip each).
 PROGRESS_CHUNK_STEPS = 8
+_OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(DecodingOptions))
+
+
+def decoding_options(decoding: dict) -> DecodingOptions:
+    """The `DecodingOptions` of an entry point's `**decoding` keyword arguments.
+
+    Raises:
+        TypeError: a keyword that is no `DecodingOptions` field (a misspelled argument), listing
+            the fields.
+    """
+    unknown = sorted(set(decoding) - set(_OPTION_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword arguments {', '.join(map(repr, unknown))}: besides its own "
+            "arguments, an entry point takes those of DecodingOptions "
+            f"({', '.join(_OPTION_FIELDS)})"
+        )
+    return DecodingOptions(**decoding)
 
 
 def generate(
@@ -54,21 +73,13 @@ def generate(
     prompt_ids: Sequence[int],
     *,
     draft=None,
-    method: str = "ar",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
-    refine_passes: int = 0,
-    refreshes: int = 0,
-    foresight: int = 0,
-    foresight_rule: str = "calibrated",
-    pipeline: str | None = None,
-    replacement_confidence: float | None = None,
-    block_size: int | None = None,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    **decoding,
 ) -> GenerationResult:
     """Generates a continuation of one prompt.
 
@@ -76,13 +87,6 @@ def generate(
         target: a loaded target (`load_target`).
         prompt_ids: the prompt's token ids (a non-empty list of ints, or a 1-D integer array).
         draft: the draft head of speculative methods (`load_draft`, `init_draft`); None for "ar".
-        method, refine_passes, refreshes, foresight, foresight_rule, pipeline,
-            replacement_confidence, block_size, prefill_chunk: how to decode; see
-            `jetspec_jax.DecodingOptions` (method "ar", autoregressive, by default; the
-            speculative methods "dflash", "jetspec", "jetspec++" give the same tokens with fewer
-            target forwards; `block_size` drafts shorter blocks than trained; `prefill_chunk`
-            prefills longer prompts that many tokens at a time; the rest are JetSpec++'s
-            `Jj-Rr` refinement and foresight).
         max_new_tokens: at most this many new tokens (>= 1).
         temperature: 0 for greedy decoding, >= `sampling.MIN_TEMPERATURE` (1e-5) to sample.
         top_p: nucleus sampling mass in [0, 1]; 1 disables, 0 keeps only the most likely token.
@@ -90,31 +94,34 @@ def generate(
         seed: random seed of the request, in [0, 2**32); the same seed gives the same tokens.
         stop_token_ids: stop after generating any of these; None uses the target's end-of-sequence
             ids, [] disables stopping.
+        **decoding: how to decode, the fields of `jetspec_jax.DecodingOptions`: `method` ("ar",
+            autoregressive, by default; the speculative methods "dflash", "jetspec",
+            "jetspec++" give the same tokens with fewer target forwards), `block_size` (shorter
+            blocks than trained), `prefill_chunk` (longer prompts are prefilled that many tokens
+            at a time), and JetSpec++'s `Jj-Rr` refinement and foresight (`refine_passes`,
+            `refreshes`, `replacement_confidence`, `foresight`, `foresight_rule`, `pipeline`).
 
     Returns:
         A `GenerationResult`.
+
+    Raises:
+        TypeError: a keyword that is neither an argument here nor a `DecodingOptions` field.
+        ValueError: a bad value, naming it.
     """
     check_is_target(target)
     # Checked as one prompt here: wrapped first, an int would read as a batch of one id.
     prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # an iterator is read
-    (result,) = generate_batch(
+    session = DecodeSession(
         target,
         [prompt_ids],
         draft=draft,
-        method=method,
+        options=decoding_options(decoding),
         max_new_tokens=max_new_tokens,
         # One per row: the seed as given (one for all rows would be mixed with the row index).
         sampling=[SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)],
         stop_token_ids=stop_token_ids,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-        foresight=foresight,
-        foresight_rule=foresight_rule,
-        pipeline=pipeline,
-        replacement_confidence=replacement_confidence,
-        block_size=block_size,
-        prefill_chunk=prefill_chunk,
     )
+    (result,) = run_to_the_end(session, show_progress=False)
     return result
 
 
@@ -123,19 +130,11 @@ def generate_batch(
     prompts: Sequence[Sequence[int]],
     *,
     draft=None,
-    method: str = "ar",
     max_new_tokens: int | Sequence[int] = 128,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     stop_token_ids: Sequence[int] | None = None,
-    refine_passes: int = 0,
-    refreshes: int = 0,
-    foresight: int = 0,
-    foresight_rule: str = "calibrated",
-    pipeline: str | None = None,
-    replacement_confidence: float | None = None,
-    block_size: int | None = None,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     show_progress: bool | None = False,
+    **decoding,
 ) -> list[GenerationResult]:
     """Generates continuations of several prompts of any lengths in one batched decode loop.
 
@@ -148,9 +147,7 @@ def generate_batch(
         target: a loaded target.
         prompts: one prompt per request, each a list of token ids (or a 1-D integer array);
             a single prompt is `[prompt_ids]` (or use `generate`).
-        draft, method, stop_token_ids, refine_passes, refreshes, foresight, foresight_rule,
-            pipeline, replacement_confidence, block_size, prefill_chunk: as in `generate`,
-            shared by all rows.
+        draft, stop_token_ids, **decoding: as in `generate`, shared by all rows.
         max_new_tokens: one budget for all rows, or one per row (each >= 1).
         sampling: one `SamplingParams` for all rows (row i draws with the seed
             `sampling.row_seed(seed, i)`, so rows are independent samples), or one per row
@@ -163,26 +160,20 @@ def generate_batch(
         One `GenerationResult` per prompt, in order.
     """
     check_is_target(target)
-    options = DecodingOptions(
-        method=method,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-        foresight=foresight,
-        foresight_rule=foresight_rule,
-        pipeline=pipeline,
-        replacement_confidence=replacement_confidence,
-        block_size=block_size,
-        prefill_chunk=prefill_chunk,
-    )
     session = DecodeSession(
         target,
         prompts,
         draft=draft,
-        options=options,
+        options=decoding_options(decoding),
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_token_ids=stop_token_ids,
     )
+    return run_to_the_end(session, show_progress)
+
+
+def run_to_the_end(session: DecodeSession, show_progress: bool | None) -> list[GenerationResult]:
+    """Decodes every row of a new session to its end; see `generate_batch`'s `show_progress`."""
     bar = tqdm.tqdm(
         total=sum(session.max_new_tokens),
         unit="tok",
@@ -205,21 +196,13 @@ def generate_as_completed(
     prompts: Sequence[Sequence[int]],
     *,
     draft=None,
-    method: str = "ar",
     max_new_tokens: int | Sequence[int] = 128,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
     stop_token_ids: Sequence[int] | None = None,
-    refine_passes: int = 0,
-    refreshes: int = 0,
-    foresight: int = 0,
-    foresight_rule: str = "calibrated",
-    pipeline: str | None = None,
-    replacement_confidence: float | None = None,
-    block_size: int | None = None,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     max_batch_size: int = 8,
     chunk_steps: int = 16,
     show_progress: bool | None = False,
+    **decoding,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Generates any number of prompts, `max_batch_size` rows at a time (rounded up to a power
     of two), with continuous batching: every `chunk_steps` target forwards, each row whose
@@ -237,9 +220,8 @@ def generate_as_completed(
     floating-point caveat there.
 
     Args:
-        target, prompts, draft, method, max_new_tokens, sampling, stop_token_ids, refine_passes,
-            refreshes, foresight, foresight_rule, pipeline, replacement_confidence, block_size,
-            prefill_chunk: as in `generate_batch`.
+        target, prompts, draft, max_new_tokens, sampling, stop_token_ids, **decoding: as in
+            `generate_batch`.
         max_batch_size: rows decoded at once (>= 1).
         chunk_steps: target forwards between two looks at the rows (>= 1): finished rows wait up
             to this many forwards for their next prompt.
@@ -252,17 +234,7 @@ def generate_as_completed(
         it is consumed.
     """
     check_is_target(target)
-    options = DecodingOptions(
-        method=method,
-        refine_passes=refine_passes,
-        refreshes=refreshes,
-        foresight=foresight,
-        foresight_rule=foresight_rule,
-        pipeline=pipeline,
-        replacement_confidence=replacement_confidence,
-        block_size=block_size,
-        prefill_chunk=prefill_chunk,
-    )
+    options = decoding_options(decoding)
     rows = bucket(check_int("max_batch_size", max_batch_size, 1), minimum=1)
     chunk_steps = check_int("chunk_steps", chunk_steps, 1)
     config = target.config
@@ -359,21 +331,13 @@ def stream(
     *,
     chunk_steps: int = 8,
     draft=None,
-    method: str = "ar",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
-    refine_passes: int = 0,
-    refreshes: int = 0,
-    foresight: int = 0,
-    foresight_rule: str = "calibrated",
-    pipeline: str | None = None,
-    replacement_confidence: float | None = None,
-    block_size: int | None = None,
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    **decoding,
 ) -> TokenStream:
     """Generates like `generate`, yielding the new tokens as they are produced.
 
@@ -398,17 +362,7 @@ def stream(
         target,
         [prompt_ids],
         draft=draft,
-        options=DecodingOptions(
-            method=method,
-            refine_passes=refine_passes,
-            refreshes=refreshes,
-            foresight=foresight,
-            foresight_rule=foresight_rule,
-            pipeline=pipeline,
-            replacement_confidence=replacement_confidence,
-            block_size=block_size,
-            prefill_chunk=prefill_chunk,
-        ),
+        options=decoding_options(decoding),
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop_token_ids=stop_token_ids,

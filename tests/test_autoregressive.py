@@ -242,6 +242,36 @@ def test_a_path_where_a_target_belongs_is_refused_by_name(call):
         call("ckpt/qwen3")
 
 
+ENTRY_POINTS = {
+    "generate": lambda target, **kw: jetspec_jax.generate(target, [1, 2], **kw),
+    "generate_batch": lambda target, **kw: jetspec_jax.generate_batch(target, [[1, 2]], **kw),
+    "generate_as_completed": lambda target, **kw: jetspec_jax.generate_as_completed(
+        target, [[1, 2]], **kw
+    ),
+    "stream": lambda target, **kw: jetspec_jax.stream(target, [1, 2], **kw),
+}
+
+
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_entry_points_pass_decoding_keywords_to_the_options(target, entry_point):
+    """Every entry point builds its `DecodingOptions` from the keywords it does not take itself:
+    a bad value is the options' error, and a misspelled keyword a TypeError listing the fields
+    (not swallowed, not a later argument's)."""
+    call = ENTRY_POINTS[entry_point]
+    with pytest.raises(ValueError, match="unknown method 'medusa'"):
+        call(target, method="medusa")
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1"):
+        call(target, prefill_chunk=0)
+    with pytest.raises(TypeError, match="'refine_pases'.*DecodingOptions \\(method, refine_passes"):
+        call(target, method="jetspec++", refine_pases=1)
+
+
+def test_generate_takes_no_batch_arguments(target):
+    """`generate` decodes one prompt in one call: `generate_batch`'s progress bar is not its."""
+    with pytest.raises(TypeError, match="'show_progress'"):
+        jetspec_jax.generate(target, [1, 2], show_progress=True)
+
+
 def test_prompt_longer_than_the_context_is_refused(target):
     context = target.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds the model's context"):

@@ -1,10 +1,11 @@
 """`DecodingOptions`: how a batch is decoded — the method, and JetSpec++'s refinement and
 foresight.
 
-One frozen value built by the public entry points (`generate`, `generate_batch`, `stream`) and the
-server's config, and handed as is to the scheduler and `DecodeSession`. It checks itself on
-construction (everything that does not need the draft); the pairing with the draft is checked
-when the session builds its proposer.
+One frozen value built by the public entry points (`generate`, `generate_batch`,
+`generate_as_completed`, `stream`: from their `**decoding` keywords) and the server's config, and
+handed as is to the scheduler and `DecodeSession`. It checks itself on construction (everything
+that does not need the draft); the pairing with the draft is checked when the session builds its
+proposer.
 """
 
 from __future__ import annotations
