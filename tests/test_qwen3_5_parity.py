@@ -13,9 +13,11 @@ import safetensors.numpy
 import torch
 
 import jetspec_jax
+from jetspec_jax.adapter import init_adapter
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
 from jetspec_jax.models.transformer import forward, init_cache, unembed
+from tests.tiny_models import near_bigram, with_target_norm
 
 TOL = 1e-4
 CONV_WINDOW, CHUNK = 4, 64  # the tiny config's conv window; gated_deltanet.DEFAULT_CHUNK
@@ -92,6 +94,42 @@ def test_tied_head_and_attention_bias_match_transformers(checkpoints):
     np.testing.assert_allclose(
         np.asarray(target.logits(ids)), _reference(model, ids).logits.numpy(), atol=TOL, rtol=0
     )
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5_attention_only", "qwen3_5_deltanet_only"])
+def test_a_hybrid_of_one_layer_kind_matches_transformers_and_decodes_as_ar(checkpoints, variant):
+    """A Qwen3.5 checkpoint whose layers are all attention or all Gated DeltaNet: the other
+    kind's stack and cache are empty. Its logits are HF's (without HF's cache, which needs an
+    attention layer), and JetSpec++ with refreshes and foresight (the adapter, the draft-ahead
+    caches, rollbacks after partly accepted blocks) gives AR's greedy tokens."""
+    path, model = checkpoints.get(variant)
+    target = jetspec_jax.load_target(path)
+    ids = np.random.default_rng(5).integers(0, 97, (2, 21))
+    with torch.no_grad():
+        want = model(torch.tensor(ids), use_cache=False).logits.numpy()
+    np.testing.assert_allclose(np.asarray(target.logits(ids)), want, atol=TOL, rtol=0)
+
+    target = near_bigram(target)
+    draft = jetspec_jax.init_draft(target, num_layers=1, block_size=4, init_std=0.02, seed=4)
+    draft = with_target_norm(draft, target)
+    draft = draft.with_adapter(init_adapter(draft))
+    prompt, budget = [5, 17, 3, 60, 2], 16
+    ar = jetspec_jax.generate(target, prompt, max_new_tokens=budget, stop_token_ids=[])
+    speculative = jetspec_jax.generate(
+        target,
+        prompt,
+        draft=draft,
+        max_new_tokens=budget,
+        stop_token_ids=[],
+        method="jetspec++",
+        refine_passes=1,
+        refreshes=1,
+        foresight=2,
+        foresight_rule="uncalibrated",
+    )
+    assert speculative.tokens == ar.tokens
+    accepted = [k for k, _ in speculative.outcomes]
+    assert 0 < max(accepted) < 3, accepted  # some drafts accepted, some blocks cut short
 
 
 def test_multimodal_checkpoint_loads_its_text_model(hybrid, tmp_path):

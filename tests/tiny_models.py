@@ -118,6 +118,9 @@ HYBRID_VARIANTS = {
         attention_bias=True,
         layer_types=["full_attention", "linear_attention", "full_attention"],
     ),
+    # One kind of layer only: the other kind's stack and cache are empty.
+    "qwen3_5_attention_only": dict(layer_types=["full_attention"] * 2),
+    "qwen3_5_deltanet_only": dict(layer_types=["linear_attention"] * 2),
 }
 _HYBRID_COMMON = dict(
     vocab_size=97,
@@ -171,14 +174,15 @@ def with_target_norm(draft, target):
 
 
 def near_bigram(target, scale=0.03):
-    """`target` (a loaded `Target`) with its layers' residual contributions shrunk: next tokens
+    """`target` (a loaded `Target`) with its layers' residual contributions shrunk (attention's,
+    Gated DeltaNet's and the MLP's output projections): next tokens
     depend mostly on the current token, which an untrained draft that shares the embedding, LM
     head and final norm partly predicts, so speculative rounds accept some drafts (a random pair
     would accept none, and outcome checks would hold whatever the block)."""
 
     def shrink(path, x):
         names = {getattr(key, "key", None) for key in path}
-        return x * scale if names & {"o_proj", "down_proj"} else x
+        return x * scale if names & {"o_proj", "out_proj", "down_proj"} else x
 
     return dataclasses.replace(
         target, params=jax.tree_util.tree_map_with_path(shrink, target.params)
