@@ -790,6 +790,38 @@ def test_training_forward_equals_the_inference_forward_block_by_block(target, va
             np.testing.assert_allclose(together[b, a], alone[0], atol=2e-5)
 
 
+@pytest.mark.parametrize("layers", [(0, 2), (1,)])
+def test_training_targets_are_the_states_of_the_layers_decoding_taps(target, layers):
+    """The draft's teacher taps and the adapter's training targets are the target's states at
+    the layers the decode loop's proposer takes (`tap_layers`, with and without refreshes): a
+    draft or adapter trained on other layers than it is fed would still decode losslessly, only
+    with a lower tau, which no other unit test would see."""
+    from jetspec_jax.models.transformer import forward
+    from jetspec_jax.training.adapter_loss import teacher_levels
+    from jetspec_jax.training.loss import teacher_forward
+
+    draft = jetspec_jax.init_draft(target, target_layer_ids=layers, block_size=4, seed=1)
+    draft = draft.with_adapter(init_adapter(draft))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, (2, 12)), jnp.int32)
+    taps_of = jax.jit(
+        lambda tap_layers: forward(target.params, target.config, tokens, tap_layers=tap_layers),
+        static_argnums=0,
+    )
+    for refreshes in (0, 1):
+        proposer, _ = draft.proposer(
+            target, method="jetspec++", refine_passes=refreshes, refreshes=refreshes
+        )
+        decoded = np.asarray(taps_of(proposer.tap_layers).taps)
+        assert decoded.shape[0] == len(layers)
+        teacher = teacher_forward(target.params, target.config, draft.config, tokens)
+        # (jitted and eager forwards round apart; another layer's states differ by O(1))
+        np.testing.assert_allclose(np.asarray(teacher.taps), decoded, atol=1e-5)
+        _, adapter_targets = teacher_levels(
+            target.params, target.config, draft.adapter.config.target_layer_ids, tokens
+        )
+        np.testing.assert_allclose(np.asarray(adapter_targets), decoded, atol=1e-5)
+
+
 def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     """`draft.init_from`: the saved draft's weights, not a random initialisation; a saved draft
     of another architecture is refused by field."""
