@@ -21,7 +21,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
-from jetspec_jax.decoding import pipeline
+from jetspec_jax.decoding import pipeline, pipeline_mpmd
 from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
 from jetspec_jax.decoding.placement import PLACED
@@ -331,6 +331,34 @@ def test_mpmd_cancel_between_chunks(target, draft, prompts):
     results = session.results()
     assert results[0].tokens == kept and results[0].finish_reason == "cancelled"
     assert results[1].tokens == _ar(target, prompts)[1]
+
+
+def test_the_mpmd_host_keeps_one_round_in_flight(target, draft, prompts, monkeypatch):
+    """The host checks a round's done flags only after dispatching the next round, so the
+    devices never wait on it: when the last row finishes in round R, exactly R + 1 rounds were
+    dispatched (checking the round just dispatched would block on it every round, and lose the
+    overlap that only two real devices show)."""
+    dispatched = []
+    call = pipeline_mpmd._StagePrograms.__call__
+
+    def counting(self, fn, *args, **static):
+        dispatched.append(fn.__name__)
+        return call(self, fn, *args, **static)
+
+    monkeypatch.setattr(pipeline_mpmd._StagePrograms, "__call__", counting)
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=ScaledOracleDraft(draft, MIXED),
+        options=foresight_options(1, "mpmd"),
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+    )
+    session.start()
+    session.advance()
+    rounds = max(len(r.outcomes) for r in session.results())
+    assert 1 < rounds < N_NEW  # some blocks accepted drafts; the loop ran several rounds
+    assert dispatched.count("verify_and_commit") == rounds + 1
 
 
 def test_draft_stage_target_params_leave_out_the_lower_layers():
