@@ -2,7 +2,7 @@
 
 Public API:
     load_target(path=None, dtype="float32") -> Target
-    load_draft(path, target) / init_draft(target, *, variant="jetspec++", ...) -> Draft
+    load_draft(path, target) / init_draft(target, *, seed=0, **architecture) -> Draft
     default_draft_dir() -> Path (the JetSpec++ checkpoint shipped for the default target)
     generate(target, prompt_ids, *, draft=None, ..., **decoding) -> GenerationResult
         (`**decoding`: the fields of DecodingOptions, `method="ar"` and the rest; every entry

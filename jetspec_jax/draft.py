@@ -238,49 +238,24 @@ def load_draft_for_config(
     return Draft(config=config, params=params, dtype=dtype, target_config=target_config, path=path)
 
 
-def init_draft(
-    target: Target,
-    *,
-    variant: str = "jetspec++",
-    num_layers: int = 1,
-    target_layer_ids: tuple[int, ...] | None = None,
-    block_size: int = 16,
-    mask_token_id: int | None = None,
-    intermediate_size: int | None = None,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    init_std: float = 0.02,
-    seed: int = 0,
-) -> Draft:
+def init_draft(target: Target, *, init_std: float = 0.02, seed: int = 0, **architecture) -> Draft:
     """A randomly initialised draft head for `target`, in the target's dtype.
 
-    Kernels are drawn from N(0, init_std) and norm scales are 1. The architecture is
-    `draft_config`'s for the same settings (its docstring has their defaults).
+    Kernels are drawn from N(0, init_std) and norm scales are 1.
 
     Args:
         target: the target to draft for.
-        variant, num_layers, target_layer_ids, block_size, mask_token_id, intermediate_size,
-            num_heads, num_kv_heads, head_dim: as `draft_config`.
         init_std: standard deviation of the kernels.
         seed: seed of `jax.random`.
+        **architecture: `draft_config`'s keywords, with its defaults: `variant="jetspec++"`,
+            `num_layers=1`, `target_layer_ids`, `block_size=16`, `mask_token_id`, and the
+            layers' `intermediate_size`, `num_heads`, `num_kv_heads`, `head_dim`.
 
     Raises:
-        ValueError, CheckpointError, TypeError: as `draft_config`; ValueError: a seed outside
-            [0, 2**32).
+        ValueError, CheckpointError, TypeError: as `draft_config` (a TypeError also for a keyword
+            it does not take); ValueError: a seed outside [0, 2**32).
     """
-    config = draft_config(
-        target,
-        variant=variant,
-        num_layers=num_layers,
-        target_layer_ids=target_layer_ids,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-    )
+    config = draft_config(target, **architecture)
     seed = check_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")

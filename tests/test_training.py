@@ -435,6 +435,24 @@ def test_two_devices_train_like_one(target, data_files, tmp_path, mesh):
         np.testing.assert_allclose(two, one, atol=lr / 10, rtol=0)
 
 
+def test_the_draft_section_sets_every_draft_config_keyword():
+    """The `draft` section is `draft_config`'s keywords plus how a run starts: a keyword added to
+    `draft_config` (and so to `init_draft`) without a section field could not be trained."""
+    import inspect
+
+    from jetspec_jax.draft import draft_config
+
+    keywords = [
+        name
+        for name, p in inspect.signature(draft_config).parameters.items()
+        if p.kind is p.KEYWORD_ONLY
+    ]
+    architecture = DraftArchConfig().architecture()
+    assert sorted(architecture) == sorted(keywords)
+    defaults = {k: inspect.signature(draft_config).parameters[k].default for k in keywords}
+    assert architecture == defaults
+
+
 def test_bad_configs_are_refused_by_key(tmp_path):
     from jetspec_jax.training.config import load_train_config
 

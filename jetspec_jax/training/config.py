@@ -52,9 +52,15 @@ class DraftArchConfig:
     num_heads: int | None = None  # None: the target's
     num_kv_heads: int | None = None  # None: the target's
     head_dim: int | None = None  # None: the target's
-    mask_token_id: int | None = None  # None: `init_draft`'s rule (the tokenizer's mask token, ...)
+    mask_token_id: int | None = None  # None: `draft_config`'s rule (the tokenizer's mask token...)
     init_std: float = 0.02
     init_from: str | None = None
+
+    def architecture(self) -> dict:
+        """The keywords of `jetspec_jax.draft.draft_config` this section sets: every field but
+        how a run starts (`init_std`, `init_from`)."""
+        fields = dataclasses.asdict(self)
+        return {k: v for k, v in fields.items() if k not in ("init_std", "init_from")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,17 +187,7 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     float32 master weights start from it unrounded whatever the target's dtype. `resuming`: the
     checkpoint holds the weights, so `init_from` is not read (it may be gone by then)."""
     d = config.draft
-    architecture = dict(
-        variant=d.variant,
-        num_layers=d.num_layers,
-        target_layer_ids=d.target_layer_ids,
-        block_size=d.block_size,
-        intermediate_size=d.intermediate_size,
-        num_heads=d.num_heads,
-        num_kv_heads=d.num_kv_heads,
-        head_dim=d.head_dim,
-        mask_token_id=d.mask_token_id,
-    )
+    architecture = d.architecture()
     if d.init_from is None or resuming:
         return init_draft(target, **architecture, init_std=d.init_std, seed=config.optim.seed)
     start = load_draft(d.init_from, target, dtype="float32")
