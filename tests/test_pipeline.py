@@ -310,9 +310,9 @@ def test_sessions_with_other_drafts_share_the_placed_target(target, draft, promp
     assert len(PLACED) == 0
 
 
-def test_mpmd_cancel_between_chunks(target, draft, prompts):
-    """A row cancelled between calls is inactive on both devices; the other row is unchanged."""
-    session = DecodeSession(
+def mixed_mpmd_session(target, draft, prompts):
+    """An MPMD session of interleaved foresight hits and misses, to its full budget."""
+    return DecodeSession(
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
@@ -320,6 +320,11 @@ def test_mpmd_cancel_between_chunks(target, draft, prompts):
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )
+
+
+def test_mpmd_cancel_between_chunks(target, draft, prompts):
+    """A row cancelled between calls is inactive on both devices; the other row is unchanged."""
+    session = mixed_mpmd_session(target, draft, prompts)
     session.start()
     first = session.poll()
     session.advance(1)
@@ -346,14 +351,7 @@ def test_the_mpmd_host_keeps_one_round_in_flight(target, draft, prompts, monkeyp
         return call(self, fn, *args, **static)
 
     monkeypatch.setattr(pipeline_mpmd._StagePrograms, "__call__", counting)
-    session = DecodeSession(
-        target,
-        prompts,
-        draft=ScaledOracleDraft(draft, MIXED),
-        options=foresight_options(1, "mpmd"),
-        max_new_tokens=N_NEW,
-        stop_token_ids=[],
-    )
+    session = mixed_mpmd_session(target, draft, prompts)
     session.start()
     session.advance()
     rounds = max(len(r.outcomes) for r in session.results())
