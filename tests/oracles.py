@@ -36,7 +36,9 @@ class OracleProposer:
     tap_layers: tuple[int, ...] = ()
 
     def empty(self, params, target_params, batch, capacity):
-        return jnp.zeros((), jnp.int32)  # stateless
+        # Stateless, but per row like every proposer's state: a row admitted into a running
+        # batch (continuous batching) writes its own.
+        return jnp.zeros((batch,), jnp.int32)
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
         idx = anchor_positions[:, None] + 1 + jnp.arange(self.block_size - 1)[None]

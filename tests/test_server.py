@@ -170,6 +170,7 @@ def test_completion_equals_the_library_and_its_stream(target, client, http):
     assert choice.finish_reason == ("stop" if result.finish_reason == "stop" else "length")
     assert answer.usage.prompt_tokens == len(ids)
     assert answer.usage.completion_tokens == len(result.tokens)
+    assert answer.usage.total_tokens == len(ids) + len(result.tokens)
     assert answer.model_extra["jetspec"]["tau"] == pytest.approx(1.0)  # AR: one per forward
 
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
@@ -190,6 +191,7 @@ def test_completion_equals_the_library_and_its_stream(target, client, http):
     assert "".join(texts) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
     assert chunks[-1].usage.completion_tokens == len(result.tokens)
+    assert chunks[-1].usage.total_tokens == len(ids) + len(result.tokens)
     # As OpenAI's: with include_usage, the chunks before the usage chunk carry "usage": null.
     body = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, stream=True)
     raw = http.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
@@ -530,6 +532,7 @@ BAD = [
     ("/v1/chat/completions", dict(model=MODEL, messages=[{"role": "user"}]), 400, "content"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=-1), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=3), 400, "temperature"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=2.01), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", temperature=1e-39), 400, "temperature"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", top_p=1.5), 400, "top_p"),
     # Past float's range: OverflowError in the finiteness check answered 500.
@@ -579,6 +582,18 @@ BAD = [
     ("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=600), 400, "512"),
     ("/v1/completions", dict(model=MODEL, prompt=[5, 500]), 400, "500"),
     ("/v1/completions", dict(model=MODEL, prompt="Hi", stop=[1]), 400, "stop"),
+    ("/v1/completions", dict(model=MODEL, prompt="Hi", stop=list("abcde")), 400, "stop"),
+    (
+        "/v1/chat/completions",
+        dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=5,
+            max_completion_tokens=0,
+        ),
+        400,
+        "max_completion_tokens",
+    ),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     # vLLM's extensions away from their neutral values would change the output: refused.
     ("/v1/completions", dict(model=MODEL, prompt="Hi", min_p=0.1), 400, "min_p"),
@@ -674,6 +689,34 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
     same = http.post("/v1/chat/completions", json={**chat, **chat_neutral})
     assert same.status_code == 200, same.text
     assert same.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+def test_the_bounds_of_the_sampling_and_stop_fields_are_accepted(http):
+    """OpenAI's limits are inclusive: temperature 2 and four stop strings are served; vLLM's
+    `top_k=-1` means no top-k, as an unset one."""
+    hot = dict(model=MODEL, prompt="Hi", max_tokens=2, temperature=2.0)
+    assert http.post("/v1/completions", json=hot).status_code == 200
+    assert _complete(http, prompt="Hi", max_tokens=2, stop=list("@#$%")).status_code == 200
+    sampled = dict(model=MODEL, prompt="The sky", max_tokens=6, temperature=0.7, seed=3)
+    plain = http.post("/v1/completions", json=sampled).json()
+    minus_one = http.post("/v1/completions", json={**sampled, "top_k": -1})
+    assert minus_one.status_code == 200, minus_one.text
+    assert minus_one.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+def test_max_completion_tokens_takes_precedence_over_max_tokens(http):
+    """OpenAI's chat budget is `max_completion_tokens`; the older `max_tokens` applies only when
+    it is unset."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0)
+    both = http.post(
+        "/v1/chat/completions", json={**chat, "max_tokens": 16, "max_completion_tokens": 2}
+    )
+    assert both.status_code == 200, both.text
+    answer = both.json()
+    assert answer["usage"]["completion_tokens"] == 2
+    assert answer["choices"][0]["finish_reason"] == "length"
+    alone = http.post("/v1/chat/completions", json={**chat, "max_tokens": 3}).json()
+    assert alone["usage"]["completion_tokens"] == 3
 
 
 def test_chat_text_parts_are_joined_by_newlines(http):
@@ -789,6 +832,8 @@ def test_stop_strings_cut_the_output(target, http):
         "logprobs": None,
         "finish_reason": "stop",
     }
+    second = _complete(http, prompt="The sky", max_tokens=16, stop=["@@@@", stop]).json()
+    assert second["choices"][0] == answer["choices"][0]  # every stop string is looked for
     streamed = _complete(http, prompt="The sky", max_tokens=16, stop=stop, stream=True)
     assert _sse_text(streamed.text) == expected
     # usage counts the tokens up to the one completing the stop string, not those the row
@@ -804,7 +849,9 @@ def test_stop_strings_cut_the_output(target, http):
     assert chunks[-1]["usage"]["completion_tokens"] == upto
 
 
-def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_server(target, http):
+def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_server(
+    target, http, caplog
+):
     """A speculative server whose draft is right for some rows of its batch and wrong for the
     others: batched rows with ragged acceptance (all drafts accepted vs none) and budgets
     (finishing at different rounds) answer exactly as the autoregressive server does."""
@@ -829,6 +876,7 @@ def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_serve
         pad_batch=True,
     )
     with (
+        caplog.at_level("ERROR"),
         BackgroundServer(target, draft, config) as spec,
         httpx.Client(base_url=spec.url, timeout=120) as spec_http,
     ):
@@ -854,6 +902,8 @@ def test_speculative_server_rows_finish_apart_and_equal_the_autoregressive_serve
             assert a["jetspec"]["tau"] == pytest.approx(1.0), a
     assert _sse_text(streamed.text) == expected[0].json()["choices"][0]["text"]
     assert len({a["usage"]["completion_tokens"] for a in answers}) > 1  # different lengths
+    # Served by the batches themselves: a failed one retried alone would answer the same.
+    assert "failed" not in caplog.text, caplog.text
 
 
 def test_load_tool_measures_the_server(server):
@@ -914,6 +964,16 @@ def test_a_stop_token_that_spends_the_budget_finishes_with_stop():
     output.add(result.tokens)
     assert output.finish_reason(result) == "stop"
     assert output.completion_tokens(result) == 3  # the stop token counted, as OpenAI counts it
+
+
+def test_text_held_back_as_a_possible_stop_string_is_emitted_when_none_comes():
+    """A response that ends on the start of a stop string ("c" of "cz") ends with that text:
+    held back while the stop string could still complete, not lost when it did not."""
+    output = app_module._Output(_LetterTokenizer(), ("cz",))
+    assert output.add([0, 1, 2]) == "ab"
+    assert output.finish() == "c"
+    result = row_result(_finished_row([0, 1, 2]), 3, (9,), Timing(0.0, 0.0, 0.0), False)
+    assert output.finish_reason(result) == "length"
 
 
 def test_metrics_parse(server, http):
