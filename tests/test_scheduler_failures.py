@@ -156,6 +156,26 @@ def test_a_job_that_received_tokens_fails_with_its_batch_and_is_not_retried(targ
         assert events[:-1] == [Tokens(first)]  # the prefill's token, once
 
 
+def test_a_job_cancelled_before_its_batch_failed_is_not_decoded_again(target, monkeypatch):
+    """A job whose client went away while its batch ran has nobody to be decoded for: when the
+    batch fails, the others are retried one by one and it is answered without a decode."""
+    jobs = {"a": ([5, 6, 7], 6), "bad": ([8, 9], BAD), "gone": ([10, 11, 12, 14], 5)}
+    made = {}
+    _fail_sessions_with_bad(monkeypatch, "start", before=lambda: made["gone"].cancel())
+    starts = _record_starts(monkeypatch)
+    log = _Log()
+    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2)
+    scheduler.start()
+    try:
+        _run_batch(scheduler, jobs, log, made)
+    finally:
+        scheduler.stop()
+    assert starts == [[6, BAD, 5], [6], [BAD]]  # "gone" is not decoded alone
+    _assert_served_as_alone(target, log, "a", *jobs["a"])
+    assert log.of("bad") == [Failed(500, GENERIC)]
+    assert log.of("gone") == [Failed(500, GENERIC)]
+
+
 def test_no_retry_starts_once_the_scheduler_stops(target, monkeypatch):
     """`stop` cancels the running batch: the jobs of a batch that fails meanwhile are answered
     (the server is shutting down), not decoded again one by one."""

@@ -313,3 +313,7 @@ def test_stop_strings_cut_the_text_and_hold_back_possible_starts():
     assert stops.feed("more") == "" and stops.flush() == ""
     plain = StopStrings(["END"])
     assert plain.feed("xE") == "x" and plain.flush() == "E" and not plain.hit
+    # Two stop strings completed by one delta: the text ends at the one that starts first,
+    # whichever is listed first.
+    assert StopStrings(["xb", "b"]).feed("axb") == "a"
+    assert StopStrings(["b", "xb"]).feed("axb") == "a"
