@@ -150,6 +150,11 @@ def test_adapter_config_dict_round_trip_and_strictness(draft):
         (lambda p: _edit(p / "jetspec_pp.json", extra=1), "unknown key.*extra"),
         (lambda p: _edit(p / "jetspec_pp.json", contents=["draft"]), "contents must list"),
         (
+            lambda p: _edit(p / "jetspec_pp.json", contents=["draft", "adapter"]),
+            "does not list a calibration but .*calibration.json exists",
+        ),
+        (lambda p: _edit(p / "jetspec_pp.json", dtype="float16"), "dtype must be float32 or"),
+        (
             lambda p: _edit(p / "adapter" / "config.json", target_layer_ids=[0, 1]),
             r"adapter target_layer_ids \[0, 1\] != the draft's target_layer_ids \[0, 2\]",
         ),

@@ -107,7 +107,15 @@ def test_linear_rope_scaling_matches_transformers(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("variant", ["qwen3", "llama3_rope_bias", "qwen3_5"])
 def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path, variant):
+    """Exported, the model is the same for transformers and for us, in both config layouts; the
+    norm's epsilon and the RoPE base are set away from transformers' defaults first, so that an
+    export that drops them cannot pass by falling back on the same default."""
     target = jetspec_jax.load_target(checkpoints.get(variant)[0])
+    config = target.config
+    config = dataclasses.replace(
+        config, rms_norm_eps=1e-2, rope=dataclasses.replace(config.rope, theta=321.0)
+    )
+    target = dataclasses.replace(target, config=config)
     out = target.save(tmp_path / "exported")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     np.testing.assert_allclose(
@@ -118,6 +126,7 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoints, tmp_path
 
     # The older layout alone (what transformers 4 reads) describes the same model too.
     hf = json.loads((out / "config.json").read_text())
+    assert hf["rope_parameters"]["rope_theta"] == hf["rope_theta"] == 321.0
     del hf["rope_parameters"], hf["dtype"]
     (out / "config.json").write_text(json.dumps(hf))
     assert jetspec_jax.load_target(out).config == target.config
@@ -511,11 +520,18 @@ def test_a_published_directory_has_the_modes_the_umask_gives(tmp_path, umask, fi
         with atomic_directory(tmp_path / "ckpt") as tmp:
             (tmp / "sub").mkdir()
             (tmp / "sub" / "weights").write_text("w")
+            # safetensors creates its files owner-only, whatever the umask
+            safetensors.numpy.save_file({"x": np.zeros(2, np.float32)}, tmp / "model.safetensors")
     finally:
         os.umask(previous)
     out = tmp_path / "ckpt"
     modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
-    assert modes == {"ckpt": dir_mode, "sub": dir_mode, "weights": file_mode}
+    assert modes == {
+        "ckpt": dir_mode,
+        "sub": dir_mode,
+        "weights": file_mode,
+        "model.safetensors": file_mode,
+    }
 
 
 def test_two_writers_of_one_text_file_never_publish_a_torn_file(tmp_path, monkeypatch):
@@ -538,6 +554,22 @@ def test_two_writers_of_one_text_file_never_publish_a_torn_file(tmp_path, monkey
     assert calls[0] != calls[1]  # each writer's own temporary file
     assert path.read_text() == "first, complete"  # the later rename wins, whole
     assert [p.name for p in tmp_path.iterdir()] == ["BENCHMARKS.md"]  # no temporary left
+
+
+def test_a_failed_atomic_text_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    from jetspec_jax.checkpoint import atomic
+
+    path = tmp_path / "notes.md"
+    path.write_text("old")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        atomic.write_text_atomically(path, "new")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]
+    assert path.read_text() == "old"
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])

@@ -202,6 +202,17 @@ def test_an_absent_rms_norm_eps_defaults_as_transformers_reads_it(base):
 
 
 @pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}, HYBRID])
+def test_an_absent_head_dim_defaults_as_transformers_reads_it(base):
+    """Llama: hidden_size / heads (16 here); Qwen3 and Qwen3.5: their fixed defaults (128, 256),
+    whatever the hidden size."""
+    hf = {k: v for k, v in base.items() if k != "head_dim"}
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    want = transformers.AutoConfig.for_model(hf["model_type"], **fields).head_dim
+    assert config_from_hf(hf).head_dim == want
+    assert want != 16 or base is LLAMA  # the defaults differ, so each rule is checked
+
+
+@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}, HYBRID])
 @pytest.mark.parametrize("value", ["absent", None])
 def test_num_key_value_heads_defaults_as_transformers_reads_it(base, value):
     """Absent: Qwen3's default is 32 KV heads, Qwen3.5's 4, Llama's num_attention_heads; null:
