@@ -154,6 +154,7 @@ def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path)
         (dict(max_new_tokens=MAX_NEW + 1), f"max_new_tokens {MAX_NEW + 1} \\(generated with 8\\)"),
         (dict(sampling=jetspec_jax.SamplingParams(temperature=1.0)), "sampling"),
         (dict(system="Be brief."), "system 'Be brief.' \\(generated with None\\)"),
+        (dict(math_suffix_sources=()), "math_suffix_sources"),  # suffixed and plain mixed
     ]
     for change, message in changes:
         with pytest.raises(ValueError, match=f"other settings; resuming would mix.*{message}"):
@@ -220,6 +221,9 @@ def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
     assert f"no prompt encoding recorded for {plain}" in caplog.text
     settings_path(raw).write_text('{"chat": "yes", "system": null, "thinking": false}')
     with pytest.raises(ValueError, match="'chat' and 'thinking' must be booleans"):
+        data_encoding([raw])
+    settings_path(raw).write_text('{"chat": true, "system": 5, "thinking": false}')
+    with pytest.raises(ValueError, match="'system' must be a string or null"):
         data_encoding([raw])
     settings_path(raw).write_text("[]")
     with pytest.raises(ValueError, match="is not a JSON object"):
@@ -375,6 +379,18 @@ def test_too_long_prompt_is_skipped_and_counted(target, tmp_path, caplog):
     assert out.read_text() == ""
 
 
+def test_a_prompt_that_fills_the_context_with_its_budget_is_kept(target, tmp_path):
+    """Prompt plus budget may equal the context; one token more is skipped."""
+    from jetspec_jax.data.regenerate import PromptRecord, _encode
+
+    encoding = PromptEncoding()
+    record = PromptRecord(index=0, id="q", source="alpaca", text="What is 7 + 1?")
+    n = len(encoding.encode(target.tokenizer, record.text))
+    room = target.config.max_position_embeddings - n
+    assert [r.id for r, _ in _encode(target, [record], room, encoding)] == ["q"]
+    assert _encode(target, [record], room + 1, encoding) == []
+
+
 def test_row_seeds_depend_on_base_and_index_only():
     assert row_seed(0, 3) == row_seed(0, 3)
     assert len({row_seed(base, i) for base in range(3) for i in range(3)}) == 9
@@ -397,6 +413,11 @@ def test_bad_arguments_are_rejected(target, prompt_files, tmp_path):
         regenerate(target, prompt_files, tmp_path / "out.jsonl", batch_size=0)
     with pytest.raises(ValueError, match="list of paths"):
         regenerate(target, prompt_files[0], tmp_path / "out.jsonl")
+    for limit in (-1, True, 1.5):  # -1 would silently drop the last record
+        with pytest.raises(ValueError, match="limit must be"):
+            regenerate(target, prompt_files, tmp_path / "out.jsonl", limit=limit)
+        with pytest.raises(ValueError, match="limit must be"):
+            read_records(prompt_files, limit=limit)
     context = target.config.max_position_embeddings
     with pytest.raises(
         ValueError, match=f"no room for a prompt in the target's context of {context}"
@@ -482,6 +503,9 @@ def test_chat_prompts_end_in_the_assistants_turn_with_thinking_off():
     assert encode_prompt(tokenizer, "Hi", chat=True, thinking=True) == ids(turn)
     with_system = encode_prompt(tokenizer, "Hi", chat=True, system="S")
     assert with_system == ids("<|im_start|>s:S<|im_end|>" + turn + "N")
+    # An empty system message is one (the template renders its turn), not none.
+    empty = encode_prompt(tokenizer, "Hi", chat=True, system="")
+    assert empty == ids("<|im_start|>s:<|im_end|>" + turn + "N")
 
 
 def test_a_malformed_middle_line_is_an_error_even_when_skipping_a_torn_tail(tmp_path):

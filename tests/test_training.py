@@ -33,7 +33,7 @@ from jetspec_jax.training.config import (
 )
 from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau, prompts_tau
-from jetspec_jax.training.run_helpers import Throughput, host_params
+from jetspec_jax.training.run_helpers import Throughput, check_fits_context, host_params
 from jetspec_jax.training.run_loop import LOCK_FILE, has_checkpoint
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import (
@@ -512,12 +512,38 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "optim: {epochs: 0}": "optim.epochs",
         "optim: {epochs: .inf}": "optim.epochs",
         "optim: {learning_rate: .inf}": "optim.learning_rate",
+        # Each bound just past it (the values at it load: the next test).
+        "data: {files: [a.jsonl], max_length: 16}\ndraft: {block_size: 16}": "data.max_length",
+        "optim: {steps: 10, warmup_steps: 11}": "optim.warmup_steps",
+        "optim: {seed: 4294967296}": "optim.seed",
     }.items():
         if not text.startswith("data:"):
             text = "data: {files: [a.jsonl]}\n" + text
         path.write_text(text + "\n")
         with pytest.raises(ValueError, match=f"invalid value for {field}"):
             load_train_config(path)
+    for text in ("optim: {steps: true}", "draft: {num_layers: false}"):  # YAML's booleans
+        path.write_text("data: {files: [a.jsonl]}\n" + text + "\n")
+        with pytest.raises(ValueError, match="must be an integer"):
+            load_train_config(path)
+
+
+def test_values_at_each_bound_are_accepted(tmp_path):
+    """The bounds are inclusive where the rule allows the value: a sequence one token longer than
+    a block, a run that warms up for all its steps, an anchor at every position, the largest
+    32-bit seed; YAML 1.1 reads `3e-4` (no dot) as a string, which is read as the number."""
+    from jetspec_jax.training.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data: {files: [a.jsonl], max_length: 17}\n"
+        "draft: {block_size: 16}\n"
+        "optim: {steps: 10, warmup_steps: 10, anchors_per_sequence: 17, seed: 4294967295, "
+        "learning_rate: 3e-4}\n"
+    )
+    optim = load_train_config(path).optim
+    assert (optim.steps, optim.warmup_steps, optim.anchors_per_sequence) == (10, 10, 17)
+    assert optim.seed == 2**32 - 1 and optim.learning_rate == 3e-4
 
 
 def test_with_epochs_the_warmup_is_not_checked_against_the_default_steps(tmp_path):
@@ -528,6 +554,9 @@ def test_with_epochs_the_warmup_is_not_checked_against_the_default_steps(tmp_pat
     path.write_text("data: {files: [a.jsonl]}\noptim: {epochs: 6, warmup_steps: 2000}\n")
     config = resolve_steps(load_train_config(path), num_examples=100)
     assert (config.optim.steps, config.optim.warmup_steps) == (75, 75)  # 6 * 100 / batch 8
+    # A last partial batch is a step: 1 epoch of 10 examples in batches of 8 is 2 steps.
+    path.write_text("data: {files: [a.jsonl]}\noptim: {epochs: 1, warmup_steps: 0}\n")
+    assert resolve_steps(load_train_config(path), num_examples=10).optim.steps == 2
 
 
 def test_command_line_overrides_are_typed_and_validated(tmp_path):
@@ -626,6 +655,9 @@ def test_an_adapter_optim_override_keeps_the_optim_the_adapter_ran_with(tmp_path
     ):
         optim = load_train_config(path, overrides).adapter.optim
         assert (optim.steps, optim.epochs, optim.batch_size) == (300, None, 8), overrides
+    # An adapter override of a key the top level sets wins over the inherited value.
+    optim = load_train_config(path, ["adapter.optim.batch_size=4"]).adapter.optim
+    assert (optim.batch_size, optim.warmup_steps) == (4, 7)
     # `optim: null` says "the top-level one" too.
     path.write_text(path.read_text() + "adapter: {optim: null}\n")
     optim = load_train_config(path, ["adapter.optim.steps=300"]).adapter.optim
@@ -1072,6 +1104,9 @@ def test_sequences_longer_than_the_targets_context_are_refused(target, data_file
     with pytest.raises(ValueError, match=f"data.max_length {context + 1} exceeds .* {context}"):
         train(dataclasses.replace(config, data=data), target=target)
     assert not (tmp_path / "checkpoints").exists()
+    # The whole context is a valid length.
+    at_context = dataclasses.replace(config.data, max_length=context)
+    check_fits_context(dataclasses.replace(config, data=at_context), target)
 
 
 def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
@@ -1160,15 +1195,17 @@ def test_training_data_is_checked_against_the_target(tmp_path, caplog):
         {"prompt_ids": [1] * 8, "response_ids": [3]},  # fills max_length 8
         {"prompt_ids": [1, 2], "response_ids": []},
         {"prompt_ids": [1, 2], "response_ids": [3] * 10},  # 4 tokens past max_length 8
+        {"prompt_ids": [], "response_ids": [3, 4]},  # a first token with no context
+        {"prompt_ids": [1, 2], "response_ids": [4] * 6},  # fits max_length 8 exactly
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         records = read_regenerated([path], vocab_size=5, max_length=8)
-    assert [{k: v.tolist() for k, v in r.items()} for r in records] == [rows[0], rows[3]]
+    assert [{k: v.tolist() for k, v in r.items()} for r in records] == [rows[0], rows[3], rows[5]]
     assert all(v.dtype == np.int32 for r in records for v in r.values())  # 4 bytes a token
     assert "skipped 1 records whose prompt fills max_length 8" in caplog.text
-    assert "skipped 1 records with an empty prompt or response" in caplog.text
-    assert "cut 1 of 2 records at max_length 8: 4 of all 12 response tokens (33.3%)" in caplog.text
+    assert "skipped 2 records with an empty prompt or response" in caplog.text
+    assert "cut 1 of 3 records at max_length 8: 4 of all 18 response tokens (22.2%)" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
         read_regenerated([path], vocab_size=5, max_length=16)  # nothing cut or skipped...

@@ -334,6 +334,40 @@ def test_missing_paths_are_refused_before_the_target_loads(
 
 
 @pytest.mark.parametrize(
+    "command, flags, message",
+    [
+        ("regenerate", ["--limit", "-1"], "--limit must be >= 0, got -1"),
+        ("regenerate", ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        ("regenerate", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        ("draft", ["--stop-after", "0"], "--stop-after must be >= 1, got 0"),
+        ("adapter", ["--stop-after", "0"], "--stop-after must be >= 1, got 0"),
+    ],
+)
+def test_bad_counts_are_refused_before_any_work(
+    command, flags, message, tmp_path, no_target_load, monkeypatch, capsys
+):
+    """A bad flag fails at once, not after a target load (minutes) or a run that trains nothing."""
+    import train
+    from jetspec_jax.training import adapter_trainer, trainer
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a run started before the flags were checked")
+
+    monkeypatch.setattr(trainer, "train", no_run)
+    monkeypatch.setattr(adapter_trainer, "train_adapter", no_run)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    argv = {
+        "regenerate": ["--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")],
+        "draft": ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")],
+        "adapter": ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")],
+    }[command]
+    assert train.main([command, *argv, *flags]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
     "flags, message",
     [
         (["--refine-passes", "1", "--refreshes", "2"], "--refreshes 2 exceeds --refine-passes 1"),
