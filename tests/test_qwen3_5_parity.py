@@ -129,7 +129,7 @@ def test_a_hybrid_of_one_layer_kind_matches_transformers_and_decodes_as_ar(check
     )
     assert speculative.tokens == ar.tokens
     accepted = [k for k, _ in speculative.outcomes]
-    assert 0 < max(accepted) < 3, accepted  # some drafts accepted, some blocks cut short
+    assert max(accepted) > 0 and min(accepted) < 3, accepted  # some accepted, some rejected
 
 
 def test_multimodal_checkpoint_loads_its_text_model(hybrid, tmp_path):

@@ -857,18 +857,18 @@ def test_training_targets_are_the_states_of_the_layers_decoding_taps(target, lay
         lambda tap_layers: forward(target.params, target.config, tokens, tap_layers=tap_layers),
         static_argnums=0,
     )
+    teacher = teacher_forward(target.params, target.config, draft.config, tokens)
+    _, adapter_targets = teacher_levels(
+        target.params, target.config, draft.adapter.config.target_layer_ids, tokens
+    )
     for refreshes in (0, 1):
         proposer, _ = draft.proposer(
             target, method="jetspec++", refine_passes=refreshes, refreshes=refreshes
         )
         decoded = np.asarray(taps_of(proposer.tap_layers).taps)
         assert decoded.shape[0] == len(layers)
-        teacher = teacher_forward(target.params, target.config, draft.config, tokens)
         # (jitted and eager forwards round apart; another layer's states differ by O(1))
         np.testing.assert_allclose(np.asarray(teacher.taps), decoded, atol=1e-5)
-        _, adapter_targets = teacher_levels(
-            target.params, target.config, draft.adapter.config.target_layer_ids, tokens
-        )
         np.testing.assert_allclose(np.asarray(adapter_targets), decoded, atol=1e-5)
 
 

@@ -175,10 +175,10 @@ def with_target_norm(draft, target):
 
 def near_bigram(target, scale=0.03):
     """`target` (a loaded `Target`) with its layers' residual contributions shrunk (attention's,
-    Gated DeltaNet's and the MLP's output projections): next tokens
-    depend mostly on the current token, which an untrained draft that shares the embedding, LM
-    head and final norm partly predicts, so speculative rounds accept some drafts (a random pair
-    would accept none, and outcome checks would hold whatever the block)."""
+    Gated DeltaNet's and the MLP's output projections): next tokens depend mostly on the current
+    token, which an untrained draft that shares the embedding, LM head and final norm partly
+    predicts, so speculative rounds accept some drafts (a random pair would accept none, and
+    outcome checks would hold whatever the block)."""
 
     def shrink(path, x):
         names = {getattr(key, "key", None) for key in path}
