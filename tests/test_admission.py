@@ -19,6 +19,7 @@ import jetspec_jax
 from jetspec_jax.decoding.admission import batch_axis, write_rows
 from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
+from jetspec_jax.decoding.request_checks import check_reserve
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from tests.test_foresight import MIXED, ScaledOracleDraft, foresight_options, make_accepting_draft
@@ -263,6 +264,7 @@ def test_a_reserve_is_checked(target):
         DecodeSession(target, [[1]], reserve_new_tokens=1.5)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         DecodeSession(target, [[1]], reserve_prompt_tokens=context - 3, reserve_new_tokens=4)
+    assert check_reserve(target.config, context - 4, 4) == (context - 4, 4)  # the whole context
 
 
 def test_the_batch_axis_is_the_one_axis_where_the_new_rows_are_fewer():

@@ -167,7 +167,13 @@ def test_invalid_arguments_are_refused(target, kwargs, message):
 
 @pytest.mark.parametrize(
     "prompt, message",
-    [([], "empty"), ([1, 97], "outside the vocabulary"), ("hello", "not text"), ([1.5], "integer")],
+    [
+        ([], "empty"),
+        ([1, 97], "outside the vocabulary"),
+        ([3, -1], "outside the vocabulary"),
+        ("hello", "not text"),
+        ([1.5], "integer"),
+    ],
 )
 def test_invalid_prompts_are_refused(target, prompt, message):
     with pytest.raises(ValueError, match=message):
@@ -183,6 +189,8 @@ def test_invalid_batches_are_refused(target):
         jetspec_jax.generate_batch(target, 5)
     with pytest.raises(ValueError, match="sampling must hold SamplingParams, got dict"):
         jetspec_jax.generate_batch(target, [[1, 2]], sampling=[dict(temperature=1.0)])
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        jetspec_jax.generate_batch(target, [[1, 2], [3, 4]], sampling=[SamplingParams()])
     for pad in (-3, 0, True, 2.0):
         with pytest.raises(ValueError, match="pad_batch_to must be an integer >= 1"):
             DecodeSession(target, [[1, 2]], pad_batch_to=pad)

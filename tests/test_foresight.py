@@ -515,6 +515,19 @@ def test_the_calibration_shapes_greedy_rows_only(target, draft):
     assert (k[1].tolist(), a[1].tolist()) == (plain[0][1].tolist(), plain[1][1].tolist())
 
 
+def test_tau_and_the_decode_rate_leave_out_the_prefill_token():
+    """The prefill's token is no verification round and comes before the decode loop's clock."""
+
+    def result(rounds, decode_seconds=2.0):
+        tokens = list(range(sum(rounds)))
+        return GenerationResult(tokens, rounds, "length", 1, Timing(0.5, decode_seconds, 0.0))
+
+    assert result([1, 3, 1]).tau == 2.0
+    assert result([1]).tau == 1.0 and result([]).tau == 0.0
+    assert result([1, 1, 1]).decode_tokens_per_second == 1.0  # 2 tokens after the first, 2 s
+    assert result([1]).decode_tokens_per_second == 0.0
+
+
 def test_hit_rates_leave_out_each_prompt_first_round():
     """The first round has nothing drafted ahead, so it is no chance to hit: a result's rate and
     the rate pooled over results count the rounds after each prompt's first."""
@@ -525,5 +538,6 @@ def test_hit_rates_leave_out_each_prompt_first_round():
 
     first, second = result([False, True, False, True]), result([False, True])
     assert first.foresight_hit_rate == 2 / 3
+    assert result([True, True, False]).foresight_hit_rate == 1 / 2  # a first-round flag too
     assert pooled_hit_rate([first, second]) == 3 / 4  # not the mean of 2/3 and 1
     assert pooled_hit_rate([result([]), result([False])]) == 0.0  # no chances at all

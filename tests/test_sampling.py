@@ -12,6 +12,8 @@ import torch
 import transformers
 
 from jetspec_jax.sampling import (
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
     RowSampling,
     SamplingParams,
     filter_logits,
@@ -253,6 +255,16 @@ def test_parameters_given_as_numpy_or_jax_scalars_are_kept_as_python_numbers():
     ):
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
+
+
+def test_each_sampling_bound_is_accepted_at_it_and_refused_past_it():
+    assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
+    with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or >= 1e-05"):
+        SamplingParams(temperature=float(np.nextafter(MIN_TEMPERATURE, 0)))
+    assert SamplingParams(top_k=MAX_TOP_K).top_k == MAX_TOP_K  # top_k travels as int32
+    assert SamplingParams(seed=2**32 - 1).seed == 2**32 - 1  # seeds travel as uint32
+    with pytest.raises(ValueError, match="seed must be in \\[0, 2\\*\\*32\\)"):
+        SamplingParams(seed=2**32)
 
 
 def test_the_top_k_path_sorts_only_in_its_fallback():
