@@ -69,6 +69,7 @@ def test_method_specs():
         # Labels that would decode as AR (or DFlash) under another name.
         ("ar-J0", "'ar-J0': only jetspec\\+\\+ takes -J.*use 'ar'"),
         ("dflash-F0", "only jetspec\\+\\+ takes -J"),
+        ("dflash-mpmd", "'dflash-mpmd': only jetspec\\+\\+ takes"),
         ("ar-K4", "'ar-K4': block_size sizes a speculative method's drafted blocks"),
         ("jetspec-K1", "block_size must be an integer >= 2, got 1"),
         ("jetspec++-J1-R2", "refreshes must be in \\[0, refine_passes=1\\]"),
@@ -828,3 +829,55 @@ def test_foresight_alone_sets_no_refinement_passes():
     assert (options.refine_passes, options.refreshes, options.foresight) == (0, 0, 4)
     options = parse_method("jetspec++-K8-F2-spmd").options
     assert (options.refine_passes, options.foresight, options.block_size) == (0, 2, 8)
+
+
+def _sample(method, *, rounds=10, seconds=1.0, prefill=0.0, matches=None, hits=None):
+    return Sample(
+        "d", "p", method, 0.0, 4, 11, rounds, 1.0, prefill, seconds, 0.0, "length", matches, hits
+    )
+
+
+def test_summaries_average_each_figure_over_what_it_says():
+    """prefill ms: the mean over prompts; ms / round: decode time over all verification rounds;
+    the hit rate: hits over the rounds after each prompt's first."""
+    (ar,) = summarize([_sample("ar", prefill=p) for p in (0.001, 0.002, 0.009)])
+    assert ar.prefill_ms == pytest.approx(4.0)  # a median would be 2.0
+    (row,) = summarize([_sample("ar", rounds=10), _sample("ar", rounds=30)])
+    assert row.round_ms == pytest.approx(1e3 * 2.0 / 40)
+    (spec,) = summarize([_sample("spec", rounds=5, hits=2), _sample("spec", rounds=1, hits=0)])
+    assert spec.foresight_hit_rate == pytest.approx(2 / 4)
+
+
+def test_a_sample_counts_the_rounds_and_hits_after_the_prefill():
+    result = GenerationResult(
+        [1, 2, 3, 4, 5], [1, 2, 2], "length", 3, Timing(0.0, 0.1, 0.0),
+        foresight_hits=[True, True, False],
+    )  # fmt: skip
+    sample = runner._sample("d", "p", parse_method("jetspec++-F2"), 0.0, result, True)
+    assert (sample.rounds, sample.foresight_hits) == (2, 1)
+
+
+def test_the_table_puts_each_figure_under_its_header():
+    from jetspec_jax.bench.report import markdown_table
+
+    (row,) = summarize([_sample("spec", rounds=10, prefill=0.0123, matches=False)])
+    header, _, line = markdown_table([row]).splitlines()
+    cells = dict(
+        zip(
+            [c.strip() for c in header.strip("|").split("|")],
+            [c.strip() for c in line.strip("|").split("|")],
+            strict=True,
+        )
+    )
+    assert (cells["prefill ms"], cells["ms / round"], cells["= AR"]) == ("12.3", "100.00", "0/1")
+
+
+def test_a_dataset_is_named_by_its_records_source_not_its_file(tmp_path):
+    path = tmp_path / "file_stem.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": "x", "source": "gsm8k"}) + "\n")
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2]
+
+    assert load_dataset(path, tokenizer=Tokenizer(), chat=False).name == "gsm8k"

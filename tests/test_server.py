@@ -1145,6 +1145,28 @@ def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):
     assert top_level - set(vars(model_flags.parse_args([]))) == set(serve_py.SERVER_FLAGS)
 
 
+def test_serve_py_defaults():
+    import serve
+
+    args = serve._parser().parse_args(["generate", "P"])
+    assert (args.host, args.port, args.max_new_tokens) == ("127.0.0.1", 8000, 128)
+    assert (args.refine_passes, args.foresight) == (0, 0)
+
+
+@pytest.mark.parametrize("command", [[], ["generate", "P"]], ids=["server", "generate"])
+def test_serve_py_checks_the_draft_path_before_loading(monkeypatch, tmp_path, capsys, command):
+    import serve
+
+    def no_load(args):
+        raise AssertionError("the models were loaded before the paths were checked")
+
+    monkeypatch.setattr(serve, "_load_models", no_load)
+    missing = tmp_path / "nowhere"
+    argv = [*command, "--target", str(tmp_path), "--draft", str(missing)]
+    assert serve.main(argv + ([] if command else ["--port", "0"])) == 2
+    assert f"--draft {missing}: no such directory" in capsys.readouterr().err
+
+
 def test_serve_py_checks_the_address_before_loading(monkeypatch, capsys):
     """A port in use or a host that does not resolve fails at once, not after the model load."""
 
