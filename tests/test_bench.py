@@ -770,7 +770,7 @@ def test_the_refinement_bench_refuses_an_empty_run(flag, capsys):
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
-def _sample(method, new_tokens, rounds, seconds, matches=None):
+def _sample(method, new_tokens, rounds, seconds, matches=None, *, prefill=0.0, hits=None):
     """A measured sample of prompt "p" (tau as `GenerationResult.tau` reads: the prefill's token
     excluded)."""
     return Sample(
@@ -782,12 +782,12 @@ def _sample(method, new_tokens, rounds, seconds, matches=None):
         new_tokens=new_tokens,
         rounds=rounds,
         tau=max(new_tokens - 1, 0) / max(rounds, 1),
-        prefill_seconds=0.0,
+        prefill_seconds=prefill,
         decode_seconds=seconds,
         compile_seconds=0.0,
         finish_reason="length",
         matches_ar=matches,
-        foresight_hits=None,
+        foresight_hits=hits,
     )
 
 
@@ -831,20 +831,14 @@ def test_foresight_alone_sets_no_refinement_passes():
     assert (options.refine_passes, options.foresight, options.block_size) == (0, 2, 8)
 
 
-def _sample(method, *, rounds=10, seconds=1.0, prefill=0.0, matches=None, hits=None):
-    return Sample(
-        "d", "p", method, 0.0, 4, 11, rounds, 1.0, prefill, seconds, 0.0, "length", matches, hits
-    )
-
-
 def test_summaries_average_each_figure_over_what_it_says():
     """prefill ms: the mean over prompts; ms / round: decode time over all verification rounds;
     the hit rate: hits over the rounds after each prompt's first."""
-    (ar,) = summarize([_sample("ar", prefill=p) for p in (0.001, 0.002, 0.009)])
+    (ar,) = summarize([_sample("ar", 11, 10, 1.0, prefill=p) for p in (0.001, 0.002, 0.009)])
     assert ar.prefill_ms == pytest.approx(4.0)  # a median would be 2.0
-    (row,) = summarize([_sample("ar", rounds=10), _sample("ar", rounds=30)])
+    (row,) = summarize([_sample("ar", 11, 10, 1.0), _sample("ar", 11, 30, 1.0)])
     assert row.round_ms == pytest.approx(1e3 * 2.0 / 40)
-    (spec,) = summarize([_sample("spec", rounds=5, hits=2), _sample("spec", rounds=1, hits=0)])
+    (spec,) = summarize([_sample("spec", 11, 5, 1.0, hits=2), _sample("spec", 2, 1, 1.0, hits=0)])
     assert spec.foresight_hit_rate == pytest.approx(2 / 4)
 
 
@@ -860,7 +854,7 @@ def test_a_sample_counts_the_rounds_and_hits_after_the_prefill():
 def test_the_table_puts_each_figure_under_its_header():
     from jetspec_jax.bench.report import markdown_table
 
-    (row,) = summarize([_sample("spec", rounds=10, prefill=0.0123, matches=False)])
+    (row,) = summarize([_sample("spec", 11, 10, 1.0, False, prefill=0.0123)])
     header, _, line = markdown_table([row]).splitlines()
     cells = dict(
         zip(
