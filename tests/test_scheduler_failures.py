@@ -93,6 +93,20 @@ def _run_batch(
         assert log.ended.acquire(timeout=120), "a job got no answer"
 
 
+def _served(target, jobs: dict[str, tuple[list[int], int]], made=None, settle=0.0) -> _Log:
+    """The events of `jobs` submitted as one batch to a scheduler of up to 3 rows, which runs
+    until each job has its last event, then `settle` seconds more, and stops."""
+    log = _Log()
+    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2)
+    scheduler.start()
+    try:
+        _run_batch(scheduler, jobs, log, made)
+        time.sleep(settle)
+    finally:
+        scheduler.stop()
+    return log
+
+
 def _assert_served_as_alone(target, log: _Log, name: str, prompt: list[int], budget: int):
     *_, last = log.of(name)
     assert isinstance(last, Finished), last
@@ -139,14 +153,7 @@ def test_a_job_that_received_tokens_fails_with_its_batch_and_is_not_retried(targ
     _fail_sessions_with_bad(monkeypatch, "advance")
     starts = _record_starts(monkeypatch)
     jobs = {"early": ([5, 6, 7], 1), "streaming": ([10, 11], 9), "bad": ([8, 9], BAD)}
-    log = _Log()
-    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2)
-    scheduler.start()
-    try:
-        _run_batch(scheduler, jobs, log)
-        time.sleep(0.2)  # a retry would have started by now
-    finally:
-        scheduler.stop()
+    log = _served(target, jobs, settle=0.2)  # a retry would have started by then
     assert starts == [[1, 9, BAD]]  # no retry
     _assert_served_as_alone(target, log, "early", *jobs["early"])
     for name in ("streaming", "bad"):
@@ -163,13 +170,7 @@ def test_a_job_cancelled_before_its_batch_failed_is_not_decoded_again(target, mo
     made = {}
     _fail_sessions_with_bad(monkeypatch, "start", before=lambda: made["gone"].cancel())
     starts = _record_starts(monkeypatch)
-    log = _Log()
-    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2)
-    scheduler.start()
-    try:
-        _run_batch(scheduler, jobs, log, made)
-    finally:
-        scheduler.stop()
+    log = _served(target, jobs, made)
     assert starts == [[6, BAD, 5], [6], [BAD]]  # "gone" is not decoded alone
     _assert_served_as_alone(target, log, "a", *jobs["a"])
     assert log.of("bad") == [Failed(500, GENERIC)]

@@ -52,7 +52,7 @@ from jetspec_jax.decoding.outcomes import SELECTION_RULES, select_for_rule
 from jetspec_jax.decoding.proposers import DraftProposer, noise_positions, with_anchor
 from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.refinement import RefinerState, RefiningProposer, refining_proposer
-from jetspec_jax.decoding.speculative import SpecState, commit_round, verify_block
+from jetspec_jax.decoding.speculative import SpecState, commit_round, run_rounds, verify_block
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import extend_context
 from jetspec_jax.sampling import sampling_logits
@@ -408,22 +408,16 @@ def decode_foresight(
     rows written past each context's length).
     """
 
-    def not_finished(carry):
-        step, s, _ = carry
-        return (step < max_rounds) & jnp.any(~s.decode.done)
-
     def observed(s, seen: Observation):
         return s.replace(proposer=proposer.observe(proposer_params, params, s.proposer, *seen))
 
     def one_round(s):
         return foresight_round(params, proposer_params, s, requests, config, proposer)
 
-    def body(carry):
-        step, s, seen = carry
-        return step + 1, *one_round(observed(s, seen))
-
     # Zeros shaped as a round's observation: no position committed, nothing observed.
     shapes = jax.eval_shape(lambda s: one_round(s)[1], state)
     nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    _, state, seen = jax.lax.while_loop(not_finished, body, (jnp.int32(0), state, nothing))
-    return observed(state, seen)
+    carry = run_rounds(
+        lambda c: one_round(observed(*c)), (state, nothing), max_rounds, spec_state=lambda c: c[0]
+    )
+    return observed(*carry)

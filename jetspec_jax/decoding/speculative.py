@@ -138,13 +138,17 @@ def decode_speculative(
     )
 
 
-def run_rounds(one_round, state: SpecState, max_rounds: jax.Array) -> SpecState:
+def run_rounds(one_round, state, max_rounds: jax.Array, *, spec_state=lambda s: s):
     """`one_round(state) -> state` in a `lax.while_loop` until every row is done or `max_rounds`
-    rounds have run (the loop of every speculative round: plain, foresight, pipelined)."""
+    rounds have run (the loop of every speculative round: plain, foresight, pipelined).
+
+    `state` is a `SpecState`, or any carry holding one: `spec_state(state)` (the foresight loop
+    carries each round's verified block to the next round's start beside it).
+    """
 
     def not_finished(carry):
         step, s = carry
-        return (step < max_rounds) & jnp.any(~s.decode.done)
+        return (step < max_rounds) & jnp.any(~spec_state(s).decode.done)
 
     def body(carry):
         step, s = carry
