@@ -228,6 +228,24 @@ def test_several_admissions_are_refused_as_a_whole_and_prefilled_in_groups(targe
     assert prefills[0] == prefills[1] != prefills[2]  # a group's prefill is each of its rows'
 
 
+def test_an_admission_group_is_prefilled_at_a_power_of_two_of_rows(target):
+    """Three joiners of a batch of 8 are prefilled as a group of 4 rows (one of padding, not
+    written): the program a group of 4 compiled serves them, as warm-up compiles only groups of
+    powers of two."""
+    session = DecodeSession(target, [[1, 2]], max_new_tokens=1, stop_token_ids=[], pad_batch_to=8)
+    session.start()
+    session.poll()
+    assert session.admission_group_size == 4
+    session.admit_many([1, 2, 3, 4], [[1], [2], [3], [4]], max_new_tokens=1)
+    session.poll()  # done after their prefill (a budget of 1)
+    compiled = session.timing.compile_seconds
+    session.admit_many([1, 2, 3], [[1], [2, 3], [4]], max_new_tokens=[2, 3, 1])
+    assert session.timing.compile_seconds == compiled
+    session.advance()
+    session.poll()
+    assert [len(session.result(row).tokens) for row in (1, 2, 3)] == [2, 3, 1]
+
+
 @pytest.mark.parametrize("method", ["ar", "jetspec++"])
 def test_a_reserve_admits_what_the_first_batch_would_not_fit(target, draft, method):
     """Reserved for 40-token prompts and 24 new tokens, a session of short requests (buckets 16
@@ -288,7 +306,8 @@ def test_new_rows_are_written_into_their_rows_and_padding_is_dropped():
     np.testing.assert_array_equal(written["a"].sum(axis=(0, 2)), [0, 0, 6, 0])
     np.testing.assert_array_equal(written["b"], [0, 0, 1, 0])
     batch = full()
-    for rows, message in [([1, 1], "distinct"), ([0, 1, 2], "1 to 2"), ([4], r"\[0, 4\)")]:
+    refused = [([1, 1], "distinct"), ([], "1 to 2"), ([0, 1, 2], "1 to 2"), ([4], r"\[0, 4\)")]
+    for rows, message in refused:
         with pytest.raises(ValueError, match=message):
             write_rows(batch, part, rows, 4)
     with pytest.raises(ValueError, match=r"\['b'\]"):
@@ -377,3 +396,28 @@ def test_a_continuous_batch_refuses_what_it_cannot_hold(target):
     finished = dict(batch.take_finished())
     assert len(finished["a"].tokens) == 2 and finished["b"].finish_reason == "cancelled"
     assert batch.done and batch.free_rows == 2
+
+
+def test_a_continuous_batch_fills_freed_rows_first_and_admitted_rows_start_afresh(target):
+    """Rows that answered requests left are filled before the batch's padding rows; an admitted
+    row runs at once (before any poll), and one admitted where a request was cancelled is not
+    cancelled."""
+    session = DecodeSession(
+        target, [[1, 2], [3]], max_new_tokens=[1, 8], stop_token_ids=[], pad_batch_to=4
+    )
+    batch = ContinuousBatch(session, ["a", "b"])
+    batch.start()
+    batch.poll()
+    batch.cancel("b")
+    assert [key for key, _ in batch.take_finished()] == ["a", "b"] and batch.free_rows == 4
+    with pytest.raises(ValueError, match="given twice"):
+        batch.admit_many([("c", [4], 2, GREEDY), ("c", [5], 2, GREEDY)])
+    assert session.num_rows == 2  # nothing was admitted
+    batch.admit_many([("c", [4, 5], 2, GREEDY), ("d", [6], 3, GREEDY), ("e", [7], 4, GREEDY)])
+    assert session.num_rows == 3  # "c" and "d" took rows 0 and 1; "e" the first padding row
+    assert session.row_done == [False] * 3 and not batch.done
+    assert sorted(batch.running()) == ["c", "d", "e"] and batch.take_finished() == []
+    batch.advance(8)
+    batch.poll()
+    finished = {key: (len(r.tokens), r.finish_reason) for key, r in batch.take_finished()}
+    assert finished == {"c": (2, "length"), "d": (3, "length"), "e": (4, "length")}

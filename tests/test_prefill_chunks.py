@@ -125,6 +125,19 @@ def test_a_chunked_prefill_fills_the_cache_as_one_forward(checkpoints, variant, 
     )
 
 
+def test_a_width_cut_into_many_small_chunks_is_padded_to_whole_chunks(checkpoints):
+    """Width 7 in chunks of at most 3: three chunks of 3 over 2 padding positions (padding by
+    the width's remainder, 1, would shift the last chunk's slice back onto real positions)."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    prompts, lengths = padded(make_prompts((7, 4)), 7)
+    args = (target.params, prompts, lengths, greedy_requests(2))
+    sizes = dict(config=target.config, capacity=16, max_output=4)
+    whole, _ = prefill(*args, **sizes)
+    chunked, _ = prefill(*args, **sizes, chunk=3)
+    np.testing.assert_array_equal(chunked.output[:, 0], whole.output[:, 0])
+    assert_caches_equal(chunked.cache, whole.cache, lengths)
+
+
 def test_prefill_returns_tap_states_from_one_forward_only(checkpoints):
     target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
     prompts, lengths = padded(make_prompts(), 48)

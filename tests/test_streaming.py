@@ -149,6 +149,7 @@ def test_cancelled_row_stops_while_the_others_go_on(target, prompts):
     session.advance(2)
     session.poll()
     session.cancel(1)
+    assert session.row_done == [False, True, False] and not session.done  # before any poll
     session.advance()
     session.poll()
     results = session.results()
@@ -156,6 +157,33 @@ def test_cancelled_row_stops_while_the_others_go_on(target, prompts):
     assert len(results[1].tokens) == 3
     assert results[1].tokens == _ar(target, prompts[1]).tokens[:3]
     assert results[0].tokens == _ar(target, prompts[0]).tokens
+
+
+def test_a_cancelled_row_of_a_speculative_session_stops(target, prompts):
+    """The done flag is written into the speculative state's decode state: an oracle's rounds
+    would otherwise commit 4 tokens a round to the cancelled row too."""
+    expected = [_ar(target, prompt).tokens for prompt in prompts]
+    continuation = np.zeros((4, 64), np.int32)
+    for row, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
+        continuation[row, : len(prompt) + N_NEW] = prompt + tokens
+    draft = OracleDraft(continuation, block_size=4, vocab_size=97)
+    session = DecodeSession(
+        target,
+        prompts,
+        draft=draft,
+        options=DecodingOptions("jetspec"),
+        max_new_tokens=N_NEW,
+        stop_token_ids=[],
+    )
+    session.start()
+    session.poll()
+    session.cancel(1)
+    session.advance()
+    session.poll()
+    results = session.results()
+    assert [r.finish_reason for r in results] == ["length", "cancelled", "length"]
+    assert results[1].tokens == expected[1][:1]  # the prefill's token only
+    assert [results[0].tokens, results[2].tokens] == [expected[0], expected[2]]
 
 
 def test_cancelling_a_row_that_finished_since_the_last_poll_keeps_its_reason(target, prompts):
