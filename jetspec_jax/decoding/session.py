@@ -141,16 +141,17 @@ class DecodeSession:
         pad_to = check_int("pad_batch_to", pad_batch_to, 1)
         reserved = check_reserve(config, reserve_prompt_tokens, reserve_new_tokens)
 
-        # Bucketed shapes; padding rows have a zero budget and are done after prefill. A
-        # verification writes a whole block past the committed length: a block of headroom.
-        # The cache holds the context bucket (the reserve's, if longer) plus the output buffer;
-        # the first batch prefills its own prompt bucket.
+        # Bucketed shapes; padding rows have a zero budget and are done after prefill. The
+        # cache holds the context bucket (the reserve's, if longer) plus the output buffer: a
+        # slot for every token a row can commit. A final round's block may reach past it (its
+        # drafts past the budget, a finished row's frozen forwards): those writes are dropped
+        # (`kv_cache.write_layer`), and their logits never commit a token. The first batch
+        # prefills its own prompt bucket.
         self.prompt_lengths = [len(p) for p in prompts]
         self._batch = bucket(max(len(prompts), pad_to), minimum=1)
         self._context_bucket = length_bucket(max(*self.prompt_lengths, reserved[0]))
         self._max_output = bucket(max(*budgets, reserved[1]))
-        block = self._proposer.block_size if self._proposer else 0
-        self._capacity = self._context_bucket + self._max_output + block
+        self._capacity = self._context_bucket + self._max_output
         pad_rows = self._batch - len(prompts)
         self._inputs, self._requests = self._batch_inputs(
             prompts + [[0]] * pad_rows,
@@ -249,8 +250,8 @@ class DecodeSession:
     def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
         """Whether a request of this prompt length and budget can be `admit`ted. The session's
         shapes were sized by its first batch (and the reserve): the output buffer holds
-        `max_output` tokens, and the cache a prompt of the context bucket plus that many (and a
-        block's headroom): a longer prompt fits with a budget as much shorter."""
+        `max_output` tokens, and the cache a prompt of the context bucket plus that many: a longer
+        prompt fits with a budget as much shorter."""
         total = self._context_bucket + self._max_output
         return max_new_tokens <= self._max_output and prompt_length + max_new_tokens <= total
 

@@ -61,11 +61,10 @@ def write_layer(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Arr
     """Writes `new` `[B, T, N_kv, D]` into `cache[layer]` (`cache` is `[L, B, S, N_kv, D]`).
 
     Slot = absolute position. Writes past the capacity are dropped: callers size the cache so that
-    no committed token lands there. What can land there: the right padding of a short row, and
-    the K-position verify forwards a finished row keeps running while other rows decode. Those
-    write from the row's frozen length, which a final round cut by a stop token or the budget can
-    leave up to K-1 past its last committed token: up to K-2 slots past the capacity. Neither is
-    ever read.
+    every token a row can commit has its slot. What can land past it: the right padding of a
+    short row; a final round's K-position block, whose positions past the row's budget hold
+    drafts that can never commit; and the verify forwards a finished row keeps running while
+    other rows decode, from its frozen length. None is ever read for a committed token.
     """
     rows = jnp.arange(cache.shape[1])[:, None]
     return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")
