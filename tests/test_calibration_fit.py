@@ -45,8 +45,9 @@ def _rounds(seed, n, k_len=4, vocab=16, truth=T_TRUE):
     return logits, drafts, k_true.astype(np.int32), a_true.astype(np.int32)
 
 
-def test_row_likelihood_equals_the_gathered_scores():
-    logits, drafts, k_true, a_true = _rounds(0, 50)
+@pytest.mark.parametrize("k_len", [4, 1])
+def test_row_likelihood_equals_the_gathered_scores(k_len):
+    logits, drafts, k_true, a_true = _rounds(0, 50, k_len=k_len)
     scores = np.asarray(outcome_log_scores(logits, drafts, T_TRUE))
     acceptance, bonus = _row_terms(logits, drafts, k_true, a_true, 1.7, 0.6)
     np.testing.assert_allclose(
@@ -81,10 +82,23 @@ def test_fit_recovers_known_temperatures():
 
 
 def test_fit_of_calibrated_data_stays_near_one():
-    logits, drafts, k_true, a_true = _rounds(2, 5000, truth=Calibration())
-    fitted = fit_calibration(logits, drafts, k_true, a_true)
+    rounds = _rounds(2, 5000, truth=Calibration())
+    fitted = fit_calibration(*rounds)
     assert fitted.acceptance_temperature == pytest.approx(1.0, rel=0.05)
     assert fitted.bonus_temperature == pytest.approx(1.0, rel=0.05)
+    # T = 1 is always among the candidates: a grid of 4 points (e^-3 .. e^3, not 1 itself)
+    # and no refinement never fits below the uncalibrated rule.
+    coarse = fit_calibration(*rounds, grid_size=4, steps=0)
+    assert outcome_log_likelihood(*rounds, coarse) >= outcome_log_likelihood(*rounds)
+
+
+def test_with_no_drafts_the_acceptance_temperature_stays_one():
+    """Rounds of K = 1 draft nothing: the acceptance term does not depend on its temperature,
+    which stays 1; the bonus temperature is fitted as ever."""
+    rounds = _rounds(6, 5000, k_len=1)
+    fitted = fit_calibration(*rounds)
+    assert fitted.acceptance_temperature == 1.0
+    assert fitted.bonus_temperature == pytest.approx(0.6, rel=0.05)
 
 
 def test_calibrated_selection_hits_more_often():

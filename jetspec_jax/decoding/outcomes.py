@@ -72,7 +72,7 @@ def acceptance_log_terms(
     lse_rest = jax.nn.logsumexp(jnp.where(_draft_mask(drafts, vocab), -jnp.inf, z), axis=-1)
     log_accept = jnp.take_along_axis(z[..., :-1, :], drafts[..., None], axis=-1)[..., 0]
     log_accept = log_accept - lse[..., :-1]
-    zero = jnp.zeros_like(log_accept[..., :1])
+    zero = jnp.zeros((*log_accept.shape[:-1], 1), log_accept.dtype)  # (not [..., :1]: K = 1)
     log_reach = jnp.concatenate([zero, jnp.cumsum(log_accept, axis=-1)], axis=-1)
     return log_reach, lse_rest - lse
 

@@ -88,7 +88,8 @@ def _row_terms(logits_hat, drafts, k_true, a_true, acceptance_temperature, bonus
     take = lambda x: jnp.take_along_axis(x, k_true[:, None], axis=1)[:, 0]  # noqa: E731
     acceptance = take(log_reach) + take(log_stop)
     row = jnp.take_along_axis(logits_hat, k_true[:, None, None], axis=1)[:, 0]  # [N, V]
-    padded = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], -1)], axis=1)
+    no_draft = jnp.full((drafts.shape[0], 1), -1, drafts.dtype)  # (not drafts[:, :1]: K = 1)
+    padded = jnp.concatenate([drafts, no_draft], axis=1)
     excluded = jax.nn.one_hot(take(padded), vocab, dtype=jnp.bool_)  # -1 (k = K-1): nothing
     bonus = jnp.take_along_axis(
         bonus_log_probs(row, excluded, bonus_temperature), a_true[:, None], 1
