@@ -20,7 +20,7 @@ from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
 from jetspec_jax.training import calibrate as calibrate_module
 from jetspec_jax.training import replacement_fit
-from jetspec_jax.training.calibration import fit_calibration
+from jetspec_jax.training.calibration import fit_calibration, outcome_log_likelihood
 from jetspec_jax.training.calibration_rounds import (
     Rounds,
     collect_rounds,
@@ -165,6 +165,36 @@ def _rounds(k_true, records) -> Rounds:
         anchors=np.zeros(n, np.int32),
         records=np.asarray(records, np.int32),
     )
+
+
+def test_every_fraction_holds_out_a_sequence_and_keeps_one_to_fit():
+    rounds = _rounds([0] * 4, [0, 0, 1, 1])
+    for fraction in (0.01, 0.5, 0.9):
+        fit, held = rounds.split(held_out_sequences(rounds, fraction, 0))
+        assert len(fit) == len(held) == 2
+
+
+def test_the_held_out_likelihood_is_that_of_the_calibration_scored():
+    from tests.test_calibration_fit import T_TRUE
+    from tests.test_calibration_fit import _rounds as drawn_rounds
+
+    logits, drafts, k_true, a_true = drawn_rounds(8, 300)
+    rounds = Rounds(
+        logits_hat=logits,
+        drafts=drafts,
+        k_true=k_true,
+        a_true=a_true,
+        anchors=np.zeros(300, np.int32),
+        records=np.arange(300, dtype=np.int32),
+    )
+    scores = evaluate_rounds(rounds, T_TRUE, budgets=(1,))["log_likelihood"]
+    assert scores["calibrated"] == pytest.approx(
+        outcome_log_likelihood(*rounds.fit_arrays, T_TRUE), abs=1e-5
+    )
+    assert scores["uncalibrated"] == pytest.approx(
+        outcome_log_likelihood(*rounds.fit_arrays), abs=1e-5
+    )
+    assert scores["calibrated"] > scores["uncalibrated"] + 0.01  # drawn at T_TRUE
 
 
 def test_the_confidence_is_chosen_on_the_fit_sequences_not_the_held_out(monkeypatch):

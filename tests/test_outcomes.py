@@ -219,3 +219,8 @@ def test_a_calibration_warns_when_it_serves_another_setting():
         Calibration().warn_if_fitted_for_another(3, 3)  # fitted for nothing recorded
     with pytest.warns(UserWarning, match="fitted for J1-R1 and serves J3-R3: refit .*passes 3"):
         cal.warn_if_fitted_for_another(3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Calibration(fitted_for="J1-R2").warn_if_fitted_for_another(1, 2)  # (passes, refreshes)
+    with pytest.warns(UserWarning, match="fitted for J1-R2 and serves J2-R1"):
+        Calibration(fitted_for="J1-R2").warn_if_fitted_for_another(2, 1)

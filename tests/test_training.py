@@ -312,12 +312,15 @@ def _right_padded_batch():
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), length
 
 
-def test_block_weights_equal_a_numpy_reference_on_right_padded_sequences():
+@pytest.mark.parametrize("num_anchors", [24, 48])
+def test_block_weights_equal_a_numpy_reference_on_right_padded_sequences(num_anchors):
     """Row i of anchor a is supervised exactly when i < K-1, a precedes a response token, and
-    position a+i+1 is a response token: not the prompt, not right padding, not past the end."""
+    position a+i+1 is a response token: not the prompt, not right padding, not past the end.
+    48 anchors are more than the 26 to 43 candidates of each sequence: the rest are invalid
+    anchors, some of whose rows land on response tokens."""
     config = _toy_config("jetspec++", block_size=8)
     tokens, mask, length = _right_padded_batch()
-    blocks = build_blocks(jax.random.key(3), tokens, mask, config, 24)
+    blocks = build_blocks(jax.random.key(3), tokens, mask, config, num_anchors)
     mask, anchors = np.asarray(mask), np.asarray(blocks.anchors)
     want = np.zeros(blocks.weights.shape, np.float32)
     for b, j in np.ndindex(anchors.shape):
@@ -356,6 +359,7 @@ def test_the_schedule_warms_up_from_zero_then_decays_to_the_end_ratio():
     assert float(schedule(0)) == 0.0
     assert float(schedule(5)) == pytest.approx(5e-4)
     assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(55)) == pytest.approx(1e-4 + 0.5 * 9e-4)  # the cosine's middle
     assert float(schedule(100)) == pytest.approx(1e-4)
 
 
@@ -376,13 +380,15 @@ def test_gradients_are_clipped_to_their_global_norm_before_adam():
     np.testing.assert_allclose(moment, 0.1 * np.array([0.6, 0.8, 0.0]), rtol=1e-6)
 
 
-def test_each_step_draws_new_blocks(target):
-    """The same batch with unchanged weights (learning rate 0): steps 0 and 1 draw other anchors
-    and noise (their keys fold in the step), so their losses differ."""
+def test_each_step_draws_new_blocks_and_reports_its_rate_and_gradient_norm(target):
+    """The same batch with unchanged weights (step 0 of the warmup runs at rate 0): steps 0 and
+    1 draw other anchors and noise (their keys fold in the step), so their losses differ. Each
+    reports the rate it ran at (0, then half the peak) and the gradient's norm (not the
+    update's, which is 0 at step 0)."""
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
     optim = OptimConfig(
-        learning_rate=0.0,
-        warmup_steps=1,
+        learning_rate=1e-3,
+        warmup_steps=2,
         steps=4,
         batch_size=2,
         anchors_per_sequence=4,
@@ -398,6 +404,9 @@ def test_each_step_draws_new_blocks(target):
     state, first = train_step(state, target.params, batch, config=config)
     _, second = train_step(state, target.params, batch, config=config)
     assert float(first["loss"]) != float(second["loss"])
+    assert float(first["learning_rate"]) == 0.0
+    assert float(second["learning_rate"]) == pytest.approx(5e-4)
+    assert float(first["grad_norm"]) > 1e-3
 
 
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])
@@ -800,6 +809,38 @@ def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
         accuracies.append(np.asarray(metrics["accuracy_by_row"]))
     for by_row in accuracies[1:]:
         np.testing.assert_allclose(by_row, accuracies[0], rtol=1e-6)
+
+
+def test_the_accuracy_is_pooled_over_the_supervised_rows_only(target, monkeypatch):
+    """A draft made exact (its block rows' hidden states and head replaced by the teacher's) is
+    right on every row, supervised or not: the accuracy is 1 pooled over the supervised rows,
+    and by row 1 on the K-1 drafts' rows and 0 on the last, which no block supervises."""
+    from jetspec_jax.models.transformer import unembed
+    from jetspec_jax.training import loss
+
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, (2, 24)), jnp.int32)
+    loss_mask = jnp.arange(24)[None, :] >= jnp.asarray([[6], [9]])
+    blocks = build_blocks(jax.random.key(0), tokens, loss_mask, draft.config, num_anchors=8)
+    teacher = loss.teacher_forward(target.params, target.config, draft.config, tokens)
+    rows = teacher.hidden[jnp.arange(2)[:, None, None], blocks.predicted - 1]
+    monkeypatch.setattr(loss, "draft_hidden_for_training", lambda *args: rows)
+    monkeypatch.setattr(
+        loss, "draft_logits", lambda config, head, h: unembed(target.params, target.config, h)
+    )
+    _, metrics = loss.draft_loss(
+        draft.params,
+        draft.config,
+        target.params,
+        target.config,
+        teacher,
+        blocks,
+        anchors_per_chunk=3,
+    )
+    weights = np.asarray(blocks.weights)
+    assert weights[..., :3].sum(axis=(0, 1)).min() > 0 and weights[..., 3].sum() == 0
+    assert float(metrics["accuracy"]) == pytest.approx(1.0)
+    np.testing.assert_allclose(metrics["accuracy_by_row"], [1, 1, 1, 0], atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["dflash", "jetspec++"])
