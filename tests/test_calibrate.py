@@ -23,6 +23,7 @@ from jetspec_jax.training import replacement_fit
 from jetspec_jax.training.calibration import fit_calibration, outcome_log_likelihood
 from jetspec_jax.training.calibration_rounds import (
     Rounds,
+    anchor_candidates,
     collect_rounds,
     distinct_sequences,
     evaluate_rounds,
@@ -107,6 +108,40 @@ def test_collected_outcomes_match_the_decode_loop(setup):
     with pytest.raises(ValueError, match="the \\d+ rounds came from 1 .* raise the number"):
         held_out_sequences(one_sequence, 0.25)
     assert not set(fit.records.tolist()) & set(held.records.tolist())
+
+
+def test_anchors_are_the_response_positions_whose_block_fits():
+    """P <= t <= T - K: the block [t, t + K) lies inside the T tokens."""
+    np.testing.assert_array_equal(anchor_candidates(6, 14, 6), [6, 7, 8])
+    assert anchor_candidates(6, 11, 6).size == 0
+
+
+def test_a_sequence_with_fewer_anchors_than_asked_gives_one_round_per_anchor(setup):
+    """Cut to 14 tokens, each sequence has anchors 6 to 8 only, fewer than the 8 asked: one round
+    each (not the fillers' repeats)."""
+    target, draft, records = setup
+    rounds = collect_rounds(
+        target, draft, records, num_rounds=100, anchors_per_sequence=8, max_length=14
+    )
+    anchors = set(zip(rounds.records.tolist(), rounds.anchors.tolist(), strict=True))
+    assert len(rounds) + rounds.dropped == 3 * len(records) and len(anchors) == len(rounds)
+    assert {anchor for _, anchor in anchors} <= {6, 7, 8}
+
+
+def test_a_round_that_accepts_nothing_is_kept_whatever_the_response_holds(setup):
+    """Random responses are not the target's greedy continuation, but a round with k = 0 needs
+    none of it (its bonus is the target's argmax after the anchor): those rounds are kept."""
+    target, draft, _ = setup
+    rng = np.random.default_rng(1)
+    records = [
+        {
+            "prompt_ids": rng.integers(0, 97, 6).tolist(),
+            "response_ids": rng.integers(0, 97, 16).tolist(),
+        }
+        for _ in range(8)
+    ]
+    rounds = collect_rounds(target, draft, records, num_rounds=16, anchors_per_sequence=8)
+    assert len(rounds) == 16 and np.mean(rounds.k_true == 0) >= 0.5
 
 
 def test_replacement_confidence_fit_scores_the_served_refinement(setup):
@@ -212,6 +247,43 @@ def test_the_confidence_is_chosen_on_the_fit_sequences_not_the_held_out(monkeypa
     fit = fit_replacement_confidence(None, None, [], grid=(0.0, 0.5))
     assert fit.tau[0.0] > fit.tau[0.5] and fit.held_out_tau[0.5] > fit.held_out_tau[0.0]
     assert fit.best == 0.0
+
+
+def test_the_confidence_fit_returns_the_winners_rounds_and_the_smallest_fit_count(monkeypatch):
+    """c = 0.5 wins, drafted after another grid point: its own rounds are returned for the
+    temperatures' fit, and `rounds` is the smallest fit-side count over the grid."""
+    records = [0, 1, 2, 3, 4]
+    (held,) = held_out_sequences(_rounds([0] * 5, records), 0.2, 0)
+    extra = next(r for r in records if r != held)  # c = 0.5 has one more fit round
+    made = {
+        0.0: _rounds([0] * 5, records),
+        0.5: _rounds([2] * 6, records + [extra]),
+        1.0: _rounds([1] * 5, records),
+    }
+
+    def made_up(target, draft, sequences, *, replacement_confidence, **kwargs):
+        return made[replacement_confidence]
+
+    monkeypatch.setattr(replacement_fit, "collect_rounds", made_up)
+    fit = fit_replacement_confidence(None, None, [], grid=(0.0, 0.5, 1.0))
+    assert fit.best == 0.5 and fit.chosen_rounds is made[0.5]
+    assert fit.rounds == 4 and fit.held_out_rounds == 1
+
+
+def test_a_given_confidences_split_is_drawn_by_the_seed(monkeypatch):
+    """With a confidence given, the held-out sequences are `held_out_sequences(rounds, fraction,
+    seed)`: record r has r + 1 rounds here, so the held-out count names the record held out."""
+    records = [r for r in range(5) for _ in range(r + 1)]
+    rounds = _rounds([0, 1] * 7 + [0], records)
+    monkeypatch.setattr(calibrate_module, "collect_rounds", lambda *args, **kwargs: rounds)
+    monkeypatch.setattr(calibrate_module, "evaluate_rounds", lambda *args, **kwargs: {})
+    held_records = set()
+    for seed in range(4):
+        (held,) = held_out_sequences(rounds, 0.2, seed)
+        held_records.add(int(held))
+        result = calibrate_module.calibrate(None, None, [], replacement_confidence=0.0, seed=seed)
+        assert result.held_out_rounds == held + 1 and result.fit_rounds == 15 - (held + 1)
+    assert len(held_records) > 1  # the seeds hold out different records
 
 
 def test_calibrate_fits_the_temperatures_on_the_fit_rounds_only(setup, tmp_path, monkeypatch):

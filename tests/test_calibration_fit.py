@@ -101,6 +101,15 @@ def test_with_no_drafts_the_acceptance_temperature_stays_one():
     assert fitted.bonus_temperature == pytest.approx(0.6, rel=0.05)
 
 
+def test_a_fit_at_the_grid_edge_reaches_min_temperature():
+    """Outcomes sharper than the search range allows: both temperatures land on
+    `min_temperature` itself, the grid's first point."""
+    rounds = _rounds(4, 2000, truth=Calibration(0.2, 0.2))
+    fitted = fit_calibration(*rounds, min_temperature=0.5, max_temperature=2.0, steps=10)
+    assert fitted.acceptance_temperature == pytest.approx(0.5, rel=1e-6)
+    assert fitted.bonus_temperature == pytest.approx(0.5, rel=1e-6)
+
+
 def test_calibrated_selection_hits_more_often():
     """Fit on one set of rounds, select on fresh ones: calibrated beats uncalibrated at every B
     (by more than a no-op calibration could, which would tie)."""

@@ -380,11 +380,9 @@ def test_gradients_are_clipped_to_their_global_norm_before_adam():
     np.testing.assert_allclose(moment, 0.1 * np.array([0.6, 0.8, 0.0]), rtol=1e-6)
 
 
-def test_each_step_draws_new_blocks_and_reports_its_rate_and_gradient_norm(target):
-    """The same batch with unchanged weights (step 0 of the warmup runs at rate 0): steps 0 and
-    1 draw other anchors and noise (their keys fold in the step), so their losses differ. Each
-    reports the rate it ran at (0, then half the peak) and the gradient's norm (not the
-    update's, which is 0 at step 0)."""
+def _one_step_inputs(target, compute_dtype="float32"):
+    """`(state, batch, config)` of a tiny draft's train step: a warmup of 2 steps to a rate of
+    1e-3, one batch of 2 random sequences whose first 4 tokens are the prompt."""
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
     optim = OptimConfig(
         learning_rate=1e-3,
@@ -392,7 +390,7 @@ def test_each_step_draws_new_blocks_and_reports_its_rate_and_gradient_norm(targe
         steps=4,
         batch_size=2,
         anchors_per_sequence=4,
-        compute_dtype="float32",
+        compute_dtype=compute_dtype,
     )
     config = StepConfig(target=target.config, draft=draft.config, optim=optim)
     tokens = np.random.default_rng(0).integers(0, 97, (2, 32))
@@ -400,13 +398,33 @@ def test_each_step_draws_new_blocks_and_reports_its_rate_and_gradient_norm(targe
         "tokens": jnp.asarray(tokens, jnp.int32),
         "loss_mask": jnp.broadcast_to(jnp.arange(32) >= 4, (2, 32)),
     }
-    state = init_state(draft.params, make_optimizer(optim))
+    return init_state(draft.params, make_optimizer(optim)), batch, config
+
+
+def test_each_step_draws_new_blocks_and_reports_its_rate_and_gradient_norm(target):
+    """The same batch with unchanged weights (step 0 of the warmup runs at rate 0): steps 0 and
+    1 draw other anchors and noise (their keys fold in the step), so their losses differ. Each
+    reports the rate it ran at (0, then half the peak) and the gradient's norm (not the
+    update's, which is 0 at step 0)."""
+    state, batch, config = _one_step_inputs(target)
     state, first = train_step(state, target.params, batch, config=config)
     _, second = train_step(state, target.params, batch, config=config)
     assert float(first["loss"]) != float(second["loss"])
     assert float(first["learning_rate"]) == 0.0
     assert float(second["learning_rate"]) == pytest.approx(5e-4)
     assert float(first["grad_norm"]) > 1e-3
+
+
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
+def test_the_draft_runs_in_the_compute_dtype_and_keeps_float32_masters(target, compute_dtype):
+    """The step casts the draft's weights to `compute_dtype` for its forward (the frozen target
+    is float32 here: any bfloat16 in the program is the draft's); the updated masters stay
+    float32."""
+    state, batch, config = _one_step_inputs(target, compute_dtype)
+    program = train_step.lower(state, target.params, batch, config=config).as_text()
+    assert ("bf16" in program) == (compute_dtype == "bfloat16")
+    state, _ = train_step(state, target.params, batch, config=config)
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
 
 
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])
