@@ -131,6 +131,8 @@ def test_adapter_config_refusals(target):
         adapter.AdapterConfig(layers, (1, 0), (1, 1))
     with pytest.raises(ValueError, match=">= 1 layer"):
         adapter.AdapterConfig(layers, (0, 1), (1, 0))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        adapter.AdapterConfig(layers, (1, 1), (1, 1))  # a tap twice
 
 
 def test_draft_and_adapter_layers_must_be_qwen3_and_only_the_hybrid_rotates_partially(target):
@@ -164,3 +166,29 @@ def test_configs_given_lists_are_hashable_static_arguments(target):
         layers, model_type="qwen3_5", layer_types=["full_attention"] * layers.num_layers
     )
     assert hash(hybrid) and isinstance(hybrid.layer_types, tuple)
+
+
+def test_the_adapter_contexts_are_the_embedding_then_every_tap_but_the_deepest():
+    """Module m reads level m - 1: the token embedding for module 1, tap m - 1 after it."""
+    embedding = jnp.arange(5 * 3, dtype=jnp.float32).reshape(5, 3)
+    tokens = jnp.asarray([[4, 0], [2, 2]], jnp.int32)
+    taps = jnp.stack([jnp.full((2, 2, 3), float(100 + i)) for i in range(3)])  # [3, B, T, H]
+    levels = np.asarray(adapter.context_levels(embedding, tokens, taps))
+    assert levels.shape == (3, 2, 2, 3)
+    np.testing.assert_array_equal(levels[0], np.asarray(embedding)[np.asarray(tokens)])
+    np.testing.assert_array_equal(levels[1:], np.asarray(taps[:-1]))
+
+
+def test_the_decoder_reads_states_in_its_cache_dtype(checkpoints):
+    """The upper layers run on states cast to the cache's dtype (the target's numerics): float32
+    predictions over a bfloat16 cache give exactly the logits of the same states in bfloat16."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    config, params = target.config, target.params
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 12)), jnp.int32)
+    states = forward(params, config, tokens, tap_layers=(0,)).taps[-1]  # float32
+    cache = decoder.empty_cache(config, 1, 2, 32, jnp.bfloat16)
+    cache = decoder.extend_context(params, config, 1, cache, states[:, :8], jnp.asarray([8, 6]))
+    block = states[:, 8:12] + 1e-3 * jnp.arange(4, dtype=jnp.float32)[None, :, None]
+    got, _ = decoder.decoder_logits(params, config, 1, cache, block)
+    want, _ = decoder.decoder_logits(params, config, 1, cache, block.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -184,3 +184,35 @@ def test_chunk_sizes_agree_and_must_be_powers_of_two():
     for size in (0, 24):
         with pytest.raises(ValueError, match=f"chunk_size must be a power of two, got {size}"):
             gated_deltanet.chunked(*args, chunk_size=size)
+
+
+def test_auto_never_takes_the_delta_rule_kernel_until_measured_faster(monkeypatch):
+    """No backend is in `AUTO_BACKENDS` yet: even where Triton is hardware-verified, "auto" runs
+    the XLA recurrence."""
+    from jetspec_jax.kernels import select
+
+    monkeypatch.setattr(select, "pallas_backend", lambda platform=None: "triton")
+    launched = []
+
+    def launch(*args, **kwargs):
+        launched.append(kwargs)
+        return args[2], args[5]
+
+    monkeypatch.setattr(pallas_delta_rule, "kernel_call", launch)
+    delta_rule.chunked_delta_rule(*_operands(1, 16, 1, 2, 16, 16), impl="auto")
+    assert launched == []
+
+
+@pytest.mark.parametrize("length", [1, 4, 16, 37])
+def test_the_delta_rule_kernel_runs_chunks_of_at_least_16(monkeypatch, length):
+    """Triton's dot needs >= 16 rows: a short sequence still runs chunks of 16 (zero-padded,
+    inert), a long one chunks of at most MAX_CHUNK."""
+    chunks, launch = [], pallas_delta_rule.kernel_call
+
+    def spy(*args, **kwargs):
+        chunks.append(kwargs["chunk"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_delta_rule, "kernel_call", spy)
+    delta_rule.chunked_delta_rule(*_operands(1, length, 1, 2, 16, 16), impl="pallas_interpret")
+    assert chunks and all(16 <= chunk <= delta_rule.MAX_CHUNK for chunk in chunks), chunks

@@ -74,3 +74,44 @@ def test_sizes_and_epsilons_that_would_compute_nonsense_are_refused(fields, mess
     no error); a zero context refuses every request, a zero head_dim divides by zero."""
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(QWEN3, **fields)
+
+
+QWEN3_5 = dict(
+    model_type="qwen3_5",
+    vocab_size=8,
+    hidden_size=8,
+    intermediate_size=8,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=16,
+)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        # rotary_dim = int(16 * 0.5625) = 9: odd, RoPE's halves would not pair up.
+        (dict(partial_rotary_factor=0.5625, layer_types=("full_attention",)), "rotary_dim=9"),
+        # 3 value heads over 2 key heads: no whole repeat of the keys serves them.
+        (
+            dict(
+                layer_types=("linear_attention",),
+                linear_num_key_heads=2,
+                linear_num_value_heads=3,
+                linear_key_head_dim=4,
+                linear_value_head_dim=4,
+            ),
+            "multiple of linear_num_key_heads",
+        ),
+    ],
+)
+def test_hybrid_shapes_that_would_compute_nonsense_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**QWEN3_5, **fields)
+
+
+def test_a_mask_token_must_be_inside_the_vocabulary():
+    assert DraftConfig(QWEN3, target_layer_ids=(0,), mask_token_id=96)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        DraftConfig(QWEN3, target_layer_ids=(0,), mask_token_id=97)

@@ -170,3 +170,24 @@ def test_a_draft_block_longer_than_the_rollback_window_is_refused(target):
         jetspec_jax.init_draft(
             target, variant="jetspec", num_layers=1, block_size=ROLLBACK_WINDOW + 1
         )
+
+
+@pytest.mark.parametrize("appended", [None, ROLLBACK_WINDOW])
+def test_a_block_as_long_as_the_rollback_window_rolls_back(target, appended):
+    """A verified block of exactly W = ROLLBACK_WINDOW positions is still a block, not a
+    prefill: it records a window to roll back in, and `appended=W` is accepted."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (9, 40, 2)]
+    block = rng.integers(0, 97, (3, ROLLBACK_WINDOW))
+    cache = _prefill(target, prompts)
+    starts = np.array([len(p) for p in prompts])
+    width = jnp.full((3,), ROLLBACK_WINDOW)
+    _, verified = append(target.params, block, cache, width, config=target.config)
+    keep = [0, 17, ROLLBACK_WINDOW]
+    kept = starts + np.array(keep)
+    rolled = _rolled_back(verified, jnp.asarray(kept), appended)
+    fresh = _prefill(
+        target,
+        [p + block[b, :k].tolist() for b, (p, k) in enumerate(zip(prompts, keep, strict=True))],
+    )
+    _assert_same_state(rolled, fresh, kept)

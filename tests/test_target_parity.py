@@ -122,3 +122,24 @@ def test_float32_matmuls_ask_for_float32_precision(checkpoints, variant):
     assert found["float32"] == {highest}
     default = (jax.lax.Precision.DEFAULT,) * 2
     assert found["bfloat16"] - {highest} and found["bfloat16"] <= {None, default, highest}
+
+
+def test_rope_rotates_a_bfloat16_input_in_bfloat16_as_transformers():
+    """transformers casts cos and sin to the input's dtype before the products: a bfloat16 query
+    is rotated in bfloat16 (not promoted to float32 by float32 cos and sin)."""
+    import jax.numpy as jnp
+
+    from jetspec_jax.models.config import RopeConfig
+    from jetspec_jax.models.rope import apply_rope, inverse_frequencies
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, 16)).astype(jnp.bfloat16)
+    positions = jnp.asarray([[0, 1, 2, 3, 4], [100, 2000, 7, 31, 4095]], jnp.int32)
+    inv_freq = inverse_frequencies(RopeConfig(theta=10000.0), 16)
+    rotated = apply_rope(x, positions, inv_freq)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos = jnp.cos(angles)[:, :, None, :].astype(jnp.bfloat16)
+    sin = jnp.sin(angles)[:, :, None, :].astype(jnp.bfloat16)
+    x1, x2 = x[..., :8], x[..., 8:]
+    expected = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    assert rotated.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(rotated.astype(jnp.float32), expected.astype(jnp.float32))
