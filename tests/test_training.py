@@ -316,7 +316,7 @@ def _right_padded_batch():
 def test_block_weights_equal_a_numpy_reference_on_right_padded_sequences(num_anchors):
     """Row i of anchor a is supervised exactly when i < K-1, a precedes a response token, and
     position a+i+1 is a response token: not the prompt, not right padding, not past the end.
-    48 anchors are more than the 26 to 43 candidates of each sequence: the rest are invalid
+    48 anchors are more than the 27 to 44 candidates of each sequence: the rest are invalid
     anchors, some of whose rows land on response tokens."""
     config = _toy_config("jetspec++", block_size=8)
     tokens, mask, length = _right_padded_batch()
