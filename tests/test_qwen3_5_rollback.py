@@ -102,6 +102,15 @@ def _prefill(target, rows, capacity=128):
     return append(target.params, tokens, cache, lengths, config=target.config)[1]
 
 
+def _roll_back_and_prefill(target, verified, prompts, block, keep, appended):
+    """`(rolled, fresh, kept lengths)`: `verified` (the prompts' cache after a forward over
+    `block`) rolled back to keep `keep[b]` tokens of row b's block, and a fresh prefill of them."""
+    kept = np.array([len(p) + k for p, k in zip(prompts, keep, strict=True)])
+    rolled = _rolled_back(verified, jnp.asarray(kept), appended)
+    rows = [p + block[b, :k].tolist() for b, (p, k) in enumerate(zip(prompts, keep, strict=True))]
+    return rolled, _prefill(target, rows), kept
+
+
 def _assert_same_state(ours, fresh, lengths):
     np.testing.assert_array_equal(np.asarray(ours.lengths), lengths)
     np.testing.assert_allclose(ours.state, fresh.state, atol=1e-5, rtol=0)
@@ -121,14 +130,10 @@ def test_rollback_after_a_partially_accepted_block_equals_a_fresh_prefill(target
     prompts = [rng.integers(0, 97, n).tolist() for n in (9, 70, 2)]  # + 8 fits the width 80
     block = rng.integers(0, 97, (3, BLOCK))
     cache = _prefill(target, prompts)
-    starts = np.array([len(p) for p in prompts])
     _, verified = append(target.params, block, cache, jnp.full((3,), BLOCK), config=target.config)
     for keep in ([0, 3, 8], [0, 1, 2]):
-        kept = starts + np.array(keep)
-        rolled = _rolled_back(verified, jnp.asarray(kept), appended)
-        fresh = _prefill(
-            target,
-            [p + block[b, :k].tolist() for b, (p, k) in enumerate(zip(prompts, keep, strict=True))],
+        rolled, fresh, kept = _roll_back_and_prefill(
+            target, verified, prompts, block, keep, appended
         )
         _assert_same_state(rolled, fresh, kept)
         verified = rolled  # the second rollback goes deeper into the same block
@@ -180,14 +185,7 @@ def test_a_block_as_long_as_the_rollback_window_rolls_back(target, appended):
     prompts = [rng.integers(0, 97, n).tolist() for n in (9, 40, 2)]
     block = rng.integers(0, 97, (3, ROLLBACK_WINDOW))
     cache = _prefill(target, prompts)
-    starts = np.array([len(p) for p in prompts])
     width = jnp.full((3,), ROLLBACK_WINDOW)
     _, verified = append(target.params, block, cache, width, config=target.config)
     keep = [0, 17, ROLLBACK_WINDOW]
-    kept = starts + np.array(keep)
-    rolled = _rolled_back(verified, jnp.asarray(kept), appended)
-    fresh = _prefill(
-        target,
-        [p + block[b, :k].tolist() for b, (p, k) in enumerate(zip(prompts, keep, strict=True))],
-    )
-    _assert_same_state(rolled, fresh, kept)
+    _assert_same_state(*_roll_back_and_prefill(target, verified, prompts, block, keep, appended))

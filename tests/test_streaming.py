@@ -103,6 +103,20 @@ def test_stream_validates_before_the_first_token(target):
         jetspec_jax.stream(target, [1], chunk_steps=0)
 
 
+def _oracle_session(target, prompts, continuation, max_new_tokens):
+    """A JetSpec session whose draft proposes `continuation` (`[4, 64]` tokens by position)."""
+    draft = OracleDraft(continuation, block_size=4, vocab_size=97)
+    options = DecodingOptions("jetspec")
+    return DecodeSession(
+        target,
+        prompts,
+        draft=draft,
+        options=options,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=[],
+    )
+
+
 def test_ragged_speculative_batch_in_chunks_equals_each_row_alone(target, prompts):
     """Rows accept different numbers of drafts per round (an oracle right for row 0, right for a
     while for row 1, wrong for row 2) and have different budgets, so they finish at different
@@ -116,15 +130,7 @@ def test_ragged_speculative_batch_in_chunks_equals_each_row_alone(target, prompt
             sequence = sequence[: len(prompt) + 6]  # right for 6 tokens, then zeros
         if row < 2:
             continuation[row, : len(sequence)] = sequence
-    draft = OracleDraft(continuation, block_size=4, vocab_size=97)
-    session = DecodeSession(
-        target,
-        prompts,
-        draft=draft,
-        options=DecodingOptions("jetspec"),
-        max_new_tokens=budgets,
-        stop_token_ids=[],
-    )
+    session = _oracle_session(target, prompts, continuation, budgets)
     streamed = [[] for _ in prompts]
     finished_after = [None] * 3
     for step, chunk in enumerate(session.chunks(chunk_steps=1)):
@@ -166,15 +172,7 @@ def test_a_cancelled_row_of_a_speculative_session_stops(target, prompts):
     continuation = np.zeros((4, 64), np.int32)
     for row, (prompt, tokens) in enumerate(zip(prompts, expected, strict=True)):
         continuation[row, : len(prompt) + N_NEW] = prompt + tokens
-    draft = OracleDraft(continuation, block_size=4, vocab_size=97)
-    session = DecodeSession(
-        target,
-        prompts,
-        draft=draft,
-        options=DecodingOptions("jetspec"),
-        max_new_tokens=N_NEW,
-        stop_token_ids=[],
-    )
+    session = _oracle_session(target, prompts, continuation, N_NEW)
     session.start()
     session.poll()
     session.cancel(1)
