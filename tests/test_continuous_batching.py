@@ -25,13 +25,16 @@ def target(checkpoints):
 
 
 class Client:
-    """Jobs and their events; `then` submits more jobs when a job gets its first tokens."""
+    """Jobs and their events; `then` submits more jobs (or calls a callable with the client) when
+    a job gets its first tokens; `order` names the jobs in the order they got their last event."""
 
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self.events: dict[str, list] = {}
+        self.jobs: dict[str, Job] = {}
         self.ended = threading.Semaphore(0)
-        self.then: dict[str, list[tuple[str, list[int], int]]] = {}
+        self.order: list[str] = []
+        self.then: dict[str, list] = {}  # (name, prompt, budget) to submit, or a callable
         self.most_running = 0  # the most jobs running at once, seen at any delivery
 
     def submit(self, name: str, prompt: list[int], budget: int) -> None:
@@ -42,12 +45,17 @@ class Client:
             first_tokens = isinstance(event, Tokens) and not self.events[name]
             self.events[name].append(event)
             if first_tokens:
-                for args in self.then.pop(name, []):
-                    self.submit(*args)
+                for then in self.then.pop(name, []):
+                    if callable(then):
+                        then(self)
+                    else:
+                        self.submit(*then)
             if isinstance(event, (Finished, Failed)):
+                self.order.append(name)
                 self.ended.release()
 
-        self.scheduler.submit(Job(prompt, budget, GREEDY, deliver))
+        self.jobs[name] = Job(prompt, budget, GREEDY, deliver)
+        self.scheduler.submit(self.jobs[name])
 
     def wait(self, count: int) -> None:
         for _ in range(count):
@@ -214,3 +222,59 @@ def test_a_joined_job_whose_admission_fails_is_retried_alone(target, monkeypatch
     assert isinstance(client.events["long"][-1], Failed)  # it had streamed: it fails
     _assert_as_alone(target, client, "short", *short)
     assert scheduler.running == 0
+
+
+def test_a_full_size_batch_takes_a_joiner_while_more_wait(target):
+    """A batch of the most rows (2) is never ended for its queue: of two jobs that arrive while
+    one runs, the first joins at once and finishes before the long job; the second joins
+    when a row frees."""
+    then = {"long": [("a", [8, 9], 4), ("b", [8, 10], 4)]}
+    client, scheduler = _serve(target, [("long", [5, 6, 7], 16)], then, max_batch_size=2)
+    assert client.order.index("a") < client.order.index("long")
+    assert _count(scheduler, "jetspec_joined_requests_total") == 2 and _batches(scheduler) == 1
+
+
+def test_no_job_joins_while_the_scheduler_is_held(target):
+    scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2, pad_batch=True)
+    client = Client(scheduler)
+    held = scheduler.hold()
+
+    def hold_then_submit(client):
+        held.__enter__()
+        client.submit("short", [8, 9], 6)
+
+    client.then = {"long": [hold_then_submit]}
+    scheduler.start()
+    try:
+        client.submit("long", [5, 6, 7], 16)
+        client.wait(1)
+        assert client.order == ["long"] and client.events["short"] == []
+        held.__exit__(None, None, None)
+        client.wait(1)
+    finally:
+        scheduler.stop()
+    assert _count(scheduler, "jetspec_joined_requests_total") == 0 and _batches(scheduler) == 2
+    _assert_as_alone(target, client, "short", [8, 9], 6)
+
+
+def test_a_job_cancelled_while_waiting_neither_joins_nor_counts_as_waiting(target):
+    """An unpadded batch of one row: of two jobs queued behind it, the first is cancelled; it is
+    not admitted into the row, nor counted among the waiting (which would end the batch
+    instead): the other joins."""
+
+    def submit_two_cancel_one(client):
+        client.submit("gone", [8, 10], 6)
+        client.submit("short", [8, 9], 6)
+        client.jobs["gone"].cancel()
+
+    then = {"long": [submit_two_cancel_one]}
+    client, scheduler = _serve(target, [("long", [5, 6, 7], 16)], then, pad_batch=False)
+    assert client.events["gone"] == []
+    assert _count(scheduler, "jetspec_joined_requests_total") == 1 and _batches(scheduler) == 1
+    _assert_as_alone(target, client, "short", [8, 9], 6)
+
+
+def test_each_delivery_after_the_prefill_is_one_chunk_of_tokens(target):
+    """AR commits one token per forward: the prefill delivers 1, each chunk `chunk_steps`."""
+    client, _ = _serve(target, [("job", [5, 6, 7], 10)], {}, chunk_steps=3)
+    assert [len(e.tokens) for e in client.events["job"] if isinstance(e, Tokens)] == [1, 3, 3, 3]

@@ -245,3 +245,42 @@ def test_the_running_count_leaves_out_finished_rows(target):
     assert seen[("short", "Finished")] == (1, 1)
     assert seen[("long", "Finished")] == (0, 0)
     assert after == (0, 0)
+
+
+def test_a_job_arriving_during_a_retry_waits_for_the_next_batch(target, monkeypatch):
+    """A retry decodes its job alone: a job submitted meanwhile does not join it."""
+    _fail_sessions_with_bad(monkeypatch, "start")
+    log = _Log()
+    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2, pad_batch=True)
+    deliver_a, late = log.deliver("a"), []
+
+    def deliver(event):
+        deliver_a(event)
+        if isinstance(event, Tokens) and not late:  # a's first tokens come from its retry
+            late.append(Job([8, 9], 4, SamplingParams(), log.deliver("late")))
+            scheduler.submit(late[0])
+
+    scheduler.start()
+    try:
+        with scheduler.hold():
+            scheduler.submit(Job([5, 6, 7], 6, SamplingParams(), deliver))
+            scheduler.submit(Job([8, 9], BAD, SamplingParams(), log.deliver("bad")))
+        for _ in range(3):
+            assert log.ended.acquire(timeout=120), "a job got no answer"
+    finally:
+        scheduler.stop()
+    assert isinstance(log.of("late")[-1], Finished)
+    assert scheduler.metrics.registry.get_sample_value("jetspec_joined_requests_total") == 0
+
+
+def test_the_queue_wait_is_observed_once_per_job_despite_retries(target, monkeypatch):
+    _fail_sessions_with_bad(monkeypatch, "start")
+    log = _Log()
+    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2)
+    scheduler.start()
+    try:
+        _run_batch(scheduler, {"a": ([5, 6, 7], 6), "bad": ([8, 9], BAD)}, log)
+    finally:
+        scheduler.stop()
+    queue = {"phase": "queue"}
+    assert scheduler.metrics.registry.get_sample_value("jetspec_phase_seconds_count", queue) == 2
