@@ -278,3 +278,18 @@ def test_each_delivery_after_the_prefill_is_one_chunk_of_tokens(target):
     """AR commits one token per forward: the prefill delivers 1, each chunk `chunk_steps`."""
     client, _ = _serve(target, [("job", [5, 6, 7], 10)], {}, chunk_steps=3)
     assert [len(e.tokens) for e in client.events["job"] if isinstance(e, Tokens)] == [1, 3, 3, 3]
+
+
+def test_a_running_job_its_client_cancels_stops_at_the_next_chunk(target):
+    scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2)
+    client = Client(scheduler)
+    client.then = {"long": [lambda client: client.jobs["long"].cancel()]}
+    scheduler.start()
+    try:
+        client.submit("long", [5, 6, 7], 200)
+        client.wait(1)
+    finally:
+        scheduler.stop()
+    *_, last = client.events["long"]
+    assert isinstance(last, Finished) and last.result.finish_reason == "cancelled"
+    assert len(last.result.tokens) < 200

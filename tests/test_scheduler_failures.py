@@ -273,14 +273,31 @@ def test_a_job_arriving_during_a_retry_waits_for_the_next_batch(target, monkeypa
     assert scheduler.metrics.registry.get_sample_value("jetspec_joined_requests_total") == 0
 
 
-def test_the_queue_wait_is_observed_once_per_job_despite_retries(target, monkeypatch):
+def test_a_job_that_fails_alone_is_not_decoded_again(target, monkeypatch):
+    """A batch of one job that fails has nothing to single out: a retry would fail again."""
     _fail_sessions_with_bad(monkeypatch, "start")
-    log = _Log()
-    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=2)
+    starts = _record_starts(monkeypatch)
+    log = _served(target, {"bad": ([8, 9], BAD)})
+    assert starts == [[BAD]] and log.of("bad") == [Failed(500, GENERIC)]
+
+
+def test_stop_cancels_the_running_batch(target):
+    """`stop` cancels the running rows at the next chunk boundary, rather than waiting for a
+    long job to finish: it ends "cancelled" with what it had."""
+    log, started = _Log(), threading.Event()
+    deliver = log.deliver("long")
+
+    def on_event(event):
+        deliver(event)
+        started.set()
+
+    scheduler = Scheduler(target, max_batch_size=3, chunk_steps=1)
     scheduler.start()
     try:
-        _run_batch(scheduler, {"a": ([5, 6, 7], 6), "bad": ([8, 9], BAD)}, log)
+        scheduler.submit(Job([5, 6, 7], 200, SamplingParams(), on_event))
+        assert started.wait(120), "no first tokens"
     finally:
         scheduler.stop()
-    queue = {"phase": "queue"}
-    assert scheduler.metrics.registry.get_sample_value("jetspec_phase_seconds_count", queue) == 2
+    last = log.of("long")[-1]
+    assert isinstance(last, Finished) and last.result.finish_reason == "cancelled"
+    assert len(last.result.tokens) < 200
