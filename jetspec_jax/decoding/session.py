@@ -252,8 +252,9 @@ class DecodeSession:
         shapes were sized by its first batch (and the reserve): the output buffer holds
         `max_output` tokens, and the cache a prompt of the context bucket plus that many: a longer
         prompt fits with a budget as much shorter."""
-        total = self._context_bucket + self._max_output
-        return max_new_tokens <= self._max_output and prompt_length + max_new_tokens <= total
+        return (
+            max_new_tokens <= self._max_output and prompt_length + max_new_tokens <= self._capacity
+        )
 
     def admit(
         self,
@@ -352,7 +353,7 @@ class DecodeSession:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens with max_new_tokens={budget} does not fit this "
                 f"session, sized for at most {self._max_output} new tokens and "
-                f"{self._context_bucket + self._max_output} tokens of prompt and new tokens "
+                f"{self._capacity} tokens of prompt and new tokens "
                 "together; decode it in a new session (or reserve room for it)"
             )
         return prompt, budget, sampling
