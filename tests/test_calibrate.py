@@ -31,6 +31,8 @@ from jetspec_jax.training.calibration_rounds import (
     sequence_rounds,
 )
 from jetspec_jax.training.replacement_fit import choose_confidence, fit_replacement_confidence
+from tests.test_calibration_fit import T_TRUE
+from tests.test_calibration_fit import _rounds as drawn_rounds
 from tests.tiny_models import near_bigram, with_target_norm
 
 K = 6
@@ -210,9 +212,6 @@ def test_every_fraction_holds_out_a_sequence_and_keeps_one_to_fit():
 
 
 def test_the_held_out_likelihood_is_that_of_the_calibration_scored():
-    from tests.test_calibration_fit import T_TRUE
-    from tests.test_calibration_fit import _rounds as drawn_rounds
-
     logits, drafts, k_true, a_true = drawn_rounds(8, 300)
     rounds = Rounds(
         logits_hat=logits,

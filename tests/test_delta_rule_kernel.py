@@ -137,15 +137,24 @@ def test_impl_selection():
         )
 
 
+def _record_launches(monkeypatch) -> list[dict]:
+    """The keyword arguments of every kernel launch from here on (recorded when traced: a
+    program that uses the kernel is traced once); each launch still runs."""
+    launches, launch = [], pallas_delta_rule.kernel_call
+
+    def recording(*args, **kwargs):
+        launches.append(kwargs)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_delta_rule, "kernel_call", recording)
+    return launches
+
+
 def test_hybrid_target_is_the_same_on_the_kernel(hybrid_target, monkeypatch):
     """Greedy speculative decoding of the tiny hybrid target (prefill over several chunks, then
     verification blocks) gives the same tokens with the recurrence on the interpreted kernel,
     which did run."""
-    launches = []  # counted when traced: every program that uses the kernel is traced once
-    launch = pallas_delta_rule.kernel_call
-    monkeypatch.setattr(
-        pallas_delta_rule, "kernel_call", lambda *a, **k: launches.append(1) or launch(*a, **k)
-    )
+    launches = _record_launches(monkeypatch)
     kernel_config = dataclasses.replace(hybrid_target.config, recurrence_impl="pallas_interpret")
     on_kernel = dataclasses.replace(hybrid_target, config=kernel_config)
     draft = jetspec_jax.init_draft(hybrid_target, variant="jetspec", block_size=4, seed=0)
@@ -207,12 +216,7 @@ def test_auto_never_takes_the_delta_rule_kernel_until_measured_faster(monkeypatc
 def test_the_delta_rule_kernel_runs_chunks_of_at_least_16(monkeypatch, length):
     """Triton's dot needs >= 16 rows: a short sequence still runs chunks of 16 (zero-padded,
     inert), a long one chunks of at most MAX_CHUNK."""
-    chunks, launch = [], pallas_delta_rule.kernel_call
-
-    def spy(*args, **kwargs):
-        chunks.append(kwargs["chunk"])
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(pallas_delta_rule, "kernel_call", spy)
+    launches = _record_launches(monkeypatch)
     delta_rule.chunked_delta_rule(*_operands(1, length, 1, 2, 16, 16), impl="pallas_interpret")
+    chunks = [launch["chunk"] for launch in launches]
     assert chunks and all(16 <= chunk <= delta_rule.MAX_CHUNK for chunk in chunks), chunks

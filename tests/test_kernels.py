@@ -205,9 +205,11 @@ def test_reference_equals_layers_attention_with_the_explicit_mask(causal):
     assert _max_abs(got, _explicit(*args, not causal)) > 1e-2
 
 
-def test_kernel_gradients_match_the_reference_and_layers_attention():
-    """The kernel's backward is the reference's VJP (`refinement.py`), so equal gradients check
-    the custom-VJP wiring; the loss values check that the kernel's forward is the one used."""
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_gradients_match_the_reference_and_layers_attention(causal):
+    """The kernel's backward is the reference's VJP (`refinement.py`) with the call's own mask
+    (causal JetSpec blocks, bidirectional DFlash ones), so equal gradients check the custom-VJP
+    wiring; the loss values check that the kernel's forward is the one used."""
     shape, tiling = CASES["gqa2-c3-padded-cands-2splits"]
     q, ck, cv, _, bk, bv = _operands(shape, seed=3)
     lengths = jnp.asarray([[0, 20, 9]], jnp.int32)  # slots 20.. of 37 are stale for everyone
@@ -217,7 +219,7 @@ def test_kernel_gradients_match_the_reference_and_layers_attention():
         return lambda q, ck, cv, bk, bv: jnp.sum(fn(q, ck, cv, lengths, bk, bv) * cotangent)
 
     def impl(name):
-        return lambda *a: refinement_attention(*a, causal=True, impl=name, tiling=tiling)
+        return lambda *a: refinement_attention(*a, causal=causal, impl=name, tiling=tiling)
 
     wrt = (0, 1, 2, 3, 4)
 
@@ -227,7 +229,7 @@ def test_kernel_gradients_match_the_reference_and_layers_attention():
     (kernel_loss, kernel), (reference_loss, reference) = (
         grads(impl(name)) for name in ("pallas_interpret", "reference")
     )
-    explicit_loss, explicit = grads(lambda *a: _explicit(*a, True))
+    explicit_loss, explicit = grads(lambda *a: _explicit(*a, causal))
     assert abs(float(kernel_loss) - float(explicit_loss)) <= 1e-4 * abs(float(explicit_loss))
     assert abs(float(reference_loss) - float(explicit_loss)) <= 1e-4 * abs(float(explicit_loss))
     for name, got, want, anchor in zip(
@@ -446,19 +448,3 @@ def test_a_float32_draft_and_adapter_run_the_kernel_on_a_bfloat16_target(checkpo
         ref.tokens
         == jetspec_jax.generate(target, prompt, max_new_tokens=24, stop_token_ids=[]).tokens
     )
-
-
-def test_a_bidirectional_blocks_kernel_gradients_are_the_references():
-    """The kernel's VJP recomputes through the reference with the call's own `causal`: a
-    bidirectional (DFlash) block's gradients are the bidirectional reference's."""
-    q, ck, cv, lengths, bk, bv = _operands((1, 2, 4, 4, 2, 16, 20), seed=5)
-
-    def grads(impl):
-        def loss(q, ck, cv, bk, bv):
-            out = refinement_attention(q, ck, cv, lengths, bk, bv, causal=False, impl=impl)
-            return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
-
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, ck, cv, bk, bv)
-
-    for got, want in zip(grads("pallas_interpret"), grads("reference"), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

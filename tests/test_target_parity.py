@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jetspec_jax
+from jetspec_jax.models.config import RopeConfig
+from jetspec_jax.models.rope import apply_rope, inverse_frequencies
 from jetspec_jax.models.transformer import forward, unembed
 from tests.tiny_models import VARIANTS
 
@@ -127,11 +130,6 @@ def test_float32_matmuls_ask_for_float32_precision(checkpoints, variant):
 def test_rope_rotates_a_bfloat16_input_in_bfloat16_as_transformers():
     """transformers casts cos and sin to the input's dtype before the products: a bfloat16 query
     is rotated in bfloat16 (not promoted to float32 by float32 cos and sin)."""
-    import jax.numpy as jnp
-
-    from jetspec_jax.models.config import RopeConfig
-    from jetspec_jax.models.rope import apply_rope, inverse_frequencies
-
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 16)).astype(jnp.bfloat16)
     positions = jnp.asarray([[0, 1, 2, 3, 4], [100, 2000, 7, 31, 4095]], jnp.int32)
     inv_freq = inverse_frequencies(RopeConfig(theta=10000.0), 16)
