@@ -55,7 +55,8 @@ CASES = {
     "gqa1-c1-context-below-a-tile": ((2, 1, 4, 2, 2, 16, 5), None),
     "gqa2-c3-padded-cands-2splits": ((1, 3, 5, 4, 2, 16, 37), Tiling(32, 16, kv_splits=2)),
     "gqa4-c4-default-tiling": ((2, 4, 3, 8, 2, 16, 50), None),
-    "gqa4-cand-over-4-programs": ((1, 2, 16, 8, 2, 16, 70), Tiling(16, 32, kv_splits=3)),
+    # Asks for 4 context splits; its context has 3 tiles, so it gets 3.
+    "gqa4-cand-over-4-programs": ((1, 2, 16, 8, 2, 16, 70), Tiling(16, 32, kv_splits=4)),
     # The shipped SmolLM2 draft's heads (9 query over 3 KV, head_dim 64) with its block of 16.
     "gqa3-smollm2-draft": ((1, 1, 16, 9, 3, 64, 90), None),
 }
@@ -109,6 +110,7 @@ def test_cases_cover_the_layout_branches():
     assert any(lay.cands_per_tile > 1 for lay in lays.values())
     assert any(lay.subtiles > 1 for lay in lays.values())
     assert any(lay.kv_splits > 1 for lay in lays.values())
+    assert lays["gqa4-cand-over-4-programs"].kv_splits == 3  # capped at the context's tiles
     assert lays["gqa1-c1-context-below-a-tile"].context > 5  # padded context
 
 
@@ -278,6 +280,22 @@ def test_bad_shapes_are_named(edit, message):
         refinement_attention(*args, causal=True)
 
 
+def test_a_launch_without_a_tiling_gets_its_backends_default(monkeypatch):
+    """A Mosaic (TPU) launch gets `TPU_TILING`, a Triton or interpreted one `GPU_TILING`."""
+    tilings = []
+
+    def launch(*args):
+        tilings.append(args[-1].tiling)
+        return args[0]
+
+    monkeypatch.setattr(refinement, "_kernel_attention", launch)
+    monkeypatch.setattr(select, "pallas_backend", lambda platform=None: "tpu")
+    args = _operands((1, 1, 2, 2, 2, 128, 4))  # Mosaic takes head_dim 128
+    refinement_attention(*args, causal=True, impl="pallas")
+    refinement_attention(*args, causal=True, impl="pallas_interpret")
+    assert tilings == [refinement.TPU_TILING, refinement.GPU_TILING]
+
+
 def test_query_heads_must_group_over_kv_heads():
     q, k, v, lengths, bk, bv = _operands((1, 1, 2, 3, 2, 16, 4))
     with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 KV heads"):
@@ -306,6 +324,7 @@ def test_impl_selection():
     assert refinement.kernel_supports(*operands(128), "triton") is None
     assert refinement.kernel_supports(*operands(128), "tpu") is None
     assert "power-of-two" in refinement.kernel_supports(*operands(24), "triton")
+    assert ">= 16, got 8" in refinement.kernel_supports(*operands(8), "triton")  # a power of two
     assert "head_dim % 128" in refinement.kernel_supports(*operands(64), "tpu")
     mixed = operands(128, jnp.float32)
     assert "several dtypes" in refinement.kernel_supports(*mixed, "triton")
