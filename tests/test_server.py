@@ -37,6 +37,7 @@ import serve as serve_py
 from jetspec_jax import DecodingOptions
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.bench.load import markdown, run_load
+from jetspec_jax.decoding import warmup
 from jetspec_jax.decoding.results import Timing, row_result
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.prompting import encode_prompt
@@ -45,6 +46,7 @@ from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
 from jetspec_jax.serving import app as app_module
 from jetspec_jax.serving import server as server_module
 from jetspec_jax.serving.app import SCHEDULER
+from jetspec_jax.serving.metrics import CONTENT_TYPE_LATEST
 from jetspec_jax.serving.openai_requests import (
     ModelInfo,
     RequestError,
@@ -148,8 +150,9 @@ def test_models_health_and_api_key(server, http, client):
         answer = httpx.get(server.url + "/v1/models", headers=headers)
         assert answer.status_code == 401
         assert answer.json()["error"]["code"] == "invalid_api_key"
-    for scheme in ("bearer", "BEARER"):  # auth schemes are case-insensitive (RFC 9110)
-        answer = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+    # Auth schemes are case-insensitive (RFC 9110), and spaces may run before the token.
+    for value in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"):
+        answer = httpx.get(server.url + "/v1/models", headers={"Authorization": value})
         assert answer.status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -376,6 +379,13 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(http, monkeypatch, cap
     assert json.loads(data[-2])["error"]["type"] == "server_error"
     assert "streaming /v1/completions failed" in caplog.text
     _wait_for(lambda: _labelled(http, "jetspec_requests_total", **labels) - failed == 1)
+    # The next request on the same keep-alive connection (the same task) is counted as its own.
+    monkeypatch.setattr(app_module._Output, "add", add)
+    ok = dict(endpoint="/v1/completions", status="200")
+    served = _labelled(http, "jetspec_requests_total", **ok)
+    assert _complete(http).status_code == 200
+    assert _labelled(http, "jetspec_requests_total", **ok) - served == 1
+    assert _labelled(http, "jetspec_requests_total", **labels) - failed == 1
 
 
 @pytest.mark.parametrize("accepting, status", [(True, "499"), (False, "503")])
@@ -814,18 +824,27 @@ def test_a_request_its_stop_string_ended_is_answered_though_its_batch_fails_afte
 
 
 def test_unknown_routes_and_methods_answer_json_errors(http):
+    # Counted under one label, whatever the path: a scanner's paths cannot grow the metrics.
+    labels = dict(endpoint="other", status="404")
+    unknown = _labelled(http, "jetspec_requests_total", **labels)
     assert http.get("/v1/nothing").status_code == 404
+    assert http.get("/wp-admin").status_code == 404
+    assert _labelled(http, "jetspec_requests_total", **labels) - unknown == 2
+    assert "/wp-admin" not in http.get("/metrics").text
     wrong = http.get("/v1/completions")
     assert wrong.status_code == 405 and "error" in wrong.json()
     assert "POST" in wrong.headers["Allow"]
 
 
-def test_stop_strings_cut_the_output(target, http):
+def test_stop_strings_cut_the_output(target, server, http):
     full = _complete(http, prompt="The sky", max_tokens=16).json()["choices"][0]["text"]
     assert len(full) >= 8
     stop = full[4:6]
     expected = full[: full.index(stop)]
+    generated = _sample(http, "jetspec_generated_tokens_total")
     answer = _complete(http, prompt="The sky", max_tokens=16, stop=[stop, "@@@@"]).json()
+    _wait_for(lambda: server.app[SCHEDULER].running == 0)
+    decoded = _sample(http, "jetspec_generated_tokens_total") - generated
     assert answer["choices"][0] == {
         "index": 0,
         "text": expected,
@@ -836,6 +855,9 @@ def test_stop_strings_cut_the_output(target, http):
     assert second["choices"][0] == answer["choices"][0]  # every stop string is looked for
     streamed = _complete(http, prompt="The sky", max_tokens=16, stop=stop, stream=True)
     assert _sse_text(streamed.text) == expected
+    # The text held back while it could begin the stop string sends no empty chunk.
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line[6:7] == "{"]
+    assert all(e["choices"][0]["text"] for e in events if not e["choices"][0]["finish_reason"])
     # usage counts the tokens up to the one completing the stop string, not those the row
     # decoded before its cancellation landed.
     _, result = _library(target, target.tokenizer.encode("The sky"), 16)
@@ -844,6 +866,9 @@ def test_stop_strings_cut_the_output(target, http):
         n for n in range(1, 17) if stop in decode(result.tokens[:n], skip_special_tokens=True)
     )
     assert answer["usage"]["completion_tokens"] == upto
+    # The stop string cancels the row: it decodes on for at most the chunk under way when the
+    # cancellation lands (and the one after, if the worker started it first), not to its budget.
+    assert decoded <= upto + 2 * CONFIG.chunk_steps < 16
     usage = _stream_with_usage(http, prompt="The sky", max_tokens=16, stop=stop)
     chunks = [json.loads(line[6:]) for line in usage.text.splitlines() if line[6:7] == "{"]
     assert chunks[-1]["usage"]["completion_tokens"] == upto
@@ -981,8 +1006,9 @@ def test_metrics_parse(server, http):
     vs after: other tests share the server)."""
 
     def scrape():
-        text = httpx.get(server.url + "/metrics").text
-        families = {f.name: f for f in text_string_to_metric_families(text)}
+        answer = httpx.get(server.url + "/metrics")
+        assert answer.headers["Content-Type"] == CONTENT_TYPE_LATEST  # the version it renders
+        families = {f.name: f for f in text_string_to_metric_families(answer.text)}
         requests = {
             (s.labels["endpoint"], s.labels["status"]): s.value
             for s in families["jetspec_requests"].samples
@@ -1003,6 +1029,12 @@ def test_metrics_parse(server, http):
         - before["jetspec_generated_tokens"].samples[0].value
     )
     assert generated == answer.json()["usage"]["completion_tokens"] > 0
+
+    def observations(families, name):
+        return next(s.value for s in families[name].samples if s.name == name + "_count")
+
+    first_token = "jetspec_time_to_first_token_seconds"  # once per request, not per chunk
+    assert observations(families, first_token) - observations(before, first_token) == 1
     assert families["jetspec_tau"].type == "histogram"
     phases = {s.labels["phase"] for s in families["jetspec_phase_seconds"].samples}
     assert phases == {"queue", "compile", "prefill", "decode", "request"}
@@ -1040,6 +1072,32 @@ def test_a_server_on_an_ipv6_address_gives_a_url_that_reaches_it(target):
     with BackgroundServer(target, None, CONFIG, host="::1") as running:
         assert running.url.startswith("http://[::1]:")
         assert httpx.get(running.url + "/health", timeout=60).status_code == 200
+
+
+def test_health_is_503_while_warming_up_and_once_shutting_down(target, monkeypatch):
+    """Load balancers route to a server only while /health answers 200: not before the warm-up's
+    programs are compiled, and not once shutdown has begun."""
+    compiled = threading.Event()
+
+    def warm_up(*args, **kwargs):
+        compiled.wait(60)
+        return 0.0
+
+    monkeypatch.setattr(warmup, "warm_up", warm_up)
+    reserve = dict(reserve_prompt_tokens=8, reserve_new_tokens=8)
+    with BackgroundServer(
+        target, None, dataclasses.replace(CONFIG, warmup=True, **reserve)
+    ) as running:
+
+        def health():
+            answer = httpx.get(running.url + "/health", timeout=30)
+            return answer.status_code, answer.json()["status"]
+
+        assert health() == (503, "warming_up")
+        compiled.set()
+        _wait_for(lambda: health() == (200, "ok"))
+        running.app[SCHEDULER].begin_shutdown()
+        assert health() == (503, "shutting_down")
 
 
 def test_shutdown_fails_waiting_requests_with_503_and_stops_listening(target):

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 import jetspec_jax
+from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.serving import BackgroundServer, ServerConfig
 from jetspec_jax.serving.app import SCHEDULER, create_app
 from tests.text_fixtures import with_tokenizer
@@ -139,6 +140,7 @@ def test_a_waiting_stream_gets_headers_and_keepalives_then_the_same_events(fast,
             # The headers came while the request waits: no text can have been made.
             assert answer.status_code == 200
             assert answer.headers["content-type"].startswith("text/event-stream")
+            assert answer.headers["cache-control"] == "no-cache"  # no cache replays a stream
             chunks = answer.iter_raw()
             head = b""
             while head.count(KEEPALIVE) < 2:
@@ -157,6 +159,24 @@ def test_a_waiting_stream_gets_headers_and_keepalives_then_the_same_events(fast,
     assert streamed.endswith(DONE)
     assert _events(streamed) == _events(expected.content)  # same text, tokens and chunks
     assert "".join(map(_text, _events(streamed)))  # some text really came
+
+
+def test_a_stream_whose_text_flows_sends_no_comment_between_chunks(fast, monkeypatch):
+    """Pauses between chunks, each several intervals long, send no comment once the text has
+    started: only a stream with no text yet needs keeping alive."""
+    advance = ContinuousBatch.advance
+
+    def slow_advance(self, max_steps):
+        time.sleep(4 * FAST)
+        advance(self, max_steps)
+
+    monkeypatch.setattr(ContinuousBatch, "advance", slow_advance)
+    body = dict(REQUESTS["/v1/completions"], stream=True)
+    with _client(fast) as http:
+        frames = _frames(http.post("/v1/completions", json=body).content)
+    texts = [i for i, f in enumerate(frames) if _has_text(f)]
+    assert len(texts) >= 3  # 10 tokens in chunks of 3 forwards
+    assert KEEPALIVE[:-2] not in frames[texts[0] :]
 
 
 def test_a_stream_answered_within_the_interval_sends_no_comment(slow):

@@ -62,7 +62,8 @@ TOKENIZING = web.AppKey("tokenizing", concurrent.futures.ThreadPoolExecutor)
 KEEPALIVE = web.AppKey("keepalive_seconds", float)
 _ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 # The status of an error a stream sent as an event after its 200 headers, for `_count` (a
-# context variable: the handler runs in the middleware's task).
+# context variable: the handler runs in the middleware's task, and aiohttp runs each request of a
+# keep-alive connection in a task of its own, so no request sees another's value).
 _STREAM_ERROR_STATUS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "jetspec_stream_error_status", default=None
 )
@@ -150,7 +151,6 @@ async def _count(request: web.Request, handler):
     status, not the 200 its headers went out with."""
     endpoint = request.path if request.path in _ROUTES else "other"
     status = 500
-    _STREAM_ERROR_STATUS.set(None)  # requests of one keep-alive connection share a task
     try:
         response = await handler(request)
         status = _STREAM_ERROR_STATUS.get() or response.status
@@ -476,10 +476,8 @@ async def _decoded(
             if not output.stops.hit:
                 raise RequestError(event.status, event.message, type="server_error")
             # The text ended at its stop string before the batch failed (the row decodes on
-            # until its cancellation lands): the answer stands, without the row's result.
-            tail = output.finish()
-            if tail:
-                yield tail
+            # until its cancellation lands): the answer stands, without the row's result. Nothing
+            # is held back: the hit released the text before the stop string, and drops the rest.
             return
         elif isinstance(event, Finished):
             if event.result.finish_reason == "cancelled" and not output.stops.hit:
