@@ -244,6 +244,73 @@ def test_an_oracle_proxy_never_lowers_tau(target, draft, prompts):
         assert np.mean([r.tau for r in refined]) > np.mean([p.tau for p in plain])
 
 
+def test_an_oracle_proxy_refreshing_before_every_pass_makes_every_draft_right(
+    target, draft, prompts
+):
+    """With the target as the proxy, each refresh fixes at least one more draft, to the target's
+    greedy token: over blocks of 3, J2-R2 accepts both drafts every round, and J2-R1 (one
+    refresh, then a pass of the draft alone) at least the first, not always the second."""
+    oracle = TargetProxyDraft(draft)
+
+    def accepted(refreshes):
+        results = _generate(
+            target, prompts, oracle, refine_passes=2, refreshes=refreshes, block_size=3
+        )
+        return [k for r in results for k, _ in r.outcomes]
+
+    assert set(accepted(2)) == {2}
+    once = accepted(1)
+    assert min(once) >= 1 and set(once) != {2}
+
+
+def test_each_refresh_with_an_oracle_proxy_drafts_on_as_if_its_fixed_prefix_were_verified(
+    target, draft
+):
+    """Jr-Rr with the target as the proxy, pass by pass: refresh r fixes the drafts of pass r-1
+    up to the first wrong one, replaced by the target's token, and the pass after it is the
+    plain draft's Jacobi pass over the rest of the block from a context that holds the fixed
+    prefix (from the verified length, whatever the refreshes before wrote). The state's
+    lengths are those it was given: the refreshed rows stay past them."""
+    prompt = np.random.default_rng(8).integers(0, 97, 9).tolist()
+    greedy = jetspec_jax.generate(target, prompt, max_new_tokens=BLOCK, stop_token_ids=[]).tokens
+    plain, plain_params = draft.proposer(target, method="jetspec++")
+
+    def context(proposer, params, committed):
+        tokens = jnp.asarray([committed], jnp.int32)
+        taps = forward(target.params, target.config, tokens, tap_layers=proposer.tap_layers).taps
+        length = jnp.asarray([len(committed)])
+        return prompt_state(proposer, params, target.params, tokens, taps, length, 32)
+
+    def propose(passes):
+        proposer, params = (plain, plain_params)
+        if passes:
+            proposer, params = TargetProxyDraft(draft).proposer(
+                target, method="jetspec++", refine_passes=passes, refreshes=passes
+            )
+        sequence = jnp.asarray([prompt + [greedy[0]] + [0] * (31 - len(prompt))], jnp.int32)
+        anchor, position = jnp.asarray([greedy[0]]), jnp.asarray([len(prompt)])
+        state = context(proposer, params, prompt)
+        drafts, after = proposer.propose(params, target.params, state, anchor, position, sequence)
+        lengths = after.lengths if not passes else after.draft.lengths
+        assert int(lengths[0]) == len(prompt)
+        return np.asarray(drafts[0]).tolist()
+
+    before, fixed = propose(0), 0
+    for passes in (1, 2):
+        wrong = [d != g for d, g in zip(before, greedy[1:], strict=False)]
+        fixed = wrong.index(True) + 1  # the first wrong draft, replaced
+        assert fixed < BLOCK - 1, passes  # drafts after the fixed prefix to check
+        refined = propose(passes)
+        assert refined[:fixed] == greedy[1 : fixed + 1], passes
+        # The pass's block: the replaced token as its anchor, then the last pass's later drafts.
+        block = [greedy[fixed], *before[fixed:], *[before[-1]] * fixed]
+        verified = context(plain, plain_params, prompt + greedy[:fixed])
+        redrafted = plain.block_pass(plain_params, target.params, verified, jnp.asarray([block]))
+        assert refined[fixed:] == np.asarray(redrafted[0, : BLOCK - 1 - fixed]).tolist(), passes
+        before = refined
+    assert fixed > 1  # the second refresh fixed more than the first
+
+
 def test_refusals(target, draft, prompts, tmp_path):
     bare = jetspec_jax.init_draft(target, num_layers=1, block_size=BLOCK)
     with pytest.raises(ValueError, match="needs a draft with an adapter"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax import SamplingParams
 from jetspec_jax.decoding.prefill import prefill
+from jetspec_jax.decoding.proposers import noise_positions
 from jetspec_jax.decoding.speculative import decode_speculative, prefill_speculative
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling
@@ -204,6 +206,51 @@ def test_a_stop_token_at_any_block_position_ends_the_output(target, prompts, wro
         assert result.finish_reason == "stop", i
 
 
+def test_a_finished_row_rides_along_with_its_caches_frozen(target, prompts):
+    """Once a row is done, neither the target's cache nor the draft's grows for it while the
+    other rows decode on (the span-limited attention reads up to the longest context)."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=1)
+    proposer, draft_params = draft.proposer(target, method="jetspec++")
+    requests = Requests(
+        max_new_tokens=jnp.asarray([3, N_NEW]),
+        stop_token_ids=jnp.full((2, 1), -1),
+        sampling=RowSampling.from_params([SamplingParams()] * 2),
+    )
+    padded = jnp.asarray([p + [0] * (32 - len(p)) for p in prompts[:2]])
+    lengths = jnp.asarray([len(p) for p in prompts[:2]])
+    static = dict(config=target.config, capacity=128, max_output=64)
+    state = prefill_speculative(
+        target.params, draft_params, padded, lengths, requests, proposer=proposer, **static
+    )
+    frozen = None
+    while not bool(state.decode.done[1]):
+        state = decode_speculative(
+            target.params,
+            draft_params,
+            state,
+            requests,
+            jnp.int32(1),
+            config=target.config,
+            proposer=proposer,
+        )
+        caches = (int(state.decode.cache.lengths[0]), int(state.proposer.lengths[0]))
+        if frozen is not None:
+            assert caches == frozen
+        elif bool(state.decode.done[0]):
+            frozen = caches
+    assert frozen is not None and int(state.decode.num_generated[0]) == 3
+
+
+def test_first_pass_noise_copies_positions_up_to_the_anchor():
+    """Token-input drafts start from tokens copied from positions in [0, anchor], the anchor
+    included, as training's noise is drawn (`training/blocks.py`)."""
+    anchors = jnp.arange(64)
+    positions = np.asarray(jax.vmap(lambda a: noise_positions(a, 15))(anchors))
+    assert ((positions >= 0) & (positions <= anchors[:, None])).all()
+    assert (positions[1:] == anchors[1:, None]).any(axis=1).sum() >= 10
+    assert (positions[1:] == 0).any(axis=1).sum() >= 10
+
+
 def test_method_must_match_the_draft_variant(target):
     draft = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
     with pytest.raises(ValueError, match="cannot serve method 'jetspec'"):
@@ -218,8 +265,9 @@ def test_method_must_match_the_draft_variant(target):
 
 def test_rollback_leaves_the_cache_of_a_fresh_prefill(target, prompts):
     """After every round, the target cache holds exactly what a prefill of the committed tokens
-    (all but the last, which is the next anchor) would hold."""
-    prompt = prompts[1]
+    (all but the last, which is the next anchor) would hold; the token sequence (what the
+    first-pass noise copies from) holds them by position, and the round's (k, a) is logged."""
+    prompt = prompts[0]  # its greedy continuation varies (prompts[1]'s repeats one token)
     draft = _oracle(target, prompt, block_size=6, wrong_at=3)
     proposer, oracle_tokens = draft.proposer(target, method="jetspec")
     requests = Requests(
@@ -247,6 +295,9 @@ def test_rollback_leaves_the_cache_of_a_fresh_prefill(target, prompts):
         committed = prompt + np.asarray(state.decode.output[0, :n]).tolist()
         length = len(committed) - 1
         assert int(state.decode.cache.lengths[0]) == length
+        assert np.asarray(state.sequence[0, : len(committed)]).tolist() == committed
+        last = int(state.num_verify_rounds[0]) - 1
+        assert (int(state.accepted[0, last]), int(state.bonus[0, last])) == (3, committed[-1])
         fresh, _ = prefill(
             target.params,
             jnp.asarray([committed[:-1] + [0] * (128 - length)]),
