@@ -9,6 +9,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.adapter import adapter_config, init_adapter
+from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.models import adapter, decoder
 from jetspec_jax.models.transformer import forward, unembed
 
@@ -60,6 +61,30 @@ def test_decoder_on_true_states_gives_the_target_logits(any_target, taps):
     for name in ("conv", "state", "start", "block_conv"):  # a hybrid's recurrence: unadvanced
         if hasattr(cache, name):
             np.testing.assert_array_equal(getattr(written, name), getattr(cache, name))
+
+
+def test_the_learned_proxy_made_exact_predicts_the_target_logits(target, monkeypatch):
+    """The proxy's wiring, with the adapter made exact (its predicted states replaced by the
+    target's own): its decoder starts above the deepest tap, its context holds that tap's
+    states, and it reads that tap's predictions, so its logits are the target's."""
+    taps = (0, 1)  # of the tiny target's 3 layers: the decoder runs the last
+    tokens = _sequence(batch=1)
+    full = forward(target.params, target.config, tokens, tap_layers=taps)
+    want = unembed(target.params, target.config, full.hidden)[0, PROMPT:]
+    config, params = _adapter(target, taps=taps, per_module=(1, 1))
+    proxy = LearnedProxy(config, target.config)
+    state = proxy.extend(
+        params,
+        target.params,
+        proxy.empty(params, target.params, 1, 32),
+        tokens[:, :PROMPT],
+        full.taps[:, :, :PROMPT],
+        jnp.asarray([PROMPT]),
+    )
+    monkeypatch.setattr(adapter, "predict_states", lambda *args: full.taps[:, :, PROMPT:])
+    predicted, logits, _ = proxy.predict(params, target.params, state, tokens[:, PROMPT:])
+    np.testing.assert_array_equal(predicted, full.taps[:, :, PROMPT:])
+    np.testing.assert_allclose(logits[0], want, atol=1e-4, rtol=1e-4)
 
 
 def _adapter(target, taps=(0, 1, 2), per_module=(1, 2, 1), std=0.05):

@@ -32,9 +32,10 @@ import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.calibration import Calibration
 from jetspec_jax.decoding import session as session_module
-from jetspec_jax.decoding.foresight import ForesightProposer, foresight_proposer
+from jetspec_jax.decoding.foresight import ForesightProposer, _candidate_noise, foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.outcomes import select_for_rule
+from jetspec_jax.decoding.proposers import _first_pass_noise
 from jetspec_jax.decoding.refinement import RefiningProposer, refining_proposer
 from jetspec_jax.decoding.results import GenerationResult, Timing, pooled_hit_rate
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
@@ -222,6 +223,48 @@ def test_forced_hits_give_ar_tokens_and_the_plain_outcomes(target, draft, prompt
     # An exact proxy predicts the true states: cached blocks are the blocks the fallback drafts
     # from the true states, so every round has the outcome of plain (no foresight) decoding.
     assert outcomes == plain_outcomes
+
+
+def test_forced_hits_with_jacobi_passes_give_the_outcomes_of_those_passes(target, draft, prompts):
+    """Candidate blocks get the draft's J passes too: with J1, every hit's cached block is the
+    block J1-R0 drafts from the true states."""
+    kwargs = dict(max_new_tokens=N_NEW, stop_token_ids=[])
+    plain = jetspec_jax.generate_batch(
+        target, prompts, draft=draft, method="jetspec++", refine_passes=1, **kwargs
+    )
+    options = dataclasses.replace(foresight_options(1), refine_passes=1)
+    session = DecodeSession(
+        target, prompts, draft=ScaledOracleDraft(draft, HITS), options=options, **kwargs
+    )
+    session.start()
+    session.advance()
+    results = session.results()
+    assert all(all(r.foresight_hits[1:]) for r in results)
+    assert [r.outcomes for r in results] == [r.outcomes for r in plain]
+    assert [r.outcomes for r in plain] != _plain(target, prompts, draft)  # J1 is not J0 here
+
+
+def test_a_candidates_noise_is_the_fallbacks_once_its_outcome_is_committed():
+    """Candidate (k, a) draws the first-pass noise the fallback draws after that outcome: the
+    block's first k + 1 tokens and then a at their positions, whatever stale tokens the
+    sequence holds past the anchor until the round commits."""
+    rng = np.random.default_rng(0)
+    rows, cands, width = 3, 8, 40
+    sequence = jnp.asarray(rng.integers(0, 97, (rows, width)), jnp.int32)
+    anchor_pos = jnp.asarray([2, 9, 30])
+    block = jnp.asarray(rng.integers(0, 97, (rows, BLOCK)), jnp.int32)
+    block = block.at[:, 0].set(sequence[jnp.arange(rows), anchor_pos])  # the anchor: committed
+    k = rng.integers(0, BLOCK, (rows, cands))
+    a = jnp.asarray(rng.integers(0, 97, (rows, cands)), jnp.int32)
+    cand_anchor = anchor_pos[:, None] + jnp.asarray(k) + 1
+    got = _candidate_noise(sequence, block, anchor_pos, cand_anchor, a)
+    for row, cand in np.ndindex(rows, cands):
+        start, end = int(anchor_pos[row]), int(cand_anchor[row, cand])
+        committed = (
+            sequence[row].at[start:end].set(block[row, : end - start]).at[end].set(a[row, cand])
+        )
+        want = _first_pass_noise(committed[None], jnp.asarray([end]), BLOCK - 1)[0]
+        np.testing.assert_array_equal(got[row, cand], want, err_msg=f"{row=} {cand=}")
 
 
 @pytest.mark.parametrize("scale", [HITS, MISSES], ids=["hits", "misses"])
@@ -443,6 +486,12 @@ def test_foresight_requests_are_validated(target, draft):
     session = DecodeSession(target, [[1, 2]], draft=with_adapter, options=foresight_options(2))
     assert isinstance(session._proposer, ForesightProposer)
     assert session._proposer.num_candidates == 2
+    # K-1 rejections with any bonus but the rejected draft (V-1 each), or all accepted (V).
+    outcomes = (BLOCK - 1) * 96 + 97
+    most = dataclasses.replace(session._proposer, num_candidates=outcomes)
+    assert most.num_candidates == outcomes
+    with pytest.raises(ValueError, match=f"foresight={outcomes + 1} exceeds the {outcomes} "):
+        dataclasses.replace(session._proposer, num_candidates=outcomes + 1)
 
 
 def test_calibrated_rule_needs_a_calibrated_draft(target, draft):

@@ -130,6 +130,8 @@ def test_geometric_counts_follow_the_documented_allocation():
         assert sum(counts) == num and counts[0] <= 2 and counts[1] <= 2 and counts[2] <= 3
     with pytest.raises(ValueError, match="num"):
         geometric_counts(8, 3, 3, 0.5)
+    with pytest.raises(ValueError, match="ratio must be > 0"):
+        geometric_counts(4, 3, 3, 0.0)
 
 
 @pytest.mark.parametrize("num", [1, 5, 12])
@@ -179,6 +181,34 @@ def test_hit_and_rules():
     assert not np.array_equal(np.asarray(selected["calibrated"][1]), selected["uncalibrated"][1])
     with pytest.raises(ValueError, match="'nearest'"):
         select_for_rule("nearest", logits, drafts, 6, cal)
+    # `calibrated_rows`: the calibration for those rows only, temperatures 1 for the others;
+    # each temperature alone changes every row's selection, so either one misapplied shows.
+    rows = jnp.asarray([True, False, True])
+    for one in (Calibration(0.3, 1.0), Calibration(1.0, 0.3)):
+        calibrated = fn("calibrated", logits, drafts, 6, one)
+        assert all(
+            not np.array_equal(c, u)
+            for c, u in zip(calibrated[1], selected["uncalibrated"][1], strict=True)
+        )
+        mixed = select_for_rule("calibrated", logits, drafts, 6, one, calibrated_rows=rows)
+        for ours, cal_rows, other_rows in zip(
+            mixed, calibrated, selected["uncalibrated"], strict=True
+        ):
+            np.testing.assert_array_equal(ours, np.where(rows[:, None], cal_rows, other_rows))
+
+
+def test_outcomes_that_cannot_happen_are_selected_only_as_invalid():
+    """Under top-k filtering (logits of -inf) fewer outcomes than asked for can happen: here
+    only (1, 2), d_1 = 1 being position 0's one possible token and 2 position 1's. A rejection
+    with no token left to draw has probability 0, not NaN."""
+    minus = -jnp.inf
+    logits = jnp.asarray([[[minus, 0.0, minus, minus], [minus, minus, 0.0, minus]]])
+    drafts = jnp.asarray([[1]])
+    scores = outcome_log_scores(logits, drafts)
+    assert not np.isnan(np.asarray(scores)).any()
+    k, a, valid = select_for_rule("uncalibrated", logits, drafts, 3)
+    assert (int(k[0, 0]), int(a[0, 0])) == (1, 2)
+    np.testing.assert_array_equal(valid, [[True, False, False]])
 
 
 def test_calibration_dict_round_trip_and_refusals():
