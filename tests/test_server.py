@@ -379,7 +379,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(http, monkeypatch, cap
     assert json.loads(data[-2])["error"]["type"] == "server_error"
     assert "streaming /v1/completions failed" in caplog.text
     _wait_for(lambda: _labelled(http, "jetspec_requests_total", **labels) - failed == 1)
-    # The next request on the same keep-alive connection (the same task) is counted as its own.
+    # The next request on the same keep-alive connection is counted with its own status.
     monkeypatch.setattr(app_module._Output, "add", add)
     ok = dict(endpoint="/v1/completions", status="200")
     served = _labelled(http, "jetspec_requests_total", **ok)
