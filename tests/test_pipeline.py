@@ -13,7 +13,9 @@ overlap.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 
 import jax
 import numpy as np
@@ -22,6 +24,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline, pipeline_mpmd
+from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
 from jetspec_jax.decoding.placement import PLACED
@@ -273,6 +276,15 @@ def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts,
         assert copies_shaped_like(compiled_program(program), shapes) == [], program
 
 
+def test_mpmd_prefill_programs_write_their_caches_in_place(target, draft, prompts):
+    """The prefill's chunk programs on each device (the target's forward over a chunk, the
+    proposer's extend with its taps) and the first token's copy no cache: each takes its caches
+    donated, chunk after chunk."""
+    shapes = cache_shapes_after_compiling(target, draft, prompts, foresight_options(2, "mpmd"))
+    for program in ("target_prefill_chunk", "extend_proposer", "finish_target_prefill"):
+        assert copies_shaped_like(compiled_program(program), shapes) == [], program
+
+
 @pytest.mark.parametrize("passes", [0, 3], ids=["J0", "J3-R3"])
 def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passes):
     """Each stage's steps run in loops of zero or one trip (`conditional.apply_if`), which write
@@ -310,39 +322,68 @@ def test_sessions_with_other_drafts_share_the_placed_target(target, draft, promp
     assert len(PLACED) == 0
 
 
-def mixed_mpmd_session(target, draft, prompts):
-    """An MPMD session of interleaved foresight hits and misses, to its full budget."""
+def mixed_session(target, draft, prompts, pipeline="mpmd"):
+    """A foresight session of interleaved hits and misses, to its full budget."""
     return DecodeSession(
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        options=foresight_options(1, "mpmd"),
+        options=foresight_options(1, pipeline),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )
 
 
 def test_mpmd_cancel_between_chunks(target, draft, prompts):
-    """A row cancelled between calls is inactive on both devices; the other row is unchanged."""
-    session = mixed_mpmd_session(target, draft, prompts)
+    """A row cancelled between calls is inactive on both devices: the results and the cached
+    candidate blocks are the single-device session's (the draft device's mirror takes the
+    cancelled row's done flag from the decode side), and the other row is AR's."""
+
+    def cancelled_after_one_round(pipeline):
+        session = mixed_session(target, draft, prompts, pipeline)
+        session.start()
+        session.advance(1)
+        session.cancel(0)
+        while not all(session.row_done[1:]):
+            session.advance(2)
+            session.poll()
+        proposer = session._state.proposer  # the foresight state (private: test-only inspection)
+        candidates = jax.device_get((proposer.blocks, proposer.keys_k, proposer.keys_a))
+        results = [
+            (r.tokens, r.finish_reason, r.outcomes, r.foresight_hits, r.foresight_occupancy)
+            for r in session.results()
+        ]
+        return results, [x.tolist() for x in candidates]
+
+    piped, single = cancelled_after_one_round("mpmd"), cancelled_after_one_round(None)
+    assert piped == single
+    (first, reason, *_), (second, *_) = piped[0]
+    assert reason == "cancelled" and 1 < len(first) < N_NEW
+    assert second == _ar(target, prompts)[1]
+
+
+def test_advancing_a_finished_mpmd_session_dispatches_nothing(target, draft, prompts):
+    """Once every row is done (the host knows it from the state it is given), `advance`
+    returns at once: no round is dispatched for rows that cannot change."""
+    session = mixed_session(target, draft, prompts)
     session.start()
-    first = session.poll()
-    session.advance(1)
-    kept = first[0] + session.poll()[0]
-    session.cancel(0)
-    while not all(session.row_done[1:]):
-        session.advance(2)
-        session.poll()
-    results = session.results()
-    assert results[0].tokens == kept and results[0].finish_reason == "cancelled"
-    assert results[1].tokens == _ar(target, prompts)[1]
+    session.advance()
+    session.poll()
+    assert session.done
+
+    def logs():
+        return [(r.tokens, r.outcomes, r.foresight_hits) for r in session.results()]
+
+    before = logs()
+    with dispatch_log() as dispatched:
+        session.advance()
+    assert dispatched == []
+    assert logs() == before
 
 
-def test_the_mpmd_host_keeps_one_round_in_flight(target, draft, prompts, monkeypatch):
-    """The host checks a round's done flags only after dispatching the next round, so the
-    devices never wait on it: when the last row finishes in round R, exactly R + 1 rounds were
-    dispatched (checking the round just dispatched would block on it every round, and lose the
-    overlap that only two real devices show)."""
+@contextlib.contextmanager
+def dispatch_log():
+    """The names of the stage programs the MPMD host dispatches inside the block, in order."""
     dispatched = []
     call = pipeline_mpmd._StagePrograms.__call__
 
@@ -350,13 +391,53 @@ def test_the_mpmd_host_keeps_one_round_in_flight(target, draft, prompts, monkeyp
         dispatched.append(fn.__name__)
         return call(self, fn, *args, **static)
 
-    monkeypatch.setattr(pipeline_mpmd._StagePrograms, "__call__", counting)
-    session = mixed_mpmd_session(target, draft, prompts)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline_mpmd._StagePrograms, "__call__", counting)
+        yield dispatched
+
+
+def test_the_mpmd_host_keeps_one_round_in_flight(target, draft, prompts):
+    """The host checks a round's done flags only after dispatching the next round, so the
+    devices never wait on it: when the last row finishes in round R, exactly R + 1 rounds were
+    dispatched (checking the round just dispatched would block on it every round, and lose the
+    overlap that only two real devices show)."""
+    session = mixed_session(target, draft, prompts)
     session.start()
-    session.advance()
+    with dispatch_log() as dispatched:
+        session.advance()
     rounds = max(len(r.outcomes) for r in session.results())
     assert 1 < rounds < N_NEW  # some blocks accepted drafts; the loop ran several rounds
     assert dispatched.count("verify_and_commit") == rounds + 1
+
+
+def test_mpmd_timing_keeps_compilation_apart(target, draft, prompts, monkeypatch):
+    """The host loops compile each stage program at its first call, between dispatches: the
+    session's compile time sums every program's, and its prefill and decode times leave it out.
+    Every compilation here is made 1 s slower, more than the tiny model's whole prefill or
+    decode."""
+    slower = 1.0
+    get = CompiledCache.get
+
+    def slow_get(self, fn, *args, **static):
+        executable, seconds = get(self, fn, *args, **static)
+        if seconds:  # compiled in this call
+            time.sleep(slower)
+            seconds += slower
+        return executable, seconds
+
+    monkeypatch.setattr(CompiledCache, "get", slow_get)
+    COMPILED.clear()
+    session = mixed_session(target, draft, prompts)
+    session.start()
+    # Five prefill programs: the empty cache and proposer, a chunk on each device, the first
+    # token.
+    prefill = session.timing.compile_seconds
+    assert prefill > 5 * slower
+    assert 0 < session.timing.prefill_seconds < 5 * slower
+    session.advance()
+    # Four round programs: propose, verify, draft ahead, observe.
+    assert session.timing.compile_seconds - prefill > 4 * slower
+    assert 0 < session.timing.decode_seconds < 4 * slower
 
 
 def test_draft_stage_target_params_leave_out_the_lower_layers():

@@ -18,6 +18,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
+from jetspec_jax.decoding import pipeline_mpmd
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.pipeline_mpmd import TwoProgramPipeline
@@ -231,6 +232,51 @@ def test_a_proposer_extended_in_chunks_holds_the_contexts_of_one_start(
         assert_caches_equal(refiner_chunked.proxy, refiner_whole.proxy, lengths)
     for name in ("last_k", "valid", "num_rounds"):
         np.testing.assert_array_equal(getattr(chunked, name), getattr(whole, name), err_msg=name)
+
+
+def test_the_mpmd_prefill_lets_device_1_fall_at_most_two_chunks_behind(checkpoints, monkeypatch):
+    """The host dispatches the prompt's chunks ahead, and waits for device 1's extend with chunk
+    i - 2 before dispatching chunk i: no more than two chunks' tap states queue on device 1,
+    however much slower it is than device 0. Five chunks of 10 positions."""
+    target = near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
+    options = DecodingOptions("jetspec++", foresight=2, foresight_rule="uncalibrated")
+    draft = ScaledOracleDraft(make_accepting_draft(target), MIXED)
+    proposer, params = resolve_proposer(target, draft, options)
+    prompts, lengths = padded(make_prompts(), 48)
+    events = []
+
+    class Extended:
+        """An extend's `done`, recording when the host waits for it."""
+
+        def __init__(self, done, index):
+            self.done, self.index = done, index
+
+        def block_until_ready(self):
+            events.append(("wait", self.index))
+            return self.done.block_until_ready()
+
+    call = pipeline_mpmd._StagePrograms.__call__
+
+    def recording(self, fn, *args, **static):
+        out = call(self, fn, *args, **static)
+        if fn is pipeline_mpmd.target_prefill_chunk:
+            events.append(("chunk", int(args[5])))
+        if fn is pipeline_mpmd.extend_proposer:
+            state, done = out
+            return state, Extended(done, int(args[6]))
+        return out
+
+    monkeypatch.setattr(pipeline_mpmd._StagePrograms, "__call__", recording)
+    pipeline = TwoProgramPipeline(
+        target.params, params, config=target.config, proposer=proposer, compiled=CompiledCache()
+    )
+    pipeline.prefill(
+        prompts, lengths, greedy_requests(len(LENGTHS)), capacity=64, max_output=4, chunk=10
+    )
+    assert events == [
+        ("chunk", 0), ("chunk", 1), ("wait", 0), ("chunk", 2), ("wait", 1), ("chunk", 3),
+        ("wait", 2), ("chunk", 4),
+    ]  # fmt: skip
 
 
 def test_the_chunked_prefill_holds_no_buffer_of_the_whole_prompts_taps(target):
