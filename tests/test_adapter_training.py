@@ -23,6 +23,7 @@ from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft
 from jetspec_jax.models import adapter as adapter_model
 from jetspec_jax.models.transformer import forward
+from jetspec_jax.random_streams import EVAL_BATCH, stream
 from jetspec_jax.training import adapter_trainer
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics
 from jetspec_jax.training.adapter_loss import (
@@ -32,7 +33,11 @@ from jetspec_jax.training.adapter_loss import (
     sample_blocks,
     teacher_levels,
 )
-from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_eval_metrics
+from jetspec_jax.training.adapter_step import (
+    AdapterStepConfig,
+    adapter_eval_metrics,
+    adapter_train_step,
+)
 from jetspec_jax.training.adapter_trainer import (
     _eval_batches,
     adapter_optim,
@@ -52,6 +57,7 @@ from jetspec_jax.training.data import read_regenerated, to_example
 from jetspec_jax.training.evaluate import evaluate_tau
 from jetspec_jax.training.run_helpers import batch_sizes
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
+from jetspec_jax.training.step import init_state, make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -187,11 +193,12 @@ def test_the_adapter_loss_equals_a_reference_built_from_the_decode_path(target, 
     levels = adapter_model.context_levels(embedding, batch["tokens"], taps)
     taps = np.asarray(taps)
     predict = jax.jit(adapter_model.predict_states, static_argnums=1)
-    error, norm = np.zeros(2), np.zeros(2)
+    error, norm, blocks = np.zeros(2), np.zeros(2), 0
     for b, j in np.ndindex(anchors.shape):
         a = anchors[b, j]
         if not mask[b, a + 1]:
             continue  # not an anchor: no response token follows
+        blocks += 1
         cache = adapter_model.empty_cache(adapter.config, 1, 32, jnp.float32)
         cache = adapter_model.extend_context(
             adapter.params, adapter.config, cache, levels[:, b : b + 1], jnp.asarray([a])
@@ -205,6 +212,77 @@ def test_the_adapter_loss_equals_a_reference_built_from_the_decode_path(target, 
         error += np.sum(weights * np.sum((pred[:, 0] - true) ** 2, -1), -1)
         norm += np.sum(weights * np.sum(true**2, -1), -1)
     np.testing.assert_allclose(np.asarray(got["nmse"]), error / norm, rtol=2e-4)
+    assert int(got["blocks"]) == blocks  # blocks, not positions
+
+
+def test_state_metrics_average_the_batches_each_with_blocks_of_its_own(target, draft):
+    """`adapter_state_metrics` is the mean over its batches of `adapter_eval_metrics`, batch i's
+    blocks drawn from `fold_in(key(seed), i)`: the same batch twice draws other blocks."""
+    adapter = init_adapter(draft, layers_per_module=(1, 1), intermediate_size=32, init_std=0.2)
+    optim = OptimConfig(batch_size=2, anchors_per_sequence=2, compute_dtype="float32")
+    config = AdapterStepConfig(target.config, adapter.config, optim, 4, 0.5)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
+    batch = {
+        "tokens": jnp.asarray(tokens, jnp.int32),
+        "loss_mask": jnp.broadcast_to(jnp.arange(24) >= 4, (2, 24)),
+    }
+    got = adapter_state_metrics(
+        adapter.params, target.params, [batch, batch], config=config, seed=3
+    )
+    each = [
+        adapter_eval_metrics(
+            adapter.params,
+            target.params,
+            batch,
+            jax.random.fold_in(stream(3, EVAL_BATCH), i),
+            config=config,
+        )
+        for i in range(2)
+    ]
+    assert float(each[0]["loss"]) != float(each[1]["loss"])  # other blocks
+    for name in ("loss", "nmse", "stale_nmse", "gap_closed", "gap_closed_mean"):
+        mean = (np.asarray(each[0][name], np.float64) + np.asarray(each[1][name])) / 2
+        np.testing.assert_allclose(got[f"eval_{name}"], mean, rtol=1e-6, err_msg=name)
+
+
+def _adapter_step_inputs(target, draft, compute_dtype="float32"):
+    """`(state, batch, config)` of a small adapter's train step: a warmup of 2 steps (step 0 runs
+    at rate 0), one batch of 2 random sequences whose first 4 tokens are the prompt."""
+    adapter = init_adapter(draft, layers_per_module=(1, 1), intermediate_size=32)
+    optim = OptimConfig(
+        batch_size=2, anchors_per_sequence=4, steps=4, warmup_steps=2, compute_dtype=compute_dtype
+    )
+    config = AdapterStepConfig(target.config, adapter.config, optim, 4, 0.5)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
+    batch = {
+        "tokens": jnp.asarray(tokens, jnp.int32),
+        "loss_mask": jnp.broadcast_to(jnp.arange(24) >= 4, (2, 24)),
+    }
+    return init_state(adapter.params, make_optimizer(optim)), batch, config
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_the_adapter_runs_in_the_compute_dtype_and_keeps_float32_masters(
+    target, draft, compute_dtype
+):
+    """The step casts the adapter's weights to `compute_dtype` for its forward (the frozen target
+    is float32 here: any bfloat16 in the program is the adapter's); the updated masters stay
+    float32."""
+    state, batch, config = _adapter_step_inputs(target, draft, compute_dtype)
+    program = adapter_train_step.lower(state, target.params, batch, config=config).as_text()
+    assert ("bf16" in program) == (compute_dtype == "bfloat16")
+    state, _ = adapter_train_step(state, target.params, batch, config=config)
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
+def test_each_adapter_step_draws_new_blocks(target, draft):
+    """The same batch with unchanged weights (step 0 of the warmup runs at rate 0): steps 0 and
+    1 draw other blocks (their keys fold in the step), so their losses differ."""
+    state, batch, config = _adapter_step_inputs(target, draft)
+    state, first = adapter_train_step(state, target.params, batch, config=config)
+    _, second = adapter_train_step(state, target.params, batch, config=config)
+    assert float(first["learning_rate"]) == 0.0
+    assert float(first["loss"]) != float(second["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -532,8 +610,10 @@ def test_a_warm_started_run_trains_from_the_saved_adapter_and_resumes_without_it
     shutil.rmtree(bundle)
     with caplog.at_level("WARNING"):
         again = train_adapter(config, target=target, draft=bf16_draft)
-    assert again.already_finished and again.steps == 4
-    assert "resumes from its checkpoint: adapter.init_from is not read" in caplog.text
+        assert again.already_finished and again.steps == 4
+        assert "resumes from its checkpoint: adapter.init_from is not read" in caplog.text
+        dropped = dataclasses.replace(config.adapter, init_from=None)
+        train_adapter(dataclasses.replace(config, adapter=dropped), target=target, draft=bf16_draft)
     assert "resuming with" not in caplog.text  # init_from is no setting of the run's steps
 
 

@@ -190,6 +190,19 @@ def test_resuming_with_other_settings_is_refused(target, prompt_files, tmp_path)
         regenerate(target, prompt_files, tmp_path / "raw.jsonl", chat=False, thinking=True)
 
 
+def test_math_evaluation_prompts_get_the_suffix_unless_told_not_to(target, tmp_path):
+    """As regeneration encodes a math record (`eval_math_suffix`, on by default), evaluation
+    does; `math_suffix=False` evaluates the question as written."""
+    from jetspec_jax.training.evaluate import eval_prompt_ids
+
+    text = "What is 7 + 1?"
+    questions = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": text, "source": "gsm8k"}])
+    suffixed = encode_prompt(target.tokenizer, text + MATH_SUFFIX, chat=True)
+    assert eval_prompt_ids(target, questions, num_prompts=1) == [suffixed]
+    plain = encode_prompt(target.tokenizer, text, chat=True)
+    assert eval_prompt_ids(target, questions, num_prompts=1, math_suffix=False) == [plain]
+
+
 def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
     target, prompt_files, tmp_path, caplog
 ):

@@ -21,7 +21,7 @@ import jetspec_jax
 from jetspec_jax import CheckpointError
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.models.draft import DraftConfig
-from jetspec_jax.training import trainer
+from jetspec_jax.training import run_loop, trainer
 from jetspec_jax.training.blocks import build_blocks
 from jetspec_jax.training.config import (
     DataConfig,
@@ -32,6 +32,7 @@ from jetspec_jax.training.config import (
     TrainConfig,
 )
 from jetspec_jax.training.data import read_regenerated, to_example, training_dataset
+from jetspec_jax.training.differences import leaf_differences
 from jetspec_jax.training.evaluate import eval_prompt_ids, evaluate_tau, prompts_tau
 from jetspec_jax.training.run_helpers import Throughput, check_fits_context, host_params
 from jetspec_jax.training.run_loop import LOCK_FILE, has_checkpoint
@@ -165,6 +166,46 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(
     rows = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").open()]
     assert [x["step"] for x in rows if "loss" in x] == list(range(5, 81, 5))
     assert [x["step"] for x in rows if "eval_tau" in x] == [80]
+    kept = (tmp_path / "resumed" / "checkpoints").iterdir()
+    assert sorted(int(p.name) for p in kept if p.name.isdigit()) == [60, 70, 80]  # keep 3
+
+
+def test_a_finished_runs_rerun_keeps_the_setup_its_export_was_made_with(
+    target, data_files, straight_run, caplog
+):
+    """Rerunning a finished run with another setting trains nothing: the change is warned
+    about, and the recorded setup stays the one the checkpoints and the export were made with."""
+    _, run_dir = straight_run
+    recorded = (run_dir / "run_setup.json").read_text()
+    config = _config(data_files, run_dir)
+    changed = dataclasses.replace(config.optim, learning_rate=1e-4)
+    with caplog.at_level("WARNING", logger="jetspec_jax.training.run_loop"):
+        result = train(dataclasses.replace(config, optim=changed), target=target)
+    assert result.already_finished and result.steps == 80
+    assert "resuming with optim.learning_rate 0.0001 (the checkpoints': 0.005)" in caplog.text
+    assert (run_dir / "run_setup.json").read_text() == recorded
+
+
+def test_logged_looks_for_the_key_at_that_step(tmp_path):
+    """Whether a step's evaluation is in the metrics log: an earlier step's does not count."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 5, "eval_tau": 1.5}\n{"step": 10, "loss": 0.5}\n\n{"step": 10, "x": 1}\n'
+    )
+    assert run_loop.logged(tmp_path, 5, "eval_tau")
+    assert not run_loop.logged(tmp_path, 10, "eval_tau")
+    assert run_loop.logged(tmp_path, 10, "x")
+    assert not run_loop.logged(tmp_path / "none", 5, "eval_tau")  # no log yet
+
+
+def test_setup_differences_name_each_changed_leaf_and_skip_keys_of_one_side():
+    """A key only one side has is another version's structure (a field added or removed
+    since), not a change of setting."""
+    was = {"optim": {"learning_rate": 0.1, "steps": 5, "removed": 1}, "target": "a"}
+    now = {"optim": {"learning_rate": 0.2, "steps": 5, "added": 2}, "target": "b"}
+    assert leaf_differences(was, now) == [
+        ("optim.learning_rate", 0.1, 0.2),
+        ("target", "a", "b"),
+    ]
 
 
 def _toy_config(variant, block_size=16):
@@ -969,9 +1010,8 @@ def test_a_run_starts_from_a_saved_draft_of_its_architecture(target, tmp_path):
     assert initial_draft(config, target).config == imported.config
 
 
-def test_init_from_is_checked_before_the_model_load_and_not_needed_to_resume(target, tmp_path):
+def test_init_from_is_checked_before_the_model_load(target, tmp_path):
     from jetspec_jax.training.config import TrainConfig, from_dict
-    from jetspec_jax.training.trainer import initial_draft
 
     data = tmp_path / "d.jsonl"
     data.write_text("")
@@ -996,8 +1036,27 @@ def test_init_from_is_checked_before_the_model_load_and_not_needed_to_resume(tar
     )
     with pytest.raises(CheckpointError, match="no/such/target does not exist"):
         train(config)
-    # A resumed run restores its weights from the checkpoint: its deleted start is not read.
-    assert initial_draft(config, target, resuming=True).config.block_size == 4
+
+
+def test_a_run_resumes_without_its_deleted_start_draft(target, data_files, tmp_path, caplog):
+    """A resumed run's weights are in its checkpoint: the `draft.init_from` it started from is
+    neither checked nor read (it may be gone), and dropping it from the config is no change of
+    setup."""
+    start = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
+    config = _config(data_files, tmp_path / "run", steps=3, warmup_steps=1)
+    section = dataclasses.replace(config.draft, init_from=str(start.save(tmp_path / "start")))
+    data = dataclasses.replace(config.data, eval_prompts=None)
+    config = dataclasses.replace(config, draft=section, data=data)
+    assert train(config, target=target, stop_after=1) is None
+    shutil.rmtree(tmp_path / "start")
+    with caplog.at_level("WARNING"):
+        assert train(config, target=target, stop_after=1) is None
+        assert "resumes from its checkpoint: draft.init_from is not read" in caplog.text
+        assert (tmp_path / "run" / "checkpoints" / "2").is_dir()  # one step past the first
+        caplog.clear()
+        section = dataclasses.replace(section, init_from=None)
+        assert train(dataclasses.replace(config, draft=section), target=target).steps == 3
+    assert "resuming with" not in caplog.text
 
 
 def test_throughput_counts_the_steps_since_the_last_log_and_not_the_pauses():
@@ -1015,6 +1074,93 @@ def test_throughput_counts_the_steps_since_the_last_log_and_not_the_pauses():
     assert throughput.rate(14) is None  # no step since
     now[0] = 61.0
     assert throughput.rate(16) == pytest.approx(2 * 100 / 1.0)
+
+
+def test_the_logged_throughput_leaves_out_each_processs_first_step(
+    target, data_files, tmp_path, monkeypatch
+):
+    """`tokens_per_second` counts batch x sequence positions per step (padding included), not
+    sequences, from the second step a process runs (the first is mostly compilation), a fresh
+    start's or a resume's; the last step is logged whatever `log_every` is."""
+    made, restarts = [], []
+
+    class Recorded(Throughput):
+        def __init__(self, step, tokens_per_step, **kwargs):
+            made.append(tokens_per_step)
+            super().__init__(step, tokens_per_step, **kwargs)
+
+        def restart(self, step, *pending):
+            restarts.append(step)
+            super().restart(step, *pending)
+
+    monkeypatch.setattr(run_loop, "Throughput", Recorded)
+    config = _config(data_files, tmp_path, steps=3, warmup_steps=1)  # log_every 5
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_prompts=None))
+    assert train(config, target=target, stop_after=1) is None
+    assert train(config, target=target).metrics["tokens_per_second"] > 0  # step 3's, not 2's
+    assert made == [4 * 48] * 2  # batch_size x max_length
+    assert restarts == [1, 2]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [3]
+
+
+def test_the_metrics_log_drops_a_torn_last_line_and_the_rows_after_the_restored_step(tmp_path):
+    """What a run killed mid-write leaves: rows logged after its last checkpoint, and a last
+    line cut short. Reopened at the restored step, the log keeps only the complete rows up to
+    it, so the resumed run's rows follow on lines of their own."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 5, "loss": 1.0}\n{"step": 10, "loss": 0.5}\n{"step": 1')
+    run_loop.drop_rows_after(path, 10)
+    assert path.read_text() == '{"step": 5, "loss": 1.0}\n{"step": 10, "loss": 0.5}\n'
+    run_loop.drop_rows_after(path, 5)
+    assert path.read_text() == '{"step": 5, "loss": 1.0}\n'
+    run_loop.drop_rows_after(path, 5)  # nothing to drop: left alone
+    assert path.read_text() == '{"step": 5, "loss": 1.0}\n'
+    path.write_text('{"step": 5}\n[1]\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2 is not a metrics row"):
+        run_loop.drop_rows_after(path, 5)
+
+
+def test_a_draft_without_rounds_has_the_tau_of_ar(target):
+    """A budget of one token is decoded by the prefill alone: no verification round, tau 1."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    assert prompts_tau(target, draft, [[1, 2, 3], [4]], max_new_tokens=1) == 1.0
+
+
+def test_the_mesh_takes_the_devices_its_sizes_say(caplog):
+    """-1 on one axis spans the devices the other leaves; explicit sizes take the first devices
+    (the idle ones warned about); sizes that do not fit are refused."""
+    devices = jax.devices()[:2]
+    assert dict(make_mesh(MeshConfig(data=-1, fsdp=2), devices).shape) == {"data": 1, "fsdp": 2}
+    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1), devices).shape) == {"data": 2, "fsdp": 1}
+    with caplog.at_level("WARNING", logger="jetspec_jax.training.sharding"):
+        mesh = make_mesh(MeshConfig(data=1, fsdp=1), devices)
+    assert list(mesh.devices.flat) == devices[:1]
+    assert "mesh 1 x 1 leaves 1 devices idle" in caplog.text
+    with pytest.raises(ValueError, match="at most one of data, fsdp may be -1"):
+        make_mesh(MeshConfig(data=-1, fsdp=-1), devices)
+    for data, fsdp in [(-1, 3), (3, 1)]:
+        with pytest.raises(ValueError, match=f"mesh data={data} x fsdp={fsdp} does not fit 2"):
+            make_mesh(MeshConfig(data=data, fsdp=fsdp), devices)
+
+
+def test_fsdp_splits_each_leaf_along_its_largest_divisible_axis():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2), jax.devices()[:2])
+    tree = {"w": jnp.zeros((4, 8)), "tall": jnp.zeros((6, 3)), "b": jnp.zeros((3,))}
+    specs = {k: tuple(v.spec) for k, v in param_shardings(tree, mesh).items()}
+    assert specs == {"w": (None, "fsdp"), "tall": ("fsdp", None), "b": (None,)}
+
+
+@pytest.mark.parametrize("variant", ["dflash", "jetspec"])
+def test_tau_is_measured_with_the_drafts_own_method(target, variant):
+    """A mask-input draft (DFlash, JetSpec) is evaluated as it decodes, not as JetSpec++."""
+    draft = jetspec_jax.init_draft(target, variant=variant, block_size=4, seed=1)
+    prompts = [[1, 2, 3], [4, 5]]
+    results = jetspec_jax.generate_batch(
+        target, prompts, draft=draft, method=variant, max_new_tokens=12
+    )
+    rounds = [n for r in results for n in r.acceptance_lengths[1:]]
+    assert prompts_tau(target, draft, prompts, max_new_tokens=12) == pytest.approx(np.mean(rounds))
 
 
 def test_host_params_reassembles_sharded_leaves_in_the_dtype():
@@ -1174,6 +1320,7 @@ def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
         '{"id": "a"}': "p.jsonl:2 has neither 'prompt_ids' nor a string 'prompt'",
         '{"prompt_ids": "1 2 3"}': "p.jsonl:2: 'prompt_ids' must be a non-empty list of integers",
         '{"prompt_ids": [1, 2.5]}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
+        '{"prompt_ids": [1, true]}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
         '{"prompt_ids": []}': "p.jsonl:2: 'prompt_ids' must be a non-empty list",
         '{"prompt": 7}': "p.jsonl:2 has neither",
         '{"prompt_ids": [1, 97]}': r"p.jsonl:2: 'prompt_ids' holds ids outside .* \[0, 97\)",
@@ -1351,6 +1498,12 @@ def test_export_dtype_keeps_a_bfloat16_targets_draft_in_float32(target, data_fil
     assert any(np.any(x != x.astype(jnp.bfloat16).astype(np.float32)) for x in leaves)
     with pytest.raises(ValueError, match="invalid value for export_dtype"):
         dataclasses.replace(config, export_dtype="float16")
+    config = dataclasses.replace(
+        config, run=dataclasses.replace(config.run, dir=str(tmp_path / "d"))
+    )
+    default = train(dataclasses.replace(config, export_dtype=None), target=bf16_target)
+    assert default.draft.dtype == "bfloat16"
+    assert jetspec_jax.load_draft(default.export_dir, bf16_target).dtype == "bfloat16"
 
 
 def test_an_example_keeps_the_prompt_cuts_the_responses_end_and_masks_the_response():
