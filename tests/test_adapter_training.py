@@ -425,7 +425,8 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
 ):
     """`train.py calibrate` writes into the export; rerunning the finished stage (as the README's
     resumable commands invite) must not export again over it, nor evaluate again; and if the
-    draft was retrained since, it says that the export holds the old one."""
+    draft was retrained since, it says that the export holds the old one, and does not evaluate
+    the adapter with the new draft even when a kill cut the final evaluation from the log."""
     from jetspec_jax.calibration import Calibration
 
     monkeypatch.chdir(workdir)
@@ -438,22 +439,32 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
     calibrated.with_adapter(calibrated.adapter, calibration).save(first.export_dir, overwrite=True)
     evaluations = []
     monkeypatch.setattr(
-        adapter_trainer, "adapter_state_metrics", lambda *a, **k: evaluations.append(1)
+        adapter_trainer, "adapter_state_metrics", lambda *a, **k: evaluations.append(1) or {}
     )
     with caplog.at_level("WARNING", logger=adapter_trainer.__name__):
         again = train_adapter(config, target=target, draft=draft)
     assert again.steps == first.steps and again.evaluation == {} and not evaluations
     assert again.already_finished and "holds the draft" not in caplog.text
     assert jetspec_jax.load_draft(first.export_dir, target).calibration == calibration
+    shutil.rmtree(first.export_dir)  # deleted, or a kill mid-export: exported again
+    exported = train_adapter(config, target=target, draft=draft)
+    assert not exported.already_finished and jetspec_jax.load_draft(first.export_dir, target)
+    evaluations.clear()
     retrained = dataclasses.replace(
         draft, params=jax.tree.map(lambda x: x + 1e-3, draft.params), path=None
     )
     retrained.save("runs/tiny/rerun_draft", overwrite=True)
+    metrics = pathlib.Path("runs/tiny/rerun/adapter_run/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    kept = [row for row in rows if not (row["step"] == first.steps and "eval_loss" in row)]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in kept))  # killed after the export
     with caplog.at_level("WARNING", logger=adapter_trainer.__name__):
-        train_adapter(
+        again = train_adapter(
             config, target=target, draft=jetspec_jax.load_draft("runs/tiny/rerun_draft", target)
         )
     assert f"{first.export_dir} holds the draft this adapter was trained with" in caplog.text
+    # The missing final evaluation is not run: the adapter was not trained for this draft.
+    assert again.evaluation == {} and not evaluations
 
 
 def test_a_run_resumed_with_a_retrained_draft_records_it(target, workdir, monkeypatch, caplog):
@@ -562,6 +573,22 @@ def test_a_run_starts_from_a_saved_adapter_of_its_architecture(target, draft, tm
         initial_adapter(config, one_tap)
     gone = _config("unused.jsonl", tmp_path, init_from=str(tmp_path / "gone"))
     assert initial_adapter(gone, draft, resuming=True).config == saved.config  # not read
+
+
+def test_a_random_adapter_is_drawn_with_its_own_sections_seed(draft, tmp_path):
+    """The adapter's `optim` section, when given, seeds its initialisation; else the top-level
+    one does."""
+    config = _config("unused.jsonl", tmp_path)
+    own = dataclasses.replace(config.optim, seed=7)
+    sections = {
+        config.optim.seed: config,
+        7: dataclasses.replace(config, adapter=dataclasses.replace(config.adapter, optim=own)),
+    }
+    for seed, section in sections.items():
+        want = init_adapter(draft, layers_per_module=(1, 2), intermediate_size=32, seed=seed)
+        got = initial_adapter(section, draft)
+        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_warm_started_run_trains_from_the_saved_adapter_and_resumes_without_it(

@@ -186,6 +186,31 @@ def test_a_finished_runs_rerun_keeps_the_setup_its_export_was_made_with(
     assert (run_dir / "run_setup.json").read_text() == recorded
 
 
+def test_the_metrics_log_writes_a_scalar_per_tap_to_tensorboard(tmp_path, monkeypatch):
+    """Per-tap vectors (the adapter's nmse, say) are one TensorBoard scalar per tap; the JSONL
+    row keeps the list."""
+    import tensorboardX
+
+    scalars = []
+
+    class Writer:
+        def __init__(self, logdir):
+            assert logdir == str(tmp_path / "tensorboard")
+
+        def add_scalar(self, name, value, step):
+            scalars.append((name, value, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", Writer)
+    with run_loop.MetricsLog(tmp_path, True, start_step=0) as log:
+        log.write(3, {"loss": 1.5, "nmse": [0.5, 0.25]})
+    assert scalars == [("loss", 1.5, 3), ("nmse/0", 0.5, 3), ("nmse/1", 0.25, 3)]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row == {"step": 3, "loss": 1.5, "nmse": [0.5, 0.25]}
+
+
 def test_logged_looks_for_the_key_at_that_step(tmp_path):
     """Whether a step's evaluation is in the metrics log: an earlier step's does not count."""
     (tmp_path / "metrics.jsonl").write_text(
