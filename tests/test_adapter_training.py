@@ -215,36 +215,6 @@ def test_the_adapter_loss_equals_a_reference_built_from_the_decode_path(target, 
     assert int(got["blocks"]) == blocks  # blocks, not positions
 
 
-def test_state_metrics_average_the_batches_each_with_blocks_of_its_own(target, draft):
-    """`adapter_state_metrics` is the mean over its batches of `adapter_eval_metrics`, batch i's
-    blocks drawn from `fold_in(key(seed), i)`: the same batch twice draws other blocks."""
-    adapter = init_adapter(draft, layers_per_module=(1, 1), intermediate_size=32, init_std=0.2)
-    optim = OptimConfig(batch_size=2, anchors_per_sequence=2, compute_dtype="float32")
-    config = AdapterStepConfig(target.config, adapter.config, optim, 4, 0.5)
-    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
-    batch = {
-        "tokens": jnp.asarray(tokens, jnp.int32),
-        "loss_mask": jnp.broadcast_to(jnp.arange(24) >= 4, (2, 24)),
-    }
-    got = adapter_state_metrics(
-        adapter.params, target.params, [batch, batch], config=config, seed=3
-    )
-    each = [
-        adapter_eval_metrics(
-            adapter.params,
-            target.params,
-            batch,
-            jax.random.fold_in(stream(3, EVAL_BATCH), i),
-            config=config,
-        )
-        for i in range(2)
-    ]
-    assert float(each[0]["loss"]) != float(each[1]["loss"])  # other blocks
-    for name in ("loss", "nmse", "stale_nmse", "gap_closed", "gap_closed_mean"):
-        mean = (np.asarray(each[0][name], np.float64) + np.asarray(each[1][name])) / 2
-        np.testing.assert_allclose(got[f"eval_{name}"], mean, rtol=1e-6, err_msg=name)
-
-
 def _adapter_step_inputs(target, draft, compute_dtype="float32"):
     """`(state, batch, config)` of a small adapter's train step: a warmup of 2 steps (step 0 runs
     at rate 0), one batch of 2 random sequences whose first 4 tokens are the prompt."""
@@ -259,6 +229,30 @@ def _adapter_step_inputs(target, draft, compute_dtype="float32"):
         "loss_mask": jnp.broadcast_to(jnp.arange(24) >= 4, (2, 24)),
     }
     return init_state(adapter.params, make_optimizer(optim)), batch, config
+
+
+def test_state_metrics_average_the_batches_each_with_blocks_of_its_own(target, draft):
+    """`adapter_state_metrics` is the mean over its batches of `adapter_eval_metrics`, batch i's
+    blocks drawn from `fold_in(key(seed), i)`: the same batch twice draws other blocks."""
+    _, batch, config = _adapter_step_inputs(target, draft)
+    params = init_adapter(
+        draft, layers_per_module=(1, 1), intermediate_size=32, init_std=0.2
+    ).params
+    got = adapter_state_metrics(params, target.params, [batch, batch], config=config, seed=3)
+    each = [
+        adapter_eval_metrics(
+            params,
+            target.params,
+            batch,
+            jax.random.fold_in(stream(3, EVAL_BATCH), i),
+            config=config,
+        )
+        for i in range(2)
+    ]
+    assert float(each[0]["loss"]) != float(each[1]["loss"])  # other blocks
+    for name in ("loss", "nmse", "stale_nmse", "gap_closed", "gap_closed_mean"):
+        mean = (np.asarray(each[0][name], np.float64) + np.asarray(each[1][name])) / 2
+        np.testing.assert_allclose(got[f"eval_{name}"], mean, rtol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
@@ -447,8 +441,8 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
     assert again.already_finished and "holds the draft" not in caplog.text
     assert jetspec_jax.load_draft(first.export_dir, target).calibration == calibration
     shutil.rmtree(first.export_dir)  # deleted, or a kill mid-export: exported again
-    exported = train_adapter(config, target=target, draft=draft)
-    assert not exported.already_finished and jetspec_jax.load_draft(first.export_dir, target)
+    assert not train_adapter(config, target=target, draft=draft).already_finished
+    jetspec_jax.load_draft(first.export_dir, target)  # a whole export again
     evaluations.clear()
     retrained = dataclasses.replace(
         draft, params=jax.tree.map(lambda x: x + 1e-3, draft.params), path=None
