@@ -68,14 +68,15 @@ def data_files(target, tmp_path_factory):
     return files
 
 
-def _config(data_files, run_dir, **optim) -> TrainConfig:
+def _config(data_files, run_dir, *, evaluate: bool = True, **optim) -> TrainConfig:
+    """The tiny run's config; `evaluate=False`: no tau evaluation (during or after the run)."""
     return TrainConfig(
         # Tau is measured on training prompts: on a random tiny target, what is learnable from 24
         # sequences is those sequences; the point is that learning reaches the inference path.
         data=DataConfig(
             files=(str(data_files["train"]),),
             max_length=48,
-            eval_prompts=str(data_files["train"]),
+            eval_prompts=str(data_files["train"]) if evaluate else None,
             eval_num_prompts=4,
             eval_max_new_tokens=24,
         ),
@@ -258,8 +259,7 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
 ):
     """The restored data position and schedule assume the setup the checkpoints were written
     with; a resume with other data or optimisation settings says what changed."""
-    config = _config(data_files, tmp_path, steps=6, warmup_steps=1)
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_prompts=None))
+    config = _config(data_files, tmp_path, evaluate=False, steps=6, warmup_steps=1)
     assert train(config, target=target, stop_after=1) is None
     assert json.loads((tmp_path / "run_setup.json").read_text())["records"] == 24
     with caplog.at_level("WARNING", logger="jetspec_jax.training.run_loop"):
@@ -1068,10 +1068,9 @@ def test_a_run_resumes_without_its_deleted_start_draft(target, data_files, tmp_p
     neither checked nor read (it may be gone), and dropping it from the config is no change of
     setup."""
     start = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
-    config = _config(data_files, tmp_path / "run", steps=3, warmup_steps=1)
+    config = _config(data_files, tmp_path / "run", evaluate=False, steps=3, warmup_steps=1)
     section = dataclasses.replace(config.draft, init_from=str(start.save(tmp_path / "start")))
-    data = dataclasses.replace(config.data, eval_prompts=None)
-    config = dataclasses.replace(config, draft=section, data=data)
+    config = dataclasses.replace(config, draft=section)
     assert train(config, target=target, stop_after=1) is None
     shutil.rmtree(tmp_path / "start")
     with caplog.at_level("WARNING"):
@@ -1119,8 +1118,7 @@ def test_the_logged_throughput_leaves_out_each_processs_first_step(
             super().restart(step, *pending)
 
     monkeypatch.setattr(run_loop, "Throughput", Recorded)
-    config = _config(data_files, tmp_path, steps=3, warmup_steps=1)  # log_every 5
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_prompts=None))
+    config = _config(data_files, tmp_path, evaluate=False, steps=3, warmup_steps=1)  # log_every 5
     assert train(config, target=target, stop_after=1) is None
     assert train(config, target=target).metrics["tokens_per_second"] > 0  # step 3's, not 2's
     assert made == [4 * 48] * 2  # batch_size x max_length
@@ -1510,9 +1508,8 @@ def test_export_dtype_keeps_a_bfloat16_targets_draft_in_float32(target, data_fil
     """By default the export is in the target's dtype; `export_dtype: float32` keeps the float32
     master weights unrounded, and the adapter stage reads the draft back in it."""
     bf16_target = jetspec_jax.load_target(target.path, dtype="bfloat16")
-    config = _config(data_files, tmp_path, steps=2, warmup_steps=1)
-    data = dataclasses.replace(config.data, eval_prompts=None)
-    config = dataclasses.replace(config, data=data, export_dtype="float32")
+    config = _config(data_files, tmp_path, evaluate=False, steps=2, warmup_steps=1)
+    config = dataclasses.replace(config, export_dtype="float32")
     result = train(config, target=bf16_target)
     assert result.draft.dtype == "float32"
     saved = jetspec_jax.load_draft(result.export_dir, bf16_target, dtype="float32")
