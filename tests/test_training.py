@@ -1159,11 +1159,13 @@ def test_the_mesh_takes_the_devices_its_sizes_say(caplog):
     with caplog.at_level("WARNING", logger="jetspec_jax.training.sharding"):
         mesh = make_mesh(MeshConfig(data=1, fsdp=1), devices)
     assert list(mesh.devices.flat) == devices[:1]
-    assert "mesh 1 x 1 leaves 1 devices idle" in caplog.text
+    assert "mesh 1 x 1 leaves 1 device idle" in caplog.text
     with pytest.raises(ValueError, match="at most one of data, fsdp may be -1"):
         make_mesh(MeshConfig(data=-1, fsdp=-1), devices)
     for data, fsdp in [(-1, 3), (3, 1)]:
-        with pytest.raises(ValueError, match=f"mesh data={data} x fsdp={fsdp} does not fit 2"):
+        with pytest.raises(
+            ValueError, match=f"mesh data={data} x fsdp={fsdp} does not fit 2 devices"
+        ):
             make_mesh(MeshConfig(data=data, fsdp=fsdp), devices)
 
 

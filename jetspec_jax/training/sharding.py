@@ -32,9 +32,8 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
     processes = {d.process_index for d in devices}
     data, fsdp = config.data, config.fsdp
     if data > 0 and fsdp > 0 and data * fsdp < len(devices):
-        logger.warning(
-            "mesh %d x %d leaves %d devices idle", data, fsdp, len(devices) - data * fsdp
-        )
+        idle = len(devices) - data * fsdp
+        logger.warning("mesh %d x %d leaves %s idle", data, fsdp, _devices(idle))
         devices = devices[: data * fsdp]
     taken = collections.Counter(d.process_index for d in devices)
     if set(taken) != processes or len(set(taken.values())) > 1:
@@ -52,9 +51,13 @@ def make_mesh(config: MeshConfig, devices=None) -> Mesh:
         fsdp = len(devices) // data if data > 0 and len(devices) % data == 0 else 0
     if data < 1 or fsdp < 1 or data * fsdp != len(devices):
         raise ValueError(
-            f"mesh data={config.data} x fsdp={config.fsdp} does not fit {len(devices)} devices"
+            f"mesh data={config.data} x fsdp={config.fsdp} does not fit {_devices(len(devices))}"
         )
     return Mesh(np.asarray(devices).reshape(data, fsdp), AXES)
+
+
+def _devices(count: int) -> str:
+    return f"{count} device" if count == 1 else f"{count} devices"
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
