@@ -24,6 +24,7 @@ import pytest
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline, pipeline_mpmd
+from jetspec_jax.decoding import session as session_module
 from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
@@ -124,7 +125,7 @@ def test_pipelined_sampled_tokens_equal_ar_with_the_same_seed(target, draft, pro
 
 @pytest.mark.parametrize("form", PIPELINES)
 def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
-    """The loop resumes across chunks (SPMD: the carry is gathered and re-replicated each call;
+    """The loop resumes across chunks (SPMD: the carry is gathered, replicated, each call;
     MPMD: the draft device's mirror is rebuilt from the decode side), and a chunk of n target
     forwards is n rounds (a loop one round short would still join up to AR's tokens)."""
 
@@ -298,6 +299,34 @@ def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passe
     shapes = cache_shapes_after_compiling(target, draft, prompts, options)
     hlo = compiled_program("decode_pipelined")
     assert copies_shaped_like(hlo, shapes, skip_entry=True) == []
+
+
+def test_spmd_chunks_place_only_their_step_count(target, draft, prompts, monkeypatch):
+    """The state and the requests are placed on the stage mesh once, after the prefill, and the
+    loop gives the carry back there: a chunk places nothing anew but its step count (before,
+    each copied the requests from device 0 to the mesh)."""
+    moved = []
+
+    def buffers(leaf):  # a key array's data: `device_put` wraps it anew without copying it
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return [shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards]
+
+    def recording(tree):
+        placed = pipeline.replicate(tree)
+        pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(placed), strict=True)
+        moved.extend(new.shape for old, new in pairs if buffers(new) != buffers(old))
+        return placed
+
+    session = mixed_session(target, draft, prompts, pipeline="spmd")
+    monkeypatch.setattr(session_module, "replicate", recording)
+    session.start()
+    assert moved  # the prefilled state and the requests
+    moved.clear()
+    session.advance(2)
+    session.advance(2)
+    assert moved == [(), ()]  # the step count of each
+    assert session.poll()  # it decoded
 
 
 @pytest.mark.parametrize("form", PIPELINES)

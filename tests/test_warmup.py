@@ -12,11 +12,12 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.decoding import warmup
-from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.options import PIPELINES, DecodingOptions
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving import BackgroundServer, ServerConfig
 from jetspec_jax.serving.scheduler import Finished, Job, Scheduler
+from tests.test_foresight import MIXED, ScaledOracleDraft, foresight_options
 from tests.text_fixtures import with_tokenizer
 
 # A reserve no other test uses: its programs are compiled here or not at all.
@@ -39,9 +40,22 @@ def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, dr
     one that joins alone, and the decode loop; none compiles once `warm_up` ran (which did
     compile: the programs were new). With a prefill chunk of 16, the prompts past it are
     prefilled by the one chunked program."""
-    COMPILED.clear()
     options = DecodingOptions(method, prefill_chunk=chunk)
     kwargs = dict(options=options) if method == "ar" else dict(draft=draft, options=options)
+    assert_warm_up_serves_the_reserve(target, kwargs)
+
+
+@pytest.mark.parametrize("form", [None, *PIPELINES])
+def test_after_warming_up_foresight_compiles_nothing(target, draft, form):
+    """The same with foresight, on one device and in each pipeline form: the SPMD pipeline's
+    rows join a state on the stage mesh both before its first chunk and after it."""
+    kwargs = dict(draft=ScaledOracleDraft(draft, MIXED), options=foresight_options(2, form))
+    assert_warm_up_serves_the_reserve(target, kwargs)
+
+
+def assert_warm_up_serves_the_reserve(target, kwargs):
+    """`warm_up` for batches of 4 compiles, and then `_serve_after_warming_up` lowers nothing."""
+    COMPILED.clear()
     compiled = warmup.warm_up(target, batch_sizes=[4], **RESERVE, **kwargs)
     assert compiled > 0
     rng = np.random.default_rng(0)

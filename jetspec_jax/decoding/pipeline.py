@@ -41,8 +41,9 @@ stage, at the price of a host-driven loop. Both sides' code is compiled into the
 devices (code, not data).
 
 The carry is gathered back after the loop (decode side from stage 0, proposer side from stage 1),
-so the session, streaming and results read a plain `SpecState`; each call re-replicates it (one
-copy per chunk, not per round).
+so the session, streaming and results read a plain `SpecState`. It comes back replicated, where
+the next call takes it: the session places the prefilled state and the requests on the mesh once
+(`DecodeSession.start`), and no later call copies them.
 """
 
 from __future__ import annotations

@@ -220,7 +220,15 @@ class DecodeSession:
         """Compiles (once per bucket) and runs the prefill: every row commits its first token."""
         if self._state is not None:
             raise RuntimeError("this session has already started")
-        self._state, self._prefill_seconds = self._prefill(*self._inputs, self._requests)
+        state, seconds = self._prefill(*self._inputs, self._requests)
+        if self._pipeline == "spmd":
+            # Where the pipelined loop keeps its carry, once: no chunk copies the requests again,
+            # and rows admitted before the first chunk are written by the programs of those
+            # admitted after it (the ones `warm_up` compiles).
+            start = time.perf_counter()
+            state, self._requests = jax.block_until_ready(replicate((state, self._requests)))
+            seconds += time.perf_counter() - start
+        self._state, self._prefill_seconds = state, seconds
 
     def _prefill(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
         """`(loop state, prefill seconds)` of `prompts` `[R, T]` prefilled with this session's
@@ -428,9 +436,11 @@ class DecodeSession:
             params = (target.params, self._proposer_params)
             static = dict(proposer=proposer)
         args = (*params, self._state, self._requests, jnp.int32(steps))
-        if self._pipeline == "spmd":  # the loop's arguments live on the stage mesh
-            # Placed apart, so that sessions of one target with other drafts share its copy;
-            # waited for, so that the first session's decode time does not include the transfer.
+        if self._pipeline == "spmd":
+            # The loop's arguments live on the stage mesh (the state and the requests since
+            # `start`: placing them again copies nothing). The weights are placed apart, so that
+            # sessions of one target with other drafts share its copy; waited for, so that the
+            # first session's decode time does not include the transfer.
             weights = jax.block_until_ready(tuple(map(replicated_weights, params)))
             args = (*weights, *replicate(args[len(params) :]))
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
