@@ -37,9 +37,9 @@ def draft(target):
 @pytest.mark.parametrize("method, chunk", [("ar", None), ("jetspec++", None), ("jetspec++", 16)])
 def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method, chunk):
     """A batch of 4 rows: a first request of each prompt bucket, two that join it together and
-    one that joins alone, and the decode loop; none compiles once `warm_up` ran (which did
-    compile: the programs were new). With a prefill chunk of 16, the prompts past it are
-    prefilled by the one chunked program."""
+    one that joins alone, a row cancelled, and the decode loop; none compiles once `warm_up` ran
+    (which did compile: the programs were new). With a prefill chunk of 16, the prompts past it
+    are prefilled by the one chunked program."""
     options = DecodingOptions(method, prefill_chunk=chunk)
     kwargs = dict(options=options) if method == "ar" else dict(draft=draft, options=options)
     assert_warm_up_serves_the_reserve(target, kwargs)
@@ -90,6 +90,8 @@ def _serve_after_warming_up(target, prompt, kwargs):
         session.admit_many([1, 2], [prompt(n) for n in together], max_new_tokens=[10, 6])
         session.advance(3)
         session.admit(3, prompt(first), max_new_tokens=4)
+        session.advance(2)
+        session.cancel(1)  # its client went away
         session.advance()
         session.poll()
         assert session.done

@@ -509,9 +509,9 @@ class DecodeSession:
         self._check_row(row)
         decode = self._decode_state()
         # The device's flag, not `_row_done`: the row may have finished since the last poll.
-        if not bool(decode.done[row]):
+        if not jax.device_get(decode.done)[row]:
             self._cancelled.add(row)
-        decode = decode.replace(done=decode.done.at[row].set(True))
+        decode = decode.replace(done=_stop_row(decode.done, np.int32(row)))
         if isinstance(self._state, SpecState):
             self._state = self._state.replace(decode=decode)
         else:
@@ -608,6 +608,13 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     return foresight_proposer(
         draft, proposer, params, options.foresight, rule=options.foresight_rule
     )
+
+
+@jax.jit
+def _stop_row(done: jax.Array, row: jax.Array) -> jax.Array:
+    """`done` `[B]` with `row` set: one program per batch shape and placement, which `warm_up`
+    compiles ahead (eager indexing would compile four small ones at the first cancel)."""
+    return done.at[row].set(True)
 
 
 def _padded_stops(stops: tuple[int, ...]) -> np.ndarray:

@@ -10,10 +10,12 @@ reserve's or the prefill chunk's, and past the chunk the one chunked prefill
 
     per batch size B:  the batch prefill at each prompt width, the decode loop, the row
                        writes of each admission group size (powers of two up to
-                       `DecodeSession.admission_group_size`), and the read of one row's result
+                       `DecodeSession.admission_group_size`), the read of one row's result, and
+                       a row's cancel
     once:              each admission group's prefill at each prompt width
 
-after which a request within the reserve, and one that joins a running batch, compiles nothing.
+after which a request within the reserve, one that joins a running batch, and one cancelled
+(its client gone) compile nothing.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def warm_up(
         session.admit(0, [0], max_new_tokens=2)  # a budget of 2: the decode loop runs
         session.advance(1)
         session.result(0)  # the reads of one finished row's outputs (eager slices per shape)
+        session.cancel(0)
     return compile_seconds + session.timing.compile_seconds
 
 
