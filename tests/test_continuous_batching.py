@@ -12,9 +12,11 @@ import threading
 import pytest
 
 import jetspec_jax
+from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving.scheduler import Failed, Finished, Job, Scheduler, Tokens
+from tests.test_foresight import MIXED, ScaledOracleDraft, foresight_options
 
 GREEDY = SamplingParams()
 
@@ -82,9 +84,10 @@ def _assert_as_alone(target, client: Client, name: str, prompt: list[int], budge
     assert client.result(name).tokens == alone.tokens, name
 
 
-def _serve(target, jobs, then, **options):
-    """Serves `jobs` (submitted together) and the jobs `then` submits; returns the client and
-    the scheduler (stopped)."""
+def _serve(target, jobs, then, answers=None, **options):
+    """Serves `jobs` (submitted together) and the jobs `then` submits, until `answers` jobs are
+    answered (None: each of `jobs` and each entry of `then`, a callable counted as the one job it
+    submits); returns the client and the scheduler (stopped)."""
     settings = dict(max_batch_size=4, chunk_steps=2, pad_batch=True) | options
     scheduler = Scheduler(target, **settings)
     client = Client(scheduler)
@@ -94,7 +97,7 @@ def _serve(target, jobs, then, **options):
         with scheduler.hold():
             for args in jobs:
                 client.submit(*args)
-        client.wait(len(jobs) + sum(map(len, then.values())))
+        client.wait(len(jobs) + sum(map(len, then.values())) if answers is None else answers)
     finally:
         scheduler.stop()
     return client, scheduler
@@ -293,3 +296,29 @@ def test_a_running_job_its_client_cancels_stops_at_the_next_chunk(target):
     *_, last = client.events["long"]
     assert isinstance(last, Finished) and last.result.finish_reason == "cancelled"
     assert len(last.result.tokens) < 200
+
+
+@pytest.mark.parametrize("form", PIPELINES)
+def test_a_pipelined_batch_takes_joiners_and_cancels(target, form):
+    """Foresight decoding with each pipeline form: a job that arrives mid-batch joins it and
+    decodes as alone, and a job its client cancels stops, while the others go on."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", num_layers=1, block_size=4)
+    long, cancelled, short = ([5, 6, 7], 16), ([1, 2], 40), ([8, 9], 6)
+    client, scheduler = _serve(
+        target,
+        [("long", *long), ("cancelled", *cancelled)],
+        {
+            "long": [("short", *short)],
+            "cancelled": [lambda client: client.jobs["cancelled"].cancel()],
+        },
+        answers=3,
+        draft=ScaledOracleDraft(draft, MIXED),
+        options=foresight_options(1, form),
+    )
+    assert _count(scheduler, "jetspec_joined_requests_total") == 1
+    assert _batches(scheduler) == 1
+    _assert_as_alone(target, client, "long", *long)
+    _assert_as_alone(target, client, "short", *short)
+    *_, last = client.events["cancelled"]
+    assert isinstance(last, Finished) and last.result.finish_reason == "cancelled"
+    assert len(last.result.tokens) < cancelled[1]
