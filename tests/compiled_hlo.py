@@ -20,23 +20,13 @@ def compiled_programs(name: str) -> list[str]:
     return [text for text in texts if text.startswith(f"HloModule jit_{name}")]
 
 
-def copies_shaped_like(
-    hlo: str, shapes: Iterable[tuple[int, ...]], *, skip_entry: bool = False
-) -> list[str]:
+def copies_shaped_like(hlo: str, shapes: Iterable[tuple[int, ...]]) -> list[str]:
     """The `copy` ops of `hlo` whose result has one of `shapes` (a whole cache's, say).
-
-    `skip_entry` leaves out the entry computation's: those run once per call, not per round (a
-    program that takes no donation copies there the arguments its loop updates).
 
     The search is textual, so it first checks that it finds `copy` ops at all (the program holds
     small ones): an empty answer then means none of these shapes, not a format it cannot read.
     """
-    copies, in_entry = [], False
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            in_entry = line.startswith("ENTRY ")  # a computation starts
-        if " copy(" in line and not (skip_entry and in_entry):
-            copies.append(line)
+    copies = [line for line in hlo.splitlines() if " copy(" in line]
     assert copies, "no copy op found at all: has the HLO text format changed?"
     wanted = {"[" + ",".join(map(str, shape)) + "]{" for shape in shapes}
     return [line for line in copies if any(shape in line for shape in wanted)]

@@ -42,8 +42,8 @@ devices (code, not data).
 
 The carry is gathered back after the loop (decode side from stage 0, proposer side from stage 1),
 so the session, streaming and results read a plain `SpecState`. It comes back replicated, where
-the next call takes it: the session places the prefilled state and the requests on the mesh once
-(`DecodeSession.start`), and no later call copies them.
+the next call takes it, donated: the session places the prefilled state and the requests on the
+mesh once (`DecodeSession.start`), and no later call copies them, outside the program or in it.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config
     return jax.tree.map(lambda x: x[None], state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "proposer"))
+@functools.partial(jax.jit, static_argnames=("config", "proposer"), donate_argnames=("state",))
 def decode_pipelined(
     params: dict,
     proposer_params: Any,
@@ -197,7 +197,8 @@ def decode_pipelined(
 ) -> SpecState:
     """`decode_foresight` with the verify and draft sides on the two stages of `stage_mesh()`.
 
-    Arguments must be placed on the mesh (`replicate`); the result is the gathered carry.
+    Arguments must be placed on the mesh (`replicate`); the result is the gathered carry, placed
+    as `state` was, which is donated: the loop updates its caches in place, copying none.
     """
     loop = functools.partial(_pipelined_loop, config=config, proposer=proposer)
     stacked = jax.shard_map(

@@ -446,7 +446,7 @@ class DecodeSession:
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
-        # The old state is donated (by every loop but the SPMD pipeline's): never reuse it.
+        # The old state is donated: never reuse it.
         self._state = jax.block_until_ready(run(*args))
         self._decode_seconds += time.perf_counter() - start
 
