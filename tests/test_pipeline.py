@@ -291,9 +291,9 @@ def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passe
     """Each stage's steps run in loops of zero or one trip (`conditional.apply_if`), which write
     the target's cache (verifying) and the draft side's (drafting ahead, observing, the
     fallback's refreshes) in place: the loop copies no cache (under `lax.cond`s on the stage it
-    copied the target's keys and values three times each per round). The carry is donated, so
-    neither does the program once per call, before its loop (it copied the eight caches there
-    before the carry was donated)."""
+    copied the target's keys and values three times each per round). Nor does the program copy
+    them once per call, at its entry: the carry is donated (undonated, it copied its eight caches
+    there)."""
     options = dataclasses.replace(
         foresight_options(2, "spmd"), refine_passes=passes, refreshes=passes
     )
@@ -327,7 +327,7 @@ def test_spmd_chunks_place_only_their_step_count(target, draft, prompts, monkeyp
     session.advance(2)
     session.advance(2)
     assert moved == [(), ()]  # the step count of each
-    assert session.poll()  # it decoded
+    assert all(session.poll())  # every row decoded
 
 
 @pytest.mark.parametrize("form", PIPELINES)

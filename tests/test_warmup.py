@@ -36,9 +36,10 @@ def draft(target):
 
 @pytest.mark.parametrize("method, chunk", [("ar", None), ("jetspec++", None), ("jetspec++", 16)])
 def test_after_warming_up_requests_within_the_reserve_compile_nothing(target, draft, method, chunk):
-    """A batch of 4 rows: a first request of each prompt bucket, two that join it together and
-    one that joins alone, a row cancelled, and the decode loop; none compiles once `warm_up` ran
-    (which did compile: the programs were new). With a prefill chunk of 16, the prompts past it
+    """A batch of 4 rows: a first request of each prompt bucket beside one done at its prefill
+    (read before anything else runs), two that join it together and one that joins alone, a row
+    cancelled, and the decode loop; none compiles once `warm_up` ran (which did compile: the
+    programs were new). With a prefill chunk of 16, the prompts past it
     are prefilled by the one chunked program."""
     options = DecodingOptions(method, prefill_chunk=chunk)
     kwargs = dict(options=options) if method == "ar" else dict(draft=draft, options=options)
@@ -54,8 +55,11 @@ def test_after_warming_up_foresight_compiles_nothing(target, draft, form):
 
 
 def assert_warm_up_serves_the_reserve(target, kwargs):
-    """`warm_up` for batches of 4 compiles, and then `_serve_after_warming_up` lowers nothing."""
+    """`warm_up` for batches of 4 compiles, and then `_serve_after_warming_up` lowers nothing.
+    Every cache is cleared first: eager programs an earlier test ran must not stand in for the
+    warm-up's."""
     COMPILED.clear()
+    jax.clear_caches()
     compiled = warmup.warm_up(target, batch_sizes=[4], **RESERVE, **kwargs)
     assert compiled > 0
     rng = np.random.default_rng(0)
@@ -78,24 +82,26 @@ def _serve_after_warming_up(target, prompt, kwargs):
     for first, together in [(5, (30, 3)), (20, (40, 12)), (40, (3, 20))]:
         session = DecodeSession(
             target,
-            [prompt(first)],
-            max_new_tokens=12,
+            [prompt(first), prompt(3)],
+            max_new_tokens=[1, 12],
             pad_batch_to=4,
             stop_token_ids=[],
             **RESERVE,
             **kwargs,
         )
         session.start()
+        session.poll()
+        session.result(0)  # done at its prefill: answered before any chunk or joiner
         # Joiners, first into the fresh batch's state (as the scheduler's first join does).
-        session.admit_many([1, 2], [prompt(n) for n in together], max_new_tokens=[10, 6])
+        session.admit_many([2, 3], [prompt(n) for n in together], max_new_tokens=[10, 6])
         session.advance(3)
-        session.admit(3, prompt(first), max_new_tokens=4)
+        session.admit(0, prompt(first), max_new_tokens=4)
         session.advance(2)
-        session.cancel(1)  # its client went away
+        session.cancel(2)  # its client went away
         session.advance()
         session.poll()
         assert session.done
-        session.result(3)  # one row's answer, as the scheduler reads each finished row
+        session.result(0)  # one row's answer, as the scheduler reads each finished row
         assert session.timing.compile_seconds == 0, (first, together)
 
 

@@ -228,6 +228,8 @@ class DecodeSession:
             start = time.perf_counter()
             state, self._requests = jax.block_until_ready(replicate((state, self._requests)))
             seconds += time.perf_counter() - start
+        else:
+            state = _committed(state)
         self._state, self._prefill_seconds = state, seconds
 
     def _prefill(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
@@ -608,6 +610,15 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     return foresight_proposer(
         draft, proposer, params, options.foresight, rule=options.foresight_rule
     )
+
+
+def _committed(tree):
+    """`tree` committed to the devices it lies on (the same buffers: no copy). jit compiles an
+    eager program (a row's reads in `result`, its write in `cancel`) apart for committed and
+    uncommitted arguments, and a prefill's outputs are uncommitted, but an admission's writes
+    commit the state: committed from the start, a session runs one set, the one `warm_up`
+    compiles."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), tree)
 
 
 @jax.jit
