@@ -64,9 +64,9 @@ def write_rows(full, part, rows: Sequence[int], batch_size: int):
     index = np.asarray(rows + [batch_size] * (n - len(rows)), np.int32)  # placed as jit places
     written = []
     for (_, leaf), new, axis in zip(full_leaves, part_leaves, axes, strict=True):
-        # Both committed (the same buffers: no copy): jit keys its programs on whether arguments
-        # are, and a new batch's state is not until its first write, so the warmed-up writes
-        # would not serve a fresh batch's first joiners.
+        # Both committed where `leaf` lies (no copy where they lie already): jit keys its
+        # programs on whether arguments are, and the new rows' prefill outputs are not, nor is
+        # the state of a caller that did not commit it (`DecodeSession` does, at its start).
         leaf, new = jax.device_put((leaf, new), leaf.sharding)
         if axis is None:  # a one-row batch: the whole leaf is the row
             written.append(new)
