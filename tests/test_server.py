@@ -604,6 +604,29 @@ BAD = [
         400,
         "max_completion_tokens",
     ),
+    (  # the older budget field is checked though max_completion_tokens is the one used
+        "/v1/chat/completions",
+        dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens="lots",
+            max_completion_tokens=4,
+        ),
+        400,
+        "max_tokens must be an integer",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=[{"role": "user", "content": "x"}], best_of=3),
+        400,
+        "best_of",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=[{"role": "user", "content": "x"}], suffix="z"),
+        400,
+        "suffix",
+    ),
     ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     # vLLM's extensions away from their neutral values would change the output: refused.
     ("/v1/completions", dict(model=MODEL, prompt="Hi", min_p=0.1), 400, "min_p"),

@@ -146,10 +146,6 @@ def parse_completion(body: Any, model: ModelInfo) -> GenerationRequest:
         raise RequestError(400, "missing required parameter: 'prompt'", param="prompt")
     if body.get("echo"):
         raise RequestError(400, "echo is not supported", param="echo")
-    if body.get("suffix"):
-        raise RequestError(400, "suffix is not supported", param="suffix")
-    if not _is_one(body.get("best_of")):
-        raise RequestError(400, "best_of must be 1", param="best_of")
     _check_neutral(body, {"add_special_tokens": (True,)})
     prompt_ids = _prompt_ids(body["prompt"], model)
     default = _default_budget(COMPLETION_DEFAULT_MAX_TOKENS, prompt_ids, model)
@@ -174,10 +170,12 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     except ValueError as e:  # the template refuses them (jinja's raise_exception)
         raise RequestError(400, str(e), param="messages") from None
     default = _default_budget(model.default_max_tokens, prompt_ids, model)
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    max_tokens = _max_tokens(body, name, default, prompt_ids, model)
+    # The budget is `max_completion_tokens`, else the older `max_tokens`; a sent one not used is
+    # still checked, as a typed request model would.
+    sent = [n for n in ("max_completion_tokens", "max_tokens") if body.get(n) is not None]
+    for unused in sent[1:]:
+        _check_token_count(unused, body[unused])
+    max_tokens = _max_tokens(body, sent[0] if sent else "max_tokens", default, prompt_ids, model)
     return _request(body, True, prompt_ids, max_tokens)
 
 
@@ -195,6 +193,11 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
         )
     if not _is_one(body.get("n")):
         raise RequestError(400, "n must be 1 (send concurrent requests instead)", param="n")
+    # Completions' fields, refused on chat too: a client that sends them expects them honoured.
+    if not _is_one(body.get("best_of")):
+        raise RequestError(400, "best_of must be 1", param="best_of")
+    if body.get("suffix"):
+        raise RequestError(400, "suffix is not supported", param="suffix")
     # Identity, not equality: logprobs=0 asks for the chosen tokens' logprobs (and 0 == False).
     logprobs = body.get("logprobs")
     if not (logprobs is None or logprobs is False) or not _is_zero(body.get("top_logprobs")):
@@ -340,8 +343,7 @@ def _max_tokens(body: dict, name: str, default: int, prompt_ids: list[int], mode
     given = value is not None
     if not given:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RequestError(400, f"{name} must be an integer >= 1, got {value!r}", param=name)
+    _check_token_count(name, value)
     if len(prompt_ids) + value > model.context_length:
         budget = (
             f"{name} asks for {value}. Shorten the prompt or lower {name}."
@@ -356,6 +358,11 @@ def _max_tokens(body: dict, name: str, default: int, prompt_ids: list[int], mode
             code="context_length_exceeded",
         )
     return value
+
+
+def _check_token_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(400, f"{name} must be an integer >= 1, got {value!r}", param=name)
 
 
 def _prompt_ids(prompt: Any, model: ModelInfo) -> list[int]:
