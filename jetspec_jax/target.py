@@ -229,7 +229,11 @@ def _load_tokenizer(path: pathlib.Path):
 def _stop_token_ids(
     path: pathlib.Path, hf_config: dict, generation: dict, tokenizer, vocab_size: int
 ) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's.
+    """End-of-sequence ids: generation_config.json's, else config.json's, else the tokenizer's.
+
+    A generation_config.json that sets `eos_token_id` to null stops on nothing, as transformers'
+    `generate` reads it (and as `Target.save` writes a target without stop ids); a null in
+    config.json is only a default left unset, so the tokenizer's id still counts.
 
     Raises:
         CheckpointError: an `eos_token_id` that is not an integer or a list of integers, or an id
@@ -237,6 +241,8 @@ def _stop_token_ids(
     """
     eos = generation.get("eos_token_id")
     what = f"{path / 'generation_config.json'} field 'eos_token_id'"
+    if "eos_token_id" in generation and eos is None:
+        return ()
     if eos is None:
         eos, what = hf_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'"
     if eos is None and tokenizer is not None:

@@ -247,6 +247,20 @@ def test_a_bad_eos_token_id_is_named_with_its_file(checkpoints, tmp_path, eos, m
     assert jetspec_jax.load_target(path).stop_token_ids == (3, 4)
 
 
+def test_a_target_without_stop_ids_reloads_without_them_beside_a_tokenizer_with_an_eos(
+    checkpoints, tmp_path
+):
+    """The tokenizer's eos is the fallback for a checkpoint that names none, not for one whose
+    generation_config.json says null (no stop ids: what `save` writes, and what transformers'
+    `generate` reads)."""
+    path, _ = _copy(checkpoints, tmp_path)
+    char_tokenizer().save_pretrained(path)
+    target = jetspec_jax.load_target(path)
+    assert target.stop_token_ids == (target.tokenizer.eos_token_id,)
+    out = dataclasses.replace(target, stop_token_ids=()).save(tmp_path / "no_stops")
+    assert jetspec_jax.load_target(out).stop_token_ids == ()
+
+
 def test_a_tokenizer_eos_outside_the_vocabulary_is_refused(checkpoints, tmp_path):
     """The tokenizer's id is the last fallback; it gets the same range check as the files'."""
     path, _ = _copy(checkpoints, tmp_path)
