@@ -247,10 +247,11 @@ def _write_gguf(
     fields: dict | None = None,
     vocab: list[str] | None = None,
     eot: int | None = None,
+    eos: int | None = 2,
 ) -> Path:
     """A GGUF file; with `vocab`, a SentencePiece ("llama") tokenizer of those tokens (the first
-    three: unk, bos, eos; `eot`: an end-of-turn id) and no add_bos_token flag, as older files
-    have."""
+    three: unk, bos, eos; `eos`: the eos id, None for none; `eot`: an end-of-turn id) and no
+    add_bos_token flag, as older files have."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (fields or {}).items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
@@ -264,7 +265,8 @@ def _write_gguf(
         writer.add_token_types(types[: len(vocab)])
         writer.add_unk_token_id(0)
         writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        if eos is not None:
+            writer.add_eos_token_id(eos)
         if eot is not None:
             writer.add_eot_token_id(eot)
     for name, value in tensors.items():
@@ -286,6 +288,7 @@ def _tiny_llama_gguf(
     fields: dict | None = None,
     eot: int | None = None,
     vocab_rows: int = 10,
+    eos: int | None = 2,
 ) -> Path:
     """A 1-layer llama GGUF (by default hidden 8, 2 heads, 1 KV head; `fields` override its
     metadata, and the tensors follow) of all-ones weights but `extra_tensors`, with the
@@ -315,7 +318,7 @@ def _tiny_llama_gguf(
         "blk.0.ffn_down.weight": (hidden, ffn),
     }
     tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
-    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab, eot)
+    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab, eot, eos)
 
 
 def test_grouped_heads_are_unpermuted_as_transformers_reads_them(tmp_path):
@@ -367,6 +370,10 @@ def test_an_end_of_turn_token_stops_decoding_too(tmp_path):
     same = _tiny_llama_gguf(tmp_path / "same.gguf", eot=2)
     same = convert_gguf_to_hf(same, tmp_path / "same", show_progress=False)
     assert json.loads((same / "generation_config.json").read_text())["eos_token_id"] == 2
+    no_eos = _tiny_llama_gguf(tmp_path / "no_eos.gguf", eot=4, eos=None)
+    no_eos = convert_gguf_to_hf(no_eos, tmp_path / "no_eos", show_progress=False)
+    assert json.loads((no_eos / "generation_config.json").read_text())["eos_token_id"] == 4
+    assert jetspec_jax.load_target(no_eos).stop_token_ids == (4,)
 
 
 def test_unsupported_architecture(tmp_path):
@@ -472,18 +479,20 @@ def test_a_path_that_is_not_a_gguf_file_is_named(tmp_path, kind):
 
 
 @pytest.mark.parametrize(
-    "vocab, message",
+    "vocab, eot, message",
     [
-        (None, r"has no tokenizer \(metadata key 'tokenizer\.ggml\.tokens'\)"),
-        (["<unk>", "<s>"], "tokenizer.ggml.eos_token_id 2 is outside its 2 tokens"),
+        (None, None, r"has no tokenizer \(metadata key 'tokenizer\.ggml\.tokens'\)"),
+        (["<unk>", "<s>"], None, "tokenizer.ggml.eos_token_id 2 is outside its 2 tokens"),
+        (TINY_VOCAB, 7, "tokenizer.ggml.eot_token_id 7 is outside its 5 tokens"),
     ],
 )
 def test_unusable_tokenizer_metadata_is_refused_before_any_tensor(
-    tmp_path, monkeypatch, vocab, message
+    tmp_path, monkeypatch, vocab, eot, message
 ):
     """The tokenizer is written last: what it cannot use is refused before the tensors are
-    converted, not as a KeyError / IndexError after all of them."""
-    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab)
+    converted, not as a KeyError / IndexError after all of them (nor as a stop id that makes
+    the converted checkpoint unloadable)."""
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab, eot=eot)
     monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("tensors read"))
     with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)

@@ -116,8 +116,9 @@ def _write_checkpoint(
         }
         # A chat model's end of turn, when not its eos: decoding stops there too (as llama.cpp).
         eot = _field(reader, "tokenizer.ggml.eot_token_id", default=None)
-        if eot is not None and eot != generation.get("eos_token_id", eot):
-            generation["eos_token_id"] = [generation["eos_token_id"], eot]
+        eos = generation.get("eos_token_id")
+        if eot is not None and eot != eos:
+            generation["eos_token_id"] = eot if eos is None else [eos, eot]
         _write_json(out / "generation_config.json", generation)
         write_safetensors(tensors, out, max_shard_bytes=max_shard_bytes)
     _save_tokenizer(reader, out)
@@ -254,7 +255,7 @@ def _check_tokenizer_metadata(reader: gguf.GGUFReader, gguf_path: pathlib.Path) 
             f"{gguf_path} has no tokenizer (metadata key 'tokenizer.ggml.tokens'), which the "
             "converted checkpoint needs"
         )
-    for key in ("bos", "eos", "unknown", "padding"):
+    for key in ("bos", "eos", "eot", "unknown", "padding"):
         token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", default=None)
         if token_id is not None and not 0 <= token_id < len(tokens):
             raise CheckpointError(
