@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -30,9 +31,13 @@ def test_only_llama_has_an_mlp_bias():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(theta=0.0), "theta and factor must be > 0"),
-        (dict(theta=-1e4), "theta and factor must be > 0"),
-        (dict(rope_type="linear", factor=0.0), "theta and factor must be > 0"),
+        (dict(theta=0.0), "theta and factor must be finite and > 0"),
+        (dict(theta=-1e4), "theta and factor must be finite and > 0"),
+        (dict(theta=math.inf), "theta and factor must be finite and > 0"),
+        (dict(theta=math.nan), "theta and factor must be finite and > 0"),
+        (dict(rope_type="linear", factor=0.0), "theta and factor must be finite and > 0"),
+        (dict(rope_type="linear", factor=math.inf), "theta and factor must be finite and > 0"),
+        (dict(rope_type="llama3", high_freq_factor=math.inf), "high_freq_factor >"),
         (dict(rope_type="llama3", low_freq_factor=4.0, high_freq_factor=4.0), "high_freq_factor >"),
         (dict(rope_type="llama3", low_freq_factor=0.0), "high_freq_factor >"),
         (dict(rope_type="llama3", original_max_position_embeddings=0), "high_freq_factor >"),

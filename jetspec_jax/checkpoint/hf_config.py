@@ -287,34 +287,39 @@ def _rope_from_hf(hf: dict[str, Any], context: int, hybrid: bool = False) -> Rop
             f"config.json {source} of rope_type {rope_type!r} lacks the required field(s) "
             f"{', '.join(missing)}"
         )
-    defaults = RopeConfig()  # unused by the types that do not require the field
-
-    def field(name: str, default: float) -> float:
-        return json_number(params[name], _field(f"{source}.{name}")) if name in params else default
-
+    # Only the fields a type uses are read; the others keep their defaults, as `config_to_hf`
+    # writes only those used: a load of a saved checkpoint is the same config again.
+    used = dict(
+        factor=rope_type != "default",
+        low_freq_factor=rope_type == "llama3",
+        high_freq_factor=rope_type == "llama3",
+    )
+    fields = {
+        name: json_number(params[name], _field(f"{source}.{name}"))
+        for name, read in used.items()
+        if read and name in params
+    }
+    if rope_type == "llama3":
+        fields["original_max_position_embeddings"] = _original_context(hf, params, source, context)
     return RopeConfig(
         theta=json_number(
             theta, _field(f"{source}.rope_theta" if "rope_theta" in params else "rope_theta")
         ),
         rope_type=rope_type,
-        factor=field("factor", defaults.factor),
-        low_freq_factor=field("low_freq_factor", defaults.low_freq_factor),
-        high_freq_factor=field("high_freq_factor", defaults.high_freq_factor),
-        original_max_position_embeddings=_original_context(hf, params, source, rope_type, context),
+        **fields,
     )
 
 
-def _original_context(hf: dict, params: dict, source: str, rope_type: str, context: int) -> int:
+def _original_context(hf: dict, params: dict, source: str, context: int) -> int:
     """llama3's original_max_position_embeddings as the model runs it: transformers 5
     (`standardize_rope_params`, run again as the model builds its rotary embedding) takes a
-    top-level one over the rope dict's, and defaults it to max_position_embeddings. The other
-    types do not use it."""
+    top-level one over the rope dict's, and defaults it to max_position_embeddings."""
     name = "original_max_position_embeddings"
-    if rope_type == "llama3" and hf.get(name) is not None:
+    if hf.get(name) is not None:
         return json_integer(hf[name], _field(name), whole_floats=True)
     if name in params:
         return json_integer(params[name], _field(f"{source}.{name}"), whole_floats=True)
-    return context if rope_type == "llama3" else RopeConfig().original_max_position_embeddings
+    return context
 
 
 def _field(name: str) -> str:

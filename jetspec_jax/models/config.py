@@ -41,13 +41,15 @@ class RopeConfig:
                 f"unsupported rope type {self.rope_type!r}; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        # Each would give infinite or NaN frequencies (or drop llama3's ramp) without an error.
-        if not (self.theta > 0 and self.factor > 0):
+        # Each would give infinite, zero or NaN frequencies (or drop llama3's ramp) without an
+        # error.
+        if not (0 < self.theta < math.inf and 0 < self.factor < math.inf):
             raise ValueError(
-                f"rope theta and factor must be > 0, got theta={self.theta}, factor={self.factor}"
+                "rope theta and factor must be finite and > 0, got "
+                f"theta={self.theta}, factor={self.factor}"
             )
         if self.rope_type == "llama3" and not (
-            self.high_freq_factor > self.low_freq_factor > 0
+            math.inf > self.high_freq_factor > self.low_freq_factor > 0
             and self.original_max_position_embeddings > 0
         ):
             raise ValueError(
