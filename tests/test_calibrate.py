@@ -454,6 +454,10 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
         assert f"{data} is a file" in capsys.readouterr().err
         assert train.main([*argv, "--confidence-grid", "0,0.5,0"]) == 2
         assert "--confidence-grid 0.0,0.5,0.0 repeats a value" in capsys.readouterr().err
+        assert train.main([*argv, "--confidence-grid", "0,nan"]) == 2
+        assert "each value of --confidence-grid must be in [0, 1]" in capsys.readouterr().err
+        assert train.main([*argv, "--replacement-confidence", "1.5"]) == 2
+        assert "--replacement-confidence must be in [0, 1], got 1.5" in capsys.readouterr().err
         argv[argv.index("--report") + 1] = str(tmp_path / "missing" / "report.json")
         assert train.main(argv) == 2
         assert "not a file path in an existing directory" in capsys.readouterr().err

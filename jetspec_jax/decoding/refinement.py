@@ -213,11 +213,12 @@ def replace_first_disagreement(
     return drafts, jnp.where(found, first + replace, drafts.shape[1]).astype(jnp.int32)
 
 
-def check_replacement_confidence(value) -> float:
-    """`value` as a float after checking it is a number in [0, 1] (ValueError otherwise)."""
+def check_replacement_confidence(value, name: str = "replacement_confidence") -> float:
+    """`value` as a float after checking it is a number in [0, 1] (a ValueError naming it,
+    `name`, otherwise)."""
     confidence = as_real(value)
     if confidence is None:
-        raise ValueError(f"replacement_confidence must be a number in [0, 1], got {value!r}")
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
     if not 0.0 <= confidence <= 1.0:
-        raise ValueError(f"replacement_confidence must be in [0, 1], got {value!r}")
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return confidence

@@ -116,7 +116,7 @@ def check_settings(
             )
         check_confidence_grid(confidence_grid, names["confidence_grid"])
     if replacement_confidence is not None:
-        check_replacement_confidence(replacement_confidence)
+        check_replacement_confidence(replacement_confidence, names["replacement_confidence"])
     check_holdout_fraction(holdout_fraction, names["holdout_fraction"])
 
 

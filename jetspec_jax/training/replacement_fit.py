@@ -70,7 +70,7 @@ def choose_confidence(tau: dict[float, float]) -> float:
 def check_confidence_grid(grid, name: str = "the confidence grid") -> tuple[float, ...]:
     """`grid` as a tuple of replacement confidences, or a ValueError naming it (`name`): a value
     outside [0, 1], a repeated value, or no value."""
-    grid = tuple(check_replacement_confidence(c) for c in grid)
+    grid = tuple(check_replacement_confidence(c, f"each value of {name}") for c in grid)
     if not grid or len(set(grid)) != len(grid):
         values = ",".join(map(str, grid))
         problem = f"{values} repeats a value" if grid else "is empty"
