@@ -321,7 +321,17 @@ def _generate(args) -> int:
         options = _decoding_options(args, draft)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
-        chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
+        templated = has_chat_template(target.tokenizer)
+        asked = [
+            f for f, on in (("--chat", args.chat), ("--system", args.system is not None)) if on
+        ]
+        if asked and not templated:
+            flags = " and ".join(asked)
+            raise ValueError(
+                f"{flags} {'needs' if len(asked) == 1 else 'need'} a chat template, and the "
+                f"tokenizer of {target.path} has none: drop {flags} (the prompt is then raw)"
+            )
+        chat = args.chat if args.chat is not None else templated
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat, system=args.system)
         request = dict(
             max_new_tokens=args.max_new_tokens,
@@ -389,7 +399,13 @@ def _speedup_line(args, options, target, prompt_ids, request, result) -> str:
             "(on a CPU that cost can exceed the gain: see docs/BENCHMARKS.md)"
         )
     # Streamed in the same chunks as the speculative run: both pay the same host round trips.
-    ar_stream = jetspec_jax.stream(target, prompt_ids, chunk_steps=args.chunk_steps, **request)
+    ar_stream = jetspec_jax.stream(
+        target,
+        prompt_ids,
+        chunk_steps=args.chunk_steps,
+        prefill_chunk=options.prefill_chunk,
+        **request,
+    )
     for _ in ar_stream:
         pass
     ar = ar_stream.result

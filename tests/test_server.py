@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -1387,8 +1388,28 @@ def test_serve_py_generate_streams_the_autoregressive_completion_with_a_draft(
     assert "--system is a chat message" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, refused",
+    [(["--system", "Be brief."], "--system needs"), (["--chat"], "--chat needs")],
+)
+def test_chat_flags_for_a_tokenizer_without_a_template_are_refused_by_name(
+    target_dir, tmp_path, capsys, flags, refused
+):
+    plain = pathlib.Path(shutil.copytree(target_dir, tmp_path / "plain"))
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    argv = ["generate", "P", "--target", str(plain), "--max-new-tokens", "2"]
+    assert serve_py.main([*argv, *flags]) == 2
+    assert f"{refused} a chat template, and the tokenizer of {plain} has none" in (
+        capsys.readouterr().err
+    )
+    assert serve_py.main(argv) == 0  # a raw prompt
+
+
 def test_compare_ar_measures_the_speedup_and_checks_the_tokens(
-    target, target_dir, tmp_path, capsys
+    target, target_dir, tmp_path, capsys, monkeypatch
 ):
     """`serve.py generate --compare-ar` runs AR on the same prompt and says whether the tokens
     agree; a result that differs from AR's is called out."""
@@ -1399,6 +1420,16 @@ def test_compare_ar_measures_the_speedup_and_checks_the_tokens(
     assert serve_py.main(argv) == 0
     err = capsys.readouterr().err
     assert "speedup " in err and "x measured:" in err and "AR output identical" in err
+    # The AR run prefills as the speculative one did.
+    calls = []
+    stream = jetspec_jax.stream
+    monkeypatch.setattr(
+        jetspec_jax,
+        "stream",
+        lambda *a, **k: calls.append(k.get("prefill_chunk")) or stream(*a, **k),
+    )
+    assert serve_py.main([*argv, "--prefill-chunk", "3"]) == 0
+    assert calls == [3, 3]
 
     args = serve_py._parser().parse_args(argv)
     options = serve_py._decoding_options(args, draft)
