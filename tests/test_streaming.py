@@ -343,3 +343,23 @@ def test_stop_strings_cut_the_text_and_hold_back_possible_starts():
     # whichever is listed first.
     assert StopStrings(["xb", "b"]).feed("axb") == "a"
     assert StopStrings(["b", "xb"]).feed("axb") == "a"
+
+
+def _cut(stops, deltas):
+    cutter = StopStrings(stops)
+    return "".join(cutter.feed(d) for d in deltas) + cutter.flush()
+
+
+def test_the_cut_does_not_depend_on_how_the_text_is_chunked():
+    """A stop inside a longer one that started earlier: the shorter, completed first, cuts,
+    whether the longer one's end comes in the same delta or a later one."""
+    assert _cut(["abcd", "c"], ["xxabcdyy"]) == _cut(["abcd", "c"], ["xxabc", "dyy"]) == "xxab"
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        text = "".join(rng.choice(list("abc"), rng.integers(0, 12)))
+        stops = ["".join(rng.choice(list("abc"), rng.integers(1, 4))) for _ in range(3)]
+        whole = _cut(stops, [text])
+        cuts = sorted(rng.choice(len(text) + 1, rng.integers(0, 4)))
+        deltas = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert _cut(stops, deltas) == whole, (text, stops, deltas)
+        assert _cut(stops, list(text)) == whole, (text, stops)

@@ -89,7 +89,10 @@ def _skipped_special_ids(tokenizer) -> frozenset[int]:
 
 
 class StopStrings:
-    """Cuts streamed text at the first occurrence of any stop string (OpenAI's `stop`).
+    """Cuts streamed text before the first stop string to appear in it (OpenAI's `stop`): the
+    one that ends first, and of those ending together the one that starts first. So the cut
+    depends on the text alone, not on how it arrives in deltas (with stops "abcd" and "c", the
+    text "abcd" is cut after "ab" whether "d" comes with the rest or later).
 
     Text that might be the start of a stop string is held back until it is known not to be.
     """
@@ -105,10 +108,10 @@ class StopStrings:
         if self.hit:
             return ""
         text = self._pending + delta
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        found = [(i + len(s), i) for s in self._stops if (i := text.find(s)) >= 0]
         if found:
             self.hit, self._pending = True, ""
-            return text[: min(found)]
+            return text[: min(found)[1]]
         hold = max((_overlap(text, s) for s in self._stops), default=0)
         self._pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold]
