@@ -7,7 +7,9 @@ what it adds to the text of the window's already-emitted part, holding back a tr
 incomplete character) until the next token completes it. An incomplete character is at most 3 bytes,
 so only the last 3 tokens are ever held: a run of invalid bytes (a degenerate sampling loop) streams
 on, and the window stays short. Special tokens that decoding skips never enter the window. The
-concatenation of all deltas is the text of all tokens.
+concatenation of all deltas is the text of all tokens, but for invalid UTF-8: a byte-fallback
+decoder (SentencePiece's) that sees a run of byte tokens whole may turn more of it into U+FFFD than
+the windows, which see it in pieces, do.
 """
 
 from __future__ import annotations
