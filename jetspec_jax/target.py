@@ -37,7 +37,7 @@ def check_is_target(value: object) -> None:
     usual slip)."""
     if not isinstance(value, Target):
         raise TypeError(
-            f"target must be a Target (jetspec_jax.load_target(path)), got a "
+            f"target must be a Target (jetspec_jax.load_target(path)), got "
             f"{type(value).__name__}: {value!r:.80}"
         )
 

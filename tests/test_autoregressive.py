@@ -246,7 +246,7 @@ def test_numpy_and_jax_integers_are_accepted(target, prompts):
 def test_a_path_where_a_target_belongs_is_refused_by_name(call):
     """The usual slip, a checkpoint path for the loaded target, is named as such, not an
     AttributeError from inside."""
-    with pytest.raises(TypeError, match="target must be a Target .*got a str: 'ckpt/qwen3'"):
+    with pytest.raises(TypeError, match="target must be a Target .*got str: 'ckpt/qwen3'"):
         call("ckpt/qwen3")
 
 
