@@ -302,8 +302,7 @@ def test_weight_decay_shrinks_the_kernels_and_leaves_the_norm_scales(target):
     state = init_state(draft.params, optimizer)
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     update = jax.jit(optimizer.update)  # one dispatch instead of one per leaf and op
-    _, opt_state = update(zeros, state.opt_state, state.params)  # step 0: lr 0
-    updates, _ = update(zeros, opt_state, state.params)  # step 1: lr 0.1, no gradient
+    updates, _ = update(zeros, state.opt_state, state.params)  # update 1: lr 0.1, no gradient
     flat = jax.tree_util.tree_leaves_with_path(updates)
     kernels = [(p, u) for p, u in flat if p[-1].key == "kernel"]
     scales = [(p, u) for p, u in flat if p[-1].key == "scale"]
@@ -417,16 +416,18 @@ def test_block_rows_copy_the_clean_prefix_and_noise_from_at_or_before_the_anchor
         assert np.all(src[b, j, c + 1 :] <= a)
 
 
-def test_the_schedule_warms_up_from_zero_then_decays_to_the_end_ratio():
+def test_the_schedule_warms_up_then_decays_to_the_end_ratio_at_the_last_update():
+    """Read at the updates done so far (optax's count): update 1 is the warmup's first step up
+    from 0, update `warmup_steps` the peak, update `steps` (the last) the end rate."""
     config = OptimConfig(
         learning_rate=1e-3, warmup_steps=10, steps=100, end_learning_rate_ratio=0.1
     )
     schedule = learning_rate_schedule(config)
-    assert float(schedule(0)) == 0.0
-    assert float(schedule(5)) == pytest.approx(5e-4)
-    assert float(schedule(10)) == pytest.approx(1e-3)
-    assert float(schedule(55)) == pytest.approx(1e-4 + 0.5 * 9e-4)  # the cosine's middle
-    assert float(schedule(100)) == pytest.approx(1e-4)
+    assert float(schedule(0)) == pytest.approx(1e-4)
+    assert float(schedule(4)) == pytest.approx(5e-4)
+    assert float(schedule(9)) == pytest.approx(1e-3)
+    assert float(schedule(54)) == pytest.approx(1e-4 + 0.5 * 9e-4)  # the cosine's middle
+    assert float(schedule(99)) == pytest.approx(1e-4)
 
 
 def test_gradients_are_clipped_to_their_global_norm_before_adam():
@@ -468,16 +469,19 @@ def _one_step_inputs(target, compute_dtype="float32"):
 
 
 def test_each_step_draws_new_blocks_and_reports_its_rate_and_gradient_norm(target):
-    """The same batch with unchanged weights (step 0 of the warmup runs at rate 0): steps 0 and
-    1 draw other anchors and noise (their keys fold in the step), so their losses differ. Each
-    reports the rate it ran at (0, then half the peak) and the gradient's norm (not the
-    update's, which is 0 at step 0)."""
+    """The same batch and weights at steps 0 and 1: the steps draw other anchors and noise
+    (their keys fold in the step), so their losses differ. Each step reports the rate it ran at
+    (half the peak, then the peak: a warmup of 2 updates) and the gradient's norm."""
     state, batch, config = _one_step_inputs(target)
-    state, first = train_step(state, target.params, batch, config=config)
-    _, second = train_step(state, target.params, batch, config=config)
+    start = jax.tree.map(np.asarray, state.params)  # the step donates the state's buffers
+    after, first = train_step(state, target.params, batch, config=config)
+    moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), after.params, start)
+    assert min(jax.tree.leaves(moved)) > 0  # the first update already trains
+    again = _one_step_inputs(target)[0].replace(step=after.step)
+    _, second = train_step(again, target.params, batch, config=config)
     assert float(first["loss"]) != float(second["loss"])
-    assert float(first["learning_rate"]) == 0.0
-    assert float(second["learning_rate"]) == pytest.approx(5e-4)
+    assert float(first["learning_rate"]) == pytest.approx(5e-4)
+    assert float(second["learning_rate"]) == pytest.approx(1e-3)
     assert float(first["grad_norm"]) > 1e-3
 
 

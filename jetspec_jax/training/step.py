@@ -46,14 +46,21 @@ class TrainState:
 
 
 def learning_rate_schedule(config: OptimConfig) -> optax.Schedule:
-    """Linear warmup from 0 to the peak, then cosine decay to `end_learning_rate_ratio` x peak."""
-    return optax.warmup_cosine_decay_schedule(
+    """The learning rate of the update that follows `count` updates (optax's argument): a linear
+    warmup that reaches the peak at update `warmup_steps`, then a cosine decay that reaches
+    `end_learning_rate_ratio` x peak at the last update, update `steps`.
+
+    The warmup starts from 0 one update before the first, so the first update already moves
+    the weights (at peak / warmup_steps).
+    """
+    warmup_cosine = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,
         warmup_steps=config.warmup_steps,
         decay_steps=max(config.steps, config.warmup_steps + 1),
         end_value=config.learning_rate * config.end_learning_rate_ratio,
     )
+    return lambda count: warmup_cosine(count + 1)
 
 
 def decayed_leaves(params) -> dict:
