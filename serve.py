@@ -295,7 +295,7 @@ def _server_config(args, draft, *, method: str | None = None):
 
 def _generate(args) -> int:
     import jetspec_jax
-    from jetspec_jax.prompting import encode_prompt, has_chat_template
+    from jetspec_jax.prompting import encode_prompt, has_chat_template, require_chat_template
     from jetspec_jax.serving.detokenize import IncrementalDetokenizer
 
     try:
@@ -321,17 +321,13 @@ def _generate(args) -> int:
         options = _decoding_options(args, draft)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
-        templated = has_chat_template(target.tokenizer)
         asked = [
             f for f, on in (("--chat", args.chat), ("--system", args.system is not None)) if on
         ]
-        if asked and not templated:
+        if asked:
             flags = " and ".join(asked)
-            raise ValueError(
-                f"{flags} {'needs' if len(asked) == 1 else 'need'} a chat template, and the "
-                f"tokenizer of {target.path} has none: drop {flags} (the prompt is then raw)"
-            )
-        chat = args.chat if args.chat is not None else templated
+            require_chat_template(target.tokenizer, target.path, f"drop {flags} (raw prompt)")
+        chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat, system=args.system)
         request = dict(
             max_new_tokens=args.max_new_tokens,

@@ -346,6 +346,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     require_paths("--draft", [args.draft], directory=True)
     require_paths("--prompts", [args.prompts])
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    _check_chat_template(encoding, target)
     # Read and checked before the draft loads (a file may hold fewer than --num-prompts).
     prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts, encoding=encoding)
     draft = jetspec_jax.load_draft(args.draft, target)
@@ -376,6 +377,26 @@ def _prompt_encoding(args: argparse.Namespace):
         if given and not args.chat:
             raise ValueError(f"{flag} is a chat-template setting; drop --no-chat")
     return PromptEncoding(chat=args.chat, system=args.system, thinking=args.thinking)
+
+
+def _check_chat_template(encoding, target) -> None:
+    """Refuses the chat template (the default) for a target without one, naming the flags that
+    encode raw prompts and the target, before any prompt is encoded. `encoding` None: evaluate's
+    default, the template only if the tokenizer has one."""
+    from jetspec_jax.prompting import require_chat_template
+
+    if encoding is None or not encoding.chat or target.tokenizer is None:
+        return
+    drop = [
+        flag
+        for flag, on in (
+            ("--system", encoding.system is not None),
+            ("--thinking", encoding.thinking),
+        )
+        if on
+    ]
+    remedy = f"drop {' and '.join(drop)} and pass --no-chat" if drop else "pass --no-chat"
+    require_chat_template(target.tokenizer, target.path, remedy + " (raw prompts)")
 
 
 def _check_draft_takes_passes(args: argparse.Namespace, draft) -> None:
@@ -410,6 +431,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     check_output_path(args.out, args.prompts)
     read_records(args.prompts)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    _check_chat_template(encoding, target)
     summary = regenerate(
         target,
         args.prompts,

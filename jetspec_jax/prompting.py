@@ -14,6 +14,14 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def require_chat_template(tokenizer, checkpoint, remedy: str) -> None:
+    """A ValueError naming the checkpoint (`checkpoint`, its path) when `tokenizer` has no chat
+    template: what command lines check before encoding, with a `remedy` in their flags' words
+    (`encode_prompt`'s own message names its `chat` argument)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"the tokenizer of {checkpoint} has no chat template: {remedy}")
+
+
 def encode_prompt(
     tokenizer, text: str, *, chat: bool, system: str | None = None, thinking: bool = False
 ) -> list[int]:

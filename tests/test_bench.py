@@ -340,7 +340,9 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
             run_benchmark(**args)
 
 
-def test_an_interrupted_run_keeps_the_runs_that_finished(checkpoints, monkeypatch, tmp_path):
+def test_an_interrupted_run_keeps_the_runs_that_finished(
+    checkpoints, monkeypatch, tmp_path, capsys
+):
     from jetspec_jax.bench import runner
     from jetspec_jax.decoding.results import GenerationResult, Timing
 
@@ -366,6 +368,7 @@ def test_an_interrupted_run_keeps_the_runs_that_finished(checkpoints, monkeypatc
         "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 130
+    assert f"interrupted: the runs that finished are in {out}" in capsys.readouterr().err
     partial = (out / "samples.partial.jsonl").read_text()
     rows = [json.loads(line) for line in partial.splitlines()]
     assert [(r["method"], r["prompt_id"]) for r in rows] == [("ar", "t-0"), ("jetspec", "t-0")]
@@ -374,6 +377,23 @@ def test_an_interrupted_run_keeps_the_runs_that_finished(checkpoints, monkeypatc
     refused = [*argv[: argv.index("--random-draft")], "--warmup", "0", "--out", str(out)]
     assert main([*refused[:5], "jetspec,dflash", *refused[6:]]) == 2
     assert (out / "samples.partial.jsonl").read_text() == partial
+    # Interrupted before its first sample: an earlier run's samples are not called its own.
+    monkeypatch.setattr(runner, "generate", lambda *a, **k: _interrupt())
+    assert main(argv) == 130
+    assert "interrupted: no run had finished" in capsys.readouterr().err
+    assert (out / "samples.partial.jsonl").read_text() == partial
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
+def test_chat_is_refused_by_flag_for_a_tokenizer_without_a_template(checkpoints, tmp_path, capsys):
+    plain = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "plain", chat=False)
+    argv = ["--prompts", str(_prompt_file(tmp_path, ["Hi"])), "--target", str(plain)]
+    assert main([*argv, "--methods", "ar", "--out", str(tmp_path / "b"), "--chat"]) == 2
+    message = f"error: the tokenizer of {plain} has no chat template: drop --chat (raw prompts)"
+    assert message in capsys.readouterr().err
 
 
 def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):

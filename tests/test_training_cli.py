@@ -283,6 +283,38 @@ def test_evaluate_runs_refreshes_and_names_passes_a_draft_cannot_take(
     assert f"error: --refine-passes refines JetSpec++ drafts; --draft {dflash} is a dflash" in err
 
 
+@pytest.mark.parametrize(
+    "command, flags, remedy",
+    [
+        ("regenerate", [], "pass --no-chat (raw prompts)"),
+        ("evaluate", ["--system", "Hi."], "drop --system and pass --no-chat (raw prompts)"),
+    ],
+)
+def test_the_chat_template_default_is_refused_by_flag_for_a_tokenizer_without_one(
+    command, flags, remedy, checkpoints, tmp_path, capsys
+):
+    """Chat is these commands' default: a target without a template is named, with the flags
+    that encode raw prompts, before any prompt is encoded or file written."""
+    import train
+    from tests.text_fixtures import with_tokenizer
+
+    target_dir = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "plain", chat=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    draft = tmp_path / "draft"
+    argv = {
+        "regenerate": ["--out", str(tmp_path / "o.jsonl")],
+        "evaluate": ["--draft", str(draft)],
+    }[command]
+    if command == "evaluate":
+        jetspec_jax.init_draft(jetspec_jax.load_target(target_dir), block_size=4).save(draft)
+    argv = [command, "--target", str(target_dir), "--prompts", str(prompts), *argv, *flags]
+    assert train.main(argv) == 2
+    message = f"error: the tokenizer of {target_dir} has no chat template: {remedy}"
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.fixture
 def no_target_load(monkeypatch):
     """`jetspec_jax.load_target` failing the test: the commands must refuse bad paths first."""

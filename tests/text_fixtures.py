@@ -2,7 +2,7 @@
 
 `char_tokenizer()`: one token per printable ASCII character (32..125) plus three special tokens,
 97 ids in all: the vocabulary of the tiny models. `with_tokenizer(src, dst)` copies a checkpoint
-and adds it (with a short chat template and `<|im_end|>` as end of sequence).
+and adds it (with a short chat template, or none, and `<|im_end|>` as end of sequence).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A character-level tokenizer of 97 ids (unknown characters map to `<unk>`)."""
+def char_tokenizer(chat: bool = True) -> transformers.PreTrainedTokenizerFast:
+    """A character-level tokenizer of 97 ids (unknown characters map to `<unk>`); `chat`: with
+    `CHAT_TEMPLATE`, else without a chat template."""
     chars = [chr(c) for c in range(32, 126)]
     vocab = {token: i for i, token in enumerate(SPECIALS + chars)}
     assert len(vocab) == 97
@@ -35,15 +36,16 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
         tokenizer_object=tokenizer,
         unk_token="<unk>",
         eos_token="<|im_end|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=CHAT_TEMPLATE if chat else None,
     )
 
 
-def with_tokenizer(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
-    """A copy of the checkpoint `src` at `dst` with the character tokenizer and EOS `<|im_end|>`."""
+def with_tokenizer(src: pathlib.Path, dst: pathlib.Path, *, chat: bool = True) -> pathlib.Path:
+    """A copy of the checkpoint `src` at `dst` with the character tokenizer (`chat`: with its chat
+    template, else without one) and EOS `<|im_end|>`."""
     if not dst.exists():
         shutil.copytree(src, dst)
-        char_tokenizer().save_pretrained(dst)
+        char_tokenizer(chat).save_pretrained(dst)
         generation = dst / "generation_config.json"
         config = json.loads(generation.read_text()) if generation.exists() else {}
         config["eos_token_id"] = EOS_ID

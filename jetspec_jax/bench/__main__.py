@@ -36,11 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
     from jetspec_jax.flag_paths import require_paths
-    from jetspec_jax.prompting import has_chat_template
+    from jetspec_jax.prompting import has_chat_template, require_chat_template
 
     enable_compile_cache()
 
     out = pathlib.Path(args.out)
+    replaced = False  # whether this run has replaced an interrupted run's samples with its own
     try:
         check_out_dir(out)  # not after hours of runs
         methods = parse_methods(args.methods)
@@ -53,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
         drafts = _drafts(args, target, variants)
+        if args.chat:
+            require_chat_template(target.tokenizer, target.path, "drop --chat (raw prompts)")
         chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         datasets = [
             load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
         ]
-        replaced = False
 
         def keep(sample) -> None:
             # An interrupted run's samples are replaced once this run measures, not before: a
@@ -82,11 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if (out / PARTIAL_SAMPLES).exists():
-            print(
-                f"interrupted: the runs that finished are in {out / PARTIAL_SAMPLES}",
-                file=sys.stderr,
-            )
+        finished = f"the runs that finished are in {out / PARTIAL_SAMPLES}"
+        print(f"interrupted: {finished if replaced else 'no run had finished'}", file=sys.stderr)
         return 130
     print(markdown_table(summaries), end="")  # first: a failing write must not cost the figures
     try:
