@@ -507,7 +507,8 @@ def test_load_test_checks_every_concurrency_level_before_the_first_runs(
     for flags, message in [
         (["--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
         (["--requests", "0"], "--requests must be >= 1, got 0"),
-        (["--out", str(tmp_path)], f"--out {tmp_path} is a directory"),
+        (["--out", str(tmp_path)], f"--out {tmp_path}: not a file path in an existing directory"),
+        (["--out", str(tmp_path / "no" / "l.jsonl")], "not a file path in an existing directory"),
     ]:
         assert load.main(["--model", "m", *flags]) == 2
         assert message in capsys.readouterr().err

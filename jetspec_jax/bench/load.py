@@ -211,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        if args.out and os.path.isdir(args.out):  # found now, not after the whole load test
-            raise ValueError(f"--out {args.out} is a directory; give a JSONL file path")
+        # Found now, not after the whole load test.
+        if args.out and (
+            os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(args.out) or ".")
+        ):
+            raise ValueError(f"--out {args.out}: not a file path in an existing directory")
         prompts = (
             [r["prompt"] for r in read_prompts(args.prompts, limit=args.limit)]
             if args.prompts
