@@ -90,6 +90,13 @@ def test_transformers4_config_layout_loads(checkpoints, tmp_path):
     np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
 
 
+def test_swish_loads_as_the_silu_it_is_in_transformers(checkpoints, tmp_path):
+    path, model = _copy(checkpoints, tmp_path)
+    _edit_config(path, hidden_act="swish")
+    target = jetspec_jax.load_target(path)
+    np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
+
+
 def test_linear_rope_scaling_matches_transformers(checkpoints, tmp_path):
     """Position interpolation (`rope_type: linear`, factor 4) over 300 positions, where a wrong
     factor moves every rotation. llama3's fields in the dict are unused, so not kept: the
@@ -312,6 +319,7 @@ def test_a_broken_tokenizer_is_refused_naming_the_directory_before_the_weights(
         ),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(use_sliding_window=True), "sliding-window"),
+        (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
         (dict(hidden_size=None), "'hidden_size'"),
         (dict(num_key_value_heads=3), "not a multiple"),
         (dict(partial_rotary_factor=0.5), "partial rotary"),  # the transformers-4 spelling

@@ -81,12 +81,15 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         hf = _text_config(hf)
         within = "text_config."
         _refuse_quantization(hf, within)
-    if hf.get("hidden_act", "silu") != "silu":
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # transformers: both nn.SiLU
         raise CheckpointError(
             f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported"
         )
-    if hf.get("use_sliding_window"):
-        raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+        raise CheckpointError(
+            "sliding-window attention (use_sliding_window=true, or 'sliding_attention' layers) "
+            "is not supported"
+        )
 
     try:
         hidden, heads = _integer(hf, "hidden_size"), _integer(hf, "num_attention_heads")
