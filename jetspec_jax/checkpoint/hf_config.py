@@ -85,7 +85,11 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         raise CheckpointError(
             f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported"
         )
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+    # The hybrid's layer types are read and checked with its other fields.
+    dense_layer_types = hf.get("layer_types") if model_type != "qwen3_5" else None
+    if hf.get("use_sliding_window") or (
+        isinstance(dense_layer_types, list) and "sliding_attention" in dense_layer_types
+    ):
         raise CheckpointError(
             "sliding-window attention (use_sliding_window=true, or 'sliding_attention' layers) "
             "is not supported"
