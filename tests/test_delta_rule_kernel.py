@@ -75,6 +75,21 @@ def test_kernel_matches_the_xla_form(case):
     assert float(jnp.max(jnp.abs(got_state - want_state))) <= 1e-5
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+def test_operands_of_other_shapes_are_refused_and_an_empty_sequence_changes_nothing(impl):
+    """The kernel sizes its blocks by the keys alone: a shorter `g` gave NaN outputs, a state of
+    another width a non-finite one, without an error."""
+    q, k, v, g, beta, state = _operands(1, 20, 1, 2, 16, 8)
+    bad = dict(g=g[:, :16], state=state[:, :, :8], beta=beta[:, :, :1], v=v[:, :, :1])
+    for name, wrong in bad.items():
+        args = dict(q=q, k=k, v=v, g=g, beta=beta, state=state) | {name: wrong}
+        with pytest.raises(ValueError, match=f"{name} has shape"):
+            chunked_delta_rule(**args, impl=impl)
+    out, final = chunked_delta_rule(*(x[:, :0] for x in (q, k, v, g, beta)), state, impl=impl)
+    assert out.shape == (1, 0, 2, 8)
+    np.testing.assert_array_equal(final, state)
+
+
 @pytest.mark.parametrize("strong_decay", [False, True])
 def test_chunk_step_solves_the_ut_transform_stably(strong_decay):
     """One 64-position chunk with nearly parallel keys, against the float64 recurrence:

@@ -57,6 +57,21 @@ def kernel_supports(k_shape: tuple[int, ...], v_shape: tuple[int, ...], backend:
     return None
 
 
+def _check_shapes(q, k, v, g, beta, state) -> None:
+    if k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"k and v must be [B, T, H, D], got shapes {k.shape} and {v.shape}")
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    expected = dict(
+        q=(b, t, h, dk), v=(b, t, h, dv), g=(b, t, h), beta=(b, t, h), state=(b, h, dk, dv)
+    )
+    for (name, want), x in zip(expected.items(), (q, v, g, beta, state), strict=True):
+        if x.shape != want:
+            raise ValueError(
+                f"{name} has shape {x.shape}; keys {k.shape} and values of width {dv} need {want}"
+            )
+
+
 def chunked_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -79,7 +94,14 @@ def chunked_delta_rule(
 
     Returns:
         `(out [B, T, H, Dv], final state [B, H, Dk, Dv])`, float32.
+
+    Raises:
+        ValueError: an operand's shape disagrees with the keys' and values' (the kernel takes
+            its blocks from `k` alone: a mismatch would read out of bounds, not fail).
     """
+    _check_shapes(q, k, v, g, beta, state)
+    if k.shape[1] == 0:  # nothing to run: the kernel's blocks cannot be empty
+        return jnp.zeros(v.shape, jnp.float32), state.astype(jnp.float32)
     backend, interpret = select_launch(
         impl,
         kernel="delta-rule",
