@@ -271,6 +271,7 @@ def _replaced(index, shape):
         (_replaced(2, (1, 5, 2, 16)), "context_k and context_v must both be"),
         (lambda a: _replaced(2, (1, 4, 2, 8))(_replaced(1, (1, 4, 2, 8))(a)), "does not fit q"),
         (_replaced(3, (1,)), r"context_lengths must be \[B, C\] = \(1, 1\)"),
+        (_replaced(3, (1, 1)), "context_lengths must be integers, got float32"),
         (_replaced(4, (1, 1, 1, 2, 16)), r"block_k must be \[B, C, K, N_kv, D\]"),
     ],
 )

@@ -189,6 +189,8 @@ def _check_shapes(q, context_k, context_v, context_lengths, block_k, block_v) ->
         raise ValueError(f"{n} query heads are not a multiple of {n_kv} KV heads")
     if context_lengths.shape != (b, c):
         raise ValueError(f"context_lengths must be [B, C] = {(b, c)}, got {context_lengths.shape}")
+    if not jnp.issubdtype(context_lengths.dtype, jnp.integer):  # the paths would round apart
+        raise ValueError(f"context_lengths must be integers, got {context_lengths.dtype}")
     for name, x in (("block_k", block_k), ("block_v", block_v)):
         if x.shape != (b, c, k, n_kv, d):
             raise ValueError(
