@@ -321,11 +321,8 @@ def _generate(args) -> int:
         options = _decoding_options(args, draft)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
-        asked = [
-            f for f, on in (("--chat", args.chat), ("--system", args.system is not None)) if on
-        ]
-        if asked:
-            flags = " and ".join(asked)
+        given = {"--chat": args.chat, "--system": args.system is not None}
+        if flags := " and ".join(flag for flag, on in given.items() if on):
             require_chat_template(target.tokenizer, target.path, f"drop {flags} (raw prompt)")
         chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat, system=args.system)

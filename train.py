@@ -387,15 +387,9 @@ def _check_chat_template(encoding, target) -> None:
 
     if encoding is None or not encoding.chat or target.tokenizer is None:
         return
-    drop = [
-        flag
-        for flag, on in (
-            ("--system", encoding.system is not None),
-            ("--thinking", encoding.thinking),
-        )
-        if on
-    ]
-    remedy = f"drop {' and '.join(drop)} and pass --no-chat" if drop else "pass --no-chat"
+    given = {"--system": encoding.system is not None, "--thinking": encoding.thinking}
+    drop = " and ".join(flag for flag, on in given.items() if on)
+    remedy = f"drop {drop} and pass --no-chat" if drop else "pass --no-chat"
     require_chat_template(target.tokenizer, target.path, remedy + " (raw prompts)")
 
 

@@ -294,17 +294,12 @@ def _rope_from_hf(hf: dict[str, Any], context: int, hybrid: bool = False) -> Rop
             f"config.json {source} of rope_type {rope_type!r} lacks the required field(s) "
             f"{', '.join(missing)}"
         )
-    # Only the fields a type uses are read; the others keep their defaults, as `config_to_hf`
-    # writes only those used: a load of a saved checkpoint is the same config again.
-    used = dict(
-        factor=rope_type != "default",
-        low_freq_factor=rope_type == "llama3",
-        high_freq_factor=rope_type == "llama3",
-    )
+    # A type's required fields are the ones it uses, and the only ones read: the others keep
+    # their defaults, as `config_to_hf` writes only those used (a saved checkpoint loads as the
+    # same config again).
     fields = {
         name: json_number(params[name], _field(f"{source}.{name}"))
-        for name, read in used.items()
-        if read and name in params
+        for name in _REQUIRED_ROPE_FIELDS[rope_type]
     }
     if rope_type == "llama3":
         fields["original_max_position_embeddings"] = _original_context(hf, params, source, context)
