@@ -284,6 +284,8 @@ def test_each_delivery_after_the_prefill_is_one_chunk_of_tokens(target):
 
 
 def test_a_running_job_its_client_cancels_stops_at_the_next_chunk(target):
+    """Cancelled as its prefill's token is delivered (on the worker thread, so before the next
+    chunk starts), the row decodes nothing more."""
     scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2)
     client = Client(scheduler)
     client.then = {"long": [lambda client: client.jobs["long"].cancel()]}
@@ -295,7 +297,7 @@ def test_a_running_job_its_client_cancels_stops_at_the_next_chunk(target):
         scheduler.stop()
     *_, last = client.events["long"]
     assert isinstance(last, Finished) and last.result.finish_reason == "cancelled"
-    assert len(last.result.tokens) < 200
+    assert len(last.result.tokens) == 1
 
 
 @pytest.mark.parametrize("form", PIPELINES)

@@ -864,10 +864,7 @@ def test_stop_strings_cut_the_output(target, server, http):
     assert len(full) >= 8
     stop = full[4:6]
     expected = full[: full.index(stop)]
-    generated = _sample(http, "jetspec_generated_tokens_total")
     answer = _complete(http, prompt="The sky", max_tokens=16, stop=[stop, "@@@@"]).json()
-    _wait_for(lambda: server.app[SCHEDULER].running == 0)
-    decoded = _sample(http, "jetspec_generated_tokens_total") - generated
     assert answer["choices"][0] == {
         "index": 0,
         "text": expected,
@@ -889,9 +886,15 @@ def test_stop_strings_cut_the_output(target, server, http):
         n for n in range(1, 17) if stop in decode(result.tokens[:n], skip_special_tokens=True)
     )
     assert answer["usage"]["completion_tokens"] == upto
-    # The stop string cancels the row: it decodes on for at most the chunk under way when the
-    # cancellation lands (and the one after, if the worker started it first), not to its budget.
-    assert decoded <= upto + 2 * CONFIG.chunk_steps < 16
+    # The stop string cancels the row. It decodes on until the cancellation lands: the chunks
+    # the worker decodes before the handler reads the hit, a few (more on a busy machine, so
+    # the bound is loose), never the ~130 chunks of its budget.
+    generated = _sample(http, "jetspec_generated_tokens_total")
+    long = _complete(http, prompt="The sky", max_tokens=400, stop=stop).json()
+    _wait_for(lambda: server.app[SCHEDULER].running == 0)
+    decoded = _sample(http, "jetspec_generated_tokens_total") - generated
+    assert long["choices"][0]["text"] == expected and long["usage"]["completion_tokens"] == upto
+    assert upto <= decoded < 100
     usage = _stream_with_usage(http, prompt="The sky", max_tokens=16, stop=stop)
     chunks = [json.loads(line[6:]) for line in usage.text.splitlines() if line[6:7] == "{"]
     assert chunks[-1]["usage"]["completion_tokens"] == upto
