@@ -592,6 +592,41 @@ def test_load_test_times_the_first_token_not_the_role_chunk():
     assert wait <= result.ttft_p50 <= result.latency_p50
 
 
+def test_load_test_sends_every_warmup_request_though_more_than_the_timed():
+    import http.server
+    import threading
+
+    from jetspec_jax.bench.load import run_load
+
+    prompts = []
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802  (the stdlib's spelling)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompts.append(body["prompt"])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            text = {"choices": [{"text": "a"}]}
+            usage = {"choices": [], "usage": {"completion_tokens": 1}}
+            for event in (text, usage):
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        result = run_load(url, "m", ["a", "b"], concurrency=1, requests=2, warmup=3, chat=False)
+    finally:
+        server.shutdown()
+    assert prompts == ["a", "b", "a", "a", "b"]  # 3 untimed, then the timed 2 from the start
+    assert (result.requests, result.errors) == (2, 0)
+
+
 def test_benchmark_scripts_import_without_running():
     """Every benchmarks/*.py imports (the jetspec_jax names it uses exist) and runs nothing on
     import: its work sits behind `if __name__ == "__main__":`. In a fresh interpreter, on the

@@ -68,8 +68,8 @@ def run_load(
         raise ValueError("no prompts to send")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    bodies = []
-    for prompt in itertools.islice(itertools.cycle(prompts), requests):
+    bodies = []  # the timed requests' and the warm-up's, which may be more
+    for prompt in itertools.islice(itertools.cycle(prompts), max(requests, warmup)):
         body = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True)
         body["stream_options"] = {"include_usage": True}
         if chat:
@@ -84,7 +84,7 @@ def run_load(
                 list(pool.map(lambda b: _one(client, path, b), bodies[:warmup]))
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-            outcomes = list(pool.map(lambda b: _one(client, path, b), bodies))
+            outcomes = list(pool.map(lambda b: _one(client, path, b), bodies[:requests]))
         seconds = time.perf_counter() - start
     ok = [o for o in outcomes if not isinstance(o, str)]
     failures = collections.Counter(o for o in outcomes if isinstance(o, str))
