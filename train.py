@@ -193,6 +193,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     report_path = None if args.report is None else pathlib.Path(args.report)
     if report_path is not None and (report_path.is_dir() or not report_path.parent.is_dir()):
         raise ValueError(f"--report {report_path}: not a file path in an existing directory")
+    if report_path is not None and out.resolve() in report_path.resolve().parents:
+        raise ValueError(
+            f"--report {report_path} lies in the checkpoint the calibration replaces ({out}), "
+            "which would delete it: write it elsewhere"
+        )
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     records, repeats = distinct_sequences(
         read_regenerated(args.data, vocab_size=target.config.vocab_size)

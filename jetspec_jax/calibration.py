@@ -8,15 +8,18 @@ replacement confidence gates refinement's anchor replacement (`decoding/refineme
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import warnings
 from collections.abc import Mapping
 
+import numpy as np
+
 from jetspec_jax.decoding.refinement import check_replacement_confidence
+from jetspec_jax.sampling import MIN_TEMPERATURE
 from jetspec_jax.scalars import as_real
 
 _SETTING = re.compile(r"J\d+-R\d+")
+_MAX_FLOAT32 = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +46,12 @@ class Calibration:
     def __post_init__(self):
         for name in ("acceptance_temperature", "bonus_temperature"):
             value = as_real(getattr(self, name))
-            if value is None or not (math.isfinite(value) and value > 0):
+            # Used in float32: far smaller values flush to 0 there (every score NaN), and values
+            # beyond its range turn infinite (every score equal).
+            if value is None or not MIN_TEMPERATURE <= value <= _MAX_FLOAT32:
                 raise ValueError(
-                    f"{name} must be a positive finite number, got {getattr(self, name)!r}"
+                    f"{name} must be a finite number >= {MIN_TEMPERATURE:g} (float32 scores), "
+                    f"got {getattr(self, name)!r}"
                 )
             object.__setattr__(self, name, value)
         confidence = check_replacement_confidence(self.replacement_confidence)
@@ -58,11 +64,23 @@ class Calibration:
     def warn_if_fitted_for_another(self, refine_passes: int, refreshes: int) -> None:
         """A `UserWarning` (Python shows each message once) when these values serve another
         `Jj-Rr` than they were fitted for: its drafts, hence the best confidence and
-        temperatures, differ."""
+        temperatures, differ.
+
+        Settings compare by the drafts they make: `refreshes` counts the refreshes that run,
+        and a fit whose replacement confidence is 1 ran none, so its `Jj-Rr` drafted as
+        `Jj-R0` (`refinement.refining_proposer`)."""
+        if self.fitted_for is None:
+            return
         served = f"J{refine_passes}-R{refreshes}"
-        if self.fitted_for is not None and self.fitted_for != served:
+        drafted = self.fitted_for
+        if self.replacement_confidence == 1.0:
+            drafted = re.sub(r"R\d+$", "R0", drafted)
+        if drafted != served:
+            fitted = self.fitted_for
+            if drafted != fitted:
+                fitted += f" (replacement confidence 1 runs no refresh: it drafted as {drafted})"
             warnings.warn(
-                f"the draft's calibration was fitted for {self.fitted_for} and serves {served}: "
+                f"the draft's calibration was fitted for {fitted} and serves {served}: "
                 f"refit it for this setting with train.py calibrate --refine-passes "
                 f"{refine_passes} --refreshes {refreshes}",
                 stacklevel=3,

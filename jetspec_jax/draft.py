@@ -167,14 +167,16 @@ class Draft:
                 f"refreshes={refreshes} needs a draft with an adapter (Draft.with_adapter, or a "
                 "JetSpec++ checkpoint that holds one)"
             )
+        calibration = None  # a confidence given here overrides the calibration's: no warning
         if replacement_confidence is None:
             calibration = self.calibration or Calibration()
-            calibration.warn_if_fitted_for_another(refine_passes, refreshes)
             replacement_confidence = calibration.replacement_confidence
         proxy = LearnedProxy(self.adapter.config, target.config)
         refiner, params = refining_proposer(
             proposer, proxy, refreshes, self.params, self.adapter.params, replacement_confidence
         )
+        if calibration is not None:
+            calibration.warn_if_fitted_for_another(refine_passes, refiner.refreshes)
         # c = 1 trusts no position: no refresh runs, and without one nothing reads the proxy.
         return (proposer, self.params) if refiner.refreshes == 0 else (refiner, params)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -371,12 +372,26 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
     assert loaded.calibration is not None
     assert loaded.calibration.to_dict() == summary["calibration"]
     assert loaded.calibration.fitted_for == "J1-R1"
-    # Served at another setting, the draft says its calibration was fitted for this one.
+    # Served at another setting, the draft says its calibration was fitted for this one (with a
+    # confidence below 1, whatever the fit chose: J1-R1's refresh runs).
+    fitted = loaded.calibration
+    trusting = loaded.with_adapter(
+        loaded.adapter, dataclasses.replace(fitted, replacement_confidence=0)
+    )
     with pytest.warns(UserWarning, match="fitted for J1-R1 and serves J2-R2"):
-        loaded.proposer(target, method="jetspec++", refine_passes=2, refreshes=2)
+        trusting.proposer(target, method="jetspec++", refine_passes=2, refreshes=2)
     base = loaded.proposer(target, method="jetspec++", refine_passes=1)
     with pytest.warns(UserWarning, match="fitted for J1-R1 and serves J1-R0"):
-        foresight_proposer(loaded, *base, 4, rule="calibrated")
+        foresight_proposer(trusting, *base, 4, rule="calibrated")
+    # At confidence 1 no refresh runs: J1-R1 and J1-R0 draft alike, and serving either of them
+    # with a calibration fitted for the other warns of nothing.
+    for fitted_for, refreshes in (("J1-R1", 1), ("J1-R1", 0), ("J1-R0", 1)):
+        untrusting = dataclasses.replace(fitted, replacement_confidence=1, fitted_for=fitted_for)
+        served = loaded.with_adapter(loaded.adapter, untrusting)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kwargs = dict(method="jetspec++", refine_passes=1, refreshes=refreshes)
+            foresight_proposer(served, *served.proposer(target, **kwargs), 4, rule="calibrated")
     # The replacement confidence: fitted over the grid (J1-R1), the best score stored.
     scores = {float(c): tau for c, tau in summary["replacement_confidence_tau"]["fit"].items()}
     held_scores = summary["replacement_confidence_tau"]["held_out"]
@@ -461,6 +476,11 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
         argv[argv.index("--report") + 1] = str(tmp_path / "missing" / "report.json")
         assert train.main(argv) == 2
         assert "not a file path in an existing directory" in capsys.readouterr().err
+        # In the checkpoint calibrated in place, the report would go with the old directory.
+        for inside in (bundle / "report.json", bundle / "draft" / "report.json"):
+            argv[argv.index("--report") + 1] = str(inside)
+            assert train.main(argv) == 2
+            assert "lies in the checkpoint the calibration replaces" in capsys.readouterr().err
 
     # A plain draft directory has no adapter to score outcomes with.
     plain = draft.with_adapter(draft.adapter)

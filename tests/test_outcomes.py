@@ -218,7 +218,8 @@ def test_calibration_dict_round_trip_and_refusals():
     assert Calibration.from_dict({}) == Calibration()
     with pytest.raises(ValueError, match="'anchor_temperature'"):
         Calibration.from_dict({"acceptance_temperature": 1.0, "anchor_temperature": 2.0})
-    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "1.0"):
+    # 1e-50 and 1e39 are finite floats that float32 turns into 0 and inf.
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "1.0", 1e-50, 1e39):
         with pytest.raises(ValueError, match="bonus_temperature"):
             Calibration(bonus_temperature=bad)
     with pytest.raises(ValueError, match="JSON object"):
@@ -254,3 +255,11 @@ def test_a_calibration_warns_when_it_serves_another_setting():
         Calibration(fitted_for="J1-R2").warn_if_fitted_for_another(1, 2)  # (passes, refreshes)
     with pytest.warns(UserWarning, match="fitted for J1-R2 and serves J2-R1"):
         Calibration(fitted_for="J1-R2").warn_if_fitted_for_another(2, 1)
+    # Fitted at replacement confidence 1, J1-R1 ran no refresh: it drafted as J1-R0.
+    untrusting = Calibration(replacement_confidence=1, fitted_for="J1-R1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        untrusting.warn_if_fitted_for_another(1, 0)
+    drafted = r"fitted for J1-R1 \(replacement confidence 1 runs no refresh: it drafted as J1-R0\)"
+    with pytest.warns(UserWarning, match=drafted + " and serves J1-R1"):
+        untrusting.warn_if_fitted_for_another(1, 1)
