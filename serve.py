@@ -180,7 +180,8 @@ def _since(start: float) -> float:
 
 
 def _decoding_options(args, draft, *, method: str | None = None):
-    """The `DecodingOptions` of the command line (validated: a ValueError names the bad flag).
+    """The `DecodingOptions` of the command line (validated: a ValueError names the bad value
+    by its keyword, the flag's name with underscores, e.g. `refine_passes` for --refine-passes).
     No --method: the draft's own variant, or autoregressive decoding without a draft; `method`
     overrides both (`_check_before_loading`)."""
     from jetspec_jax import DecodingOptions
