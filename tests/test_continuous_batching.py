@@ -8,6 +8,7 @@ the chunk boundary's joins), so every test here is deterministic.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -73,6 +74,17 @@ class Client:
 
 def _count(scheduler: Scheduler, name: str) -> float:
     return scheduler.metrics.registry.get_sample_value(name) or 0.0
+
+
+def wait_for_batches_to_end(scheduler: Scheduler, count: int) -> None:
+    """Waits until the worker has ended `count` batches. A job's answer comes before the
+    worker's last look at the queue (a job waiting then could still join that batch); the
+    batch's decode time is recorded after it."""
+    deadline = time.monotonic() + 60
+    registry = scheduler.metrics.registry
+    while registry.get_sample_value("jetspec_phase_seconds_count", {"phase": "decode"}) != count:
+        assert time.monotonic() < deadline, f"{count} batches did not end"
+        time.sleep(0.01)
 
 
 def _batches(scheduler: Scheduler) -> float:
@@ -252,6 +264,7 @@ def test_no_job_joins_while_the_scheduler_is_held(target):
         client.submit("long", [5, 6, 7], 16)
         client.wait(1)
         assert client.order == ["long"] and client.events["short"] == []
+        wait_for_batches_to_end(scheduler, 1)  # released sooner, "short" could join it
         held.__exit__(None, None, None)
         client.wait(1)
     finally:

@@ -6,7 +6,7 @@ a device call returns."""
 from __future__ import annotations
 
 import json
-import time
+import types
 
 import pytest
 
@@ -91,15 +91,17 @@ def test_finishing_at_a_checkpoint_keeps_the_probes_export_until_its_own(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "draft"]
 
 
-def test_the_steps_that_fit_follow_the_probes_rate(tmp_path):
+def test_the_steps_that_fit_follow_the_probes_rate(tmp_path, monkeypatch):
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.0, "tokens_per_second": 3200.0}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    until = time.monotonic() + h200_sprint.LOAD_SECONDS + 100  # 100 s to train in
+    now = 1000.0
+    monkeypatch.setattr(h200_sprint, "time", types.SimpleNamespace(monotonic=lambda: now))
+    until = now + h200_sprint.LOAD_SECONDS + 100  # 100 s to train in
     steps = h200_sprint._steps_that_fit(metrics, 320, until, 0.5, Clock())
-    # 3200 tokens/s at 320 tokens per step is 10 steps/s; half of that for ~100 s, after the probe.
-    assert h200_sprint.PROBE_STEPS + 495 <= steps <= h200_sprint.PROBE_STEPS + 500
-    late = h200_sprint._steps_that_fit(metrics, 320, time.monotonic(), 1.0, Clock())
+    # 3200 tokens/s at 320 tokens per step is 10 steps/s; half of that for 100 s, after the probe.
+    assert steps == h200_sprint.PROBE_STEPS + 500
+    late = h200_sprint._steps_that_fit(metrics, 320, now, 1.0, Clock())
     assert late == h200_sprint.PROBE_STEPS  # no time left: the probe's steps, none more
 
 

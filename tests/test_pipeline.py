@@ -458,16 +458,21 @@ def test_mpmd_timing_keeps_compilation_apart(target, draft, prompts, monkeypatch
     monkeypatch.setattr(CompiledCache, "get", slow_get)
     COMPILED.clear()
     session = mixed_session(target, draft, prompts)
+    wall = time.perf_counter()
     session.start()
+    wall = time.perf_counter() - wall
     # Five prefill programs: the empty cache and proposer, a chunk on each device, the first
-    # token.
+    # token. The prefill time leaves out their sleeps, however long the machine's load makes
+    # the rest.
     prefill = session.timing.compile_seconds
     assert prefill > 5 * slower
-    assert 0 < session.timing.prefill_seconds < 5 * slower
+    assert 0 < session.timing.prefill_seconds <= wall - 5 * slower
+    wall = time.perf_counter()
     session.advance()
+    wall = time.perf_counter() - wall
     # Four round programs: propose, verify, draft ahead, observe.
     assert session.timing.compile_seconds - prefill > 4 * slower
-    assert 0 < session.timing.decode_seconds < 4 * slower
+    assert 0 < session.timing.decode_seconds <= wall - 4 * slower
 
 
 def test_draft_stage_target_params_leave_out_the_lower_layers():

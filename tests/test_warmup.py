@@ -17,6 +17,7 @@ from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.sampling import SamplingParams
 from jetspec_jax.serving import BackgroundServer, ServerConfig
 from jetspec_jax.serving.scheduler import Finished, Job, Scheduler
+from tests.test_continuous_batching import wait_for_batches_to_end
 from tests.test_foresight import MIXED, ScaledOracleDraft, foresight_options
 from tests.text_fixtures import with_tokenizer
 
@@ -138,6 +139,7 @@ def test_the_scheduler_warms_up_before_its_first_batch(target):
     scheduler.start()
     try:
         assert all_done.acquire(timeout=120) and all_done.acquire(timeout=120)
+        wait_for_batches_to_end(scheduler, 1)  # submitted sooner, it could join that batch
         scheduler.submit(Job([8, 9], 5, SamplingParams(), deliver))
         assert all_done.acquire(timeout=120)
     finally:
