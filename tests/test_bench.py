@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import os
@@ -522,30 +523,48 @@ def test_load_test_without_httpx_says_how_to_install_it(monkeypatch, capsys):
     assert "the load test needs httpx" in capsys.readouterr().err
 
 
-def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
+@contextlib.contextmanager
+def _event_stream_server(respond):
+    """The URL of a local HTTP server that answers each POST with an event stream:
+    `respond(body, out)` gets the request's JSON body and writes the stream's bytes to `out`."""
     import http.server
     import threading
 
-    from jetspec_jax.bench.load import run_load
-
-    class CutStream(http.server.BaseHTTPRequestHandler):
+    class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802  (the stdlib's spelling)
-            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi\n\n')
+            respond(body, self.wfile)
 
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CutStream)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        result = run_load(url, "m", ["Hi"], concurrency=1, requests=2)
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+def _events(*events: dict) -> bytes:
+    """`events` as server-sent events, then the stream's end."""
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+USAGE = {"choices": [], "usage": {"completion_tokens": 1}}  # a stream's last event
+
+
+def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
+    from jetspec_jax.bench.load import run_load
+
+    def cut_stream(body, out):
+        out.write(b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi\n\n')
+
+    with _event_stream_server(cut_stream) as url:
+        result = run_load(url, "m", ["Hi"], concurrency=1, requests=2)
     assert (result.requests, result.errors) == (2, 2)
     assert "2 of 2 requests at concurrency 1 failed: a malformed event" in capsys.readouterr().err
 
@@ -553,76 +572,37 @@ def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
 def test_load_test_times_the_first_token_not_the_role_chunk():
     """The server sends a chat stream's role chunk (no content) with its first keep-alive while
     the request waits: time to first token runs to the first text."""
-    import http.server
-    import threading
-
     from jetspec_jax.bench.load import run_load
 
     wait = 0.5
 
-    class RoleThenText(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802  (the stdlib's spelling)
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
-            self.wfile.write(f"data: {json.dumps(role)}\n\n".encode())
-            self.wfile.flush()
-            time.sleep(wait)
-            text = {"choices": [{"delta": {"content": "Hi"}}]}
-            usage = {"choices": [], "usage": {"completion_tokens": 1}}
-            for event in (text, usage):
-                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+    def role_then_text(body, out):
+        role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+        out.write(f"data: {json.dumps(role)}\n\n".encode())
+        out.flush()
+        time.sleep(wait)
+        text = {"choices": [{"delta": {"content": "Hi"}}]}
+        out.write(_events(text, USAGE))
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RoleThenText)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with _event_stream_server(role_then_text) as url:
         result = run_load(url, "m", ["Hi"], concurrency=1, requests=2)
         with pytest.raises(ValueError, match="warmup must be >= 0, got -1"):
             run_load(url, "m", ["Hi"], concurrency=1, requests=2, warmup=-1)
-    finally:
-        server.shutdown()
     assert result.errors == 0
     assert wait <= result.ttft_p50 <= result.latency_p50
 
 
 def test_load_test_sends_every_warmup_request_though_more_than_the_timed():
-    import http.server
-    import threading
-
     from jetspec_jax.bench.load import run_load
 
     prompts = []
 
-    class Echo(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802  (the stdlib's spelling)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            prompts.append(body["prompt"])
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            text = {"choices": [{"text": "a"}]}
-            usage = {"choices": [], "usage": {"completion_tokens": 1}}
-            for event in (text, usage):
-                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+    def echo(body, out):
+        prompts.append(body["prompt"])
+        out.write(_events({"choices": [{"text": "a"}]}, USAGE))
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with _event_stream_server(echo) as url:
         result = run_load(url, "m", ["a", "b"], concurrency=1, requests=2, warmup=3, chat=False)
-    finally:
-        server.shutdown()
     assert prompts == ["a", "b", "a", "a", "b"]  # 3 untimed, then the timed 2 from the start
     assert (result.requests, result.errors) == (2, 0)
 
