@@ -144,6 +144,15 @@ def _wait_for(condition, timeout=30.0):
 
 def test_models_health_and_api_key(server, http, client):
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.body["code"] == "model_not_found"
+    # Counted under the route's pattern: the ids clients send cannot grow the metrics.
+    retrieved = _labelled(
+        http, "jetspec_requests_total", endpoint="/v1/models/{model}", status="404"
+    )
+    assert retrieved >= 1 and "gpt-9" not in http.get("/metrics").text
     health = httpx.get(server.url + "/health")  # open without a key
     assert health.status_code == 200 and health.json()["status"] == "ok"
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -399,7 +408,10 @@ def test_a_cancelled_request_is_the_clients_unless_the_server_shuts_down(accepti
     scheduler = types.SimpleNamespace(
         accepting=accepting, metrics=types.SimpleNamespace(requests=requests)
     )
-    request = types.SimpleNamespace(path="/v1/completions", app={SCHEDULER: scheduler})
+    route = types.SimpleNamespace(resource=types.SimpleNamespace(canonical="/v1/completions"))
+    request = types.SimpleNamespace(
+        match_info=types.SimpleNamespace(route=route), app={SCHEDULER: scheduler}
+    )
 
     async def cancelled(request):
         raise asyncio.CancelledError
@@ -525,6 +537,7 @@ def test_a_prompt_the_scheduler_refuses_names_the_request_field(server, http, mo
     assert (completion.status_code, completion.json()["error"]["param"]) == (400, "prompt")
 
 
+USER = [{"role": "user", "content": "x"}]
 BAD = [
     # (path, body (dict) or raw bytes, status, what the message or param names)
     ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, "malformed JSON"),
@@ -672,6 +685,64 @@ BAD = [
         400,
         "response_format",
     ),
+    ("/v1/completions", dict(model=None, prompt="Hi"), 400, "model must be a string"),
+    # A forced tool call, even with no tools given, is not a text answer.
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=USER, tool_choice="required"),
+        400,
+        "tool_",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=USER, tool_choice={"type": "function", "function": {}}),
+        400,
+        "tool_choice",
+    ),
+    ("/v1/chat/completions", dict(model=MODEL, messages=USER, function_call={}), 400, "function_"),
+    # A tool call in the history: the template would render it, and it was dropped.
+    (
+        "/v1/chat/completions",
+        dict(
+            model=MODEL,
+            messages=[*USER, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
+        ),
+        400,
+        "messages[1].tool_calls",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=[{"role": "user", "content": "x", "name": 3}]),
+        400,
+        "messages[0].name",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=[{"role": "user", "content": []}]),
+        400,
+        "empty",
+    ),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=USER, modalities=["text", "audio"]),
+        400,
+        "modal",
+    ),
+    ("/v1/chat/completions", dict(model=MODEL, messages=USER, audio={"voice": "x"}), 400, "audio"),
+    (
+        "/v1/chat/completions",
+        dict(model=MODEL, messages=USER, documents=[{"t": "x"}]),
+        400,
+        "documents",
+    ),
+    (
+        "/v1/completions",
+        dict(
+            model=MODEL, prompt="Hi", stream=True, stream_options={"continuous_usage_stats": True}
+        ),
+        400,
+        "continuous_usage_stats",
+    ),
 ]
 
 
@@ -716,6 +787,10 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
         continue_final_message=False,
         add_special_tokens=False,
         chat_template_kwargs={"enable_thinking": False},
+        tool_choice="auto",
+        function_call="none",
+        modalities=["text"],
+        documents=[],
         **neutral,
     )
     plain = http.post("/v1/chat/completions", json=chat).json()
@@ -788,6 +863,24 @@ def test_chat_template_kwargs_pass_enable_thinking_to_the_template():
         parse_chat({**body, "chat_template_kwargs": {"enable_thinking": "yes"}}, model)
 
 
+def test_a_messages_name_reaches_the_template():
+    class Recording:
+        chat_template = "{{ messages }}"
+        messages = []
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.messages.append(messages)
+            return "Hi"
+
+        def encode(self, text, add_special_tokens):
+            return [1, 2]
+
+    model = ModelInfo(name=MODEL, tokenizer=Recording(), context_length=64)
+    named = [{"role": "user", "content": "Hi", "name": "ada"}, {"role": "user", "content": "Yo"}]
+    parse_chat(dict(model=MODEL, messages=named), model)
+    assert model.tokenizer.messages == [named]
+
+
 def test_top_p_zero_is_greedy_and_a_seed_is_any_64_bit_integer(http):
     greedy = _complete(http, prompt="The sky", max_tokens=6).json()["choices"][0]["text"]
     sampled = dict(model=MODEL, prompt="The sky", max_tokens=6, temperature=1.0, top_p=0)
@@ -854,9 +947,12 @@ def test_unknown_routes_and_methods_answer_json_errors(http):
     assert http.get("/wp-admin").status_code == 404
     assert _labelled(http, "jetspec_requests_total", **labels) - unknown == 2
     assert "/wp-admin" not in http.get("/metrics").text
+    labels = dict(endpoint="/v1/completions", status="405")
+    wrongly = _labelled(http, "jetspec_requests_total", **labels)
     wrong = http.get("/v1/completions")
     assert wrong.status_code == 405 and "error" in wrong.json()
     assert "POST" in wrong.headers["Allow"]
+    assert _labelled(http, "jetspec_requests_total", **labels) - wrongly == 1
 
 
 def test_stop_strings_cut_the_output(target, server, http):

@@ -7,9 +7,10 @@ and no second server package (starlette + uvicorn would be two, plus their own d
 Decoding runs on the scheduler's worker thread; handlers only parse, wait for events and write.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming or not), GET /v1/models,
-GET /health, GET /metrics. With an API key set, /v1/* needs `Authorization: Bearer KEY` (401
-otherwise); /health and /metrics stay open for probes and scrapers. Every error is an OpenAI error
-object (`{"error": {"message", "type", "param", "code"}}`).
+GET /v1/models/{model}, GET /health, GET /metrics. With an API key set, /v1/* needs
+`Authorization: Bearer KEY` (401 otherwise); /health and /metrics stay open for probes and
+scrapers. Every error is an OpenAI error object (`{"error": {"message", "type", "param",
+"code"}}`).
 
 A stream's headers (200, text/event-stream) go out with its first text, or, when no text has come
 after `keepalive_seconds` (a request waiting in the queue behind a long batch, or for a batch
@@ -60,7 +61,14 @@ MODEL = web.AppKey("model", ModelInfo)
 API_KEY = web.AppKey("api_key", str)
 TOKENIZING = web.AppKey("tokenizing", concurrent.futures.ThreadPoolExecutor)
 KEEPALIVE = web.AppKey("keepalive_seconds", float)
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/models/{model}",
+    "/health",
+    "/metrics",
+)
 # The status of an error a stream sent as an event after its 200 headers, for `_count` (a
 # context variable: the handler runs in the middleware's task, and aiohttp runs each request of a
 # keep-alive connection in a task of its own, so no request sees another's value).
@@ -120,6 +128,7 @@ def create_app(
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
 
@@ -148,8 +157,12 @@ async def _count(request: web.Request, handler):
     """Counts every answer by route and status (`jetspec_requests_total`): a request whose client
     went away (its handler cancelled) as 499, nginx's "client closed request" (503 when the
     server's shutdown cancelled it), and a stream that ended in an error event as that error's
-    status, not the 200 its headers went out with."""
-    endpoint = request.path if request.path in _ROUTES else "other"
+    status, not the 200 its headers went out with. A route with a parameter counts under its
+    pattern, and a path no route matched (a wrong method's included) under "other" unless it is
+    a route's: what clients send cannot grow the metrics."""
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else request.path
+    endpoint = endpoint if endpoint in _ROUTES else "other"
     status = 500
     try:
         response = await handler(request)
@@ -209,10 +222,26 @@ async def _auth(request: web.Request, handler):
 # -- simple routes --------------------------------------------------------------------------
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "jetspec_jax"}
+
+
 async def _models(request: web.Request) -> web.Response:
-    name = request.app[MODEL].name
-    model = {"id": name, "object": "model", "created": 0, "owned_by": "jetspec_jax"}
-    return web.json_response({"object": "list", "data": [model]})
+    data = [_model_object(request.app[MODEL].name)]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """OpenAI's "retrieve model": the served model's object, else 404 `model_not_found`."""
+    name, asked = request.app[MODEL].name, request.match_info["model"]
+    if asked != name:
+        raise RequestError(
+            404,
+            f"the model {asked!r} does not exist; this server serves {name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_model_object(name))
 
 
 async def _health(request: web.Request) -> web.Response:

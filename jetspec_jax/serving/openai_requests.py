@@ -6,11 +6,14 @@ text-part content, the parts joined by newlines as vLLM joins them), with `model
 (chat: also `max_completion_tokens`), `temperature` (0..2), `top_p` (0 keeps only the most likely
 token), `top_k` (an extension, as in vLLM), `seed` (any 64-bit integer, folded to 32 bits), `stop`
 (up to 4 strings), `stream`, `stream_options.include_usage` and chat's
-`chat_template_kwargs.enable_thinking` (vLLM's). Fields that would change the output in ways this
-server does not implement (`n` > 1, `logprobs`, `echo`, non-zero penalties, `logit_bias`, `tools`,
-`suffix`, `best_of` > 1, a `response_format` other than text, and vLLM's extensions away from
-their neutral values: `EXTENSIONS_AT_NEUTRAL`, `CHAT_EXTENSIONS_AT_NEUTRAL`) are refused with 400
-rather than silently ignored; other unknown fields are ignored, as clients send many.
+`chat_template_kwargs.enable_thinking` (vLLM's); a chat message's `name` is passed to the chat
+template. Fields that would change the output in ways this server does not implement (`n` > 1,
+`logprobs`, `echo`, non-zero penalties, `logit_bias`, `tools` and a forced `tool_choice`, tool
+calls in the history, `suffix`, `best_of` > 1, a `response_format` other than text, output
+modalities other than text, vLLM's `stream_options.continuous_usage_stats`, and vLLM's extensions
+away from their neutral values: `EXTENSIONS_AT_NEUTRAL`, `CHAT_EXTENSIONS_AT_NEUTRAL`) are
+refused with 400 rather than silently ignored; other unknown fields are ignored, as clients send
+many.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ CHAT_EXTENSIONS_AT_NEUTRAL = {
     "continue_final_message": (False,),
     "add_special_tokens": (False,),
     "chat_template": (),
+    "documents": ([],),  # rendered by the template
 }
+# A chat request's choices between a text answer and a tool call that leave it a text answer.
+_TEXT_ANSWER_CHOICES = (None, "none", "auto")
 
 
 class RequestError(Exception):
@@ -160,6 +166,21 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
         raise RequestError(400, "missing required parameter: 'messages'", param="messages")
     if body.get("tools") or body.get("functions"):
         raise RequestError(400, "tools / function calling are not supported", param="tools")
+    for name in ("tool_choice", "function_call"):  # a forced call, even with no tools given
+        if body.get(name) not in _TEXT_ANSWER_CHOICES:
+            raise RequestError(
+                400,
+                f"{name}={body[name]!r} is not supported (must be 'none' or 'auto')",
+                param=name,
+            )
+    if body.get("modalities") not in (None, ["text"]):
+        raise RequestError(
+            400,
+            f"modalities={body['modalities']!r} is not supported (only text output)",
+            param="modalities",
+        )
+    if body.get("audio") is not None:
+        raise RequestError(400, "audio output is not supported", param="audio")
     _check_neutral(body, CHAT_EXTENSIONS_AT_NEUTRAL)
     messages = _messages(body["messages"])
     tokenizer = model.tokenizer
@@ -184,6 +205,8 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
         raise RequestError(400, "the request body must be a JSON object")
     if "model" not in body:
         raise RequestError(400, "missing required parameter: 'model'", param="model")
+    if not isinstance(body["model"], str):
+        raise RequestError(400, "model must be a string", param="model")
     if body["model"] != model.name:
         raise RequestError(
             404,
@@ -279,6 +302,13 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
     if not isinstance(include_usage, bool):
         raise RequestError(
             400, "stream_options.include_usage must be a boolean", param="stream_options"
+        )
+    if options.get("continuous_usage_stats") not in (None, False):  # vLLM's usage in every chunk
+        raise RequestError(
+            400,
+            "stream_options.continuous_usage_stats is not supported (usage comes in the last "
+            "chunk: include_usage)",
+            param="stream_options",
         )
     return GenerationRequest(
         chat=chat,
@@ -401,14 +431,23 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                 f"{where}.role must be system, developer, user or assistant, got {role!r}",
                 param=f"{where}.role",
             )
+        for name in ("tool_calls", "function_call"):  # a template renders them: not ignored
+            if message.get(name):
+                raise RequestError(
+                    400, f"{where}.{name}: tool calls are not supported", param=f"{where}.{name}"
+                )
         if "content" not in message:
             raise RequestError(400, f"missing required parameter: '{where}.content'", param=where)
-        out.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _content(message["content"], where),
-            }
-        )
+        turn = {
+            "role": "system" if role == "developer" else role,
+            "content": _content(message["content"], where),
+        }
+        name = message.get("name")
+        if name is not None:  # a participant's name, which templates may render (as vLLM's)
+            if not isinstance(name, str):
+                raise RequestError(400, f"{where}.name must be a string", param=f"{where}.name")
+            turn["name"] = _unicode(name, f"{where}.name")
+        out.append(turn)
     return out
 
 
@@ -416,6 +455,8 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return _unicode(content, where)
     if isinstance(content, list):
+        if not content:
+            raise RequestError(400, f"{where}.content: an empty list of parts", param=where)
         texts = []
         for part in content:
             if (
