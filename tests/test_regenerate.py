@@ -129,6 +129,19 @@ def test_resume_after_limit_equals_uninterrupted_run(target, prompt_files, unint
     assert (again.written, again.skipped_existing) == (0, 5)
 
 
+def test_resuming_after_a_prompt_changed_is_refused(target, prompt_files, uninterrupted, tmp_path):
+    """The resumed run would keep the response to the old prompt under the id."""
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(uninterrupted.read_bytes())
+    settings_path(out).write_bytes(settings_path(uninterrupted).read_bytes())
+    first = json.loads(prompt_files[0].read_text().splitlines()[0])
+    edited = _write_jsonl(tmp_path / "a.jsonl", [{**first, "prompt": first["prompt"] + "?"}])
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=f"response for id {first['id']!r} to another prompt"):
+        regenerate(target, [edited, prompt_files[1]], out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert out.read_bytes() == before
+
+
 def test_responses_cut_at_the_budget_are_counted(
     target, uninterrupted, prompt_files, tmp_path, caplog
 ):
@@ -378,7 +391,26 @@ def test_empty_or_non_utf8_prompt_files_are_refused(target, tmp_path):
     latin.write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n')
     with pytest.raises(ValueError, match="latin.jsonl:1 is not UTF-8"):
         regenerate(target, [latin], tmp_path / "out.jsonl")
+    # JSON's escapes admit unpaired surrogates, which no tokenizer encodes nor file holds.
+    for field in ("id", "prompt"):
+        lone = tmp_path / f"lone_{field}.jsonl"
+        record = {"id": "a", "prompt": "Hi", field: "x\udc80"}
+        lone.write_text("\n" + json.dumps(record) + "\n")  # escaped by json.dumps
+        with pytest.raises(ValueError, match=f"lone_{field}.jsonl:2: its '{field}' holds an unp"):
+            regenerate(target, [lone], tmp_path / "out.jsonl")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_bad_record_is_named_by_its_line(tmp_path):
+    good = {"id": "a", "prompt": "Hi"}
+    for bad, message in [
+        ({"prompt": "Hi"}, "bad.jsonl:2: the record has no string 'id'"),
+        ({"id": "b", "prompt": "Hi", "source": 3}, "bad.jsonl:2: record 'b' has a non-string"),
+        (good, "duplicate id 'a': at .*bad.jsonl:1 and .*bad.jsonl:2"),
+    ]:
+        path = _write_jsonl(tmp_path / "bad.jsonl", [good, bad])
+        with pytest.raises(ValueError, match=message):
+            read_records([path])
 
 
 def test_too_long_prompt_is_skipped_and_counted(target, tmp_path, caplog):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 from jetspec_jax.data.jsonl import read_jsonl
 
@@ -18,16 +18,37 @@ def read_prompts(path: str | pathlib.Path, limit: int | None = None) -> list[dic
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: a line is not a JSON object with a string `prompt` (names the line).
+        ValueError: a line is not a JSON object with a string `prompt`, or one of its text fields
+            is not Unicode (names the line).
     """
     records = []
-    for where, record in read_jsonl(path, what="prompt file"):
+    for _, record in located_prompts(path):
         if limit is not None and len(records) >= limit:
             break
-        if not isinstance(record.get("prompt"), str):
-            raise ValueError(f"{where} lacks a string 'prompt' field")
         records.append(record)
     return records
+
+
+def located_prompts(path: str | pathlib.Path) -> Iterator[tuple[str, dict]]:
+    """`(path:line, record)` for each record of a JSONL prompt file, checked as `read_prompts`
+    says."""
+    for where, record in read_jsonl(path, what="prompt file"):
+        if not isinstance(record.get("prompt"), str):
+            raise ValueError(f"{where} lacks a string 'prompt' field")
+        for field in ("id", "prompt", "source"):
+            text = record.get(field)
+            if isinstance(text, str) and not _is_unicode(text):
+                # JSON's escapes admit them; no tokenizer encodes them, nor can a file hold them.
+                raise ValueError(f"{where}: its {field!r} holds an unpaired UTF-16 surrogate")
+        yield where, record
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def prompt_text(record: dict, math_sources: Collection[str] = MATH_SOURCES) -> str:

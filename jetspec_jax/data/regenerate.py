@@ -41,7 +41,7 @@ import tqdm
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.data.jsonl import read_jsonl, trim_partial_last_line
-from jetspec_jax.data.prompts import MATH_SOURCES, prompt_text, read_prompts
+from jetspec_jax.data.prompts import MATH_SOURCES, located_prompts, prompt_text
 from jetspec_jax.file_lock import exclusively
 from jetspec_jax.generate import generate_as_completed
 from jetspec_jax.prompting import PromptEncoding
@@ -117,17 +117,17 @@ def read_records(
     _check_limit(limit)
     suffixed = set(math_suffix_sources)
     records: list[PromptRecord] = []
-    where: dict[str, str] = {}  # id -> file it was first seen in
+    seen: dict[str, str] = {}  # id -> the path:line it was first seen at
     for path in prompt_files:
-        for record in read_prompts(path):
+        for where, record in located_prompts(path):
             rid, source = record.get("id"), record.get("source")
             if not isinstance(rid, str) or not rid:
-                raise ValueError(f"{path}: a record has no string 'id' (got {rid!r})")
-            if rid in where:
-                raise ValueError(f"duplicate id {rid!r}: in {where[rid]} and {path}")
+                raise ValueError(f"{where}: the record has no string 'id' (got {rid!r})")
+            if rid in seen:
+                raise ValueError(f"duplicate id {rid!r}: at {seen[rid]} and {where}")
             if source is not None and not isinstance(source, str):
-                raise ValueError(f"{path}: record {rid!r} has a non-string 'source' {source!r}")
-            where[rid] = str(path)
+                raise ValueError(f"{where}: record {rid!r} has a non-string 'source' {source!r}")
+            seen[rid] = where
             text = prompt_text(record, suffixed)
             records.append(PromptRecord(len(records), rid, source, text))
     if not records:
@@ -233,8 +233,9 @@ def regenerate(
         "output file"
     )
     with exclusively(out_path, busy=busy):  # a second run would append the same records
-        done = _existing_ids(out_path)
+        done = _existing_prompts(out_path)
         record_settings(settings_path(out_path), settings, resuming=bool(done))
+        _check_same_prompts(out_path, done, encoded)  # same settings, but a prompt edited?
         existing = sum(r.id in done for r in records)
         todo = [(r, ids) for r, ids in encoded if r.id not in done]
         too_long = len(records) - existing - len(todo)
@@ -447,13 +448,30 @@ def _json_ready(value) -> dict:
     return json.loads(json.dumps(fields))
 
 
-def _existing_ids(out_path: pathlib.Path) -> set[str]:
-    """Ids of the complete lines of `out_path`.
+def _check_same_prompts(
+    out_path: pathlib.Path,
+    done: dict[str, list[int]],
+    encoded: list[tuple[PromptRecord, list[int]]],
+) -> None:
+    """Refuses to resume where a finished record's prompt is not its id's prompt now (the prompt
+    file was edited, or another one reuses the id): the resumed run would keep a response to
+    another prompt."""
+    for record, ids in encoded:
+        if record.id in done and done[record.id] != ids:
+            raise ValueError(
+                f"{out_path} holds a response for id {record.id!r} to another prompt than the "
+                "prompt files give it now: remove that line to regenerate it, or write to "
+                "another file"
+            )
+
+
+def _existing_prompts(out_path: pathlib.Path) -> dict[str, list[int]]:
+    """`{id: prompt ids}` of the complete lines of `out_path`.
 
     Once every complete line has proved to be a regenerated record (so a mistyped path to
     another file is refused untouched), truncates a partial last line left by a kill.
     """
-    ids = set()
+    prompts = {}
     for where, obj in read_jsonl(out_path, what="output file", skip_partial_tail=True):
         missing = [k for k in ("id", "prompt_ids", "response_ids") if k not in obj]
         if missing or not isinstance(obj["id"], str):
@@ -461,7 +479,7 @@ def _existing_ids(out_path: pathlib.Path) -> set[str]:
                 f"{where} is no regenerated record (it needs a string 'id', 'prompt_ids' and "
                 "'response_ids'); is it an output file?"
             )
-        ids.add(obj["id"])
+        prompts[obj["id"]] = obj["prompt_ids"]
     cut = trim_partial_last_line(out_path)
     if cut:
         logger.warning(
@@ -470,7 +488,7 @@ def _existing_ids(out_path: pathlib.Path) -> set[str]:
             out_path,
             cut,
         )
-    return ids
+    return prompts
 
 
 def _check_positive(name: str, value) -> None:
