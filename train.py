@@ -417,6 +417,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     """Validates the request, loads the target, and runs `regenerate`."""
     import jetspec_jax
     from jetspec_jax.data.regenerate import check_output_path, read_records, regenerate
+    from jetspec_jax.target import load_target_config
 
     # Validate everything cheap (arguments, prompt files) before the slow model load.
     sampling = jetspec_jax.SamplingParams(temperature=args.temperature, seed=args.seed)
@@ -429,6 +430,12 @@ def _regenerate(args: argparse.Namespace) -> int:
     encoding = _prompt_encoding(args)
     check_output_path(args.out, args.prompts)
     read_records(args.prompts)
+    context = load_target_config(args.target).max_position_embeddings
+    if args.max_new_tokens >= context:
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
+            f"context of {context} tokens"
+        )
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
     summary = regenerate(

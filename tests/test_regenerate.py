@@ -530,6 +530,20 @@ def test_cli_bad_argument_exits_2_without_traceback(prompt_files, tmp_path):
         assert f"error: {flag[0]} is a chat-template setting; drop --no-chat" in stderr
 
 
+def test_cli_refuses_a_budget_the_context_cannot_hold_before_the_load(
+    target, target_dir, prompt_files, tmp_path, monkeypatch, capsys
+):
+    import train
+
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    context = target.config.max_position_embeddings
+    args = ["regenerate", "--prompts", str(prompt_files[0]), "--out", str(tmp_path / "o.jsonl")]
+    args += ["--target", str(target_dir), "--max-new-tokens", str(context)]
+    assert train.main(args) == 2
+    assert f"--max-new-tokens {context} leaves no room for a prompt" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_chat_prompts_end_in_the_assistants_turn_with_thinking_off():
     """With a template that reads `enable_thinking` (Qwen3's do): the generation prompt is added,
     thinking is off unless asked for, and a system message comes first."""
