@@ -10,14 +10,17 @@ this package, under ``assets/`` (its provenance: ``assets/README.md``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from jetspec_jax.checkpoint.bundle import is_bundle
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
+from jetspec_jax.file_lock import exclusively
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -73,9 +76,11 @@ def default_gguf_path() -> Path:
 def default_target_dir(*, show_progress: bool | None = True) -> Path:
     """HF checkpoint directory of the default model, converting it on first use.
 
-    Safe to call from several processes at once on a fresh cache (e.g. test workers): each
-    converts into a private temporary directory, the first to finish renames it into place, and
-    the others return that one. An empty directory at the cache path counts as absent.
+    Safe to call from several processes at once on a fresh cache (e.g. test workers): one
+    converts (into a temporary directory renamed into place when complete) while the others wait
+    for it, then return its directory. A conversion killed before it finished leaves its
+    temporary directory, which the next one removes. An empty directory at the cache path counts
+    as absent.
 
     Args:
         show_progress: the conversion's progress bar (None: only on a terminal).
@@ -84,23 +89,57 @@ def default_target_dir(*, show_progress: bool | None = True) -> Path:
         CheckpointError: the cache path holds something other than a complete checkpoint (our
             converter only ever renames complete directories into place); delete it.
         ModuleNotFoundError, FileNotFoundError: the default model's package is missing or broken.
+        OSError: the cache cannot be written (named, with the variables that choose another).
     """
     target = cache_root() / _CACHE_SUBDIR
     if _is_complete(target):
         return target
-    with contextlib.suppress(OSError):  # absent, not empty, or not a directory: all judged below
-        target.rmdir()  # an empty directory: would make the conversion refuse to start
-    if not target.exists():
-        gguf_path = default_gguf_path()
-        print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
-        try:
-            convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
-        except FileExistsError:
-            pass  # another process's conversion landed after our check: judged below
+    root = _writable_cache_root()
+    busy = f"jetspec_jax: another process is converting the default model into {target}; waiting"
+    with exclusively(root / f".{_CACHE_SUBDIR}.lock", busy=busy, wait=True):
+        _remove_unfinished_conversions(root)
+        with contextlib.suppress(OSError):  # absent, not empty, or not a directory: judged below
+            target.rmdir()  # an empty directory: would make the conversion refuse to start
+        if not target.exists():
+            gguf_path = default_gguf_path()
+            print(f"jetspec_jax: converting {gguf_path.name} once into {target}", file=sys.stderr)
+            try:
+                convert_gguf_to_hf(gguf_path, target, show_progress=show_progress)
+            except FileExistsError:
+                pass  # a conversion that took no lock (an older version's) landed: judged below
     # Ours, or another process's that landed since our first check (kept over ours): judged alike.
     if _is_complete(target):
         return target
     raise CheckpointError(f"{target} exists but is not a complete checkpoint; delete it")
+
+
+def _writable_cache_root() -> Path:
+    """`cache_root()`, created if missing, or an OSError naming it and how to choose another."""
+    root = cache_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)  # a dangling symlink: FileExistsError
+        if not os.access(root, os.W_OK | os.X_OK):  # read-only filesystems included
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"cannot write the default model's cache {root} ({e.strerror or e}): set "
+            "JETSPEC_JAX_CACHE (or XDG_CACHE_HOME) to a writable directory",
+        ) from e
+    return root
+
+
+def _remove_unfinished_conversions(root: Path) -> None:
+    """Deletes the temporary directories of conversions killed before they finished (up to the
+    model's size each). Called under the conversion lock: no conversion is running then."""
+    # `atomic_directory`'s names for the copy being written and the one being replaced.
+    for kind in ("tmp", "old"):
+        for leftover in sorted(root.glob(f".{_CACHE_SUBDIR}.{kind}-*")):
+            print(
+                f"jetspec_jax: removing {leftover}, left by an interrupted conversion",
+                file=sys.stderr,
+            )
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def default_draft_dir() -> Path:

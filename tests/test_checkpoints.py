@@ -438,6 +438,26 @@ def test_a_failed_replacement_puts_the_previous_directory_back(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_failure_to_move_the_previous_directory_aside_leaves_nothing_behind(
+    tmp_path, monkeypatch
+):
+    from jetspec_jax.checkpoint import atomic
+
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+
+    def busy(src, dst):
+        raise OSError("device or resource busy")  # a mount point, say
+
+    monkeypatch.setattr(atomic.os, "replace", busy)
+    with pytest.raises(OSError, match="busy"):
+        with atomic.atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("new")
+    assert (out / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_a_dangling_symlink_is_refused_before_any_work(tmp_path):
     """`atomic_directory`: a symlink to nowhere at `out` is an existing entry, refused before the
     body runs (with or without overwrite), not after it with a misleading race message."""

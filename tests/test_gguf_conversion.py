@@ -57,7 +57,8 @@ def test_output_layout(converted_dir):
         "tokenizer.json",
         "tokenizer_config.json",
     }
-    assert _siblings(converted_dir) == [converted_dir.name]  # no .tmp- dir left behind
+    # No .tmp- dir left behind; the lock that keeps conversions apart stays.
+    assert _siblings(converted_dir) == [f".{converted_dir.name}.lock", converted_dir.name]
     config = json.loads((converted_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
@@ -227,6 +228,86 @@ def test_default_target_dir_empty_and_incomplete_directories(tmp_path, monkeypat
 
     (target / "model.safetensors").unlink()  # not ours: ours only ever appear complete
     with pytest.raises(CheckpointError, match="not a complete checkpoint; delete it"):
+        default_model.default_target_dir(show_progress=False)
+
+
+def test_a_conversion_removes_what_an_interrupted_one_left(tmp_path, monkeypatch, capsys):
+    """A killed conversion leaves its temporary directory (the model's size); the next
+    conversion, under the lock that keeps conversions apart, removes it."""
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    sub = default_model._CACHE_SUBDIR
+    leftovers = [tmp_path / "cache" / f".{sub}.tmp-k1ll3d", tmp_path / "cache" / f".{sub}.old-x"]
+    for leftover in leftovers:
+        (leftover / "part").mkdir(parents=True)
+    other = tmp_path / "cache" / ".another-model.tmp-abc"  # not ours: left alone
+    other.mkdir()
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: tmp_path / "m.gguf")
+    monkeypatch.setattr(
+        default_model, "convert_gguf_to_hf", lambda gguf_path, out, **_: _publish(out)
+    )
+    target = default_model.default_target_dir(show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [other.name, f".{sub}.lock", target.name]
+    )
+    assert f"removing {leftovers[0]}, left by an interrupted conversion" in capsys.readouterr().err
+
+
+def test_a_second_conversion_waits_for_the_first_and_returns_its_directory(
+    tmp_path, monkeypatch, capsys
+):
+    import threading
+
+    from jetspec_jax.file_lock import exclusively
+
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / default_model._CACHE_SUBDIR
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: tmp_path / "m.gguf")
+    monkeypatch.setattr(
+        default_model, "convert_gguf_to_hf", lambda *a, **k: pytest.fail("converted again")
+    )
+    lock = tmp_path / "cache" / f".{default_model._CACHE_SUBDIR}.lock"
+    returned = []
+    with exclusively(lock, busy="held by the first"):  # the first process, converting
+        waiting = threading.Thread(
+            target=lambda: returned.append(default_model.default_target_dir(show_progress=False))
+        )
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not returned  # it waits
+        _publish(target)  # the first's conversion lands
+    waiting.join(60)
+    assert returned == [target]
+    assert "another process is converting the default model" in capsys.readouterr().err
+
+
+def test_a_lock_on_a_filesystem_without_flock_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    from jetspec_jax import file_lock
+
+    def unsupported(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(file_lock.fcntl, "flock", unsupported)
+    lock = tmp_path / "run" / ".lock"
+    with pytest.raises(OSError, match=f"cannot lock {lock}: its filesystem does not support flock"):
+        with file_lock.exclusively(lock, busy="busy"):
+            pytest.fail("the body ran")
+
+
+@pytest.mark.parametrize("why", ["a dangling symlink", "read-only"])
+def test_an_unwritable_cache_names_itself_and_the_variable_to_set(tmp_path, monkeypatch, why):
+    root = tmp_path / "cache"
+    if why == "a dangling symlink":
+        root.symlink_to(tmp_path / "unmounted" / "disk")
+    else:
+        root.mkdir()
+        monkeypatch.setattr(default_model.os, "access", lambda path, mode: False)
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(root))
+    monkeypatch.setattr(
+        default_model, "convert_gguf_to_hf", lambda *a, **k: pytest.fail("converted")
+    )
+    with pytest.raises(OSError, match=f"cannot write the default model's cache {root} .*set JETS"):
         default_model.default_target_dir(show_progress=False)
 
 

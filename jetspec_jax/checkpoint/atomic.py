@@ -72,7 +72,11 @@ def atomic_directory(
         if overwrite and os.path.lexists(out):
             _check_replaceable(out, refuse)  # again: it may have been replaced meanwhile
             old = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / out.name)
+            try:
+                os.replace(out, old / out.name)
+            except BaseException:
+                old.rmdir()  # nothing was moved into it
+                raise
             try:
                 os.replace(tmp, out)
             except BaseException:
