@@ -416,7 +416,12 @@ def _check_draft_takes_passes(args: argparse.Namespace, draft) -> None:
 def _regenerate(args: argparse.Namespace) -> int:
     """Validates the request, loads the target, and runs `regenerate`."""
     import jetspec_jax
-    from jetspec_jax.data.regenerate import check_output_path, read_records, regenerate
+    from jetspec_jax.data.regenerate import (
+        check_output_path,
+        check_room_for_a_prompt,
+        read_records,
+        regenerate,
+    )
     from jetspec_jax.target import load_target_config
 
     # Validate everything cheap (arguments, prompt files) before the slow model load.
@@ -431,11 +436,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     check_output_path(args.out, args.prompts)
     read_records(args.prompts)
     context = load_target_config(args.target).max_position_embeddings
-    if args.max_new_tokens >= context:
-        raise ValueError(
-            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the target's "
-            f"context of {context} tokens"
-        )
+    check_room_for_a_prompt(args.max_new_tokens, context, "--max-new-tokens")
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
     summary = regenerate(

@@ -135,6 +135,18 @@ def read_records(
     return records if limit is None else records[:limit]
 
 
+def check_room_for_a_prompt(
+    max_new_tokens: int, context: int, name: str = "max_new_tokens"
+) -> None:
+    """Refuses a budget that leaves no token of the target's `context` for a prompt (`name`: the
+    budget as the caller's user gave it, a keyword or a flag)."""
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"{name} {max_new_tokens} leaves no room for a prompt in the target's context of "
+            f"{context} tokens"
+        )
+
+
 def check_output_path(
     out_path: str | os.PathLike, prompt_files: Sequence[str | os.PathLike]
 ) -> None:
@@ -204,12 +216,7 @@ def regenerate(
         raise ValueError(f"target {target.path} has no tokenizer; regeneration needs one")
     if thinking and not chat:
         raise ValueError("thinking is a chat-template switch: it needs chat=True")
-    context = target.config.max_position_embeddings
-    if max_new_tokens >= context:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the target's "
-            f"context of {context} tokens"
-        )
+    check_room_for_a_prompt(max_new_tokens, target.config.max_position_embeddings)
     records = read_records(prompt_files, math_suffix_sources=math_suffix_sources, limit=limit)
     out_path = pathlib.Path(out_path)
     check_output_path(out_path, prompt_files)

@@ -41,6 +41,7 @@ from jetspec_jax.serving.openai_requests import (
     GenerationRequest,
     ModelInfo,
     RequestError,
+    model_not_found,
     parse_chat,
     parse_completion,
 )
@@ -235,12 +236,7 @@ async def _model(request: web.Request) -> web.Response:
     """OpenAI's "retrieve model": the served model's object, else 404 `model_not_found`."""
     name, asked = request.app[MODEL].name, request.match_info["model"]
     if asked != name:
-        raise RequestError(
-            404,
-            f"the model {asked!r} does not exist; this server serves {name!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(asked, name)
     return web.json_response(_model_object(name))
 
 

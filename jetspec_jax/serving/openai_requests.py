@@ -105,6 +105,16 @@ class RequestError(Exception):
         }
 
 
+def model_not_found(asked: str, served: str) -> RequestError:
+    """The 404 for a model id this server does not serve."""
+    return RequestError(
+        404,
+        f"the model {asked!r} does not exist; this server serves {served!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """A validated request, ready for the scheduler.
@@ -208,12 +218,7 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
     if not isinstance(body["model"], str):
         raise RequestError(400, "model must be a string", param="model")
     if body["model"] != model.name:
-        raise RequestError(
-            404,
-            f"the model {body['model']!r} does not exist; this server serves {model.name!r}",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(body["model"], model.name)
     if not _is_one(body.get("n")):
         raise RequestError(400, "n must be 1 (send concurrent requests instead)", param="n")
     # Completions' fields, refused on chat too: a client that sends them expects them honoured.
