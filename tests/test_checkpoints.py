@@ -97,6 +97,38 @@ def test_swish_loads_as_the_silu_it_is_in_transformers(checkpoints, tmp_path):
     np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "changes, windowed",
+    [
+        (dict(layer_types=["full_attention"] * 3), False),  # every listed layer is full
+        (dict(layer_types=None, max_window_layers=3), False),  # none at or past max_window_layers
+        (dict(layer_types=None, max_window_layers=1, sliding_window=None), False),  # no window
+        (dict(layer_types=None, max_window_layers=1), True),  # layers 1 and 2 slide: refused
+    ],
+)
+def test_use_sliding_window_without_a_sliding_layer_loads_as_full_attention(
+    checkpoints, tmp_path, changes, windowed
+):
+    """transformers windows only 'sliding_attention' layers, so the flag alone changes nothing.
+    A window of 4 over 21 positions changes the logits of any layer that uses it (the refused
+    case shows it does)."""
+    path, _ = _copy(checkpoints, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config.update({"use_sliding_window": True, "sliding_window": 4, **changes})  # None: null
+    (path / "config.json").write_text(json.dumps(config))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    if windowed:
+        with pytest.raises(CheckpointError, match="sliding-window"):
+            jetspec_jax.load_target(path)
+        full = jetspec_jax.load_target(checkpoints.get("qwen3")[0])  # the same weights, unwindowed
+        assert np.abs(np.asarray(full.logits(IDS)) - _hf_logits(model)).max() > 1e-2
+    else:
+        target = jetspec_jax.load_target(path)
+        np.testing.assert_allclose(
+            np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0
+        )
+
+
 def test_linear_rope_scaling_matches_transformers(checkpoints, tmp_path):
     """Position interpolation (`rope_type: linear`, factor 4) over 300 positions, where a wrong
     factor moves every rotation. llama3's fields in the dict are unused, so not kept: the
@@ -318,7 +350,6 @@ def test_a_broken_tokenizer_is_refused_naming_the_directory_before_the_weights(
             "unsupported rope scaling type 'yarn'",
         ),
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(use_sliding_window=True), "sliding-window"),
         (dict(layer_types=["full_attention", "sliding_attention"]), "sliding-window"),
         (dict(hidden_size=None), "'hidden_size'"),
         (dict(num_key_value_heads=3), "not a multiple"),

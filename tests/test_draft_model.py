@@ -412,7 +412,10 @@ def _set(**changes):
         (_drop("hidden_size"), "lacks the required field 'hidden_size'"),
         (_set(model_type="llama"), "must have model_type 'qwen3', got 'llama'"),
         (_set(layer_types=["full_attention", "sliding_attention"]), r"layers \[1\] are not"),
-        (_set(use_sliding_window=True), "sliding-window"),
+        (  # every layer from max_window_layers on slides
+            _set(use_sliding_window=True, sliding_window=4, layer_types=None, max_window_layers=0),
+            "sliding-window",
+        ),
         (
             _set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
             "unsupported rope scaling type 'yarn'",

@@ -85,15 +85,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         raise CheckpointError(
             f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported"
         )
-    # The hybrid's layer types are read and checked with its other fields.
-    dense_layer_types = hf.get("layer_types") if model_type != "qwen3_5" else None
-    if hf.get("use_sliding_window") or (
-        isinstance(dense_layer_types, list) and "sliding_attention" in dense_layer_types
-    ):
-        raise CheckpointError(
-            "sliding-window attention (use_sliding_window=true, or 'sliding_attention' layers) "
-            "is not supported"
-        )
+    _refuse_sliding_window(hf, model_type)
 
     try:
         hidden, heads = _integer(hf, "hidden_size"), _integer(hf, "num_attention_heads")
@@ -129,6 +121,33 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"invalid config.json: {e}") from e
+
+
+def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
+    """Refuses a config whose attention transformers would window (we implement none).
+
+    transformers' Qwen3 rule: `use_sliding_window` keeps `sliding_window`, and only the
+    'sliding_attention' layers use it; absent `layer_types`, those are the layers from
+    `max_window_layers` on. So the flag with no such layer is full attention, and is accepted
+    (`max_window_layers` >= the layer count, or `layer_types` listing full attention only). A
+    listed 'sliding_attention' layer is refused whatever the flag says.
+    """
+    # The hybrid's layer types are read and checked with its other fields.
+    layer_types = hf.get("layer_types") if model_type != "qwen3_5" else None
+    if isinstance(layer_types, list):
+        windowed = "sliding_attention" in layer_types
+    else:
+        layers, first = hf.get("num_hidden_layers"), hf.get("max_window_layers", 28)
+        windowed = (
+            bool(hf.get("use_sliding_window"))
+            and hf.get("sliding_window", 0) is not None
+            and not (isinstance(layers, int) and isinstance(first, int) and first >= layers)
+        )
+    if windowed:
+        raise CheckpointError(
+            "sliding-window attention (use_sliding_window=true with layers at or past "
+            "max_window_layers, or 'sliding_attention' layers) is not supported"
+        )
 
 
 _REQUIRED = object()
