@@ -440,7 +440,13 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
         default=default(None),
         help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default=default("float32"),
+        choices=["float32", "bfloat16"],
+        help="weights, activations and KV caches of the target and draft (default float32; "
+        "logits are float32 either way)",
+    )
     parser.add_argument(
         "--method",
         default=default(None),
@@ -467,13 +473,14 @@ def _add_model_args(parser: argparse.ArgumentParser, *, subcommand: bool = False
         "--refine-passes",
         type=int,
         default=default(0),
-        help="jetspec++: Jacobi refinement passes J",
+        help="jetspec++: Jacobi refinement passes J (default 0)",
     )
     parser.add_argument(
         "--refreshes",
         type=int,
         default=default(0),
-        help="jetspec++: context refreshes with anchor replacement R <= J (draft with adapter)",
+        help="jetspec++: context refreshes with anchor replacement R <= J (draft with adapter; "
+        "default 0)",
     )
     parser.add_argument(
         "--replacement-confidence",
@@ -537,7 +544,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host", type=_nonempty, default="127.0.0.1", help="bind address (default: localhost)"
     )
-    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument(
+        "--port", type=_port, default=8000, help="TCP port (default %(default)s; 0: any free port)"
+    )
     parser.add_argument(
         "--model-name",
         default=None,
@@ -549,12 +558,20 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $JETSPEC_API_KEY, else none)",
     )
-    parser.add_argument("--max-batch-size", type=int, default=8, help="requests per batch")
     parser.add_argument(
-        "--queue-size", type=int, default=64, help="waiting requests at most; more get 503"
+        "--max-batch-size", type=int, default=8, help="requests per batch (default %(default)s)"
     )
     parser.add_argument(
-        "--default-max-tokens", type=int, default=256, help="chat budget when a request has none"
+        "--queue-size",
+        type=int,
+        default=64,
+        help="waiting requests at most; more get 503 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="chat budget when a request has none (default %(default)s)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -600,14 +617,15 @@ def _parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds running requests get to finish on SIGINT/SIGTERM",
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default %(default)s)",
     )
     parser.add_argument(
         "--keepalive-seconds",
         type=float,
         default=15.0,
         help="a stream with no text yet gets its headers and an SSE ': keep-alive' comment every "
-        "this many seconds until its first text (so proxies do not time it out)",
+        "this many seconds until its first text, so that proxies do not time it out (default "
+        "%(default)s)",
     )
     commands = parser.add_subparsers(dest="command")
     gen = commands.add_parser("generate", help="stream a completion of one prompt")
@@ -625,11 +643,31 @@ def _parser() -> argparse.ArgumentParser:
         help="apply the chat template (default: when the tokenizer has one)",
     )
     gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=128, help="new tokens at most (default %(default)s)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (the default); >= 1e-5 samples",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus mass in [0, 1]: 1 disables (the default), 0 keeps only the top token",
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default)"
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="request seed in [0, 2**32); the same seed gives the same tokens (default "
+        "%(default)s)",
+    )
     gen.add_argument(
         "--compare-ar",
         action="store_true",

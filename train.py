@@ -530,20 +530,34 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="HF checkpoint directory (default: the embedded SmolLM2-135M-Instruct)",
     )
-    regen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    regen.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the target's weights, activations and KV caches (default %(default)s)",
+    )
     regen.add_argument(
         "--batch-size",
         type=int,
         default=8,
         help="rows decoded at once; a finished row takes the next prompt (continuous batching)",
     )
-    regen.add_argument("--max-new-tokens", type=int, default=512)
+    regen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=512,
+        help="response tokens per prompt at most; prompts with no room for them in the context "
+        "are skipped (default %(default)s)",
+    )
     regen.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     _add_encoding_args(regen)
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0, help="base of the per-prompt sampling seeds")
     regen.add_argument(
-        "-v", "--verbose", action="store_true", help="log loading, compilation and counts"
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
     )
 
     draft = commands.add_parser("draft", help="train a draft from a YAML config (resumable)")
@@ -558,7 +572,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     draft.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
     _add_multihost_args(draft)
-    draft.add_argument("-v", "--verbose", action="store_true")
+    draft.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
 
     adapter = commands.add_parser(
         "adapter", help="train the adapter for a trained draft from a YAML config (resumable)"
@@ -577,11 +596,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     adapter.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
     _add_multihost_args(adapter)
-    adapter.add_argument("-v", "--verbose", action="store_true")
+    adapter.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
 
     calibrate = commands.add_parser(
         "calibrate",
-        help="fit a JetSpec++ checkpoint's outcome calibration on held-out regenerated sequences",
+        help="fit a JetSpec++ checkpoint's calibration (replacement confidence, outcome-score "
+        "temperatures) on held-out regenerated sequences",
     )
     calibrate.add_argument("--draft", required=True, help="JetSpec++ checkpoint (draft + adapter)")
     calibrate.add_argument(
@@ -594,13 +619,30 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
     )
-    calibrate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    calibrate.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target and draft compute in it (default %(default)s); the checkpoint is saved in "
+        "its own dtype",
+    )
     calibrate.add_argument("--num-rounds", type=int, default=512, help="rounds to collect")
     calibrate.add_argument(
         "--anchors-per-sequence", type=int, default=16, help="anchors per sequence (one batch)"
     )
-    calibrate.add_argument("--refine-passes", type=_count, default=1, help="J of the served Jj-Rr")
-    calibrate.add_argument("--refreshes", type=_count, default=1, help="R of the served Jj-Rr")
+    calibrate.add_argument(
+        "--refine-passes",
+        type=_count,
+        default=1,
+        help="J of the served Jj-Rr (default %(default)s, unlike evaluate's 0)",
+    )
+    calibrate.add_argument(
+        "--refreshes",
+        type=_count,
+        default=1,
+        help="R of the served Jj-Rr (default %(default)s, unlike evaluate's 0; 0: no replacement "
+        "confidence is fitted)",
+    )
     calibrate.add_argument(
         "--confidence-grid",
         type=_float_list,
@@ -633,7 +675,12 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--report", default=None, metavar="FILE", help="also write a JSON report"
     )
-    calibrate.add_argument("-v", "--verbose", action="store_true")
+    calibrate.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
 
     export = commands.add_parser(
         "export", help="re-save a draft or JetSpec++ checkpoint in a dtype, or with an adapter"
@@ -644,7 +691,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="the saved weights' dtype",
+        help="the saved weights' dtype (default %(default)s, whatever the --draft checkpoint's)",
     )
     export.add_argument(
         "--adapter-from",
@@ -656,7 +703,12 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
     )
-    export.add_argument("-v", "--verbose", action="store_true")
+    export.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
 
     evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
     evaluate.add_argument(
@@ -666,15 +718,40 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
     )
-    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    evaluate.add_argument("--num-prompts", type=int, default=50)
-    evaluate.add_argument("--max-new-tokens", type=int, default=256)
-    evaluate.add_argument("--refine-passes", type=_count, default=0, help="J of Jj-Rr")
     evaluate.add_argument(
-        "--refreshes", type=_count, default=0, help="R of Jj-Rr (a JetSpec++ checkpoint)"
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target and draft compute in it (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--num-prompts",
+        type=int,
+        default=50,
+        help="the first N prompts of --prompts (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="new tokens per prompt at most (default %(default)s)",
+    )
+    evaluate.add_argument(
+        "--refine-passes", type=_count, default=0, help="J of Jj-Rr (default %(default)s)"
+    )
+    evaluate.add_argument(
+        "--refreshes",
+        type=_count,
+        default=0,
+        help="R of Jj-Rr (a JetSpec++ checkpoint; default %(default)s)",
     )
     _add_encoding_args(evaluate, what="text prompts")
-    evaluate.add_argument("-v", "--verbose", action="store_true")
+    evaluate.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
     return parser
 
 

@@ -45,6 +45,10 @@ def init_adapter(
         init_std: standard deviation of the kernels (norm scales 1, biases 0). Small values start
             every module near the identity: level m-1 states as the guess for level m.
         seed: seed of `jax.random`.
+
+    Raises:
+        ValueError: `layers_per_module` does not give each of the draft's taps >= 1 layer
+            (`AdapterConfig`), or `intermediate_size` is < 1.
     """
     config = adapter_config(
         draft, layers_per_module=layers_per_module, intermediate_size=intermediate_size

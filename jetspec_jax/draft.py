@@ -125,6 +125,13 @@ class Draft:
         Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
         only a draft's checkpoint directory, plain or JetSpec++ (or an empty one): anything else
         there is refused.
+
+        Raises:
+            FileExistsError: `out_dir` exists and `overwrite` is False, or it holds something
+                `overwrite` may not replace (not a checkpoint or empty directory, or a target or
+                adapter checkpoint).
+            NotADirectoryError: a parent of `out_dir` is a file.
+            OSError: writing fails (permissions, disk space); no partial `out_dir` is left.
         """
         if self.adapter is not None:
             from jetspec_jax.checkpoint.bundle import save_bundle  # imports this module

@@ -105,7 +105,8 @@ def generate(
         A `GenerationResult`.
 
     Raises:
-        TypeError: a keyword that is neither an argument here nor a `DecodingOptions` field.
+        TypeError: `target` is not a `Target`, or a keyword is neither an argument here nor a
+            `DecodingOptions` field.
         ValueError: a bad value, naming it.
     """
     check_is_target(target)
@@ -158,6 +159,12 @@ def generate_batch(
 
     Returns:
         One `GenerationResult` per prompt, in order.
+
+    Raises:
+        TypeError: `target` is not a `Target`, or a keyword is neither an argument here nor a
+            `DecodingOptions` field.
+        ValueError: a bad value, naming it (a prompt by its index), or a per-row
+            `max_new_tokens` or `sampling` whose length is not the number of prompts.
     """
     check_is_target(target)
     session = DecodeSession(
@@ -230,8 +237,15 @@ def generate_as_completed(
 
     Returns:
         An iterator of `(index into prompts, GenerationResult)`, in the order the prompts
-        finish. The requests are validated before it is returned (ValueError); decoding runs as
-        it is consumed.
+        finish. The requests are validated before it is returned; decoding runs as it is
+        consumed.
+
+    Raises:
+        TypeError: `target` is not a `Target`, or a keyword is neither an argument here nor a
+            `DecodingOptions` field.
+        ValueError: a bad value, naming it (a prompt by its index), or a per-row
+            `max_new_tokens` or `sampling` whose length is not the number of prompts; raised by
+            the call, before any decoding.
     """
     check_is_target(target)
     options = decoding_options(decoding)
@@ -353,6 +367,12 @@ def stream(
 
     Returns:
         A `TokenStream`; after it is exhausted, `.result` is the `GenerationResult`.
+
+    Raises:
+        TypeError: `target` is not a `Target`, or a keyword is neither an argument here nor a
+            `DecodingOptions` field.
+        ValueError: a bad value (`chunk_steps` included), naming it; raised by the call, before
+            the first token.
     """
     check_int("chunk_steps", chunk_steps, 1)
     check_is_target(target)

@@ -41,7 +41,13 @@ class SamplingParams:
         top_p: keep the smallest set of most likely tokens whose probability, renormalised over
             the top-k set, reaches top_p (tokens whose logit ties the last kept one's are kept
             too); 1.0 disables, 0 keeps only the most likely token (and its ties).
-        seed: the request's random seed; the same seed gives the same tokens.
+        seed: the request's random seed, in [0, 2**32); the same seed gives the same tokens.
+
+    Raises:
+        ValueError: on construction: a `temperature` or `top_p` that is not a real number, a
+            `top_k` or `seed` that is not an integer (bools are neither), a `temperature`
+            outside [0, float32's max] (NaN included) or in (0, `MIN_TEMPERATURE`), `top_k`
+            outside [0, `MAX_TOP_K`], `top_p` outside [0, 1], or `seed` outside [0, 2**32).
     """
 
     temperature: float = 0.0

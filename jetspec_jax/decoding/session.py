@@ -217,7 +217,11 @@ class DecodeSession:
         return Timing(prefill_seconds, self._decode_seconds, self._compile_seconds)
 
     def start(self) -> None:
-        """Compiles (once per bucket) and runs the prefill: every row commits its first token."""
+        """Compiles (once per bucket) and runs the prefill: every row commits its first token.
+
+        Raises:
+            RuntimeError: the session has already started.
+        """
         if self._state is not None:
             raise RuntimeError("this session has already started")
         state, seconds = self._prefill(*self._inputs, self._requests)
@@ -413,7 +417,12 @@ class DecodeSession:
 
     def advance(self, max_steps: int | None = None) -> None:
         """Runs the decode loop for at most `max_steps` target forwards (None: until every row is
-        done; each forward commits >= 1 token per unfinished row)."""
+        done; each forward commits >= 1 token per unfinished row).
+
+        Raises:
+            RuntimeError: the session has not started.
+            ValueError: `max_steps` is neither None nor an integer >= 1.
+        """
         if self._state is None:
             raise RuntimeError("start() the session before advancing it")
         if max_steps is not None and (
@@ -507,7 +516,12 @@ class DecodeSession:
 
     def cancel(self, row: int) -> None:
         """Stops `row` from decoding further; its tokens so far stay (finish_reason
-        "cancelled" unless it had finished already)."""
+        "cancelled" unless it had finished already).
+
+        Raises:
+            ValueError: `row` is not an integer in [0, `num_rows`).
+            RuntimeError: the session has not started.
+        """
         self._check_row(row)
         decode = self._decode_state()
         # The device's flag, not `_row_done`: the row may have finished since the last poll.
@@ -532,7 +546,12 @@ class DecodeSession:
 
     def result(self, row: int) -> GenerationResult:
         """Request `row`'s `GenerationResult` so far: a row that `row_done` reports finished can
-        be answered while the others decode (fetches only that row's outputs)."""
+        be answered while the others decode (fetches only that row's outputs).
+
+        Raises:
+            ValueError: `row` is not an integer in [0, `num_rows`).
+            RuntimeError: the session has not started.
+        """
         self._check_row(row)
         return self._result(row, jax.device_get(row_outputs(self._running_state(), row)))
 

@@ -63,6 +63,13 @@ class ServerConfig:
             until its first text, so that reverse proxies (nginx: 60 s by default) and clients
             with read timeouts do not cut it (> 0). An error before the headers is an ordinary
             HTTP error response; after them, an error event.
+
+    Raises:
+        ValueError: on construction, naming the bad value: `max_batch_size`, `queue_size`,
+            `chunk_steps` or `default_max_tokens` not an integer >= 1, a reserve size not an
+            integer >= 0, `warmup` without both reserve sizes >= 1, `max_model_len` neither
+            None nor an integer >= 2, `shutdown_timeout` not a finite number >= 0, or
+            `keepalive_seconds` not a finite number > 0.
     """
 
     model_name: str | None = None
@@ -118,6 +125,12 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
     Run it with aiohttp's `handler_cancellation=True` (as `serve` and `BackgroundServer` do):
     without it a client that disconnects does not cancel its handler, and its request decodes to
     its max_tokens for nobody, holding a batch row.
+
+    Raises:
+        ValueError: `target` has no tokenizer; `config.decoding` does not pair with `draft`
+            (`DecodeSession`: a speculative method without a draft of its variant, "ar" with
+            one, a draft that does not fit `target`); or the reserve exceeds the model's
+            context.
     """
     if target.tokenizer is None:
         raise ValueError(
@@ -152,7 +165,19 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
 def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000):
     """Serves until SIGINT/SIGTERM, then shuts down gracefully: stops listening, fails waiting
     requests with 503, lets running ones finish for `config.shutdown_timeout` seconds, cancels the
-    rest."""
+    rest.
+
+    Args:
+        target: a loaded `Target` with a tokenizer.
+        draft: the draft head of `config.decoding`'s speculative method; None for "ar".
+        config: how to serve (`ServerConfig`).
+        host: the address to bind.
+        port: the TCP port to bind; 0: any free port.
+
+    Raises:
+        ValueError: as `build_app`, before anything is bound.
+        OSError: `host` and `port` cannot be bound (e.g. the port is in use).
+    """
     app = build_app(target, draft, config)
     logger.info("serving %s on http://%s:%d", config.decoding.method, host, port)
     web.run_app(
@@ -184,6 +209,17 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         port: int = 0,
     ):
+        """Builds the application (`build_app`); nothing runs until `start` (or `with`).
+
+        Args:
+            target, draft, config: as `build_app`'s.
+            host: the address to bind.
+            port: the TCP port to bind; 0 (the default): any free port, which `url` names
+                once started.
+
+        Raises:
+            ValueError: as `build_app`.
+        """
         self.app = build_app(target, draft, config)
         self._host, self._port, self._config = host, port, config
         self._loop = asyncio.new_event_loop()

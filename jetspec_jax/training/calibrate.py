@@ -144,8 +144,15 @@ def calibrate(
         records: greedy regenerated sequences (`prompt_ids`, `response_ids`), without repeats
             (`calibration_rounds.distinct_sequences`: a copy on each side of the held-out split
             would flatter the held-out figures).
+        refine_passes: J, the served Jacobi refinement passes (>= 0).
+        refreshes: R <= J, the served context refreshes (>= 0); 0 reads no replacement
+            confidence, so none is fitted.
         replacement_confidence: store this c instead of fitting one; None fits it over
             `confidence_grid` (the default grid when None), or keeps the draft's without refreshes.
+        confidence_grid: the confidences tried when c is fitted (values in [0, 1], none
+            repeated; needs `refreshes` >= 1, and no `replacement_confidence`); the one with the
+            longest mean acceptance on the fit sequences wins. None: `DEFAULT_GRID`
+            (0, 0.3, 0.5, 0.7, 0.8, 0.9, 1).
         holdout_fraction: the share of sequences held out of both fits, in (0, 1).
         num_rounds, anchors_per_sequence, max_length, seed, show_progress: as `collect_rounds`.
 
