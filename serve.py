@@ -29,6 +29,12 @@ import pathlib
 import socket
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the imports of jax are deferred: --help answers at once
+    from jetspec_jax.draft import Draft
+    from jetspec_jax.models.config import TransformerConfig
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -72,42 +78,61 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
 
     enable_compile_cache()
-    if args.command == "generate":
-        return _generate(args)
-    return _serve(args)
+    try:
+        return _generate(args) if args.command == "generate" else _serve(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading, compiling or generating (the server
+        # itself shuts down gracefully on SIGINT)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
-def _load_models(args):
+def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] | None = None):
     """The target and draft the flags name: the shipped draft when the default model runs a
-    speculative method (or no --method) without --draft."""
+    speculative method (or no --method) without --draft.
+
+    What needs only the target's config.json is checked before its weights load (minutes for a
+    large target): the draft, loaded against that config (as `load_draft` would load it for the
+    target) and checked against the flags, then `check(target config, draft)`.
+    """
     import jetspec_jax
+    from jetspec_jax.checkpoint.errors import CheckpointError
     from jetspec_jax.default_model import default_draft_dir
+    from jetspec_jax.draft import load_draft_for_config
+    from jetspec_jax.target import load_target_config
 
     if args.method is not None and args.method not in jetspec_jax.METHODS:  # before the load
         raise ValueError(
             f"--method must be one of {', '.join(jetspec_jax.METHODS)}, got {args.method!r}"
         )
-    start = time.perf_counter()
     if args.target is not None and _is_draft_checkpoint(args.target):
         raise ValueError(
             f"--target {args.target} is a draft checkpoint: pass it as --draft, with --target the "
             "model it drafts for (or no --target, for the default model)"
         )
-    target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-    logger.info("loaded target %s (%s) in %.1f s", target.path, args.dtype, _since(start))
+    target_config = load_target_config(args.target)
     draft_dir = args.draft
     if draft_dir is None and args.target is None and args.method != "ar":
         draft_dir = default_draft_dir()
     draft = None
     if draft_dir:
         start = time.perf_counter()
-        draft = jetspec_jax.load_draft(draft_dir, target)
+        try:
+            draft = load_draft_for_config(draft_dir, target_config, dtype=args.dtype)
+        except CheckpointError as e:
+            if args.draft:
+                raise CheckpointError(f"--draft: {e}") from e
+            raise
         parts = "draft" + (" + adapter" if draft.adapter is not None else "")
         parts += " + calibration" if draft.calibration is not None else ""
         logger.info(
             "loaded %s %s (%s) in %.1f s", parts, draft_dir, draft.config.variant, _since(start)
         )
     _check_draft_serves_flags(args, draft)
+    if check is not None:
+        check(target_config, draft)
+    start = time.perf_counter()
+    target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+    logger.info("loaded target %s (%s) in %.1f s", target.path, args.dtype, _since(start))
     return target, draft
 
 
@@ -204,7 +229,9 @@ def _serve(args) -> int:
 
     try:
         _check_before_loading(args, server=True)
-        target, draft = _load_models(args)
+        target, draft = _load_models(
+            args, check=lambda config, draft: _server_config(args, draft).check_fits(config)
+        )
         serve(target, draft, _server_config(args, draft), host=args.host, port=args.port)
     except (ValueError, FileNotFoundError, ImportError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -226,15 +253,14 @@ def _check_before_loading(args, *, server: bool) -> None:
             "draft's method (or no --method)"
         )
 
-    def build(method: str) -> None:
+    def build(method: str):
         if server:
-            _server_config(args, None, method=method)
-        else:
-            _decoding_options(args, None, method=method)
+            return _server_config(args, None, method=method).decoding
+        return _decoding_options(args, None, method=method)
 
     without_draft = args.method is None and args.target is not None and not args.draft
     try:
-        build(args.method or ("ar" if without_draft else "jetspec++"))
+        options = build(args.method or ("ar" if without_draft else "jetspec++"))
     except ValueError as e:
         if not without_draft:
             raise
@@ -246,6 +272,10 @@ def _check_before_loading(args, *, server: bool) -> None:
             f"{e} (--target without --draft decodes autoregressively: add --draft, or drop the "
             "drafting flags)"
         ) from None
+    if options.pipeline is not None:
+        from jetspec_jax.decoding.pipeline import pipeline_devices
+
+        pipeline_devices()  # two devices are visible
     if server:
         _check_address(args.host, args.port)
     require_paths("--target", [args.target], directory=True)
@@ -555,6 +585,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--api-key",
+        type=_nonempty,  # an unset variable (`--api-key "$KEY"`) must not open the server
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $JETSPEC_API_KEY, else none)",
     )

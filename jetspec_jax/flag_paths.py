@@ -14,9 +14,15 @@ def require_paths(
     entries (flags not given) are skipped.
 
     Raises:
-        FileNotFoundError: naming the flag, the path and what it should be.
+        FileNotFoundError: naming the flag, the path, what it should be and, when something
+            else is there, what it is.
     """
     kind, exists = ("directory", os.path.isdir) if directory else ("file", os.path.isfile)
     for path in paths:
         if path is not None and not exists(path):
+            if os.path.lexists(path):
+                found = "a directory" if os.path.isdir(path) else "a file"
+                if os.path.islink(path) and not os.path.exists(path):
+                    found = "a dangling symbolic link"
+                raise FileNotFoundError(f"{flag} {path} is {found}, not a {kind}")
             raise FileNotFoundError(f"{flag} {path}: no such {kind}")

@@ -1371,6 +1371,69 @@ def test_serve_py_checks_the_address_before_loading(monkeypatch, capsys):
     assert "--host 'no-such-host.invalid' cannot be resolved: Name or service not known" in err
 
 
+def test_serve_py_checks_what_the_target_config_decides_before_its_weights_load(
+    checkpoints, monkeypatch, tmp_path, capsys
+):
+    """The draft's kind and fit, and the server's context settings, need only the target's
+    config.json: a mistake there fails before the (minutes-long, for a large model) load."""
+    target_dir = checkpoints.get("qwen3")[0]  # a context of 2048
+    other_draft = jetspec_jax.init_draft(
+        jetspec_jax.load_target(target_dir), variant="jetspec", block_size=4
+    ).save(tmp_path / "other")
+    config = json.loads((other_draft / "config.json").read_text())
+    (other_draft / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(jetspec_jax, "load_target", no_load)
+    cases = [
+        (["generate", "P", "--draft", str(target_dir)], "--draft: ", "is a target model"),
+        (["generate", "P", "--draft", str(other_draft)], "--draft: ", "hidden_size 32 != target"),
+        (["--draft", str(target_dir), "--port", "0"], "--draft: ", "is a target model"),
+        (["--method", "ar", "--port", "0", "--max-model-len", "4096"], "max_model_len=4096", ""),
+        (["--method", "ar", "--port", "0", "--reserve-new-tokens", "4000"], "exceeds", "2048"),
+    ]
+    for argv, *messages in cases:
+        assert serve_py.main([*argv, "--target", str(target_dir)]) == 2, argv
+        err = capsys.readouterr().err
+        assert all(m in err for m in messages), (argv, err)
+
+
+def test_serve_py_refuses_flags_without_a_use_before_loading(monkeypatch, tmp_path, capsys):
+    """An empty --api-key (an unset `$KEY`) would serve without authentication; a pipeline
+    without two devices, or a file as a checkpoint directory, would fail after the load."""
+    from jetspec_jax.decoding import pipeline
+
+    monkeypatch.setattr(serve_py, "_load_models", lambda *a, **k: pytest.fail("models loaded"))
+    with pytest.raises(SystemExit):
+        serve_py.main(["--api-key", "", "--port", "0"])
+    assert "argument --api-key: must not be empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="api_key must be None or a non-empty string"):
+        ServerConfig(api_key=" ")
+
+    def one_device():
+        raise ValueError("a pipeline needs >= 2 devices")
+
+    monkeypatch.setattr(pipeline, "pipeline_devices", one_device)
+    argv = ["generate", "P", "--method", "jetspec++", "--foresight", "2", "--pipeline", "spmd"]
+    assert serve_py.main(argv) == 2
+    assert "a pipeline needs >= 2 devices" in capsys.readouterr().err
+    afile = tmp_path / "weights.bin"
+    afile.write_text("")
+    assert serve_py.main(["generate", "P", "--target", str(afile)]) == 2
+    assert f"--target {afile} is a file, not a directory" in capsys.readouterr().err
+
+
+def test_serve_py_reports_an_interrupt_in_one_line(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_py, "_generate", interrupted)
+    assert serve_py.main(["generate", "P"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
 def test_serve_py_takes_the_model_flags_before_or_after_generate():
     def parse(*argv):
         return vars(serve_py._parser().parse_args(argv))
@@ -1587,10 +1650,10 @@ def test_serve_py_says_to_pass_a_draft_as_draft(target, tmp_path, capsys, comman
 
 
 def test_serve_py_generate_reports_an_unreadable_checkpoint(monkeypatch, tmp_path, capsys):
-    def unreadable(path, dtype):
+    def unreadable(path, **kwargs):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(jetspec_jax, "load_target", unreadable)
+    monkeypatch.setattr(jetspec_jax.target, "load_target_config", unreadable)  # read first
     locked = tmp_path / "locked"
     locked.mkdir()
     assert serve_py.main(["generate", "--target", str(locked)]) == 2

@@ -17,7 +17,9 @@ from aiohttp import web
 
 from jetspec_jax.decoding import warmup
 from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.request_checks import check_reserve
 from jetspec_jax.default_model import served_model_name
+from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.serving.app import create_app
 from jetspec_jax.serving.metrics import ServerMetrics
 from jetspec_jax.serving.openai_requests import ModelInfo
@@ -41,8 +43,9 @@ class ServerConfig:
         chunk_steps: target forwards between token deliveries (streaming granularity).
         default_max_tokens: chat budget when a request sets none.
         max_model_len: prompt plus completion tokens a request may ask for at most (None: the
-            model's context). A batch's caches are sized by its longest request, so one
-            request asking for the whole context costs its batch-mates memory and a compile.
+            model's context; more than the context is refused, by `check_fits`). A batch's
+            caches are sized by its longest request, so one request asking for the whole
+            context costs its batch-mates memory and a compile.
         pad_batch: always decode the power of two >= `max_batch_size` rows (batch shapes
             are bucketed to powers of two): one compiled batch shape, and room for waiting
             requests to join a running batch.
@@ -89,6 +92,11 @@ class ServerConfig:
     keepalive_seconds: float = 15.0
 
     def __post_init__(self):
+        if self.api_key is not None and not (
+            isinstance(self.api_key, str) and self.api_key.strip()
+        ):
+            # "" would serve without authentication: None says that, explicitly.
+            raise ValueError(f"api_key must be None or a non-empty string, got {self.api_key!r}")
         check_sizes(
             max_batch_size=self.max_batch_size,
             queue_size=self.queue_size,
@@ -118,6 +126,22 @@ class ServerConfig:
         ):
             raise ValueError(f"keepalive_seconds must be a finite number > 0, got {value!r}")
 
+    def check_fits(self, model: TransformerConfig) -> None:
+        """Refuses settings `model` has no room for, from its config alone (so before any weight
+        loads): a `max_model_len` beyond its context (it would be served as the context,
+        silently), or a reserve beyond it.
+
+        Raises:
+            ValueError: naming the setting and the context.
+        """
+        context = model.max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > context:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context of {context} "
+                "tokens"
+            )
+        check_reserve(model, self.reserve_prompt_tokens, self.reserve_new_tokens)
+
 
 def build_app(target, draft, config: ServerConfig) -> web.Application:
     """The aiohttp application serving `target` (with `draft` for speculative methods).
@@ -129,13 +153,14 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
     Raises:
         ValueError: `target` has no tokenizer; `config.decoding` does not pair with `draft`
             (`DecodeSession`: a speculative method without a draft of its variant, "ar" with
-            one, a draft that does not fit `target`); or the reserve exceeds the model's
-            context.
+            one, a draft that does not fit `target`); or `max_model_len` or the reserve exceeds
+            the model's context (`ServerConfig.check_fits`).
     """
     if target.tokenizer is None:
         raise ValueError(
             f"{target.path} has no tokenizer; the server needs one to read and write text"
         )
+    config.check_fits(target.config)
     name = config.model_name or served_model_name(target.path)
     scheduler = Scheduler(
         target,
@@ -154,7 +179,7 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
     model = ModelInfo(
         name=name,
         tokenizer=target.tokenizer,
-        context_length=min(context, config.max_model_len or context),
+        context_length=config.max_model_len or context,
         default_max_tokens=config.default_max_tokens,
     )
     return create_app(
