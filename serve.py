@@ -98,6 +98,7 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
     from jetspec_jax.checkpoint.errors import CheckpointError
     from jetspec_jax.default_model import default_draft_dir
     from jetspec_jax.draft import load_draft_for_config
+    from jetspec_jax.flag_paths import named_by_flag
     from jetspec_jax.target import load_target_config
 
     if args.method is not None and args.method not in jetspec_jax.METHODS:  # before the load
@@ -120,7 +121,7 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
             draft = load_draft_for_config(draft_dir, target_config, dtype=args.dtype)
         except CheckpointError as e:
             if args.draft:
-                raise CheckpointError(f"--draft: {e}") from e
+                raise CheckpointError(named_by_flag("--draft", draft_dir, e)) from e
             raise
         parts = "draft" + (" + adapter" if draft.adapter is not None else "")
         parts += " + calibration" if draft.calibration is not None else ""

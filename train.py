@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ImportError, CheckpointError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # training and regenerate resume from where they were saved
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -117,10 +120,16 @@ def _train_adapter(args: argparse.Namespace) -> int:
     config = load_train_config(args.config, args.overrides)  # validated before JAX starts
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
-    _join_hosts(args)
-    from jetspec_jax.training.adapter_trainer import train_adapter
+    _join_hosts(args)  # before the draft loads: JAX's first use must find the hosts joined
+    from jetspec_jax.training.adapter_trainer import train_adapter, trained_draft
 
-    result = train_adapter(config, draft=args.draft, stop_after=args.stop_after)
+    draft = args.draft  # None: <run.dir>/draft, checked by train_adapter alike
+    if draft is not None:
+        from jetspec_jax.flag_paths import require_paths
+
+        require_paths("--draft", [draft], directory=True)
+        draft = _load_checked("--draft", draft, lambda: trained_draft(config, args.draft))
+    result = train_adapter(config, draft=draft, stop_after=args.stop_after)
     if result is None:
         print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
         return 0
@@ -150,8 +159,6 @@ def _train_adapter(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     """Fits the calibration of a JetSpec++ checkpoint (replacement confidence, outcome-score
     temperatures) and stores it in the checkpoint."""
-    import json
-
     from jetspec_jax.flag_paths import require_paths
 
     for name in ("num_rounds", "anchors_per_sequence", "max_length"):
@@ -162,7 +169,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     require_paths("--data", args.data)
     _check_greedy(args.data)
     import jetspec_jax
-    from jetspec_jax.checkpoint.atomic import check_can_write, write_text_atomically
+    from jetspec_jax.checkpoint.atomic import check_can_write
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
     from jetspec_jax.checkpoint.roles import replaces_only
     from jetspec_jax.training.calibrate import SETTING_NAMES, calibrate, check_settings
@@ -188,16 +195,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         if out.resolve() != pathlib.Path(args.draft).resolve():
             raise ValueError(f"--out {out} exists and is not --draft; not replacing it")
         out = out.resolve()  # in place: where a symlinked checkpoint lies
-    # Refused now, not after the fit: the calibration is written there last.
+    # Refused now, not after the fit: the calibration and the report are written there last.
+    _check_can_write("--out", out)
     check_can_write(out, overwrite=out.exists(), refuse=replaces_only("draft"))
     report_path = None if args.report is None else pathlib.Path(args.report)
-    if report_path is not None and (report_path.is_dir() or not report_path.parent.is_dir()):
-        raise ValueError(f"--report {report_path}: not a file path in an existing directory")
-    if report_path is not None and out.resolve() in report_path.resolve().parents:
-        raise ValueError(
-            f"--report {report_path} lies in the checkpoint the calibration replaces ({out}), "
-            "which would delete it: write it elsewhere"
-        )
+    if report_path is not None:
+        _check_report_path(report_path, out)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     records, repeats = distinct_sequences(
         read_regenerated(args.data, vocab_size=target.config.vocab_size)
@@ -224,17 +227,47 @@ def _calibrate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     _print_calibration(result, f"J{args.refine_passes}-R{args.refreshes}")
-    if report_path is not None:
-        report = {"refine_passes": args.refine_passes, "refreshes": args.refreshes}
-        report |= result.report()
-        write_text_atomically(report_path, json.dumps(report, indent=2) + "\n")
-    # Last: the figures above are printed (and reported) even if this write fails. Saved in the
-    # checkpoint's own dtype (a bfloat16 target must not round fp32 weights).
+    # The figures above are printed even if a write fails. The checkpoint first: a report that
+    # fails (its place was checked above, but a disk may fill) must not cost the fit. Saved in
+    # the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).
     if draft.dtype != stored_dtype:
         draft = jetspec_jax.load_draft(args.draft, target, dtype=stored_dtype)
     draft.with_adapter(draft.adapter, result.calibration).save(out, overwrite=out.exists())
     print(f"calibration saved in {out / 'calibration.json'}")
+    if report_path is not None:
+        report = {"refine_passes": args.refine_passes, "refreshes": args.refreshes}
+        _write_report(report_path, report | result.report(), out)
     return 0
+
+
+def _check_report_path(report_path: pathlib.Path, out: pathlib.Path) -> None:
+    """Refuses a `--report` path that calibrate could not write after its fit: no file path in
+    an existing directory, one that takes no new files, or one inside the checkpoint `out` the
+    calibration replaces."""
+    if report_path.is_dir() or not report_path.parent.is_dir():
+        raise ValueError(f"--report {report_path}: not a file path in an existing directory")
+    _check_can_write("--report", report_path)
+    if out.resolve() in report_path.resolve().parents:
+        raise ValueError(
+            f"--report {report_path} lies in the checkpoint the calibration replaces ({out}), "
+            "which would delete it: write it elsewhere"
+        )
+
+
+def _write_report(report_path: pathlib.Path, report: dict, out: pathlib.Path) -> None:
+    """Writes calibrate's JSON report; a failure is named by the flag, and says that the
+    calibration itself was saved (in `out`)."""
+    import json
+
+    from jetspec_jax.checkpoint.atomic import write_text_atomically
+
+    try:
+        write_text_atomically(report_path, json.dumps(report, indent=2) + "\n")
+    except OSError as e:
+        raise OSError(
+            f"--report {report_path}: not written ({e.strerror or e}); the calibration is saved "
+            f"in {out}"
+        ) from e
 
 
 def _print_calibration(result, setting: str) -> None:
@@ -311,6 +344,7 @@ def _export(args: argparse.Namespace) -> int:
     require_paths("--adapter-from", [args.adapter_from], directory=True)
     if args.adapter_from is not None and not is_bundle(args.adapter_from):
         raise ValueError(f"--adapter-from {args.adapter_from} is not a JetSpec++ checkpoint")
+    _check_can_write("--out", out)
     # The target's architecture checks the drafts; its weights are not needed to re-save them.
     target_config = load_target_config(args.target)
     draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
@@ -327,6 +361,24 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_can_write(flag: str, path) -> None:
+    """Refuses, before the slow load, an output file or directory `flag` names that could not be
+    made once the work is done (the work would be lost): under a file, or in a place that takes
+    no new files.
+
+    Raises:
+        NotADirectoryError, PermissionError: naming the flag, the path and the reason (not the
+            write's temporary file).
+    """
+    from jetspec_jax.checkpoint.atomic import check_takes_new_files
+
+    path = pathlib.Path(path)
+    try:
+        check_takes_new_files(path.parent)
+    except OSError as e:
+        raise type(e)(f"{flag} {path}: cannot write it: {e}") from e
+
+
 def _check_refreshes(args: argparse.Namespace) -> None:
     """`Jj-Rr` refreshes before refinement passes: at most one before each of them."""
     if args.refreshes > args.refine_passes:
@@ -339,8 +391,10 @@ def _check_refreshes(args: argparse.Namespace) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
+    from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import require_paths
-    from jetspec_jax.training.evaluate import eval_prompt_ids, prompts_tau
+    from jetspec_jax.target import load_target_config
+    from jetspec_jax.training.evaluate import encoded_prompts, eval_prompt_records, prompts_tau
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
@@ -350,12 +404,21 @@ def _evaluate(args: argparse.Namespace) -> int:
         encoding = None
     require_paths("--draft", [args.draft], directory=True)
     require_paths("--prompts", [args.prompts])
+    # The prompts and the draft are checked against the target's config alone, before its
+    # weights load (minutes for a large target); the draft is the one `load_draft` would give.
+    target_config = load_target_config(args.target)
+    records = eval_prompt_records(
+        args.prompts, num_prompts=args.num_prompts, vocab_size=target_config.vocab_size
+    )
+    draft = _load_checked(
+        "--draft",
+        args.draft,
+        lambda: load_draft_for_config(args.draft, target_config, dtype=args.dtype),
+    )
+    _check_draft_takes_passes(args, draft)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
-    # Read and checked before the draft loads (a file may hold fewer than --num-prompts).
-    prompts = eval_prompt_ids(target, args.prompts, num_prompts=args.num_prompts, encoding=encoding)
-    draft = jetspec_jax.load_draft(args.draft, target)
-    _check_draft_takes_passes(args, draft)
+    prompts = encoded_prompts(target, records, encoding=encoding)
     tau = prompts_tau(
         target,
         draft,
@@ -368,6 +431,23 @@ def _evaluate(args: argparse.Namespace) -> int:
     setting = f"J{args.refine_passes}" + (f"-R{args.refreshes}" if args.refreshes else "")
     print(f"tau {tau:.3f} ({draft.config.variant}, {setting}, {len(prompts)} prompts)")
     return 0
+
+
+def _load_checked(flag: str, path, load):
+    """`load()` of the checkpoint at `path`, which `flag` names (a draft read against the
+    target's config alone, before the target's weights load), its refusal (a target's directory,
+    a draft for another target or of a kind the command cannot use) named by the flag.
+
+    Raises:
+        CheckpointError: as `load`, named by the flag (`flag_paths.named_by_flag`).
+    """
+    from jetspec_jax.checkpoint.errors import CheckpointError
+    from jetspec_jax.flag_paths import named_by_flag
+
+    try:
+        return load()
+    except CheckpointError as e:
+        raise CheckpointError(named_by_flag(flag, path, e)) from e
 
 
 def _prompt_encoding(args: argparse.Namespace):
@@ -434,6 +514,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
     encoding = _prompt_encoding(args)
     check_output_path(args.out, args.prompts)
+    _check_can_write("--out", args.out)
     read_records(args.prompts)
     context = load_target_config(args.target).max_position_embeddings
     check_room_for_a_prompt(args.max_new_tokens, context, "--max-new-tokens")

@@ -1,5 +1,6 @@
 """`require_paths`: a command line's input paths checked before its model load, which takes
-minutes for a large target, so that a typo fails at once (`serve.py`, `train.py`, the bench)."""
+minutes for a large target, so that a typo fails at once (`serve.py`, `train.py`, the bench);
+`named_by_flag`: a loader's error in the command line's terms."""
 
 from __future__ import annotations
 
@@ -26,3 +27,11 @@ def require_paths(
                     found = "a dangling symbolic link"
                 raise FileNotFoundError(f"{flag} {path} is {found}, not a {kind}")
             raise FileNotFoundError(f"{flag} {path}: no such {kind}")
+
+
+def named_by_flag(flag: str, path: str | os.PathLike, error: Exception) -> str:
+    """`error`'s message, about the checkpoint at `path`, named by the `flag` that gave it:
+    "--draft DIR is a target model checkpoint ..." (the loaders' messages mostly start with the
+    path), else "--draft DIR: <message>"."""
+    message, path = str(error), os.fspath(path)
+    return f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}"

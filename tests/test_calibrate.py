@@ -490,6 +490,36 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
     assert "not a JetSpec++ checkpoint" in capsys.readouterr().err
 
 
+def test_a_report_that_fails_to_write_costs_not_the_fit(setup, tmp_path, monkeypatch, capsys):
+    """The checkpoint is saved before the report: a report write that fails after the fit (its
+    place was checked before; a disk may still fill) is named by `--report`, and the calibration
+    is kept."""
+    from jetspec_jax.checkpoint import atomic
+
+    target, draft, records = setup
+    data, report = tmp_path / "data.jsonl", tmp_path / "report.json"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write = atomic.write_text_atomically
+
+    def disk_full(path, text):
+        if path == report:
+            raise OSError(28, "No space left on device", str(tmp_path / ".report.json.1.tmp"))
+        write(path, text)
+
+    monkeypatch.setattr(atomic, "write_text_atomically", disk_full)
+    argv = ["calibrate", "--target", str(target.save(tmp_path / "target"))]
+    argv += ["--draft", str(draft.save(tmp_path / "pp")), "--data", str(data), "--out"]
+    argv += [str(tmp_path / "out"), "--num-rounds", "16", "--anchors-per-sequence", "4"]
+    assert train.main([*argv, "--replacement-confidence", "0", "--report", str(report)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: --report {report}: not written (No space left on device); the calibration " in err
+    )
+    assert f"is saved in {tmp_path / 'out'}" in err
+    assert jetspec_jax.load_draft(tmp_path / "out", target).calibration is not None
+    assert not report.exists()
+
+
 def test_distinct_sequences_keep_the_first_of_each():
     """A held-out split by record would put a repeated sequence on both sides."""
     a = {"prompt_ids": [1, 2], "response_ids": [3]}

@@ -1387,11 +1387,18 @@ def test_serve_py_checks_what_the_target_config_decides_before_its_weights_load(
         raise AssertionError("the target's weights were loaded")
 
     monkeypatch.setattr(jetspec_jax, "load_target", no_load)
+    named = f"--draft {target_dir} is a target model checkpoint"
     cases = [
-        (["generate", "P", "--draft", str(target_dir)], "--draft: ", "is a target model"),
-        (["generate", "P", "--draft", str(other_draft)], "--draft: ", "hidden_size 32 != target"),
-        (["--draft", str(target_dir), "--port", "0"], "--draft: ", "is a target model"),
-        (["--method", "ar", "--port", "0", "--max-model-len", "4096"], "max_model_len=4096", ""),
+        (["generate", "P", "--draft", str(target_dir)], named),
+        (
+            ["generate", "P", "--draft", str(other_draft)],
+            f"--draft {other_draft}: draft hidden_size 32",
+        ),
+        (["--draft", str(target_dir), "--port", "0"], named),
+        (
+            ["--method", "ar", "--port", "0", "--max-model-len", "4096"],
+            "max_model_len=4096 exceeds",
+        ),
         (["--method", "ar", "--port", "0", "--reserve-new-tokens", "4000"], "exceeds", "2048"),
     ]
     for argv, *messages in cases:

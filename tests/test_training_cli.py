@@ -133,7 +133,7 @@ def test_bad_paths_and_configs_exit_2_without_traceback(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("")
     assert train.main(["draft", "--config", *config, "--set", f"run.dir={taken}"]) == 2
-    assert f"error: [Errno 17] File exists: '{taken}'" in capsys.readouterr().err
+    assert f"error: run.dir {taken}: cannot write it: {taken} is a file" in capsys.readouterr().err
     run = tmp_path / "run"
     assert train.main(["adapter", "--config", *config, "--set", f"run.dir={run}"]) == 2
     assert "train the draft first" in capsys.readouterr().err
@@ -439,3 +439,172 @@ def test_calibrate_refuses_sampled_data_before_the_target_loads(tmp_path, no_tar
     assert "calibration needs greedy data" in err
     assert train.main([*argv, *map(str, files[:2])]) == 2
     assert "is not a JetSpec++ checkpoint" in capsys.readouterr().err
+
+
+@pytest.fixture
+def read_only_dir(tmp_path, monkeypatch):
+    """A directory that takes no new files, as `check_takes_new_files` finds by its probe (the
+    tests may run as root, which no mode keeps out); the error names a temporary file, as the
+    system's does."""
+    from jetspec_jax.checkpoint import atomic
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    temporary_file = atomic.tempfile.TemporaryFile
+
+    def probe(*args, dir=None, **kwargs):
+        if dir is not None and pathlib.Path(dir) == read_only:
+            raise PermissionError(1, "Operation not permitted", str(read_only / ".x.tmp-1"))
+        return temporary_file(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(atomic.tempfile, "TemporaryFile", probe)
+    return read_only
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """The training runs' own target loads failing the test, as `no_target_load` for the CLI's."""
+    from jetspec_jax.training import adapter_trainer, trainer
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the checks")
+
+    monkeypatch.setattr(trainer, "load_target", no_load)
+    monkeypatch.setattr(adapter_trainer, "load_target", no_load)
+
+
+def _tiny_config(target_dir, data, run_dir) -> list[str]:
+    """`--config` configs/tiny_cpu.yaml with the target, data and run.dir given, no eval prompts."""
+    config = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--set", f"target={target_dir}"]
+    config += ["--set", f"data.files=[{data}]", "--set", "data.eval_prompts=null"]
+    return [*config, "--set", f"run.dir={run_dir}"]
+
+
+def test_outputs_that_cannot_be_written_are_refused_by_flag_before_the_target_loads(
+    checkpoints, tmp_path, read_only_dir, no_target_load, no_run, capsys
+):
+    """Not after the work (a fit, a regeneration, a run's start), not by the write's temporary
+    file or a bare errno: by the flag or key, the path and the reason."""
+    import train
+    from jetspec_jax.adapter import init_adapter
+    from jetspec_jax.target import load_target
+
+    target_dir = checkpoints.get("qwen3")[0]
+    draft = jetspec_jax.init_draft(load_target(target_dir), block_size=4)
+    bundle = draft.with_adapter(init_adapter(draft)).save(tmp_path / "pp")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    capsys.readouterr()  # the saves' progress bars
+    inside = read_only_dir / "out"
+    calibrate = ["calibrate", "--target", str(target_dir), "--draft", str(bundle), "--data"]
+    calibrate += [str(data)]
+    runs = {
+        "--report": [*calibrate, "--out", str(tmp_path / "o"), "--report", f"{inside}.json"],
+        "--out": [*calibrate, "--out", str(inside)],
+        "export --out": ["export", "--draft", str(bundle), "--out", str(inside)],
+        "regenerate --out": ["regenerate", "--prompts", str(prompts), "--out", f"{inside}.j"],
+        "run.dir": ["draft", *_tiny_config(target_dir, data, inside)],
+        "adapter run.dir": ["adapter", *_tiny_config(target_dir, data, inside)],
+    }
+    for flag, argv in runs.items():
+        assert train.main(argv) == 2, flag
+        path = argv[-1].split("=")[-1]
+        reason = f"cannot write it: {read_only_dir} takes no new files (Operation not permitted)"
+        assert capsys.readouterr().err == f"error: {flag.split()[-1]} {path}: {reason}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "data.jsonl",
+        "p.jsonl",
+        "pp",
+        "read_only",
+    ]
+
+
+def test_a_wrong_draft_is_refused_by_flag_before_the_target_loads(
+    checkpoints, tmp_path, no_target_load, no_run, capsys
+):
+    """`evaluate` and `adapter` check a draft's kind and fit from the target's config alone: a
+    target's directory, or a draft that cannot take the command's passes or an adapter, is named
+    by `--draft` before the target's weights load (minutes for a large target)."""
+    import train
+    from jetspec_jax.target import load_target
+
+    target_dir = checkpoints.get("qwen3")[0]
+    target = load_target(target_dir)
+    dflash = jetspec_jax.init_draft(target, variant="dflash", block_size=4).save(tmp_path / "df")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2, 3]}) + "\n")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    evaluate = ["evaluate", "--target", str(target_dir), "--prompts", str(prompts), "--draft"]
+    adapter = ["adapter", *_tiny_config(target_dir, data, tmp_path / "run"), "--draft"]
+    assert train.main([*evaluate, str(dflash), "--refine-passes", "1"]) == 2
+    assert f"error: --refine-passes refines JetSpec++ drafts; --draft {dflash} is a dflash" in (
+        capsys.readouterr().err
+    )
+    for argv in (evaluate, adapter):
+        assert train.main([*argv, str(target_dir)]) == 2
+        message = f"error: --draft {target_dir} is a target model checkpoint"
+        assert message in capsys.readouterr().err
+    assert train.main([*adapter, str(dflash)]) == 2
+    message = f"error: --draft {dflash}: an adapter serves a token-input (jetspec++) draft's"
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "holds no prompts"),
+        ("{not json\n", "p.jsonl:1 is not valid JSON"),
+        (json.dumps({"prompt_ids": [1, 500]}) + "\n", "holds ids outside the vocabulary [0, 97)"),
+        (json.dumps({"id": "a"}) + "\n", "p.jsonl:1 has neither 'prompt_ids' nor a string"),
+    ],
+)
+def test_evaluate_refuses_a_bad_prompt_file_before_the_target_loads(
+    content, message, checkpoints, tmp_path, no_target_load, capsys
+):
+    import train
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content)
+    argv = ["evaluate", "--target", str(checkpoints.get("qwen3")[0]), "--draft", str(tmp_path)]
+    assert train.main([*argv, "--prompts", str(prompts)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_prompt_file_as_training_data_is_refused_with_nothing_created(
+    checkpoints, tmp_path, capsys
+):
+    """The draft and adapter stages make their run directories only once their data proved to
+    be regenerated records; a prompt file is named as one, with the command that converts it."""
+    import train
+    from jetspec_jax.target import load_target
+
+    target_dir = checkpoints.get("qwen3")[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    run = tmp_path / "run"
+    message = (
+        f"error: {prompts}:1 lacks integer prompt_ids / response_ids (a prompt file? "
+        "`train.py regenerate` turns it into training data)"
+    )
+    assert train.main(["draft", *_tiny_config(target_dir, prompts, run)]) == 2
+    assert message in capsys.readouterr().err
+    assert not run.exists()
+    jetspec_jax.init_draft(load_target(target_dir), block_size=4).save(run / "draft")
+    assert train.main(["adapter", *_tiny_config(target_dir, prompts, run)]) == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["draft"]
+
+
+def test_an_interrupt_is_reported_in_one_line(monkeypatch, capsys):
+    import train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(train.COMMANDS, "export", interrupted)
+    assert train.main(["export", "--draft", "D", "--out", "O"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

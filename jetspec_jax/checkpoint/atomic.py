@@ -124,11 +124,30 @@ def check_can_write(
     """
     out = pathlib.Path(out_dir)
     _check_destination(out, overwrite, refuse)
-    parent = next(p for p in out.parents if p.exists())
     try:
-        tempfile.TemporaryFile(dir=parent).close()
+        check_takes_new_files(out.parent)
+    except PermissionError as e:
+        raise PermissionError(f"cannot write {out}: {e}") from e
+
+
+def check_takes_new_files(directory: str | os.PathLike) -> None:
+    """Refuses, before long work, a `directory` to write in (made if missing) where no new file
+    can be made: probed with a temporary file in it, or in its nearest existing parent when it is
+    missing (as root reads every mode as writable, its mode would not tell).
+
+    Raises:
+        NotADirectoryError: that nearest existing path is a file.
+        PermissionError: it takes no new file; named with the system's reason, not the probe's
+            temporary name (which would read as the file that failed).
+    """
+    directory = pathlib.Path(directory)
+    place = next(p for p in (directory, *directory.parents) if p.exists())
+    if not place.is_dir():
+        raise NotADirectoryError(f"{place} is a file")
+    try:
+        tempfile.TemporaryFile(dir=place).close()
     except OSError as e:
-        raise PermissionError(f"cannot write {out}: {parent} takes no new files ({e})") from e
+        raise PermissionError(f"{place} takes no new files ({e.strerror or e})") from e
 
 
 def _check_destination(out: pathlib.Path, overwrite: bool, refuse: Refusal | None) -> None:

@@ -34,8 +34,8 @@ from jetspec_jax.checkpoint.bundle import ADAPTER_DIR, is_bundle, save_bundle
 from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.json_files import read_json
-from jetspec_jax.draft import Draft, load_draft
-from jetspec_jax.target import DTYPES, Target, load_target
+from jetspec_jax.draft import Draft, load_draft_for_config
+from jetspec_jax.target import DTYPES, Target, load_target, load_target_config
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
@@ -48,6 +48,7 @@ from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
     check_fits_context,
     check_input_files,
+    check_run_dir_writable,
     host_params,
     place_step_inputs,
     read_eval_prompts,
@@ -143,17 +144,20 @@ def train_adapter(
         logger.warning("%s resumes from its checkpoint: adapter.init_from is not read", run_dir)
     elif init_from is not None:
         _check_saved_adapter(init_from)  # before the target load
-    draft = _draft_or_directory(config, draft)  # checked before the target load
+    check_run_dir_writable(config)
+    draft = _draft_or_directory(config, draft)
+    if not isinstance(draft, Draft):  # its kind and fit checked before the target's weights load
+        draft = trained_draft(config, draft, target)
+    check_takes_an_adapter(draft.config)
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
-    draft = _token_input_draft(config, draft, target)
     check_fits_context(config, target)
-    run_dir.mkdir(parents=True, exist_ok=True)  # once the draft has proved to be one
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
     eval_prompts = read_eval_prompts(config, target, records) if config.adapter.eval_tau else None
+    run_dir.mkdir(parents=True, exist_ok=True)  # once the draft and the data proved usable
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft, resuming=resuming)
     state, target_params, iterator, local_batch, global_batch = place_step_inputs(
@@ -274,16 +278,23 @@ def _draft_or_directory(config: TrainConfig, draft) -> Draft | pathlib.Path:
     return directory
 
 
-def _token_input_draft(config: TrainConfig, draft, target: Target) -> Draft:
-    """The draft (loaded from its directory in `export_dtype`, by default the target's), which
-    must take token inputs: refreshes feed the draft tokens, not mask embeddings.
+def trained_draft(
+    config: TrainConfig, directory: str | pathlib.Path, target: Target | None = None
+) -> Draft:
+    """The draft in `directory` as the adapter run reads it, in `export_dtype` (by default the
+    target's): the `load_draft` of it for `target`, or, without one, for the target `config`
+    names, read against that target's config alone (its weights, which take minutes, are not
+    needed). It must take token inputs: refreshes feed the draft tokens, not mask embeddings.
 
     Raises:
         CheckpointError: a mask-input (dflash, jetspec) draft, or the directory holds no draft
-            that fits `target`.
+            that fits the target.
     """
-    if not isinstance(draft, Draft):
-        draft = load_draft(draft, target, dtype=config.export_dtype)
+    if target is None:
+        target_config, dtype = load_target_config(config.target), config.target_dtype
+    else:
+        target_config, dtype = target.config, target.dtype
+    draft = load_draft_for_config(directory, target_config, dtype=config.export_dtype or dtype)
     check_takes_an_adapter(draft.config)
     return draft
 

@@ -55,7 +55,13 @@ def read_regenerated(
             ids = [row.get("prompt_ids"), row.get("response_ids")]
             # Exact types: JSON true is not token 1 (and numpy would read it as 1).
             if not all(isinstance(x, list) and set(map(type, x)) <= {int} for x in ids):
-                raise ValueError(f"{where} lacks integer prompt_ids / response_ids")
+                # A prompt file, say: its text becomes training data through `regenerate`.
+                hint = (
+                    " (a prompt file? `train.py regenerate` turns it into training data)"
+                    if isinstance(row.get("prompt"), str)
+                    else ""
+                )
+                raise ValueError(f"{where} lacks integer prompt_ids / response_ids{hint}")
             if any(x and not 0 <= min(x) <= max(x) < limit for x in ids):
                 if vocab_size is None:
                     raise ValueError(f"{where} holds a token id outside [0, 2**31)")

@@ -102,18 +102,50 @@ def eval_prompt_ids(
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a record (named by `file:line`) with neither a non-empty integer list
-            `prompt_ids` (ids in the target's vocabulary) nor a string `prompt`, a text prompt
-            but the target has no tokenizer, or no record at all.
+        ValueError: as `eval_prompt_records`, or a text prompt but the target has no tokenizer.
     """
-    prompts = []
+    records = eval_prompt_records(
+        prompt_file, num_prompts=num_prompts, vocab_size=target.config.vocab_size
+    )
+    return encoded_prompts(target, records, math_suffix=math_suffix, encoding=encoding)
+
+
+def eval_prompt_records(
+    prompt_file: str | pathlib.Path, *, num_prompts: int, vocab_size: int
+) -> list[tuple[str, dict]]:
+    """`(file:line, record)` of the first `num_prompts` records of `prompt_file`, checked with
+    the target's vocabulary size alone (`load_target_config`), so that a bad file fails before
+    the target's weights load: each record holds a non-empty integer list `prompt_ids` of ids
+    below `vocab_size`, or a string `prompt` (`encoded_prompts` encodes them).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a record (named by `file:line`) with neither, or no record at all.
+    """
+    records = []
     for where, record in read_jsonl(prompt_file, what="evaluation prompt file"):
-        if len(prompts) == num_prompts:
+        if len(records) == num_prompts:
             break
-        prompts.append(_prompt_ids(where, record, target, math_suffix, encoding))
-    if not prompts:
+        _check_prompt_record(where, record, vocab_size)
+        records.append((where, record))
+    if not records:
         raise ValueError(f"{prompt_file} holds no prompts")
-    return prompts
+    return records
+
+
+def encoded_prompts(
+    target: Target,
+    records: list[tuple[str, dict]],
+    *,
+    math_suffix: bool = True,
+    encoding: PromptEncoding | None = None,
+) -> list[list[int]]:
+    """The token ids of `eval_prompt_records`' records, as `eval_prompt_ids` says.
+
+    Raises:
+        ValueError: a text prompt (named by `file:line`) but the target has no tokenizer.
+    """
+    return [_prompt_ids(where, r, target, math_suffix, encoding) for where, r in records]
 
 
 def data_encoding(data_files: Sequence[str | pathlib.Path]) -> PromptEncoding | None:
@@ -146,9 +178,8 @@ def data_encoding(data_files: Sequence[str | pathlib.Path]) -> PromptEncoding | 
     return distinct.pop() if distinct else None
 
 
-def _prompt_ids(
-    where: str, record: dict, target: Target, math_suffix: bool, encoding: PromptEncoding | None
-) -> list[int]:
+def _check_prompt_record(where: str, record: dict, vocab_size: int) -> None:
+    """`eval_prompt_records`' check of one record."""
     if "prompt_ids" in record:
         ids = record["prompt_ids"]
         if (
@@ -157,12 +188,20 @@ def _prompt_ids(
             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
             raise ValueError(f"{where}: 'prompt_ids' must be a non-empty list of integers")
-        vocab = target.config.vocab_size
-        if not all(0 <= t < vocab for t in ids):  # ids past the table would be clamped silently
-            raise ValueError(f"{where}: 'prompt_ids' holds ids outside the vocabulary [0, {vocab})")
-        return list(ids)
-    if not isinstance(record.get("prompt"), str):
+        if not all(0 <= t < vocab_size for t in ids):  # ids past the table: clamped silently
+            raise ValueError(
+                f"{where}: 'prompt_ids' holds ids outside the vocabulary [0, {vocab_size})"
+            )
+    elif not isinstance(record.get("prompt"), str):
         raise ValueError(f"{where} has neither 'prompt_ids' nor a string 'prompt'")
+
+
+def _prompt_ids(
+    where: str, record: dict, target: Target, math_suffix: bool, encoding: PromptEncoding | None
+) -> list[int]:
+    """A record `eval_prompt_records` checked, as token ids."""
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"])
     if target.tokenizer is None:
         raise ValueError(f"{where}: text evaluation prompts need a target with a tokenizer")
     text = prompt_text(record) if math_suffix else record["prompt"]

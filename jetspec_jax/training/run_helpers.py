@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jetspec_jax.checkpoint.atomic import check_takes_new_files
 from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.target import Target
 from jetspec_jax.training.config import OptimConfig, TrainConfig
@@ -37,6 +38,19 @@ def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) ->
     missing = [f for f in (*config.data.files, *eval_prompts, *more) if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
+
+
+def check_run_dir_writable(config: TrainConfig) -> None:
+    """Refuses, before the model load, a `run.dir` the run could not write its checkpoints and
+    export in (under a file, or in a place that takes no new files), named by the config key.
+
+    Raises:
+        NotADirectoryError, PermissionError: naming `run.dir` and the reason.
+    """
+    try:
+        check_takes_new_files(config.run.dir)
+    except OSError as e:
+        raise type(e)(f"run.dir {config.run.dir}: cannot write it: {e}") from e
 
 
 def check_fits_context(config: TrainConfig, target: Target) -> None:

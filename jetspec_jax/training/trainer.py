@@ -34,6 +34,7 @@ from jetspec_jax.training.evaluate import prompts_tau
 from jetspec_jax.training.run_helpers import (
     check_fits_context,
     check_input_files,
+    check_run_dir_writable,
     host_params,
     place_step_inputs,
     read_eval_prompts,
@@ -101,7 +102,7 @@ def train(
     elif init_from is not None:  # a draft directory, or a JetSpec++ checkpoint holding one
         start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
     check_input_files(config, *start_files)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_run_dir_writable(config)
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
@@ -112,6 +113,7 @@ def train(
     eval_prompts = read_eval_prompts(config, target, records)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target, resuming=resuming)
+    run_dir.mkdir(parents=True, exist_ok=True)  # once the data and the start draft proved usable
     state, target_params, iterator, _, global_batch = place_step_inputs(
         records,
         draft.params,
