@@ -372,11 +372,7 @@ def _check_can_write(flag: str, path) -> None:
     """
     from jetspec_jax.checkpoint.atomic import check_takes_new_files
 
-    path = pathlib.Path(path)
-    try:
-        check_takes_new_files(path.parent)
-    except OSError as e:
-        raise type(e)(f"{flag} {path}: cannot write it: {e}") from e
+    check_takes_new_files(pathlib.Path(path).parent, named=f"{flag} {path}")
 
 
 def _check_refreshes(args: argparse.Namespace) -> None:

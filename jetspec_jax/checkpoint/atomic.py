@@ -130,10 +130,15 @@ def check_can_write(
         raise PermissionError(f"cannot write {out}: {e}") from e
 
 
-def check_takes_new_files(directory: str | os.PathLike) -> None:
+def check_takes_new_files(directory: str | os.PathLike, *, named: str | None = None) -> None:
     """Refuses, before long work, a `directory` to write in (made if missing) where no new file
     can be made: probed with a temporary file in it, or in its nearest existing parent when it is
     missing (as root reads every mode as writable, its mode would not tell).
+
+    Args:
+        directory: where the output will be written.
+        named: the output as the caller's user gave it (`--out FILE`, `run.dir DIR`); the error
+            then reads "<named>: cannot write it: <reason>".
 
     Raises:
         NotADirectoryError: that nearest existing path is a file.
@@ -142,12 +147,13 @@ def check_takes_new_files(directory: str | os.PathLike) -> None:
     """
     directory = pathlib.Path(directory)
     place = next(p for p in (directory, *directory.parents) if p.exists())
+    prefix = "" if named is None else f"{named}: cannot write it: "
     if not place.is_dir():
-        raise NotADirectoryError(f"{place} is a file")
+        raise NotADirectoryError(f"{prefix}{place} is a file")
     try:
         tempfile.TemporaryFile(dir=place).close()
     except OSError as e:
-        raise PermissionError(f"{place} takes no new files ({e.strerror or e})") from e
+        raise PermissionError(f"{prefix}{place} takes no new files ({e.strerror or e})") from e
 
 
 def _check_destination(out: pathlib.Path, overwrite: bool, refuse: Refusal | None) -> None:

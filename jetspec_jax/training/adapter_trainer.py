@@ -146,9 +146,10 @@ def train_adapter(
         _check_saved_adapter(init_from)  # before the target load
     check_run_dir_writable(config)
     draft = _draft_or_directory(config, draft)
-    if not isinstance(draft, Draft):  # its kind and fit checked before the target's weights load
+    if isinstance(draft, Draft):
+        check_takes_an_adapter(draft.config)
+    else:  # its kind and fit checked before the target's weights load
         draft = trained_draft(config, draft, target)
-    check_takes_an_adapter(draft.config)
     mesh = make_mesh(config.mesh)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)

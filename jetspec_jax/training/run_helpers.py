@@ -47,10 +47,7 @@ def check_run_dir_writable(config: TrainConfig) -> None:
     Raises:
         NotADirectoryError, PermissionError: naming `run.dir` and the reason.
     """
-    try:
-        check_takes_new_files(config.run.dir)
-    except OSError as e:
-        raise type(e)(f"run.dir {config.run.dir}: cannot write it: {e}") from e
+    check_takes_new_files(config.run.dir, named=f"run.dir {config.run.dir}")
 
 
 def check_fits_context(config: TrainConfig, target: Target) -> None:
