@@ -56,7 +56,7 @@ from jetspec_jax.training.config import (
 from jetspec_jax.training.data import read_regenerated, to_example
 from jetspec_jax.training.evaluate import evaluate_tau
 from jetspec_jax.training.run_helpers import batch_sizes
-from jetspec_jax.training.sharding import batch_sharding, make_mesh
+from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import init_state, make_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -319,8 +319,14 @@ def test_training_lowers_the_loss_and_a_resumed_run_equals_a_straight_one(
     step_config = AdapterStepConfig(
         target.config, straight.adapter.config, adapter_optim(config, 8), 4, 0.5
     )
+    # Placed on the mesh as the run places them: the run's compiled evaluation serves this one.
     before = adapter_state_metrics(
-        initial_adapter(config, draft).params, target.params, batches, config=step_config
+        *(
+            jax.device_put(tree, param_shardings(tree, mesh))
+            for tree in (initial_adapter(config, draft).params, target.params)
+        ),
+        batches,
+        config=step_config,
     )
     after = straight.evaluation
     assert after["eval_loss"] < 0.9 * before["eval_loss"], (before, after)

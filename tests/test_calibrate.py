@@ -509,7 +509,8 @@ def test_a_report_that_fails_to_write_costs_not_the_fit(setup, tmp_path, monkeyp
     monkeypatch.setattr(atomic, "write_text_atomically", disk_full)
     argv = ["calibrate", "--target", str(target.save(tmp_path / "target"))]
     argv += ["--draft", str(draft.save(tmp_path / "pp")), "--data", str(data), "--out"]
-    argv += [str(tmp_path / "out"), "--num-rounds", "16", "--anchors-per-sequence", "4"]
+    # The rounds of the temperatures' test above: its compiled programs, not new ones.
+    argv += [str(tmp_path / "out"), "--num-rounds", "48", "--anchors-per-sequence", "8"]
     assert train.main([*argv, "--replacement-confidence", "0", "--report", str(report)]) == 2
     err = capsys.readouterr().err
     assert (
