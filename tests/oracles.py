@@ -24,15 +24,15 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class OracleProposer:
-    """Proposes the tokens of a known continuation (its params: `[B, S]` tokens by position).
+    """Proposes the tokens of a known continuation.
 
-    `wrong_at`, when set, corrupts the draft at that block index, so exactly that many drafts are
-    accepted each round.
+    Its params are `(continuation, wrong_at)`: `[B, S]` tokens by position, and a `[]` int32 block
+    index whose draft is corrupted, so exactly that many drafts are accepted each round (-1:
+    none). `wrong_at` is traced: every value of it runs one compiled program.
     """
 
     block_size: int
     vocab_size: int
-    wrong_at: int | None = None
     tap_layers: tuple[int, ...] = ()
 
     def empty(self, params, target_params, batch, capacity):
@@ -41,13 +41,11 @@ class OracleProposer:
         return jnp.zeros((batch,), jnp.int32)
 
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
+        continuation, wrong_at = params
         idx = anchor_positions[:, None] + 1 + jnp.arange(self.block_size - 1)[None]
-        drafts = jnp.take_along_axis(params, jnp.minimum(idx, params.shape[1] - 1), axis=1)
-        if self.wrong_at is not None:
-            drafts = drafts.at[:, self.wrong_at].set(
-                (drafts[:, self.wrong_at] + 1) % self.vocab_size
-            )
-        return drafts.astype(jnp.int32), state
+        drafts = jnp.take_along_axis(continuation, jnp.minimum(idx, continuation.shape[1] - 1), 1)
+        wrong = jnp.arange(self.block_size - 1)[None] == wrong_at
+        return jnp.where(wrong, (drafts + 1) % self.vocab_size, drafts).astype(jnp.int32), state
 
     def observe(self, params, target_params, state, block, block_taps, num_committed):
         return state
@@ -65,13 +63,17 @@ class OracleDraft:
     vocab_size: int
     wrong_at: int | None = None
 
+    def params(self) -> tuple[jax.Array, jax.Array]:
+        """The `OracleProposer`'s params."""
+        wrong_at = -1 if self.wrong_at is None else self.wrong_at
+        return jnp.asarray(self.continuation, jnp.int32), jnp.asarray(wrong_at, jnp.int32)
+
     def proposer(self, target, *, method: str, block_size: int | None = None, **_):
         """The oracle serves every method and setting alike (`Draft.proposer`'s keywords), at
         its own block size."""
         if block_size is not None:
             raise ValueError("an oracle drafts blocks of its own block_size")
-        proposer = OracleProposer(self.block_size, self.vocab_size, self.wrong_at)
-        return proposer, jnp.asarray(self.continuation, jnp.int32)
+        return OracleProposer(self.block_size, self.vocab_size), self.params()
 
 
 def target_probabilities(logits: jax.Array, sampling: RowSampling) -> jax.Array:

@@ -185,17 +185,15 @@ def test_a_proposer_extended_in_chunks_holds_the_contexts_of_one_start(
     context cache and the proxy's caches (the adapter's context, the decoder's target layers; or
     the target proxy's whole cache) hold what one `prompt_state` over the prompts gives;
     foresight's records stay empty. Chunks of 10 pad the width (48 -> 50) and end rows in middle
-    chunks."""
+    chunks. (Extending reads no pass or refresh count: J0-R0 and the sizes of the decoding test
+    below, whose "foresight" and "mpmd" sessions run these prefills with the target proxy.)"""
     target = near_bigram(jetspec_jax.load_target(checkpoints.get("qwen3")[0]))
     draft = make_accepting_draft(target)
     draft = with_adapter(draft) if proxy == "learned" else ScaledOracleDraft(draft, MIXED)
-    options = DecodingOptions(
-        "jetspec++", refine_passes=1, refreshes=1, foresight=2, foresight_rule="uncalibrated"
-    )
-    proposer, params = resolve_proposer(target, draft, options)
+    proposer, params = resolve_proposer(target, draft, foresight_options(2))
     prompts, lengths = padded(make_prompts(), 48)
     requests = greedy_requests(len(LENGTHS))
-    sizes = dict(capacity=64, max_output=4)
+    sizes = dict(capacity=64, max_output=16)  # `decode`'s 12 new tokens' bucket
 
     def prefilled(chunk):
         return prefill_speculative(
@@ -363,11 +361,13 @@ def test_the_hybrid_target_decodes_after_a_chunked_prefill_as_after_one_forward(
 
 def test_a_long_admitted_prompt_is_prefilled_in_chunks(target):
     """A request joining a running batch with a prompt past the chunk: its tokens are those of
-    decoding it alone with a one-shot prefill; the session's long prompts share one width."""
+    decoding it alone with a one-shot prefill; the session's long prompts share one width.
+    (Batches padded to 4 rows: the session and the lone decode run the programs of
+    `test_decoding_after_a_chunked_prefill_is_decoding_after_one_forward[ar]`.)"""
     first, joining = make_prompts((40, 6)), make_prompts((37,), seed=9)[0]
     options = DecodingOptions(prefill_chunk=CHUNK)
     session = DecodeSession(
-        target, first, options=options, max_new_tokens=[12, 2], stop_token_ids=[]
+        target, first, options=options, max_new_tokens=[12, 2], stop_token_ids=[], pad_batch_to=4
     )
     assert session._prompt_width(40) == session._prompt_width(17) == 48  # the context bucket
     assert session._prompt_width(9) == CHUNK  # short prompts: their bucket, at most the chunk
@@ -377,7 +377,7 @@ def test_a_long_admitted_prompt_is_prefilled_in_chunks(target):
     assert session.row_done == [False, True]
     session.admit(1, joining, max_new_tokens=8)
     session.advance()
-    alone = decode(target, [joining], chunk=None)
+    alone = decode(target, [joining], chunk=None, pad_batch_to=4)
     assert session.results()[1].tokens == alone[0][0][:8]
 
 

@@ -46,8 +46,7 @@ class CyclingWrongDraft(OracleDraft):
     def proposer(self, target, *, method: str, block_size: int | None = None, **_):
         if block_size is not None:
             raise ValueError("an oracle drafts blocks of its own block_size")
-        proposer = CyclingWrongProposer(self.block_size, self.vocab_size)
-        return proposer, jnp.asarray(self.continuation, jnp.int32)
+        return CyclingWrongProposer(self.block_size, self.vocab_size), self.params()
 
 
 def _greedy(target, prompts):

@@ -275,11 +275,20 @@ def test_each_refresh_with_an_oracle_proxy_drafts_on_as_if_its_fixed_prefix_were
     greedy = jetspec_jax.generate(target, prompt, max_new_tokens=BLOCK, stop_token_ids=[]).tokens
     plain, plain_params = draft.proposer(target, method="jetspec++")
 
-    def context(proposer, params, committed):
-        tokens = jnp.asarray([committed], jnp.int32)
+    # Jitted, over committed tokens padded to one width (its real length given, as a prefill's
+    # rows are): one program per proposer rather than every op compiled for each length.
+    @functools.partial(jax.jit, static_argnums=0)
+    def prefilled(proposer, params, tokens, length):
         taps = forward(target.params, target.config, tokens, tap_layers=proposer.tap_layers).taps
-        length = jnp.asarray([len(committed)])
         return prompt_state(proposer, params, target.params, tokens, taps, length, 32)
+
+    def context(proposer, params, committed):
+        tokens = jnp.asarray([committed + [0] * (16 - len(committed))], jnp.int32)
+        return prefilled(proposer, params, tokens, jnp.asarray([len(committed)]))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def proposed(proposer, params, state, anchor, position, sequence):
+        return proposer.propose(params, target.params, state, anchor, position, sequence)
 
     def propose(passes):
         proposer, params = (plain, plain_params)
@@ -290,11 +299,12 @@ def test_each_refresh_with_an_oracle_proxy_drafts_on_as_if_its_fixed_prefix_were
         sequence = jnp.asarray([prompt + [greedy[0]] + [0] * (31 - len(prompt))], jnp.int32)
         anchor, position = jnp.asarray([greedy[0]]), jnp.asarray([len(prompt)])
         state = context(proposer, params, prompt)
-        drafts, after = proposer.propose(params, target.params, state, anchor, position, sequence)
+        drafts, after = proposed(proposer, params, state, anchor, position, sequence)
         lengths = after.lengths if not passes else after.draft.lengths
         assert int(lengths[0]) == len(prompt)
         return np.asarray(drafts[0]).tolist()
 
+    block_pass = jax.jit(plain.block_pass)
     before, fixed = propose(0), 0
     for passes in (1, 2):
         wrong = [d != g for d, g in zip(before, greedy[1:], strict=False)]
@@ -305,7 +315,7 @@ def test_each_refresh_with_an_oracle_proxy_drafts_on_as_if_its_fixed_prefix_were
         # The pass's block: the replaced token as its anchor, then the last pass's later drafts.
         block = [greedy[fixed], *before[fixed:], *[before[-1]] * fixed]
         verified = context(plain, plain_params, prompt + greedy[:fixed])
-        redrafted = plain.block_pass(plain_params, target.params, verified, jnp.asarray([block]))
+        redrafted = block_pass(plain_params, target.params, verified, jnp.asarray([block]))
         assert refined[fixed:] == np.asarray(redrafted[0, : BLOCK - 1 - fixed]).tolist(), passes
         before = refined
     assert fixed > 1  # the second refresh fixed more than the first

@@ -94,9 +94,10 @@ def target(checkpoints):
 
 def test_decoding_over_chunked_draft_and_adapter_caches(target, monkeypatch):
     """J1-R1 with foresight B = 2 (the draft and adapter caches, foresight's candidates of one
-    row at several context lengths) over caches of more than 8 slots attended 8 at a time: AR's
-    tokens and the whole-cache run's outcomes and hits; the span form did run, for the draft's
-    caches and for the adapter's."""
+    row at several context lengths) over caches of more than 8 slots attended 8 at a time: the
+    whole-cache run's tokens, outcomes and hits; the span form did run, for the draft's caches
+    and for the adapter's. (The whole-cache run's tokens are AR's: test_foresight.py and
+    test_refinement.py check foresight and J1-R1 against AR; no AR program is compiled here.)"""
     spans = []  # per call (at trace time), the model files on the stack
     span = refinement_module.refinement_attention_over_span
 
@@ -111,7 +112,6 @@ def test_decoding_over_chunked_draft_and_adapter_caches(target, monkeypatch):
     prompts = [np.random.default_rng(8).integers(0, 97, n).tolist() for n in (13, 6)]
     options = dataclasses.replace(foresight_options(2), refine_passes=1, refreshes=1)
     common = dict(max_new_tokens=24, stop_token_ids=[], **dataclasses.asdict(options))
-    ar = jetspec_jax.generate_batch(target, prompts, max_new_tokens=24, stop_token_ids=[])
     runs = {}
     for chunk in (1024, 8):  # the whole caches (<= 1024 slots), then chunks of 8
         runs[chunk] = jetspec_jax.generate_batch(
@@ -120,7 +120,7 @@ def test_decoding_over_chunked_draft_and_adapter_caches(target, monkeypatch):
         assert bool(spans) == (chunk == 8), chunk
     assert {"draft.py"} in spans and {"adapter.py"} in spans
     for row, (whole, chunked) in enumerate(zip(runs[1024], runs[8], strict=True)):
-        assert chunked.tokens == whole.tokens == ar[row].tokens, row
+        assert chunked.tokens == whole.tokens, row
         assert chunked.outcomes == whole.outcomes, row
         assert chunked.foresight_hits == whole.foresight_hits, row
     assert any(k > 0 for r in runs[8] for k, _ in r.outcomes)
