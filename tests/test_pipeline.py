@@ -9,6 +9,11 @@ devices vary from round to round. The MPMD form is
 also run with the learned proxy (adapter + decoder), whose placement leaves the target's lower
 layers off the draft device. On CPU the two virtual devices share the cores: correctness, not
 overlap.
+
+The sessions of the two prompts all forecast B = 2 candidates, and the J3-R3 in-place tests run
+the three rows of the per-row sampling test: tests with the same sizes share their compiled
+programs. B = 1 pipelines are run by the hybrid test (and by test_admission.py and
+test_continuous_batching.py).
 """
 
 from __future__ import annotations
@@ -64,6 +69,19 @@ def prompts():
     return make_prompts()
 
 
+def rows_apart_prompts(target):
+    """Three prompts (`test_rows_that_end_apart_each_with_its_own_sampling`'s): a batch of 4
+    rows, whose J3-R3 programs the in-place tests read."""
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, target.config.vocab_size, n).tolist() for n in (11, 6, 3)]
+
+
+def refining_options(pipeline, passes):
+    """Foresight B = 2 with `passes` refinement passes and as many refreshes (J<p>-R<p>)."""
+    options = foresight_options(2, pipeline)
+    return dataclasses.replace(options, refine_passes=passes, refreshes=passes)
+
+
 def run_with_candidates(target, prompts, draft, pipeline=None):
     """`run`'s results and the candidate blocks cached at the end: these depend on every input
     of the drafting side, including the token sequence and committed counts the draft device
@@ -117,9 +135,8 @@ def test_pipelined_equals_single_device_and_ar(target, draft, prompts, scale, fo
 def test_pipelined_sampled_tokens_equal_ar_with_the_same_seed(target, draft, prompts, scale, form):
     for seed in (1, 2):
         sampling = dict(temperature=1.0, top_p=0.9, seed=seed)
-        tokens, _, _ = run(
-            target, prompts, ScaledOracleDraft(draft, scale), pipeline=form, **sampling
-        )
+        oracle = ScaledOracleDraft(draft, scale)
+        tokens, _, _ = run(target, prompts, oracle, foresight=2, pipeline=form, **sampling)
         assert tokens == _ar(target, prompts, **sampling)
 
 
@@ -134,7 +151,7 @@ def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
             target,
             prompts,
             draft=ScaledOracleDraft(draft, MIXED),
-            options=foresight_options(1, form),
+            options=foresight_options(2, form),
             max_new_tokens=N_NEW,
             stop_token_ids=[],
         )
@@ -153,10 +170,10 @@ def test_pipelined_chunks_give_the_same_tokens(target, draft, prompts, form):
 @pytest.mark.parametrize("form", PIPELINES)
 def test_rows_that_end_apart_each_with_its_own_sampling(target, draft, form):
     """Rows with their own budgets (one shorter than the block), a stop token met mid-output and
-    per-row sampling (greedy, top-p, top-k), drafted with the learned proxy refreshing (J1-R1):
-    AR's tokens, and the single-device round's outcomes and foresight hits."""
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, target.config.vocab_size, n).tolist() for n in (11, 6, 3)]
+    per-row sampling (greedy, top-p, top-k), drafted with the learned proxy refining and
+    refreshing (J3-R3, the in-place tests' programs): AR's tokens, and the single-device round's
+    outcomes and foresight hits."""
+    prompts = rows_apart_prompts(target)
     sampling = [
         jetspec_jax.SamplingParams(),
         jetspec_jax.SamplingParams(temperature=1.0, top_p=0.9, seed=5),
@@ -176,7 +193,7 @@ def test_rows_that_end_apart_each_with_its_own_sampling(target, draft, form):
     learned = draft.with_adapter(init_adapter(draft, init_std=0.05))
 
     def speculative(pipeline):
-        options = dataclasses.replace(foresight_options(3, pipeline), refine_passes=1, refreshes=1)
+        options = refining_options(pipeline, 3)
         session = DecodeSession(
             target, prompts, draft=learned, options=options, stop_token_ids=[stop], **common
         )
@@ -253,7 +270,7 @@ def test_mpmd_verification_writes_the_target_cache_in_place(target, draft, promp
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        options=foresight_options(1, "mpmd"),
+        options=foresight_options(2, "mpmd"),
         max_new_tokens=N_NEW,
     )
     session.start()
@@ -268,11 +285,10 @@ def test_mpmd_draft_programs_write_their_caches_in_place(target, draft, prompts,
     adapter's or the decoder's caches: each is its own program over donated buffers, so the
     predicted rows drafting ahead writes and the true rows observing writes land in place; so do
     the rows the fallback's refreshes write (in a `lax.cond`, J3-R3's fallback copied the draft's
-    and the decoder's keys and values twice each: 8 copies)."""
-    options = dataclasses.replace(
-        foresight_options(2, "mpmd"), refine_passes=passes, refreshes=passes
-    )
-    shapes = cache_shapes_after_compiling(target, draft, prompts, options)
+    and the decoder's keys and values twice each: 8 copies). J3-R3 runs the three rows of
+    `test_rows_that_end_apart_each_with_its_own_sampling`, whose programs it reads."""
+    rows = rows_apart_prompts(target) if passes else prompts
+    shapes = cache_shapes_after_compiling(target, draft, rows, refining_options("mpmd", passes))
     for program in ("propose_block", "draft_ahead", "observe_outcome"):
         assert copies_shaped_like(compiled_program(program), shapes) == [], program
 
@@ -293,11 +309,10 @@ def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passe
     fallback's refreshes) in place: the loop copies no cache (under `lax.cond`s on the stage it
     copied the target's keys and values three times each per round). Nor does the program copy
     them once per call, at its entry: the carry is donated (undonated, it copied its eight caches
-    there)."""
-    options = dataclasses.replace(
-        foresight_options(2, "spmd"), refine_passes=passes, refreshes=passes
-    )
-    shapes = cache_shapes_after_compiling(target, draft, prompts, options)
+    there). J3-R3 runs the three rows of `test_rows_that_end_apart_each_with_its_own_sampling`,
+    whose programs it reads."""
+    rows = rows_apart_prompts(target) if passes else prompts
+    shapes = cache_shapes_after_compiling(target, draft, rows, refining_options("spmd", passes))
     hlo = compiled_program("decode_pipelined")
     assert copies_shaped_like(hlo, shapes) == []
 
@@ -341,7 +356,7 @@ def test_sessions_with_other_drafts_share_the_placed_target(target, draft, promp
             target,
             prompts,
             draft=proposing,
-            options=foresight_options(1, form),
+            options=foresight_options(2, form),  # the in-place tests' programs
             max_new_tokens=N_NEW,
         )
         session.start()
@@ -353,12 +368,13 @@ def test_sessions_with_other_drafts_share_the_placed_target(target, draft, promp
 
 
 def mixed_session(target, draft, prompts, pipeline="mpmd"):
-    """A foresight session of interleaved hits and misses, to its full budget."""
+    """A foresight session of interleaved hits and misses, to its full budget (B = 2, as
+    `run_with_candidates`: the programs its test compiled)."""
     return DecodeSession(
         target,
         prompts,
         draft=ScaledOracleDraft(draft, MIXED),
-        options=foresight_options(1, pipeline),
+        options=foresight_options(2, pipeline),
         max_new_tokens=N_NEW,
         stop_token_ids=[],
     )
