@@ -21,6 +21,7 @@ default); the server takes them per request, with OpenAI's defaults (temperature
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -95,7 +96,6 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
     target) and checked against the flags, then `check(target config, draft)`.
     """
     import jetspec_jax
-    from jetspec_jax.checkpoint.errors import CheckpointError
     from jetspec_jax.default_model import default_draft_dir
     from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import named_by_flag
@@ -117,12 +117,10 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
     draft = None
     if draft_dir:
         start = time.perf_counter()
-        try:
+        # The shipped draft's errors are the installation's, not a flag's.
+        named = named_by_flag("--draft", draft_dir) if args.draft else contextlib.nullcontext()
+        with named:
             draft = load_draft_for_config(draft_dir, target_config, dtype=args.dtype)
-        except CheckpointError as e:
-            if args.draft:
-                raise CheckpointError(named_by_flag("--draft", draft_dir, e)) from e
-            raise
         parts = "draft" + (" + adapter" if draft.adapter is not None else "")
         parts += " + calibration" if draft.calibration is not None else ""
         logger.info(

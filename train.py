@@ -125,10 +125,11 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
     draft = args.draft  # None: <run.dir>/draft, checked by train_adapter alike
     if draft is not None:
-        from jetspec_jax.flag_paths import require_paths
+        from jetspec_jax.flag_paths import named_by_flag, require_paths
 
         require_paths("--draft", [draft], directory=True)
-        draft = _load_checked("--draft", draft, lambda: trained_draft(config, args.draft))
+        with named_by_flag("--draft", draft):
+            draft = trained_draft(config, draft)
     result = train_adapter(config, draft=draft, stop_after=args.stop_after)
     if result is None:
         print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
@@ -388,7 +389,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
     from jetspec_jax.draft import load_draft_for_config
-    from jetspec_jax.flag_paths import require_paths
+    from jetspec_jax.flag_paths import named_by_flag, require_paths
     from jetspec_jax.target import load_target_config
     from jetspec_jax.training.evaluate import encoded_prompts, eval_prompt_records, prompts_tau
 
@@ -406,11 +407,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     records = eval_prompt_records(
         args.prompts, num_prompts=args.num_prompts, vocab_size=target_config.vocab_size
     )
-    draft = _load_checked(
-        "--draft",
-        args.draft,
-        lambda: load_draft_for_config(args.draft, target_config, dtype=args.dtype),
-    )
+    with named_by_flag("--draft", args.draft):
+        draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     _check_draft_takes_passes(args, draft)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
@@ -427,23 +425,6 @@ def _evaluate(args: argparse.Namespace) -> int:
     setting = f"J{args.refine_passes}" + (f"-R{args.refreshes}" if args.refreshes else "")
     print(f"tau {tau:.3f} ({draft.config.variant}, {setting}, {len(prompts)} prompts)")
     return 0
-
-
-def _load_checked(flag: str, path, load):
-    """`load()` of the checkpoint at `path`, which `flag` names (a draft read against the
-    target's config alone, before the target's weights load), its refusal (a target's directory,
-    a draft for another target or of a kind the command cannot use) named by the flag.
-
-    Raises:
-        CheckpointError: as `load`, named by the flag (`flag_paths.named_by_flag`).
-    """
-    from jetspec_jax.checkpoint.errors import CheckpointError
-    from jetspec_jax.flag_paths import named_by_flag
-
-    try:
-        return load()
-    except CheckpointError as e:
-        raise CheckpointError(named_by_flag(flag, path, e)) from e
 
 
 def _prompt_encoding(args: argparse.Namespace):
@@ -577,6 +558,15 @@ COMMANDS = {  # the subcommands `_parser` declares, and what runs each
 }
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at info level (loading, compiling, progress)",
+    )
+
+
 def _add_encoding_args(parser: argparse.ArgumentParser, what: str = "prompts") -> None:
     """`--no-chat`, `--system`, `--thinking`: how `what` are encoded (`_prompt_encoding`)."""
     parser.add_argument(
@@ -630,12 +620,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_encoding_args(regen)
     regen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     regen.add_argument("--seed", type=int, default=0, help="base of the per-prompt sampling seeds")
-    regen.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log at info level (loading, compiling, progress)",
-    )
+    _add_verbose(regen)
 
     draft = commands.add_parser("draft", help="train a draft from a YAML config (resumable)")
     draft.add_argument("--config", required=True, help="training config (see configs/)")
@@ -649,12 +634,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     draft.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
     _add_multihost_args(draft)
-    draft.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log at info level (loading, compiling, progress)",
-    )
+    _add_verbose(draft)
 
     adapter = commands.add_parser(
         "adapter", help="train the adapter for a trained draft from a YAML config (resumable)"
@@ -673,12 +653,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     adapter.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
     _add_multihost_args(adapter)
-    adapter.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log at info level (loading, compiling, progress)",
-    )
+    _add_verbose(adapter)
 
     calibrate = commands.add_parser(
         "calibrate",
@@ -752,12 +727,7 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--report", default=None, metavar="FILE", help="also write a JSON report"
     )
-    calibrate.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log at info level (loading, compiling, progress)",
-    )
+    _add_verbose(calibrate)
 
     export = commands.add_parser(
         "export", help="re-save a draft or JetSpec++ checkpoint in a dtype, or with an adapter"
@@ -780,12 +750,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--target", default=None, help="HF directory (default: SmolLM2-135M-Instruct)"
     )
-    export.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log at info level (loading, compiling, progress)",
-    )
+    _add_verbose(export)
 
     evaluate = commands.add_parser("evaluate", help="tau of a draft on prompts (inference path)")
     evaluate.add_argument(
@@ -823,12 +788,7 @@ def _parser() -> argparse.ArgumentParser:
         help="R of Jj-Rr (a JetSpec++ checkpoint; default %(default)s)",
     )
     _add_encoding_args(evaluate, what="text prompts")
-    evaluate.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="log at info level (loading, compiling, progress)",
-    )
+    _add_verbose(evaluate)
     return parser
 
 

@@ -1,11 +1,14 @@
 """`require_paths`: a command line's input paths checked before its model load, which takes
 minutes for a large target, so that a typo fails at once (`serve.py`, `train.py`, the bench);
-`named_by_flag`: a loader's error in the command line's terms."""
+`named_by_flag`: a loader's errors in the command line's terms."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+from jetspec_jax.checkpoint.errors import CheckpointError
 
 
 def require_paths(
@@ -29,9 +32,18 @@ def require_paths(
             raise FileNotFoundError(f"{flag} {path}: no such {kind}")
 
 
-def named_by_flag(flag: str, path: str | os.PathLike, error: Exception) -> str:
-    """`error`'s message, about the checkpoint at `path`, named by the `flag` that gave it:
-    "--draft DIR is a target model checkpoint ..." (the loaders' messages mostly start with the
-    path), else "--draft DIR: <message>"."""
-    message, path = str(error), os.fspath(path)
-    return f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}"
+@contextlib.contextmanager
+def named_by_flag(flag: str, path: str | os.PathLike) -> Iterator[None]:
+    """Names a `CheckpointError` raised in its block, about the checkpoint at `path`, by the
+    `flag` that gave it: "--draft DIR is a target model checkpoint ..." (the loaders' messages
+    mostly start with the path), else "--draft DIR: <message>".
+
+    Raises:
+        CheckpointError: the block's, so named.
+    """
+    try:
+        yield
+    except CheckpointError as e:
+        message, path = str(e), os.fspath(path)
+        named = f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}"
+        raise CheckpointError(named) from e
