@@ -333,9 +333,10 @@ def _check_greedy(data_files: list[str]) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     """Re-saves a draft or JetSpec++ checkpoint in `--dtype`, optionally with another adapter."""
+    from jetspec_jax.checkpoint.adapter_files import check_takes_an_adapter
     from jetspec_jax.checkpoint.bundle import is_bundle
     from jetspec_jax.draft import load_draft_for_config
-    from jetspec_jax.flag_paths import require_paths
+    from jetspec_jax.flag_paths import named_by_flag, require_paths
     from jetspec_jax.target import load_target_config
 
     out = pathlib.Path(args.out)
@@ -348,13 +349,17 @@ def _export(args: argparse.Namespace) -> int:
     _check_can_write("--out", out)
     # The target's architecture checks the drafts; its weights are not needed to re-save them.
     target_config = load_target_config(args.target)
-    draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
+    with named_by_flag("--draft", args.draft):
+        draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     if args.adapter_from is not None:
         if draft.adapter is not None:
             raise ValueError(f"--draft {args.draft} already has an adapter")
-        donor = load_draft_for_config(args.adapter_from, target_config, dtype=args.dtype)
-        # Without its calibration: that was fitted to the donor's draft (train.py calibrate).
-        draft = draft.with_adapter(donor.adapter)
+        with named_by_flag("--draft", args.draft):
+            check_takes_an_adapter(draft.config)
+        with named_by_flag("--adapter-from", args.adapter_from):
+            donor = load_draft_for_config(args.adapter_from, target_config, dtype=args.dtype)
+            # Without its calibration: that was fitted to the donor's draft (train.py calibrate).
+            draft = draft.with_adapter(donor.adapter)
     draft.save(out)
     parts = "draft" + (" + adapter" if draft.adapter is not None else "")
     parts += " + calibration" if draft.calibration is not None else ""

@@ -338,10 +338,25 @@ def test_train_export_in_bfloat16_and_with_another_adapter(
     assert train.main(argv + common) == 0
     assert "draft saved in float32" in capsys.readouterr().out  # no adapter to name
 
+    # Load and pairing errors name the flag whose checkpoint does not fit.
+    target_dir = common[1]
+    dflash = jetspec_jax.init_draft(target, variant="dflash", target_layer_ids=(0, 2))
+    dflash = dflash.save(tmp_path / "dflash")
+    other_taps = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 1))
+    other_taps = other_taps.save(tmp_path / "other_taps")
     refusals = [
         (["--draft", str(plain), "--out", str(paired)], "exists; not replacing it"),
         (["--draft", str(plain), "--adapter-from", str(plain)], "not a JetSpec++ checkpoint"),
         (["--draft", str(saved), "--adapter-from", str(saved)], "already has an adapter"),
+        (["--draft", target_dir], f"--draft {target_dir} is a target model checkpoint"),
+        (
+            ["--draft", str(dflash), "--adapter-from", str(saved)],
+            f"--draft {dflash}: an adapter serves a token-input (jetspec++) draft's",
+        ),
+        (
+            ["--draft", str(other_taps), "--adapter-from", str(saved)],
+            f"--adapter-from {saved}: adapter target_layer_ids [0, 2] != the draft's",
+        ),
     ]
     for args, message in refusals:
         args = args if "--out" in args else [*args, "--out", str(tmp_path / "never")]
