@@ -397,10 +397,16 @@ def test_a_failure_mid_stream_is_an_error_event_then_done(http, monkeypatch, cap
     assert _labelled(http, "jetspec_requests_total", **labels) - failed == 1
 
 
-@pytest.mark.parametrize("accepting, status", [(True, "499"), (False, "503")])
-def test_a_cancelled_request_is_the_clients_unless_the_server_shuts_down(accepting, status):
-    """A handler cancelled while the server accepts requests lost its client (499); one cancelled
-    once the shutdown began was cancelled by the server, past its shutdown timeout (503)."""
+@pytest.mark.parametrize(
+    "accepting, connected, status",
+    [(True, True, "499"), (True, False, "499"), (False, False, "499"), (False, True, "503")],
+)
+def test_a_cancelled_request_is_the_clients_unless_the_server_shuts_down(
+    accepting, connected, status
+):
+    """A handler cancelled while the server accepts requests lost its client (499), as did one
+    whose connection closed during the shutdown's grace; one cancelled once the shutdown began,
+    its connection open, was cancelled by the server, past its shutdown timeout (503)."""
     counted = []
     requests = types.SimpleNamespace(
         labels=lambda *labels: types.SimpleNamespace(inc=lambda: counted.append(labels))
@@ -410,7 +416,9 @@ def test_a_cancelled_request_is_the_clients_unless_the_server_shuts_down(accepti
     )
     route = types.SimpleNamespace(resource=types.SimpleNamespace(canonical="/v1/completions"))
     request = types.SimpleNamespace(
-        match_info=types.SimpleNamespace(route=route), app={SCHEDULER: scheduler}
+        match_info=types.SimpleNamespace(route=route),
+        app={SCHEDULER: scheduler},
+        transport=object() if connected else None,  # aiohttp's, None once the client is gone
     )
 
     async def cancelled(request):

@@ -294,6 +294,33 @@ def test_a_client_that_hangs_up_during_keepalives_cancels_its_request(fast, capl
     assert after == batches
 
 
+def test_a_client_that_hangs_up_during_the_shutdown_grace_is_counted_as_499(target, monkeypatch):
+    """A running request whose client leaves while the shutdown waits for it is the client's
+    doing (499), as before the shutdown began, not the server's (503: handlers it cancels past
+    its timeout)."""
+    advance = ContinuousBatch.advance
+    monkeypatch.setattr(  # slow decoding: the request still runs when its client leaves
+        ContinuousBatch, "advance", lambda rows, steps: (time.sleep(0.05), advance(rows, steps))[1]
+    )
+    running = BackgroundServer(target, None, _config(SLOW)).start()
+    scheduler = running.app[SCHEDULER]
+    url = httpx.URL(running.url)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            with socket.create_connection((url.host, url.port), timeout=30) as leaving:
+                body = dict(REQUESTS["/v1/completions"], stream=True, max_tokens=400)
+                leaving.sendall(_raw_request(url, body))
+                received = b""
+                while b"data: {" not in received:  # decoding
+                    received += leaving.recv(4096)
+                stopped = pool.submit(running.stop)  # as on SIGTERM: the grace begins
+                _wait_for(lambda: not scheduler.accepting)
+            stopped.result(timeout=30)
+        finally:
+            running.stop()
+    assert (_count(running, "499"), _count(running, "503")) == (1, 0)
+
+
 @pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf"), True, "15"])
 def test_keepalive_seconds_must_be_a_finite_positive_number(seconds):
     with pytest.raises(ValueError, match="keepalive_seconds"):

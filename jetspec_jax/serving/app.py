@@ -156,11 +156,12 @@ def create_app(
 @web.middleware
 async def _count(request: web.Request, handler):
     """Counts every answer by route and status (`jetspec_requests_total`): a request whose client
-    went away (its handler cancelled) as 499, nginx's "client closed request" (503 when the
-    server's shutdown cancelled it), and a stream that ended in an error event as that error's
-    status, not the 200 its headers went out with. A route with a parameter counts under its
-    pattern, and a path no route matched (a wrong method's included) under "other" unless it is
-    a route's: what clients send cannot grow the metrics."""
+    went away (its handler cancelled, its connection closed) as 499, nginx's "client closed
+    request" (503 when the server's shutdown cancelled it, its connection still open), and a
+    stream that ended in an error event as that error's status, not the 200 its headers went
+    out with. A route with a parameter counts under its pattern, and a path no route matched (a
+    wrong method's included) under "other" unless it is a route's: what clients send cannot
+    grow the metrics."""
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else request.path
     endpoint = endpoint if endpoint in _ROUTES else "other"
@@ -173,8 +174,10 @@ async def _count(request: web.Request, handler):
         status = e.status
         raise
     except (asyncio.CancelledError, ConnectionResetError):
-        # Cancelled while the server shuts down: by the server, past its shutdown timeout.
-        status = 499 if request.app[SCHEDULER].accepting else 503
+        # The client's hang-up closes the connection before its handler is cancelled; the
+        # server, past its shutdown timeout, cancels handlers whose connections are still open.
+        client_gone = request.app[SCHEDULER].accepting or request.transport is None
+        status = 499 if client_gone else 503
         raise
     finally:
         request.app[SCHEDULER].metrics.requests.labels(endpoint, str(status)).inc()
