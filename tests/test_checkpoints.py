@@ -10,6 +10,7 @@ import re
 import shutil
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -388,6 +389,20 @@ def test_unexpected_tensor_is_named(checkpoints, tmp_path):
         path, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)})
     )
     with pytest.raises(CheckpointError, match=r"unexpected tensors: model\.layers\.0\.mlp\.extra"):
+        jetspec_jax.load_target(path)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, np.int8])
+def test_a_tensor_not_stored_as_a_float_is_named(checkpoints, tmp_path, dtype):
+    """Quantized data (float8, which numpy cannot even read, or integers) is not a weight."""
+    path, _ = _copy(checkpoints, tmp_path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    _edit_tensors(path, lambda t: t.update({name: t[name].astype(dtype)}))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"model\.safetensors: tensor {re.escape(name)} is stored as (F8_E4M3|I8); only "
+        "floating-point weights",
+    ):
         jetspec_jax.load_target(path)
 
 

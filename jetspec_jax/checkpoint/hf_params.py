@@ -57,6 +57,9 @@ _TIED_HEAD = "lm_head.weight"
 # Multimodal Qwen3.5 checkpoints: the text model's prefix, and the parts we do not load.
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
 _MULTIMODAL_SKIPPED = ("model.visual.", "mtp.")
+# safetensors dtypes a weight may be stored in (cast to the model's dtype as read). Others are
+# quantized or packed data (float8 cannot even be read with numpy), not weights of this model.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +226,9 @@ def load_hf_params(
     and converted one at a time (`TensorReader`).
 
     Raises:
-        CheckpointError: a missing or malformed weights file, or tensors that do not match
-            `config` (the message names `checkpoint_dir` or the file at fault).
+        CheckpointError: a missing or malformed weights file, tensors that do not match
+            `config`, or one not stored as a float (the message names `checkpoint_dir` or the
+            file at fault).
     """
     files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
     specs = tensor_specs(config)
@@ -252,7 +256,8 @@ class TensorReader(Mapping):
 
     A context manager holding one open handle per file. Building a pytree through it keeps one
     tensor on the host at a time, not a host copy of the whole checkpoint beside the device one.
-    A name may be stored in its multimodal spelling (`_stored_name`).
+    A name may be stored in its multimodal spelling (`_stored_name`). Reading a tensor not
+    stored as a float (`FLOAT_DTYPES`) is a `CheckpointError` naming it and its file.
     """
 
     def __init__(self, located: Mapping[str, tuple[pathlib.Path, tuple[int, ...]]], on_read=None):
@@ -273,7 +278,15 @@ class TensorReader(Mapping):
             handle = self._files.enter_context(safetensors.safe_open(file, framework="numpy"))
             self._handles[file] = (handle, set(handle.keys()))
         handle, stored = self._handles[file]
-        array = handle.get_tensor(_stored_name(name, stored))
+        stored_name = _stored_name(name, stored)
+        dtype = handle.get_slice(stored_name).get_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor {stored_name} is stored as {dtype}; only floating-point "
+                f"weights ({', '.join(FLOAT_DTYPES)}) are supported: give the original (or "
+                "dequantized) float weights"
+            )
+        array = handle.get_tensor(stored_name)
         if self._on_read is not None:
             self._on_read(1)
         return array
