@@ -140,7 +140,11 @@ def test_adapter_config_dict_round_trip_and_strictness(draft):
     "break_it, message",
     [
         (lambda p: (p / "adapter" / "model.safetensors").unlink(), "model.safetensors"),
-        (lambda p: (p / "calibration.json").unlink(), "lists a calibration"),
+        (lambda p: (p / "calibration.json").unlink(), "lists a calibration but .* not exist"),
+        (
+            lambda p: ((p / "calibration.json").unlink(), (p / "calibration.json").mkdir()),
+            "lists a calibration but .*calibration.json is not a file",
+        ),
         (lambda p: shutil.rmtree(p / "draft"), "lacks its draft/"),
         (lambda p: (p / "jetspec_pp.json").write_text("{not json"), "not valid JSON"),
         (lambda p: (p / "calibration.json").write_text("[1, 2"), "calibration.json is not valid"),

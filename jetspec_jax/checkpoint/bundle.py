@@ -108,9 +108,12 @@ def load_bundle(path: str | pathlib.Path, target_config, dtype: str):
     calibration_file = path / CALIBRATION_FILE
     listed = "calibration" in manifest["contents"]
     if listed != calibration_file.is_file():
+        found = "exists"
+        if listed:
+            found = "is not a file" if calibration_file.exists() else "does not exist"
         raise CheckpointError(
             f"{path / MANIFEST} {'lists' if listed else 'does not list'} a calibration but "
-            f"{calibration_file} {'does not exist' if listed else 'exists'}"
+            f"{calibration_file} {found}"
         )
     calibration = None
     if listed:
