@@ -6,7 +6,7 @@ import dataclasses
 
 from jetspec_jax import random_streams
 from jetspec_jax.checkpoint.adapter_files import adapter_tensor_specs
-from jetspec_jax.draft import Draft, layers_like_target, random_params
+from jetspec_jax.draft import Draft, check_init_std, layers_like_target, random_params
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.target import DTYPES
 
@@ -48,11 +48,13 @@ def init_adapter(
 
     Raises:
         ValueError: `layers_per_module` does not give each of the draft's taps >= 1 layer
-            (`AdapterConfig`), or `intermediate_size` is < 1.
+            (`AdapterConfig`), `intermediate_size` is < 1, or `init_std` is not a finite
+            number >= 0.
     """
     config = adapter_config(
         draft, layers_per_module=layers_per_module, intermediate_size=intermediate_size
     )
+    init_std = check_init_std(init_std)
     key = random_streams.stream(seed, random_streams.ADAPTER_INIT)
     params = random_params(adapter_tensor_specs(config), key, init_std, DTYPES[draft.dtype])
     return Adapter(config=config, params=params, dtype=draft.dtype)

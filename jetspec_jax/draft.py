@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from jetspec_jax.decoding.refinement import refining_proposer
 from jetspec_jax.decoding.request_checks import check_int
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
-from jetspec_jax.scalars import as_int
+from jetspec_jax.scalars import as_int, as_real
 from jetspec_jax.target import DTYPES, Target, check_dtype, check_is_target
 
 __all__ = [
@@ -78,10 +79,24 @@ class Draft:
         """This draft with `adapter` (an `Adapter` for its taps) and optionally a calibration.
 
         Raises:
-            ValueError: a mask-input (dflash, jetspec) draft, an adapter that predicts other tap
-                layers than the draft reads or states of another width (each a
+            ValueError: `adapter` is not an `Adapter` or `calibration` neither a `Calibration`
+                nor None, a mask-input (dflash, jetspec) draft, an adapter that predicts other
+                tap layers than the draft reads or states of another width (each a
                 `CheckpointError`), or one that holds another dtype than the draft's.
         """
+        from jetspec_jax.adapter import Adapter  # imports this module
+
+        # Checked here: a wrong type would otherwise fail as an AttributeError, the calibration's
+        # only at the first decode that reads it.
+        if not isinstance(adapter, Adapter):
+            raise ValueError(
+                f"adapter must be an Adapter (init_adapter, checkpoint.adapter_files."
+                f"load_adapter), got {type(adapter).__name__}"
+            )
+        if calibration is not None and not isinstance(calibration, Calibration):
+            raise ValueError(
+                f"calibration must be a Calibration or None, got {type(calibration).__name__}"
+            )
         check_adapter_matches_draft(adapter.config, self)
         if adapter.dtype != self.dtype:  # one dtype per checkpoint (its manifest names one)
             raise ValueError(
@@ -262,15 +277,26 @@ def init_draft(target: Target, *, init_std: float = 0.02, seed: int = 0, **archi
 
     Raises:
         ValueError, CheckpointError, TypeError: as `draft_config` (a TypeError also for a keyword
-            it does not take); ValueError: a seed outside [0, 2**32).
+            it does not take); ValueError: a seed outside [0, 2**32), an `init_std` that is not
+            a finite number >= 0.
     """
     config = draft_config(target, **architecture)
     seed = check_int("seed", seed, 0)
     if seed >= 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    init_std = check_init_std(init_std)
     key = random_streams.stream(seed, random_streams.DRAFT_INIT)
     params = random_params(draft_tensor_specs(config), key, init_std, DTYPES[target.dtype])
     return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
+
+
+def check_init_std(init_std) -> float:
+    """`init_std` as a float, after checking it is a finite number >= 0, as the training
+    config's `init_std` is (ValueError otherwise: a NaN would draw NaN weights without a word)."""
+    std = as_real(init_std)
+    if std is None or not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"init_std must be a finite number >= 0, got {init_std!r}")
+    return std
 
 
 def draft_config(
@@ -336,7 +362,12 @@ def draft_config(
         layers=layers_like_target(target.config, num_layers, **sizes),
         target_layer_ids=taps,
         block_size=block_size,
-        mask_token_id=_default_mask_token_id(target) if mask_token_id is None else mask_token_id,
+        mask_token_id=(
+            _default_mask_token_id(target)
+            if mask_token_id is None
+            # An int: a float would be saved in a config.json that `load_draft` refuses.
+            else check_int("mask_token_id", mask_token_id, 0)
+        ),
         **switches,
     )
     check_draft_matches_target(config, target.config)

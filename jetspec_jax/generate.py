@@ -261,8 +261,10 @@ def generate_as_completed(
     ]
     sampling = row_sampling(sampling, len(prompts))
     session_args = dict(draft=draft, options=options, stop_token_ids=stop_token_ids)
-    # One row alone validates the pairing of draft and options and the stop ids now.
-    DecodeSession(target, prompts[:1], max_new_tokens=1, **session_args)
+    # One row alone validates the pairing of draft and options and the stop ids now; its stop
+    # ids, read once, serve every batch (an iterator given would be spent by this session).
+    checked = DecodeSession(target, prompts[:1], max_new_tokens=1, **session_args)
+    session_args["stop_token_ids"] = checked.stop_token_ids
     sizes = [(len(p), n) for p, n in zip(prompts, budgets, strict=True)]
     longest_first = sorted(range(len(prompts)), key=lambda i: -sum(sizes[i]))
 
@@ -374,7 +376,7 @@ def stream(
         ValueError: a bad value (`chunk_steps` included), naming it; raised by the call, before
             the first token.
     """
-    check_int("chunk_steps", chunk_steps, 1)
+    chunk_steps = check_int("chunk_steps", chunk_steps, 1)  # a 0-d array as a plain int
     check_is_target(target)
     prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
     sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)]

@@ -336,6 +336,23 @@ def test_generate_as_completed_gives_generate_batchs_results(target, draft, meth
         assert result.outcomes == want[i].outcomes, i
 
 
+def test_generate_as_completed_reads_stop_ids_given_as_an_iterator_once(target):
+    """The call's validation reads the stop ids; every batch then stops on them, as
+    `generate_batch` does, not on an iterator that validation spent."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (3, 14, 7, 9, 5, 11)]
+    kwargs = dict(max_new_tokens=[4, 16, 9, 2, 12, 6])
+    free = jetspec_jax.generate_batch(target, prompts, stop_token_ids=[], **kwargs)
+    stop = free[1].tokens[5]
+    want = jetspec_jax.generate_batch(target, prompts, stop_token_ids=[stop], **kwargs)
+    assert want[1].finish_reason == "stop"
+    got = jetspec_jax.generate_as_completed(
+        target, prompts, max_batch_size=2, stop_token_ids=iter([stop]), **kwargs
+    )
+    for i, result in got:
+        assert (result.tokens, result.finish_reason) == (want[i].tokens, want[i].finish_reason), i
+
+
 def test_generate_as_completed_starts_a_new_batch_for_what_does_not_fit(target, monkeypatch):
     """The longest prompt (plus budget) starts, sizing the batch; a later prompt whose budget
     exceeds that batch's output buffer (16) waits for a batch of its own. (Under a progress

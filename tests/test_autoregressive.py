@@ -189,6 +189,8 @@ def test_invalid_batches_are_refused(target):
         jetspec_jax.generate_batch(target, 5)
     with pytest.raises(ValueError, match="sampling must hold SamplingParams, got dict"):
         jetspec_jax.generate_batch(target, [[1, 2]], sampling=[dict(temperature=1.0)])
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams or one per prompt"):
+        jetspec_jax.generate_batch(target, [[1, 2], [3, 4]], sampling="greedy")  # not 6 of them
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         jetspec_jax.generate_batch(target, [[1, 2], [3, 4]], sampling=[SamplingParams()])
     for pad in (-3, 0, True, 2.0):

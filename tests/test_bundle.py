@@ -191,6 +191,16 @@ def test_an_adapter_is_refused_for_a_mask_input_draft(target, variant):
         mask_input.with_adapter(adapter)
 
 
+def test_with_adapter_refuses_what_is_no_adapter_or_calibration(target):
+    """Refused by name at `with_adapter`, not as an AttributeError there (a path for the
+    adapter) or at the first decode that reads the calibration (a dict of its fields)."""
+    draft = jetspec_jax.init_draft(target, target_layer_ids=(0, 2), block_size=4)
+    with pytest.raises(ValueError, match="adapter must be an Adapter .*got str"):
+        draft.with_adapter("runs/adapter")
+    with pytest.raises(ValueError, match="calibration must be a Calibration or None, got dict"):
+        draft.with_adapter(init_adapter(draft), {"replacement_confidence": 0.5})
+
+
 def test_refusals_name_the_part_directory(target, saved, tmp_path):
     """A draft/ or adapter/ that does not fit is named by its directory, as a target is."""
     path = _copy(saved, tmp_path)

@@ -561,11 +561,17 @@ def test_init_mask_token_prefers_the_tokenizers(target):
         (dict(target_layer_ids=1), "target_layer_ids must be distinct .* increasing order, got 1"),
         (dict(target_layer_ids=(2, 0)), "distinct layer indices in increasing order"),
         (dict(target_layer_ids=(1, 1)), "distinct layer indices in increasing order"),
+        (dict(init_std="0.1"), "init_std must be a finite number >= 0, got '0.1'"),
+        (dict(init_std=float("nan")), "init_std must be a finite number >= 0, got nan"),
+        (dict(variant="dflash", mask_token_id=3.0), "mask_token_id must be an integer >= 0"),
+        (dict(mask_token_id="3"), "mask_token_id must be an integer >= 0, got '3'"),
     ],
 )
 def test_init_names_a_bad_argument(target, kwargs, message):
-    """Refused by name, not as a TypeError from inside JAX (a float seed), a ZeroDivisionError at
-    the first decode (head_dim 0), or a failure at `with_adapter` (taps out of order)."""
+    """Refused by name, not as a TypeError from inside JAX (a float seed, a str init_std), a
+    ZeroDivisionError at the first decode (head_dim 0), a failure at `with_adapter` (taps out of
+    order), a draft of NaN weights (a NaN init_std) or a saved config.json that `load_draft`
+    refuses (a float mask token)."""
     with pytest.raises(ValueError, match=message):
         init_draft(target, **kwargs)
 

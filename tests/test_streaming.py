@@ -33,7 +33,8 @@ def _ar(target, prompt, n=N_NEW, **kwargs):
     return jetspec_jax.generate(target, prompt, max_new_tokens=n, stop_token_ids=[], **kwargs)
 
 
-@pytest.mark.parametrize("chunk_steps", [1, 5, 2**40])  # 2**40: past every budget and int32
+# 2**40: past every budget and int32; a 0-d array: taken as its int, as `check_int` takes it.
+@pytest.mark.parametrize("chunk_steps", [1, 5, 2**40, np.array(5)], ids=["1", "5", "2**40", "0-d"])
 def test_stream_chunks_concatenate_to_generate(target, prompts, chunk_steps):
     for prompt, kwargs in ((prompts[0], {}), (prompts[1], dict(temperature=1.0, seed=4))):
         expected = _ar(target, prompt, **kwargs)

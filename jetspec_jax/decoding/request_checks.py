@@ -124,7 +124,7 @@ def row_sampling(sampling, rows: int) -> list[SamplingParams]:
     rows are independent samples, not copies of one)."""
     if isinstance(sampling, SamplingParams):
         return [dataclasses.replace(sampling, seed=row_seed(sampling.seed, i)) for i in range(rows)]
-    if not isinstance(sampling, Sequence):
+    if isinstance(sampling, str) or not isinstance(sampling, Sequence):  # a str is no list of them
         kind = type(sampling).__name__
         raise ValueError(f"sampling must be a SamplingParams or one per prompt, got {kind}")
     sampling = list(sampling)
