@@ -5,7 +5,7 @@ Shapes are small (the interpreter compiles every shape anew) but cover the layou
 context sizes that are not tile multiples (and smaller than one tile), GQA ratios 1/2/4, 1..4
 candidates (padded to whole tiles), candidates split over several programs, context splits, and
 per-candidate lengths 0 and S. On a GPU the compiled Triton kernel runs the same grid (and
-"auto" sends every draft test through it).
+"auto" sends the bfloat16 draft operands through it; float32 stays on the reference).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jetspec_jax.models import layers
 from jetspec_jax.models.block_stack import ContextCache
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
+from tests.jaxprs import dot_precisions
 from tests.lowering import abstract_mesh
 
 
@@ -173,6 +174,29 @@ def test_kernel_bfloat16_is_as_accurate_as_the_reference(impl):
     assert got.dtype == jnp.bfloat16
     assert _max_abs(got, want) <= 2e-2  # a few bf16 ulps of O(1) outputs
     assert _max_abs(got, exact) <= 2 * _max_abs(want, exact) + 1e-3
+
+
+def test_the_reference_asks_for_float32_precision_when_any_operand_is_float32():
+    """Mixed dtypes fall back to the reference (the kernel refuses them); a float32 context or
+    block must not be multiplied at XLA's default (TF32 on GPUs) because the queries are
+    bfloat16. CPUs ignore the request: the jaxpr is what a CPU test can check."""
+    from jetspec_jax.kernels.reference import refinement_attention_over_span
+
+    q, ck, cv, lengths, bk, bv = _operands((1, 1, 2, 2, 2, 16, 4))
+    q = q.astype(jnp.bfloat16)
+    stacked = (jnp.stack([ck, ck]), jnp.stack([cv, cv]))
+
+    def dense(q):
+        return refinement_attention(q, ck, cv, lengths, bk, bv, causal=True, impl="reference")
+
+    def span(q):
+        return refinement_attention_over_span(q, *stacked, 1, lengths, bk, bv, causal=True, chunk=2)
+
+    for form in (dense, span):
+        with jax.default_matmul_precision("default"):  # the library's request, not conftest's
+            jaxpr = jax.make_jaxpr(form)(q).jaxpr
+        precisions = set(dot_precisions(jaxpr))
+        assert precisions == {(jax.lax.Precision.HIGHEST,) * 2}, (form.__name__, precisions)
 
 
 @functools.partial(jax.jit, static_argnums=6)

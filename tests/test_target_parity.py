@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import jetspec_jax
 from jetspec_jax.models.config import RopeConfig
 from jetspec_jax.models.rope import apply_rope, inverse_frequencies
 from jetspec_jax.models.transformer import forward, unembed
+from tests.jaxprs import dot_precisions
 from tests.tiny_models import VARIANTS
 
 TOL = 1e-4
@@ -92,17 +92,6 @@ def test_bfloat16_stays_close_to_float32(checkpoints):
     assert np.mean(bf16.argmax(-1) == fp32.argmax(-1)) >= 0.95
 
 
-def _dot_precisions(jaxpr) -> list:
-    """The `precision` of every dot_general in `jaxpr` and its sub-jaxprs (jit, scan, ...)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn.params["precision"])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _dot_precisions(sub)
-    return found
-
-
 @pytest.mark.parametrize("variant", ["qwen3", "qwen3_5"])
 def test_float32_matmuls_ask_for_float32_precision(checkpoints, variant):
     """XLA's default precision lets GPUs use TF32 (TPUs bfloat16 passes) for float32 matmuls;
@@ -121,7 +110,7 @@ def test_float32_matmuls_ask_for_float32_precision(checkpoints, variant):
         # The library's own request, not conftest's process-wide "highest".
         with jax.default_matmul_precision("default"):
             jaxpr = jax.make_jaxpr(logits)(target.params).jaxpr
-        found[dtype] = set(_dot_precisions(jaxpr))
+        found[dtype] = set(dot_precisions(jaxpr))
     assert found["float32"] == {highest}
     default = (jax.lax.Precision.DEFAULT,) * 2
     assert found["bfloat16"] - {highest} and found["bfloat16"] <= {None, default, highest}

@@ -45,7 +45,9 @@ def refinement_attention_reference(
     s_len, num_kv = context_k.shape[1], context_k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     qg = q.reshape(batch, cands, k_len, num_kv, num_heads // num_kv, head_dim)
-    f32 = dict(precision=matmul_precision(q), preferred_element_type=jnp.float32)
+    # Every operand decides (mixed dtypes reach the reference: the kernel refuses them).
+    precision = matmul_precision(q, context_k, context_v, block_k, block_v)
+    f32 = dict(precision=precision, preferred_element_type=jnp.float32)
     # The context part is contracted once for all candidates (never broadcast over C).
     ctx = jnp.einsum("bckhgd,bshd->bchgks", qg, context_k, **f32) * scale
     blk = jnp.einsum("bckhgd,bcjhd->bchgkj", qg, block_k, **f32) * scale
@@ -101,7 +103,8 @@ def refinement_attention_over_span(
         raise ValueError(f"a cache of {capacity} slots is shorter than one chunk of {chunk}")
     scale = head_dim**-0.5 if scale is None else scale
     qg = q.reshape(batch, cands, k_len, num_kv, num_heads // num_kv, head_dim)
-    f32 = dict(precision=matmul_precision(q), preferred_element_type=jnp.float32)
+    precision = matmul_precision(q, cache_k, cache_v, block_k, block_v)
+    f32 = dict(precision=precision, preferred_element_type=jnp.float32)
     lowest = jnp.finfo(jnp.float32).min
 
     # The block's own keys first: every row sees at least itself, so the running maximum starts
