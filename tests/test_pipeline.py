@@ -348,10 +348,11 @@ def test_spmd_chunks_place_only_their_step_count(target, draft, prompts, monkeyp
 @pytest.mark.parametrize("form", PIPELINES)
 def test_sessions_with_other_drafts_share_the_placed_target(target, draft, prompts, form):
     """One placed copy of the target, whatever the drafts: a copy per (target, draft) pair
-    would pin a target's worth of device memory per draft."""
+    would pin a target's worth of device memory per draft. A draft's second session reuses its
+    copy too (a new replacement-confidence scalar per session placed the draft again)."""
     PLACED.clear()
     learned = draft.with_adapter(init_adapter(draft))
-    for proposing in (learned, learned.with_adapter(init_adapter(draft, seed=1))):
+    for proposing in (learned, learned, learned.with_adapter(init_adapter(draft, seed=1))):
         session = DecodeSession(
             target,
             prompts,

@@ -16,11 +16,11 @@ decode loop (`lax.while_loop`) on both devices, each branching on `lax.axis_inde
 
 Steps 1/3/6 run on their stage only (`conditional.apply_if` of the stage index: a loop of zero
 or one trip, which writes the caches in place where a `lax.cond` on the stage copied the target's
-every round), so each device executes only its own side; the two ppermutes are the only
-communication. Per round on a hit the critical path is
-`T_lookup + T_comm + max(T_verify, T_draft_ahead) + T_comm + T_observe`; a miss adds the fallback
-draft. The computation is exactly `foresight.foresight_round` (the single-device reference and
-fallback, `decode_foresight`): tokens, outcomes and hit statistics are the same.
+every round), so each device executes only its own side; the two ppermutes are the rounds' only
+communication (each call adds the gather of its carry, below). Per round on a hit the critical
+path is `T_lookup + T_comm + max(T_verify, T_draft_ahead) + T_comm + T_observe`; a miss adds the
+fallback draft. The computation is exactly `foresight.foresight_round` (the single-device
+reference and fallback, `decode_foresight`): tokens, outcomes and hit statistics are the same.
 
 **Memory per device (single-program SPMD: every per-device shape is equal).** Arguments enter
 replicated (`P()`), and the loop carry is each device's own copy of the whole `SpecState`:
@@ -30,8 +30,9 @@ replicated (`P()`), and the loop carry is each device's own copy of the whole `S
 - weights held: all of them on both stages (replicated);
 - caches used: stage 0 the target KV cache; stage 1 the draft's context cache, the adapter and
   decoder caches and the B candidate blocks;
-- caches held: both sides' on both stages (stage 0's draft-side copy is never updated; stage 1's
-  target KV cache is never written, only its lengths advance).
+- caches held: both sides' on both stages (in the loop, stage 0's draft-side copy is never
+  updated and stage 1's target KV cache is never written, only its lengths advance; the gather
+  at the call's end overwrites each idle copy with the other stage's).
 
 So the cost of SPMD is that each device holds the other stage's weights and caches: the draft
 device holds the target's lower layers and a full-size (idle) target KV cache, the target device
@@ -41,9 +42,12 @@ stage, at the price of a host-driven loop. Both sides' code is compiled into the
 devices (code, not data).
 
 The carry is gathered back after the loop (decode side from stage 0, proposer side from stage 1),
-so the session, streaming and results read a plain `SpecState`. It comes back replicated, where
-the next call takes it, donated: the session places the prefilled state and the requests on the
-mesh once (`DecodeSession.start`), and no later call copies them, outside the program or in it.
+so the session, streaming and results read a plain `SpecState`. That gather sends every cache
+across the devices once per call (XLA lowers it to all-reduces and collective-permutes of the
+stacked carry: the target's whole KV cache and the draft side's caches), a cost per call
+(`chunk_steps` rounds), not per round. It comes back replicated, where the next call takes it,
+donated: the session places the prefilled state and the requests on the mesh once
+(`DecodeSession.start`), and no later call places them again, outside the program or in it.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ plug in the target itself as an oracle (`target_proxy.py`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -179,9 +180,18 @@ def refining_proposer(
     params = {
         "draft": draft_params,
         "proxy": proxy_params,
-        "replacement_confidence": jnp.asarray(confidence, jnp.float32),
+        "replacement_confidence": confidence_scalar(confidence),
     }
     return proposer, params
+
+
+@functools.cache
+def confidence_scalar(confidence: float) -> jax.Array:
+    """`[]` float32 c, one array per value: the params of every proposer built for a draft
+    keep the identity of their leaves, so the pipelines' placed copies of the draft's weights
+    (`placement.PLACED`, keyed by it) serve its later sessions (a new array per call made each
+    session place the draft and the adapter again, the cache holding up to 8 copies)."""
+    return jnp.asarray(confidence, jnp.float32)
 
 
 def replace_first_disagreement(
