@@ -61,13 +61,19 @@ def _decode_rate(results) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    sizes = [int(k) for k in args.block_sizes.split(",") if k.strip()]
+    try:
+        sizes = [int(k) for k in args.block_sizes.split(",") if k.strip()]
+    except ValueError:
+        parser.error(f"--block-sizes {args.block_sizes!r}: comma-separated integers")
     if not sizes or args.num_prompts < 1 or args.max_new_tokens < 2:
         parser.error("need block sizes, --num-prompts >= 1 and --max-new-tokens >= 2")
-    target = jetspec_jax.load_target(args.target)
+    # Before the model load: what needs no model.
+    if not args.prompts.is_file():
+        parser.error(f"--prompts {args.prompts}: no such file")
     draft_dir = args.draft or (default_draft_dir() if args.target is None else None)
     if draft_dir is None:
         parser.error("--target needs a --draft for it")
+    target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(draft_dir, target)
     for k in sizes:
         try:

@@ -56,6 +56,7 @@ from jetspec_jax.data.jsonl import trim_partial_last_line  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.results import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.target_proxy import TargetProxyDraft  # noqa: E402
+from jetspec_jax.flag_paths import require_paths  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                 DecodingOptions("jetspec++", **options)
     except ValueError as e:
         parser.error(f"--foresight {args.foresight!r} --rules {args.rules!r}: {e}")
+
+    try:  # not after the target's load
+        require_paths("--target", [args.target], directory=True)
+        require_paths("--draft", [args.draft], directory=True)
+    except FileNotFoundError as e:
+        parser.error(str(e))
 
     target = jetspec_jax.load_target(args.target)
     draft = jetspec_jax.load_draft(args.draft, target)

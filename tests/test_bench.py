@@ -166,6 +166,26 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     for bad in ("0,1e-6", "0,nan", "0,inf", ","):
         assert main(["--prompts", str(tmp_path / "p.jsonl"), "--temperatures", bad]) == 2
         assert f"--temperatures {bad!r}" in capsys.readouterr().err
+    # So do a prompt file load_dataset would refuse, two files of one dataset, a repeated
+    # temperature, and a method no draft serves (without --draft, the served variants are known).
+    good, out = _prompt_file(tmp_path, ["Hi"]), str(tmp_path / "out")
+    empty, bad, ids = (tmp_path / f"{name}.jsonl" for name in ("empty", "bad", "ids"))
+    empty.write_text("")
+    bad.write_text('{"id": "a", "prompt": "x"}\nnot json\n')
+    ids.write_text('{"id": "a", "prompt": "x"}\n' * 2)
+    for flags, message in (
+        ([empty], f"--prompts {empty} holds no prompts"),
+        ([bad], f"--prompts {bad}:2 is not valid JSON"),
+        ([ids], f"--prompts {ids}: prompt ids a occur more than once"),
+        ([good, good], f"--prompts {good} and {good} are both dataset 'tiny'"),
+        ([good, "--temperatures", "0,1,0.0"], "--temperatures '0,1,0.0': 0 given twice"),
+        ([good, "--methods", "dflash"], "--methods 'dflash': no draft serves dflash"),
+        ([good, "--target", tmp_path, "--methods", "jetspec++"], "no draft serves jetspec++"),
+        ([good, "--random-draft", "dflash", "--methods", "dflash,jetspec"], "serves jetspec;"),
+    ):
+        assert main(["--prompts", *map(str, flags), "--out", out]) == 2
+        assert message in capsys.readouterr().err
+    good.unlink()
     # A missing input path fails before the model load too.
     assert main(["--prompts", str(tmp_path / "p.jsonl")]) == 2
     assert f"--prompts {tmp_path / 'p.jsonl'}: no such file" in capsys.readouterr().err
@@ -409,12 +429,14 @@ def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # the paths given exist (checked before any load)
     for directory in ("T", "a"):
         (tmp_path / directory).mkdir()
-    (tmp_path / "p.jsonl").write_text("")  # no prompts: refused once the drafts are loaded
-    assert main(["--prompts", "p.jsonl", "--target", "T", "--draft", "a"]) == 2
+    _prompt_file(tmp_path, ["Hi"])
+    refused = mock.Mock(side_effect=ValueError("encoded"))  # once the drafts are loaded
+    monkeypatch.setattr("jetspec_jax.bench.datasets.load_dataset", refused)
+    assert main(["--prompts", "tiny.jsonl", "--target", "T", "--draft", "a"]) == 2
     assert "no method of --methods 'ar' uses --draft a" in capsys.readouterr().err
-    assert main(["--prompts", "p.jsonl", "--methods", "ar"]) == 2  # then: the empty prompt file
-    assert "p.jsonl" in capsys.readouterr().err and loaded == ["a"]
-    assert main(["--prompts", "p.jsonl", "--methods", "jetspec++"]) == 2
+    assert main(["--prompts", "tiny.jsonl", "--methods", "ar"]) == 2  # then: the stand-in
+    assert "encoded" in capsys.readouterr().err and loaded == ["a"]
+    assert main(["--prompts", "tiny.jsonl", "--methods", "jetspec++"]) == 2
     assert len(loaded) == 2  # the shipped draft
 
 
@@ -431,8 +453,7 @@ def test_two_drafts_of_one_variant_are_refused(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # the paths given exist (checked before any load)
     for directory in ("T", "a", "b"):
         (tmp_path / directory).mkdir()
-    prompts = "p.jsonl"
-    (tmp_path / prompts).write_text("")
+    prompts = _prompt_file(tmp_path, ["Hi"]).name
     assert main(["--prompts", prompts, "--target", "T", "--draft", "a", "--draft", "b"]) == 2
     assert "--draft a and --draft b are both 'jetspec++' drafts" in capsys.readouterr().err
     argv = ["--prompts", prompts, "--target", "T", "--draft", "a", "--random-draft", "jetspec++"]
@@ -501,13 +522,18 @@ def test_load_test_checks_every_concurrency_level_before_the_first_runs(
     from jetspec_jax.bench import load
 
     monkeypatch.setattr(load, "run_load", lambda *a, **k: pytest.fail("a level ran"))
-    for levels in ("1,4,0", ","):
+    for levels in ("1,4,0", ",", "1,x", "2.5"):
         assert load.main(["--model", "m", "--concurrency", levels]) == 2
         assert f"--concurrency {levels!r}: levels must be integers >= 1" in capsys.readouterr().err
     # And the other flags the results depend on, and where they go.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     for flags, message in [
         (["--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
         (["--requests", "0"], "--requests must be >= 1, got 0"),
+        (["--limit", "0"], "--limit must be >= 1, got 0"),  # not "no prompts to send"
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--prompts", str(empty)], f"--prompts {empty} holds no prompts"),
         (["--out", str(tmp_path)], f"--out {tmp_path}: not a file path in an existing directory"),
         (["--out", str(tmp_path / "no" / "l.jsonl")], "not a file path in an existing directory"),
     ]:
@@ -774,6 +800,7 @@ def test_the_refinement_bench_runs_a_baseline_draft_one_pass(
         (["--settings", "J0"], "--settings J0: not for a dflash draft \\(it runs DFlash\\)"),
         (["--foresight", "4"], "--foresight: JetSpec\\+\\+ only, not for a dflash draft"),
         (["--sets", "tiny,missing"], "--sets missing: no such file"),
+        (["--draft", str(tmp_path / "nowhere")], "--draft .*nowhere: no such directory"),
     ):
         with pytest.raises(SystemExit) as exit_:
             bench_refinement.main(["--draft", str(draft_dir), *common, "--out", str(out), *flags])
@@ -795,6 +822,23 @@ def test_the_refinement_bench_refuses_refreshes_without_an_adapter_before_any_ru
     assert "no calibration" in check_runs(draft("jetspec++", adapter=1), [], [4], ["calibrated"])
     assert check_runs(draft("jetspec++", adapter=1), [], [4], ["geometric"]) is None
     assert "it runs JetSpec)" in check_runs(draft("jetspec"), ["DFlash"], [], [])
+
+
+def test_the_block_size_bench_refuses_bad_flags_before_the_model_load(
+    monkeypatch, tmp_path, capsys
+):
+    from benchmarks import bench_block_size
+
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    prompts = str(_prompt_file(tmp_path, ["Hi"]))
+    for flags, message in (
+        (["--block-sizes", "8,x"], "--block-sizes '8,x': comma-separated integers"),
+        (["--prompts", str(tmp_path / "nowhere.jsonl")], "nowhere.jsonl: no such file"),
+        (["--prompts", prompts, "--target", "T"], "--target needs a --draft for it"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            bench_block_size.main([*flags, "--out", str(tmp_path / "B.md")])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--num-prompts", "--max-new-tokens"])

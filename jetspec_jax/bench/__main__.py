@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         require_paths("--target", [args.target], directory=True)  # nor after the model load
         require_paths("--draft", args.draft or [], directory=True)
         require_paths("--prompts", args.prompts)
+        _check_prompt_files(args.prompts, args.limit)  # their contents too
+        _check_drafts_given(args, methods)
         target = jetspec_jax.load_target(args.target, dtype=args.dtype)
         if target.tokenizer is None:
             raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
@@ -150,15 +152,58 @@ def _add_draft(drafts: dict, sources: dict, variant: str, draft, source: str) ->
     sources[variant] = source
 
 
+def _check_prompt_files(paths: list[str], limit: int | None) -> None:
+    """Refuses, before the model load, a prompt file that `load_dataset` would refuse after it
+    (malformed, empty, repeated ids), and two files of one dataset (named by their records'
+    `source`), whose rows would merge. The files are read again once the tokenizer is loaded."""
+    from jetspec_jax.bench.datasets import read_dataset
+
+    files = {}  # dataset name -> the file that gave it
+    for path in paths:
+        try:
+            name = read_dataset(path, limit=limit)[0]
+        except ValueError as e:
+            raise ValueError(f"--prompts {e}") from None
+        if name in files:
+            raise ValueError(
+                f"--prompts {files[name]} and {path} are both dataset {name!r} (named by their "
+                "records' source): their rows would merge; benchmark them in two runs"
+            )
+        files[name] = path
+
+
+def _check_drafts_given(args: argparse.Namespace, methods) -> None:
+    """Without `--draft`, which variants the run's drafts serve is known before any load (the
+    `--random-draft`'s, or the shipped draft's: `_drafts`): a speculative method of another
+    variant is refused now, not after the model load."""
+    if args.draft:
+        return  # their variants are read from the checkpoints
+    if args.random_draft:
+        served = {args.random_draft}
+    else:
+        served = {"jetspec++"} if args.target is None else set()
+    unserved = [m.name for m in methods if m.speculative and m.method not in served]
+    if unserved:
+        raise ValueError(
+            f"--methods {args.methods!r}: no draft serves {', '.join(unserved)}; pass a --draft "
+            "of its variant (or --random-draft VARIANT)"
+        )
+
+
 def _temperatures(text: str) -> list[float]:
     """The comma-separated temperatures, each checked as a request would check it, so that a bad
-    one fails now rather than after the runs before it."""
+    one fails now rather than after the runs before it (nor after the model load: a repeated
+    one, whose rows would merge)."""
     from jetspec_jax.sampling import SamplingParams
 
     try:
         temperatures = [float(t) for t in text.split(",") if t.strip()]
         if not temperatures:
             raise ValueError("no value")
+        repeated = sorted({t for t in temperatures if temperatures.count(t) > 1})
+        if repeated:
+            twice = ", ".join(f"{t:g}" for t in repeated)
+            raise ValueError(f"{twice} given twice (their rows would merge)")
         for t in temperatures:
             SamplingParams(temperature=t)
     except ValueError as e:

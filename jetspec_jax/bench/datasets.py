@@ -32,8 +32,23 @@ def load_dataset(
     """The first `limit` prompts of a JSONL file, encoded for the target.
 
     Raises:
-        FileNotFoundError, ValueError: the file is missing or malformed (`read_prompts`), or two
-            records share an `id` (results, AR's tokens included, are keyed by it).
+        FileNotFoundError, ValueError: as `read_dataset`.
+    """
+    name, ids, records = read_dataset(path, limit=limit)
+    prompts = [encode_prompt(tokenizer, prompt_text(record), chat=chat) for record in records]
+    return Dataset(name=name, ids=ids, prompts=prompts)
+
+
+def read_dataset(
+    path: str | pathlib.Path, *, limit: int | None = None
+) -> tuple[str, list[str], list[dict]]:
+    """`(name, ids, records)` of the first `limit` prompts of a JSONL file, checked without a
+    tokenizer (so before a model loads).
+
+    Raises:
+        FileNotFoundError, ValueError: the file is missing or malformed (`read_prompts`), holds no
+            prompts, or two records share an `id` (results, AR's tokens included, are keyed by
+            it).
     """
     path = pathlib.Path(path)
     records = read_prompts(path, limit=limit)
@@ -44,5 +59,4 @@ def load_dataset(
     repeated = sorted(i for i, n in collections.Counter(ids).items() if n > 1)
     if repeated:
         raise ValueError(f"{path}: prompt ids {', '.join(repeated[:5])} occur more than once")
-    prompts = [encode_prompt(tokenizer, prompt_text(record), chat=chat) for record in records]
-    return Dataset(name=name, ids=ids, prompts=prompts)
+    return name, ids, records

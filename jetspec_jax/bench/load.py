@@ -205,12 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     try:
-        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        try:
+            levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        except ValueError:  # int()'s own message would name no flag
+            levels = []
         if not levels or min(levels) < 1:  # all checked before the first level runs
             raise ValueError(f"--concurrency {args.concurrency!r}: levels must be integers >= 1")
-        for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value, least in (
+            ("--requests", args.requests, 1),
+            ("--max-tokens", args.max_tokens, 1),
+            ("--limit", args.limit, 1),
+            ("--warmup", args.warmup, 0),
+        ):
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least}, got {value}")
         # Found now, not after the whole load test.
         if args.out and (
             os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(args.out) or ".")
@@ -221,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.prompts
             else ["Explain speculative decoding.", "What is 2 + 2?", "Write a haiku about JAX."]
         )
+        if not prompts:
+            raise ValueError(f"--prompts {args.prompts} holds no prompts")
         results = [
             run_load(
                 args.url,
