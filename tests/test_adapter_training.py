@@ -449,6 +449,18 @@ def test_a_rerun_of_a_finished_run_keeps_its_export_and_calibration(
     shutil.rmtree(first.export_dir)  # deleted, or a kill mid-export: exported again
     assert not train_adapter(config, target=target, draft=draft).already_finished
     jetspec_jax.load_draft(first.export_dir, target)  # a whole export again
+    # An export of other adapter weights (an earlier end's: the run extended with more steps,
+    # then killed while exporting its new end) is exported anew, not kept as this run's.
+    stale = jetspec_jax.load_draft(first.export_dir, target)
+    shifted = jax.tree.map(lambda x: x + 1e-3, stale.adapter.params)
+    stale.with_adapter(dataclasses.replace(stale.adapter, params=shifted)).save(
+        first.export_dir, overwrite=True
+    )
+    assert not train_adapter(config, target=target, draft=draft).already_finished
+    exported = jetspec_jax.load_draft(first.export_dir, target).adapter.params
+    pairs = zip(jax.tree.leaves(exported), jax.tree.leaves(first.adapter.params), strict=True)
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     evaluations.clear()
     retrained = dataclasses.replace(
         draft, params=jax.tree.map(lambda x: x + 1e-3, draft.params), path=None

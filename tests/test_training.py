@@ -1261,6 +1261,24 @@ def test_the_draft_is_exported_before_the_final_evaluation(
     assert train(_config(data_files, tmp_path), target=target).eval_tau is None  # logged: done
 
 
+def test_an_export_of_an_earlier_end_is_made_anew(target, data_files, straight_run, tmp_path):
+    """A run extended with more steps and killed while exporting its new last step leaves its
+    earlier end's export: the rerun finds the steps done but exports the final weights, rather
+    than keep that export as the finished run's."""
+    _, straight_dir = straight_run
+    shutil.copytree(straight_dir / "checkpoints", tmp_path / "checkpoints")  # all 80 steps done
+    earlier = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=1)
+    earlier.save(tmp_path / "draft")  # as if exported at the end of a shorter run
+    result = train(_config(data_files, tmp_path, evaluate=False), target=target)
+    assert not result.already_finished and result.steps == 80
+    exported = jetspec_jax.load_draft(tmp_path / "draft", target)
+    pairs = zip(jax.tree.leaves(exported.params), jax.tree.leaves(result.draft.params), strict=True)
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Now the export holds the final weights: a rerun keeps it.
+    assert train(_config(data_files, tmp_path, evaluate=False), target=target).already_finished
+
+
 def test_a_run_dir_another_process_trains_is_refused(target, data_files, tmp_path):
     """Two trainings of one run.dir would interleave checkpoints (orbax errors) and duplicate
     metrics rows: the second is refused while the first holds the run's lock."""

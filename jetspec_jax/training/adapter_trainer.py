@@ -49,6 +49,7 @@ from jetspec_jax.training.run_helpers import (
     check_fits_context,
     check_input_files,
     check_run_dir_writable,
+    export_holds,
     host_params,
     place_step_inputs,
     read_eval_prompts,
@@ -81,9 +82,9 @@ class AdapterTrainResult:
             with its final evaluation in the metrics log.
         export_dir: the exported JetSpec++ checkpoint (draft + adapter; `load_draft` reads it).
         already_finished: the run had finished before this call: nothing was trained, and its
-            export was left as it is, calibration included (only a final evaluation missing
-            from the metrics log, the run killed or failed after the export, was run; not when
-            the draft was rewritten since).
+            export, which holds the final adapter, was left as it is, calibration included (only
+            a final evaluation missing from the metrics log, the run killed or failed after the
+            export, was run; not when the draft was rewritten since).
     """
 
     adapter: Adapter
@@ -241,7 +242,8 @@ def train_adapter(
             return None
         trained = _as_adapter(adapter, state, draft.dtype)
         export_dir = adapter_export_dir(config)
-        if finished_before and is_bundle(export_dir):
+        exported = functools.partial(_exported_params, export_dir, draft)
+        if finished_before and export_holds(exported, trained.params):
             # A rerun of a finished run: exporting again would drop the calibration that
             # `train.py calibrate` may have fitted into the export since.
             draft_rewritten = _warn_if_draft_rewritten(
@@ -449,6 +451,15 @@ def _eval_batches(
             {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
         )
     return batches
+
+
+def _exported_params(export_dir: pathlib.Path, draft: Draft) -> dict | None:
+    """The params of the adapter exported to `export_dir` (a JetSpec++ checkpoint) for `draft`,
+    in the draft's dtype (None: no such checkpoint there). One of other weights is an earlier
+    end's (the run extended, then killed while exporting), exported anew."""
+    if not is_bundle(export_dir):
+        return None
+    return load_adapter(export_dir / ADAPTER_DIR, draft, dtype=draft.dtype).params
 
 
 def _as_adapter(adapter: Adapter, state, dtype: str) -> Adapter:

@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jetspec_jax.checkpoint.atomic import check_takes_new_files
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.target import Target
 from jetspec_jax.training.config import OptimConfig, TrainConfig
@@ -171,6 +172,31 @@ def host_params(tree, dtype):
         return jnp.asarray(np.asarray(x), dtype)
 
     return jax.tree.map(leaf, tree)
+
+
+def export_holds(read_saved: Callable[[], dict | None], params) -> bool:
+    """Whether a run's export holds `params`, its final weights (in the export's dtype): a run
+    extended with more steps and killed while exporting its new last step left its earlier end's
+    export there, which a rerun must replace, not keep as finished.
+
+    `read_saved`: the export's params read back in `params`' dtype (None: no export there; a
+    `CheckpointError`, one that cannot be read). Process 0's answer on every process (it alone
+    writes the export), so that all take the same branch.
+    """
+    holds = False
+    if jax.process_index() == 0:
+        try:
+            saved = read_saved()
+        except CheckpointError:
+            saved = None
+        if saved is not None:
+            (a, a_tree), (b, b_tree) = jax.tree.flatten(saved), jax.tree.flatten(params)
+            holds = a_tree == b_tree and all(
+                np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True)
+            )
+    if jax.process_count() > 1:
+        holds = bool(multihost_utils.broadcast_one_to_all(np.int32(holds)))
+    return holds
 
 
 def with_host_params(model):

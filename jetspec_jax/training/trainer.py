@@ -25,7 +25,13 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
-from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft
+from jetspec_jax.draft import (
+    Draft,
+    draft_config,
+    init_draft,
+    load_draft,
+    load_draft_for_config,
+)
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated
@@ -35,6 +41,7 @@ from jetspec_jax.training.run_helpers import (
     check_fits_context,
     check_input_files,
     check_run_dir_writable,
+    export_holds,
     host_params,
     place_step_inputs,
     read_eval_prompts,
@@ -61,8 +68,8 @@ class TrainResult:
             run had finished before this call with its final evaluation logged.
         export_dir: where the draft was exported.
         already_finished: the run had finished before this call: nothing was trained, and its
-            export was left as it is (only a final evaluation missing from the metrics log, the
-            run killed or failed after the export, was run).
+            export, which holds the final weights, was left as it is (only a final evaluation
+            missing from the metrics log, the run killed or failed after the export, was run).
     """
 
     draft: Draft
@@ -169,7 +176,10 @@ def train(
             return None
         trained = _as_draft(draft, state, export_dtype)
         export_dir = run_dir / "draft"
-        if finished_before and (export_dir / "config.json").is_file():
+        # An export of other weights is an earlier end's (the run extended, then killed while
+        # exporting): exported anew below.
+        exported = functools.partial(_exported_params, export_dir, trained)
+        if finished_before and export_holds(exported, trained.params):
             eval_tau = None
             if eval_prompts is not None and not logged(run_dir, int(state.step), "eval_tau"):
                 # Killed, or the evaluation failed, between the export and its evaluation.
@@ -205,6 +215,14 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     return Draft(
         config=configured, params=start.params, dtype=start.dtype, target_config=target.config
     )
+
+
+def _exported_params(export_dir: pathlib.Path, trained: Draft) -> dict | None:
+    """The params of the draft exported to `export_dir`, in `trained`'s dtype (None: none
+    there)."""
+    if not (export_dir / "config.json").is_file():
+        return None
+    return load_draft_for_config(export_dir, trained.target_config, dtype=trained.dtype).params
 
 
 def _as_draft(draft: Draft, state, dtype: str) -> Draft:
