@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import jetspec_jax
+from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.models import layers
 from jetspec_jax.models.kv_cache import KVCache
 from jetspec_jax.models.transformer import forward, init_cache, unembed
@@ -117,8 +119,9 @@ def test_chunked_cache_attention_reads_only_the_filled_span(last):
 
 
 def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target, monkeypatch):
-    """AR and JetSpec++ over caches attended in chunks of 16 (a capacity of 16 + 40 + the block)
-    give the tokens of AR over whole caches, and the model did attend in chunks of 16."""
+    """AR and JetSpec++ over caches attended in chunks of 16 give the tokens of AR over whole
+    caches, and the model did attend in chunks of 16. The caches hold 16 + 64 slots: the prompt's
+    length bucket plus the budget's (README, "Long budgets"), no block beyond them."""
     chunks = []
     cached_attention = layers.cached_attention
 
@@ -140,6 +143,11 @@ def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target, 
         got = jetspec_jax.generate_batch(target, prompts, **kwargs, **common)
         assert [r.tokens for r in got] == want, method
     assert 16 in chunks
+    session = DecodeSession(
+        target, prompts, draft=draft, options=DecodingOptions("jetspec++"), **common
+    )
+    session.start()  # the prefill generate_batch compiled
+    assert session._state.decode.cache.k.shape[2] == 16 + 64
 
 
 def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):

@@ -9,11 +9,12 @@ batch ends.
 
 Continuous batching (the default): at each chunk boundary, waiting jobs join the running batch,
 in order, in the rows that finished jobs left and in the batch's padding rows
-(`DecodeSession.admit_many`: those joining at once are prefilled together, and each decodes as
-it would alone). A job joins only if the batch's shapes hold it (`DecodeSession.fits`: its budget
-within the output buffer, its prompt plus budget within the cache); the first that does not
-waits, with every job behind it, until the batch ends and a new one is sized for it (`reserve`
-sizes every batch for jobs up to a given prompt length and budget, so that those always join).
+(`DecodeSession.admit_many`: those joining at once are prefilled together, in groups of up to
+half the batch, and each decodes as it would alone). A job joins only if the batch's shapes
+hold it (`DecodeSession.fits`: its budget within the output buffer, its prompt plus budget
+within the cache); the first that does not waits, with every job behind it, until the batch
+ends and a new one is sized for it (`reserve` sizes every batch for jobs up to a given prompt
+length and budget, so that those always join).
 At most `max_batch_size` jobs run at once. A batch smaller than a full one (unpadded, started by
 fewer jobs) takes no job while more wait than it has room for: it ends, and the next batch is
 sized for them (joining one at a time would keep it at its size while the queue has work).
