@@ -25,13 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
-from jetspec_jax.draft import (
-    Draft,
-    draft_config,
-    init_draft,
-    load_draft,
-    load_draft_for_config,
-)
+from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft, load_draft_for_config
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated
