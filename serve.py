@@ -325,7 +325,12 @@ def _server_config(args, draft, *, method: str | None = None):
 
 def _generate(args) -> int:
     import jetspec_jax
-    from jetspec_jax.prompting import encode_prompt, has_chat_template, require_chat_template
+    from jetspec_jax.prompting import (
+        encode_prompt,
+        has_chat_template,
+        require_chat_template,
+        require_unicode,
+    )
     from jetspec_jax.serving.detokenize import IncrementalDetokenizer
 
     try:
@@ -346,6 +351,10 @@ def _generate(args) -> int:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if not prompt.strip():
             raise ValueError("the prompt is empty")
+        # Bytes that are not UTF-8 (argv, stdin) arrive as surrogates, which no tokenizer takes.
+        require_unicode(prompt, "the prompt" + (" read from stdin" if args.prompt == "-" else ""))
+        if args.system is not None:
+            require_unicode(args.system, "--system")
         _check_before_loading(args, server=False)
         target, draft = _load_models(args)
         options = _decoding_options(args, draft)

@@ -436,13 +436,15 @@ def _prompt_encoding(args: argparse.Namespace):
     """The `PromptEncoding` of `--no-chat`, `--system` and `--thinking` (regenerate, evaluate).
 
     Raises:
-        ValueError: a chat-template setting with `--no-chat`.
+        ValueError: a chat-template setting with `--no-chat`, or a `--system` that is not Unicode.
     """
-    from jetspec_jax.prompting import PromptEncoding
+    from jetspec_jax.prompting import PromptEncoding, require_unicode
 
     for flag, given in (("--system", args.system is not None), ("--thinking", args.thinking)):
         if given and not args.chat:
             raise ValueError(f"{flag} is a chat-template setting; drop --no-chat")
+    if args.system is not None:
+        require_unicode(args.system, "--system")  # bytes that are not UTF-8, read as surrogates
     return PromptEncoding(chat=args.chat, system=args.system, thinking=args.thinking)
 
 

@@ -22,6 +22,21 @@ def require_chat_template(tokenizer, checkpoint, remedy: str) -> None:
         raise ValueError(f"the tokenizer of {checkpoint} has no chat template: {remedy}")
 
 
+def require_unicode(text: str, what: str) -> str:
+    """`text`, refused (ValueError naming it as `what`) when it is not Unicode text: it holds an
+    unpaired UTF-16 surrogate, as Python reads bytes that are not UTF-8 from a command line or
+    stdin (surrogateescape) and as JSON's escapes admit (`"\\ud800"`). No tokenizer encodes one
+    (transformers raises a bare TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds an unpaired UTF-16 surrogate, {text[e.start]!r} at character "
+            f"{e.start} (a byte that is not UTF-8, or a JSON escape): not Unicode text"
+        ) from None
+    return text
+
+
 def encode_prompt(
     tokenizer, text: str, *, chat: bool, system: str | None = None, thinking: bool = False
 ) -> list[int]:
@@ -36,9 +51,12 @@ def encode_prompt(
             others); off by default, as in the benchmarks of the field.
 
     Raises:
-        ValueError: chat was asked for but the tokenizer has no chat template, or a system message
-            was given without chat.
+        ValueError: chat was asked for but the tokenizer has no chat template, a system message
+            was given without chat, or `text` or `system` is not Unicode (`require_unicode`).
     """
+    require_unicode(text, "the prompt")
+    if system is not None:
+        require_unicode(system, "the system message")
     if not chat:
         if system is not None:
             raise ValueError("a system message needs the chat template (chat=True)")

@@ -226,6 +226,11 @@ def test_prompt_ids_that_repeat_are_refused(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match="prompt ids a occur more than once"):
         load_dataset(path, tokenizer=None, chat=False)
+    # A prompt that encodes to no tokens (an empty raw one) is named, not left to decoding.
+    path.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"prompt": ""}))
+    text_as_ids = types.SimpleNamespace(encode=lambda text, **_: list(text.encode()))
+    with pytest.raises(ValueError, match="p.jsonl: record '1' encodes to no tokens"):
+        load_dataset(path, tokenizer=text_as_ids, chat=False)
 
 
 def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):

@@ -238,6 +238,10 @@ def test_text_evaluation_prompts_are_encoded_as_the_training_data_was(
     default = encode_prompt(target.tokenizer, text, chat=True)  # no system message
     assert eval_prompt_ids(target, questions, num_prompts=1) == [default] != [expected]
     assert data_encoding([raw]) == PromptEncoding(chat=False)
+    # A prompt that encodes to no tokens (an empty raw one) is named by its line.
+    empty = _write_jsonl(tmp_path / "empty.jsonl", [{"prompt": "Hi"}, {"prompt": ""}])
+    with pytest.raises(ValueError, match="empty.jsonl:2: the prompt encodes to no tokens"):
+        eval_prompt_ids(target, empty, num_prompts=2, encoding=PromptEncoding(chat=False))
     assert data_encoding([plain, raw, plain]) is None
     assert "encoded differently" in caplog.text
     # Data from before the settings were recorded: the default, said so in the log.
@@ -530,6 +534,9 @@ def test_cli_bad_argument_exits_2_without_traceback(prompt_files, tmp_path, caps
         assert train.main([*args, "--target", missing, "--no-chat", *flag]) == 2
         message = f"error: {flag[0]} is a chat-template setting; drop --no-chat"
         assert message in capsys.readouterr().err
+    # A --system with bytes that are not UTF-8 (read as surrogates, which no tokenizer takes).
+    assert train.main([*args, "--target", missing, "--system", "Be \udcff"]) == 2
+    assert "error: --system holds an unpaired UTF-16 surrogate" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_budget_the_context_cannot_hold_before_the_load(
@@ -567,6 +574,11 @@ def test_chat_prompts_end_in_the_assistants_turn_with_thinking_off():
     # An empty system message is one (the template renders its turn), not none.
     empty = encode_prompt(tokenizer, "Hi", chat=True, system="")
     assert empty == ids("<|im_start|>s:<|im_end|>" + turn + "N")
+    # Text that is not Unicode is named, not the tokenizer's bare TypeError.
+    for text, system, named in (("Hi\ud800", None, "the prompt"), ("Hi", "\udcff", "the system")):
+        for chat in (True, False) if system is None else (True,):
+            with pytest.raises(ValueError, match=f"{named}.* holds an unpaired UTF-16 surrogate"):
+                encode_prompt(tokenizer, text, chat=chat, system=system)
 
 
 def test_a_malformed_middle_line_is_an_error_even_when_skipping_a_torn_tail(tmp_path):

@@ -1311,6 +1311,20 @@ def test_serve_py_refuses_an_empty_path_or_host(flag, capsys):
     assert f"argument {flag}: must not be empty" in capsys.readouterr().err
 
 
+def test_serve_py_generate_refuses_text_that_is_not_utf8_before_loading(monkeypatch, capsys):
+    """Bytes that are not UTF-8 in the prompt (argument or stdin) or `--system` reach Python as
+    surrogates, which the tokenizer refused with a bare TypeError, after the load."""
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    for argv, named in (
+        (["generate", "Hi \udcff"], "the prompt"),
+        (["generate", "-"], "the prompt read from stdin"),
+        (["generate", "Hi", "--system", "\udcfe"], "--system"),
+    ):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hi \udcff"))
+        assert serve_py.main(argv) == 2
+        assert f"error: {named} holds an unpaired UTF-16 surrogate" in capsys.readouterr().err
+
+
 def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):
     """`serve.py --port 9000 generate P` would otherwise run, its --port ignored."""
     with pytest.raises(SystemExit) as exited:

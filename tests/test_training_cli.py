@@ -560,6 +560,8 @@ def test_a_wrong_draft_is_refused_by_flag_before_the_target_loads(
         ("{not json\n", "p.jsonl:1 is not valid JSON"),
         (json.dumps({"prompt_ids": [1, 500]}) + "\n", "holds ids outside the vocabulary [0, 97)"),
         (json.dumps({"id": "a"}) + "\n", "p.jsonl:1 has neither 'prompt_ids' nor a string"),
+        # JSON's escapes admit an unpaired surrogate, which the tokenizer refused with a TypeError.
+        (json.dumps({"prompt": "Hi \ud800"}) + "\n", "p.jsonl:1: 'prompt' holds an unpaired"),
     ],
 )
 def test_evaluate_refuses_a_bad_prompt_file_before_the_target_loads(

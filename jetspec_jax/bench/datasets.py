@@ -32,10 +32,13 @@ def load_dataset(
     """The first `limit` prompts of a JSONL file, encoded for the target.
 
     Raises:
-        FileNotFoundError, ValueError: as `read_dataset`.
+        FileNotFoundError, ValueError: as `read_dataset`, or a prompt encodes to no tokens.
     """
     name, ids, records = read_dataset(path, limit=limit)
     prompts = [encode_prompt(tokenizer, prompt_text(record), chat=chat) for record in records]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        if not prompt:  # an empty raw prompt: decoding would refuse it without naming the record
+            raise ValueError(f"{path}: record {rid!r} encodes to no tokens")
     return Dataset(name=name, ids=ids, prompts=prompts)
 
 

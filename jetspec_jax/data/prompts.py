@@ -6,6 +6,7 @@ import pathlib
 from collections.abc import Collection, Iterator
 
 from jetspec_jax.data.jsonl import read_jsonl
+from jetspec_jax.prompting import require_unicode
 
 # The field's convention for math benchmarks (appended to the raw question).
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -37,18 +38,9 @@ def located_prompts(path: str | pathlib.Path) -> Iterator[tuple[str, dict]]:
             raise ValueError(f"{where} lacks a string 'prompt' field")
         for field in ("id", "prompt", "source"):
             text = record.get(field)
-            if isinstance(text, str) and not _is_unicode(text):
-                # JSON's escapes admit them; no tokenizer encodes them, nor can a file hold them.
-                raise ValueError(f"{where}: its {field!r} holds an unpaired UTF-16 surrogate")
+            if isinstance(text, str):  # JSON's escapes admit text no file can hold
+                require_unicode(text, f"{where}: its {field!r}")
         yield where, record
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def prompt_text(record: dict, math_sources: Collection[str] = MATH_SOURCES) -> str:

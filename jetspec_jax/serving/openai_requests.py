@@ -23,7 +23,7 @@ import math
 import secrets
 from typing import Any
 
-from jetspec_jax.prompting import encode_chat, has_chat_template
+from jetspec_jax.prompting import encode_chat, has_chat_template, require_unicode
 from jetspec_jax.sampling import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -491,12 +491,8 @@ def _stop(stop: Any) -> tuple[str, ...]:
 
 
 def _unicode(text: str, param: str) -> str:
-    """`text`, refused if it is not Unicode text: JSON's escapes admit unpaired UTF-16 surrogates
-    (`"\\ud800"`), which no tokenizer encodes."""
+    """`text`, refused (400) if it is not Unicode text (`require_unicode`)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(
-            400, f"{param} holds an unpaired UTF-16 surrogate: not Unicode text", param=param
-        ) from None
-    return text
+        return require_unicode(text, param)
+    except ValueError as e:
+        raise RequestError(400, str(e), param=param) from None

@@ -18,7 +18,7 @@ from jetspec_jax.data.prompts import prompt_text
 from jetspec_jax.data.regenerate import recorded_encoding
 from jetspec_jax.draft import Draft
 from jetspec_jax.generate import generate_batch
-from jetspec_jax.prompting import PromptEncoding, has_chat_template
+from jetspec_jax.prompting import PromptEncoding, has_chat_template, require_unicode
 from jetspec_jax.target import Target
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ def eval_prompt_records(
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a record (named by `file:line`) with neither, or no record at all.
+        ValueError: a record (named by `file:line`) with neither, or a `prompt` that is not
+            Unicode (`require_unicode`), or no record at all.
     """
     records = []
     for where, record in read_jsonl(prompt_file, what="evaluation prompt file"):
@@ -143,7 +144,8 @@ def encoded_prompts(
     """The token ids of `eval_prompt_records`' records, as `eval_prompt_ids` says.
 
     Raises:
-        ValueError: a text prompt (named by `file:line`) but the target has no tokenizer.
+        ValueError: a text prompt (named by `file:line`) but the target has no tokenizer, or one
+            that encodes to no tokens.
     """
     return [_prompt_ids(where, r, target, math_suffix, encoding) for where, r in records]
 
@@ -194,6 +196,8 @@ def _check_prompt_record(where: str, record: dict, vocab_size: int) -> None:
             )
     elif not isinstance(record.get("prompt"), str):
         raise ValueError(f"{where} has neither 'prompt_ids' nor a string 'prompt'")
+    else:
+        require_unicode(record["prompt"], f"{where}: 'prompt'")
 
 
 def _prompt_ids(
@@ -207,4 +211,7 @@ def _prompt_ids(
     text = prompt_text(record) if math_suffix else record["prompt"]
     if encoding is None:
         encoding = PromptEncoding(chat=has_chat_template(target.tokenizer))
-    return encoding.encode(target.tokenizer, text)
+    ids = encoding.encode(target.tokenizer, text)
+    if not ids:  # an empty raw prompt: decoding would refuse it without naming the line
+        raise ValueError(f"{where}: the prompt encodes to no tokens")
+    return ids
