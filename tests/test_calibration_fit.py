@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -147,3 +148,17 @@ def test_fit_refuses_bad_input():
     impossible[row] = drafts[row, k_true[row]]
     with pytest.raises(ValueError, match="never produces"):
         fit_calibration(logits, drafts, k_true, impossible)
+
+
+def test_bfloat16_logits_are_scored_as_their_float32_values():
+    """A bfloat16 model's logits are floating point (NumPy alone does not say so): scored and
+    fitted as their float32 values, not refused."""
+    logits, drafts, k_true, a_true = _rounds(6, 40)
+    narrow = np.asarray(jnp.asarray(logits, jnp.bfloat16))
+    wide = narrow.astype(np.float32)
+    assert outcome_log_likelihood(narrow, drafts, k_true, a_true, T_TRUE) == (
+        outcome_log_likelihood(wide, drafts, k_true, a_true, T_TRUE)
+    )
+    assert fit_calibration(narrow, drafts, k_true, a_true) == fit_calibration(
+        wide, drafts, k_true, a_true
+    )

@@ -43,7 +43,8 @@ def _validated(logits_hat, drafts, k_true, a_true):
         raise ValueError("no rounds to fit: logits_hat has N = 0 rows")
     if k_len == 0 or vocab < 2:
         raise ValueError(f"logits_hat needs K >= 1 and V >= 2, got shape {logits_hat.shape}")
-    if not np.issubdtype(logits_hat.dtype, np.floating):
+    # jnp's test: NumPy does not count bfloat16 (a JAX model's logits) as floating point.
+    if not jnp.issubdtype(logits_hat.dtype, jnp.floating):
         raise ValueError(f"logits_hat must be floating point, got {logits_hat.dtype}")
     if not np.all(np.isfinite(logits_hat)):
         raise ValueError("logits_hat has non-finite entries (NaN or inf)")
