@@ -79,11 +79,13 @@ class Calibration:
             fitted = self.fitted_for
             if drafted != fitted:
                 fitted += f" (replacement confidence 1 runs no refresh: it drafted as {drafted})"
+            # Warned from this line whoever asks (the draft's proposer, then foresight for the
+            # same session): Python's filter then shows the message once, not once per caller.
             warnings.warn(
                 f"the draft's calibration was fitted for {fitted} and serves {served}: "
                 f"refit it for this setting with train.py calibrate --refine-passes "
                 f"{refine_passes} --refreshes {refreshes}",
-                stacklevel=3,
+                stacklevel=1,
             )
 
     def to_dict(self) -> dict[str, float]:

@@ -244,6 +244,17 @@ def test_calibration_dict_round_trip_and_refusals():
 
 def test_a_calibration_warns_when_it_serves_another_setting():
     cal = Calibration(fitted_for="J1-R1")
+
+    # Once per message under Python's default filter, however many callers ask (a session's
+    # draft proposer and its foresight both do, each called from its own line).
+    def ask():
+        cal.warn_if_fitted_for_another(2, 2)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        ask()
+        ask()
+    assert len(shown) == 1 and "fitted for J1-R1 and serves J2-R2" in str(shown[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cal.warn_if_fitted_for_another(1, 1)
