@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         # itself shuts down gracefully on SIGINT)
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader went away (`generate ... | head`): stop quietly,
+        # as a process SIGPIPE ended would; stdout is pointed at /dev/null so that the flush at
+        # exit does not raise again (Python ignores SIGPIPE, so the write raised instead).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
 
 
 def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] | None = None):

@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import io
 import json
+import logging
 import math
 import os
 import pathlib
@@ -456,11 +457,14 @@ def test_every_chunk_of_a_stream_carries_the_streams_created_time(http, monkeypa
         assert len(events) > 2 and len({e["created"] for e in events}) == 1, events
 
 
-def test_serve_cancels_the_handlers_of_disconnected_clients(target, monkeypatch):
+def test_serve_cancels_the_handlers_of_disconnected_clients(target, monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(server_module.web, "run_app", lambda app, **kw: calls.append(kw))
-    serve(target, None, CONFIG)
+    with caplog.at_level(logging.INFO, logger=server_module.logger.name):
+        serve(target, None, CONFIG, port=0)
     assert calls[0]["handler_cancellation"] is True
+    # Port 0 is bound to a free port only in run_app, whose "Running on" line names the URL.
+    assert caplog.messages == ["serving ar"]
 
 
 def _job(events: queue.Queue | None = None) -> Job:
@@ -1461,6 +1465,18 @@ def test_serve_py_reports_an_interrupt_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(serve_py, "_generate", interrupted)
     assert serve_py.main(["generate", "P"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_serve_py_generate_into_a_closed_pipe_ends_quietly(target_dir, monkeypatch, capsys):
+    """`serve.py generate ... | head -c 1`: the reader gone, it stops without a traceback, with
+    a SIGPIPE death's status."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        argv = ["generate", "P", "--target", str(target_dir), "--max-new-tokens", "2"]
+        assert serve_py.main(argv) == 141
+        assert capsys.readouterr().err == ""
 
 
 def test_serve_py_takes_the_model_flags_before_or_after_generate():

@@ -204,7 +204,9 @@ def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port:
         OSError: `host` and `port` cannot be bound (e.g. the port is in use).
     """
     app = build_app(target, draft, config)
-    logger.info("serving %s on http://%s:%d", config.decoding.method, host, port)
+    # The address is aiohttp's line ("Running on ..."): the bound port (port 0 picks one), with
+    # an IPv6 host in brackets.
+    logger.info("serving %s", config.decoding.method)
     web.run_app(
         app,
         host=host,
