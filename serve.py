@@ -215,6 +215,11 @@ def _decoding_options(args, draft, *, method: str | None = None):
     overrides both (`_check_before_loading`)."""
     from jetspec_jax import DecodingOptions
 
+    if args.prefill_chunk < 0:  # the keyword's own message would hide the flag's 0
+        raise ValueError(
+            f"--prefill-chunk must be >= 0 (0: each prompt in one forward), got "
+            f"{args.prefill_chunk}"
+        )
     return DecodingOptions(
         method=method or _method(args, draft),
         refine_passes=args.refine_passes,

@@ -1456,6 +1456,11 @@ def test_serve_py_refuses_flags_without_a_use_before_loading(monkeypatch, tmp_pa
     afile.write_text("")
     assert serve_py.main(["generate", "P", "--target", str(afile)]) == 2
     assert f"--target {afile} is a file, not a directory" in capsys.readouterr().err
+    # The flag's 0 (one forward each) is no keyword value: its own message says so.
+    assert serve_py.main(["generate", "P", "--prefill-chunk", "-1"]) == 2
+    assert "--prefill-chunk must be >= 0 (0: each prompt in one forward), got -1" in (
+        capsys.readouterr().err
+    )
 
 
 def test_serve_py_reports_an_interrupt_in_one_line(monkeypatch, capsys):
