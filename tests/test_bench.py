@@ -32,6 +32,8 @@ from jetspec_jax.decoding.results import GenerationResult, Timing
 from tests.text_fixtures import with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# A tokenizer stand-in: a prompt's UTF-8 bytes as its ids.
+TEXT_AS_IDS = types.SimpleNamespace(encode=lambda text, **_: list(text.encode()))
 
 
 def _prompt_file(tmp_path, texts):
@@ -102,14 +104,13 @@ def test_the_math_suffix_goes_by_each_record_as_regeneration_adds_it(tmp_path):
         "mixed.jsonl": ([("2+2", "gsm8k"), ("Sort a list", "mbpp")], [True, False]),
         "gsm8k.jsonl": ([("2+2", None)], [False]),
     }
-    text_as_ids = types.SimpleNamespace(encode=lambda text, **_: list(text.encode()))
     for name, (records, suffixed) in files.items():
         path = tmp_path / name
         lines = [{"id": str(i), "prompt": p, "source": s} for i, (p, s) in enumerate(records)]
         path.write_text("".join(json.dumps(line) + "\n" for line in lines))
         regenerated = [r.text for r in read_records([path])]
         assert [text.endswith(MATH_SUFFIX) for text in regenerated] == suffixed
-        benched = load_dataset(path, tokenizer=text_as_ids, chat=False).prompts
+        benched = load_dataset(path, tokenizer=TEXT_AS_IDS, chat=False).prompts
         assert benched == [list(text.encode()) for text in regenerated]
 
 
@@ -228,9 +229,8 @@ def test_prompt_ids_that_repeat_are_refused(tmp_path):
         load_dataset(path, tokenizer=None, chat=False)
     # A prompt that encodes to no tokens (an empty raw one) is named, not left to decoding.
     path.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"prompt": ""}))
-    text_as_ids = types.SimpleNamespace(encode=lambda text, **_: list(text.encode()))
     with pytest.raises(ValueError, match="p.jsonl: record '1' encodes to no tokens"):
-        load_dataset(path, tokenizer=text_as_ids, chat=False)
+        load_dataset(path, tokenizer=TEXT_AS_IDS, chat=False)
 
 
 def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):

@@ -120,9 +120,7 @@ def _drafts(args: argparse.Namespace, target, variants: set[str]) -> dict:
     from jetspec_jax.default_model import default_draft_dir
 
     drafts, sources = {}, {}  # variant -> draft, and where it came from (for errors)
-    shipped = (
-        args.target is None and not args.draft and not args.random_draft and "jetspec++" in variants
-    )
+    shipped = _shipped_draft_serves(args) and "jetspec++" in variants
     for path in [default_draft_dir()] if shipped else args.draft:
         draft = jetspec_jax.load_draft(path, target)
         _add_draft(drafts, sources, draft.config.variant, draft, f"--draft {path}")
@@ -172,6 +170,12 @@ def _check_prompt_files(paths: list[str], limit: int | None) -> None:
         files[name] = path
 
 
+def _shipped_draft_serves(args: argparse.Namespace) -> bool:
+    """Whether the shipped draft serves the run's jetspec++ methods: the default target, and no
+    `--draft` or `--random-draft`."""
+    return args.target is None and not args.draft and not args.random_draft
+
+
 def _check_drafts_given(args: argparse.Namespace, methods) -> None:
     """Without `--draft`, which variants the run's drafts serve is known before any load (the
     `--random-draft`'s, or the shipped draft's: `_drafts`): a speculative method of another
@@ -181,7 +185,7 @@ def _check_drafts_given(args: argparse.Namespace, methods) -> None:
     if args.random_draft:
         served = {args.random_draft}
     else:
-        served = {"jetspec++"} if args.target is None else set()
+        served = {"jetspec++"} if _shipped_draft_serves(args) else set()
     unserved = [m.name for m in methods if m.speculative and m.method not in served]
     if unserved:
         raise ValueError(
