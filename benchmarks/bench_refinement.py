@@ -184,13 +184,24 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("num_prompts", "max_new_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    set_paths = {name: args.eval_dir / f"{name}.jsonl" for name in args.sets.split(",")}
+    sets = args.sets.split(",")
+    rules = args.rules.split(",")
+    budget_texts = [b for b in args.foresight.split(",") if b]
+    for flag, values in (
+        ("--settings", labels),
+        ("--sets", sets),
+        ("--rules", rules),
+        ("--foresight", budget_texts),
+    ):
+        twice = sorted({value for value in values if values.count(value) > 1})
+        if twice:  # each names a table row or column: a repeat would run and print it twice
+            parser.error(f"{flag}: {', '.join(twice)} given twice")
+    set_paths = {name: args.eval_dir / f"{name}.jsonl" for name in sets}
     for name, path in set_paths.items():
         if not path.is_file():
             parser.error(f"--sets {name}: no such file {path}")
-    rules = args.rules.split(",")
     try:
-        budgets = [int(b) for b in args.foresight.split(",") if b]
+        budgets = [int(b) for b in budget_texts]
         for b in budgets:
             for rule in rules:
                 options = dict(refine_passes=1, refreshes=1, foresight=b, foresight_rule=rule)

@@ -855,6 +855,23 @@ def test_the_refinement_bench_refuses_an_empty_run(flag, capsys):
     assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, twice",
+    [
+        ("--settings", "J0,J1-R1,J0", "J0"),
+        ("--sets", "gsm8k,gsm8k", "gsm8k"),
+        ("--rules", "geometric,geometric", "geometric"),
+        ("--foresight", "4,16,4", "4"),
+    ],
+)
+def test_the_refinement_bench_refuses_a_repeated_row_or_column(flag, value, twice, capsys):
+    from benchmarks import bench_refinement
+
+    with pytest.raises(SystemExit):
+        bench_refinement.main(["--draft", "d", flag, value])
+    assert f"{flag}: {twice} given twice" in capsys.readouterr().err
+
+
 def _sample(method, new_tokens, rounds, seconds, matches=None, *, prefill=0.0, hits=None):
     """A measured sample of prompt "p" (tau as `GenerationResult.tau` reads: the prefill's token
     excluded)."""
