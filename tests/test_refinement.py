@@ -228,6 +228,9 @@ def test_a_shorter_block_drafts_the_full_blocks_first_drafts(target, draft, prom
     dflash = jetspec_jax.init_draft(target, variant="dflash", num_layers=1, block_size=BLOCK)
     with pytest.raises(ValueError, match="dflash draft attends bidirectionally"):
         jetspec_jax.generate(target, prompts[0], draft=dflash, method="dflash", block_size=4)
+    # A longer block is refused alike, and not called a shorter one.
+    with pytest.raises(ValueError, match=f"drafts only the {BLOCK} positions it was trained on"):
+        dflash.config.with_block_size(BLOCK + 1)
     assert dflash.config.with_block_size(BLOCK) is dflash.config  # as trained: nothing changes
 
 

@@ -114,8 +114,8 @@ class DraftConfig:
         (DFlash) block would change.
 
         Raises:
-            ValueError: not an integer, fewer than 2 or more positions than trained, or a
-                shorter block for a DFlash draft.
+            ValueError: not an integer, fewer than 2 or more positions than trained, or any
+                other block size for a DFlash draft.
         """
         size = as_int(block_size)
         if size == self.block_size:
@@ -123,8 +123,8 @@ class DraftConfig:
         if not self.causal:
             raise ValueError(
                 f"block_size={block_size}: a {self.variant} draft attends bidirectionally within "
-                f"its block, so a shorter block would change every draft; it drafts "
-                f"{self.block_size} positions, as trained"
+                f"its block, so another block size would change every draft; it drafts only the "
+                f"{self.block_size} positions it was trained on"
             )
         if size is None or not 2 <= size <= self.block_size:
             raise ValueError(

@@ -1,7 +1,11 @@
 """One optimisation step of adapter training, as a pure jitted function (step.py's machinery).
 
     batch -> frozen target (levels + tap states) -> blocks (keyed by the step) -> adapter forward
-    in the compute dtype -> weighted normalised MSE -> grads (fp32 master weights) -> clip -> AdamW
+    (weights cast to the compute dtype) -> weighted normalised MSE -> grads (fp32 master
+    weights) -> clip -> AdamW
+
+The adapter's inputs, the target's states, keep the target's dtype, as in decoding: a float32
+target promotes a bfloat16 adapter's matmuls to float32.
 
 `TrainState`, the optimizer and the schedule are the draft's (`training/step.py`); only the loss
 differs. Blocks are drawn from `fold_in(key(seed), step)`, so a resumed run draws exactly the
