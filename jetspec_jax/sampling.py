@@ -72,8 +72,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
+                # repr, not a rounded form: float32's 1e-5 is below the bound yet prints as it.
                 f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
-                f"{self.temperature:g}: far smaller values overflow the scaled logits"
+                f"{self.temperature!r}: far smaller values overflow the scaled logits"
             )
         if not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}")

@@ -261,6 +261,9 @@ def test_each_sampling_bound_is_accepted_at_it_and_refused_past_it():
     assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
     with pytest.raises(ValueError, match="temperature must be 0 \\(greedy\\) or >= 1e-05"):
         SamplingParams(temperature=float(np.nextafter(MIN_TEMPERATURE, 0)))
+    # float32's nearest value lies below the bound: the message shows it, not a rounded 1e-05.
+    with pytest.raises(ValueError, match="or >= 1e-05, got 9\\.999999747378752e-06: "):
+        SamplingParams(temperature=np.float32(MIN_TEMPERATURE))
     assert SamplingParams(top_k=MAX_TOP_K).top_k == MAX_TOP_K  # top_k travels as int32
     assert SamplingParams(seed=2**32 - 1).seed == 2**32 - 1  # seeds travel as uint32
     with pytest.raises(ValueError, match="seed must be in \\[0, 2\\*\\*32\\)"):
