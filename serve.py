@@ -58,11 +58,39 @@ SERVER_FLAGS = (
     "keepalive_seconds",
 )
 
+# The flags of `generate` alone: given before it, argparse would take the flag's value for the
+# command ("invalid choice: '4'").
+GENERATE_FLAGS = (
+    "chat",
+    "system",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "compare_ar",
+)
+
 logger = logging.getLogger("serve")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command_at = argv.index("generate") if "generate" in argv else len(argv)
+    generate_flags = {"--" + name.replace("_", "-") for name in GENERATE_FLAGS} | {"--no-chat"}
+    before = [a.split("=")[0] for a in argv[:command_at] if a.split("=")[0] in generate_flags]
+    if before:
+        parser.error(
+            f"{', '.join(before)}: "
+            + (
+                "flags of `generate`, which go"
+                if before[1:]
+                else "a flag of `generate`, which goes"
+            )
+            + f' after it (serve.py generate "PROMPT" {before[0]} ...); the server takes none of '
+            "them"
+        )
     args, unknown = parser.parse_known_args(argv)
     server_flags = {"--" + name.replace("_", "-") for name in SERVER_FLAGS}
     if args.command == "generate":

@@ -1351,6 +1351,27 @@ def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):
     assert top_level - set(vars(model_flags.parse_args([]))) == set(serve_py.SERVER_FLAGS)
 
 
+def test_serve_py_names_the_flags_of_generate_given_before_it(capsys):
+    """argparse took the flag's value for the command: "invalid choice: '4'"."""
+    for argv, named in (
+        (
+            ["--max-new-tokens", "4", "generate", "P"],
+            "--max-new-tokens: a flag of `generate`, which goes",
+        ),
+        (
+            ["--temperature=1", "--no-chat", "-v"],
+            "--temperature, --no-chat: flags of `generate`, which go",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            serve_py.main(argv)
+        assert exited.value.code == 2 and f"error: {named} after it" in capsys.readouterr().err
+    # GENERATE_FLAGS are exactly the flags of `generate` that the top level does not have.
+    top_level = set(vars(serve_py._parser().parse_args([])))
+    generate = set(vars(serve_py._parser().parse_args(["generate"])))
+    assert generate - top_level - {"prompt"} == set(serve_py.GENERATE_FLAGS)
+
+
 def test_serve_py_defaults():
     import serve
 
