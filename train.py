@@ -46,7 +46,16 @@ logger = logging.getLogger("train")
 
 def main(argv: list[str] | None = None) -> int:
     argv = _with_default_command(list(sys.argv[1:] if argv is None else argv))
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # Every flag is a command's: argparse would take the flag's value for the command
+        # ("invalid choice: '2'").
+        command = next((a for a in argv if a in COMMANDS), "COMMAND")
+        parser.error(
+            f"{argv[0].split('=')[0]}: flags follow the command (train.py {command} "
+            f"{argv[0].split('=')[0]} ...; commands: {', '.join(COMMANDS)})"
+        )
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )

@@ -159,6 +159,20 @@ def test_config_flags_in_any_order_run_the_main_job():
     assert train._with_default_command(["evaluate", "--config", "c.yaml"])[0] == "evaluate"
 
 
+def test_flags_before_the_command_are_named(capsys):
+    """argparse took the flag's value for the command: "invalid choice: '2'"."""
+    import train
+
+    for argv, hint in (
+        (["--limit", "2", "regenerate"], "train.py regenerate --limit ..."),
+        (["--steps=3"], "train.py COMMAND --steps ..."),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            train.main(argv)
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and f"flags follow the command ({hint}; commands: " in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
