@@ -751,7 +751,7 @@ def test_cli_trains_resumes_evaluates_tau_and_exports(target, workdir, monkeypat
     assert "already trained the adapter 4 steps" in capsys.readouterr().out
 
 
-def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, target, draft):
+def test_bad_adapter_configs_are_refused_with_clear_messages(tmp_path, capsys, draft):
     path = tmp_path / "c.yaml"
     cases = {
         "adapter: {kappa: 0}": "adapter.kappa",

@@ -378,7 +378,7 @@ def test_generate_as_completed_starts_a_new_batch_for_what_does_not_fit(target, 
         assert got[i].tokens == alone.tokens, i
 
 
-def test_generate_as_completed_validates_before_decoding(target, draft):
+def test_generate_as_completed_validates_before_decoding(target):
     with pytest.raises(ValueError, match="max_batch_size"):
         jetspec_jax.generate_as_completed(target, [[1]], max_batch_size=0)
     with pytest.raises(ValueError, match="prompts is empty"):

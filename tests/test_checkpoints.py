@@ -130,7 +130,7 @@ def test_use_sliding_window_without_a_sliding_layer_loads_as_full_attention(
         )
 
 
-def test_linear_rope_scaling_matches_transformers(checkpoints, tmp_path):
+def test_linear_rope_scaling_matches_transformers(tmp_path):
     """Position interpolation (`rope_type: linear`, factor 4) over 300 positions, where a wrong
     factor moves every rotation. llama3's fields in the dict are unused, so not kept: the
     exported copy loads as the same config (a draft made for one is the other's)."""

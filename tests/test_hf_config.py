@@ -37,7 +37,6 @@ HYBRID = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e4},
 )
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
-LLAMA3 = {**LLAMA3_SCALING, "rope_theta": 5e5}
 
 
 def _transformers_rope(hf: dict) -> dict:

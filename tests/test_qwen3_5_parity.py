@@ -20,7 +20,7 @@ from jetspec_jax.models.transformer import forward, init_cache, unembed
 from tests.tiny_models import near_bigram, with_target_norm
 
 TOL = 1e-4
-CONV_WINDOW, CHUNK = 4, 64  # the tiny config's conv window; gated_deltanet.DEFAULT_CHUNK
+CHUNK = 64  # gated_deltanet.DEFAULT_CHUNK
 
 
 @pytest.fixture(scope="module")

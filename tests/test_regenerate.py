@@ -428,7 +428,7 @@ def test_too_long_prompt_is_skipped_and_counted(target, tmp_path, caplog):
     assert out.read_text() == ""
 
 
-def test_a_prompt_that_fills_the_context_with_its_budget_is_kept(target, tmp_path):
+def test_a_prompt_that_fills_the_context_with_its_budget_is_kept(target):
     """Prompt plus budget may equal the context; one token more is skipped."""
     from jetspec_jax.data.regenerate import PromptRecord, _encode
 

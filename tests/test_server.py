@@ -266,12 +266,6 @@ REQUESTS = [
 ]
 
 
-def _post_all(http, requests, path="/v1/completions"):
-    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(http.post, path, json=dict(model=MODEL, **r)) for r in requests]
-        return [f.result() for f in futures]
-
-
 def test_concurrent_requests_are_batched_and_equal_serving_each_alone(server, http):
     alone = [http.post("/v1/completions", json=dict(model=MODEL, **r)) for r in REQUESTS]
     scheduler = server.app[SCHEDULER]
@@ -339,7 +333,7 @@ def test_a_client_that_disconnects_cancels_its_request(server, http):
     assert _labelled(http, "jetspec_requests_total", **labels) - closed == 1
 
 
-def test_a_stream_whose_client_hung_up_ends_quietly(server, http, monkeypatch, caplog):
+def test_a_stream_whose_client_hung_up_ends_quietly(http, monkeypatch, caplog):
     """A streaming client that hangs up (a chat UI's stop button): the next write finds the
     transport closing. That is counted as 499, not logged as a server error with a traceback.
     The write's failure is injected: a real hang-up races the handler's cancellation."""
