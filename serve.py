@@ -58,8 +58,7 @@ SERVER_FLAGS = (
     "keepalive_seconds",
 )
 
-# The flags of `generate` alone: given before it, argparse would take the flag's value for the
-# command ("invalid choice: '4'").
+# The flags of `generate` alone (`_flags_of_generate_before_it`).
 GENERATE_FLAGS = (
     "chat",
     "system",
@@ -77,19 +76,11 @@ logger = logging.getLogger("serve")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    command_at = argv.index("generate") if "generate" in argv else len(argv)
-    generate_flags = {"--" + name.replace("_", "-") for name in GENERATE_FLAGS} | {"--no-chat"}
-    before = [a.split("=")[0] for a in argv[:command_at] if a.split("=")[0] in generate_flags]
-    if before:
+    misplaced = _flags_of_generate_before_it(argv)
+    if misplaced:
         parser.error(
-            f"{', '.join(before)}: "
-            + (
-                "flags of `generate`, which go"
-                if before[1:]
-                else "a flag of `generate`, which goes"
-            )
-            + f' after it (serve.py generate "PROMPT" {before[0]} ...); the server takes none of '
-            "them"
+            f"{', '.join(misplaced)}: give {'them' if misplaced[1:] else 'it'} after `generate` "
+            f'(serve.py generate "PROMPT" {misplaced[0]} ...); the server takes none of them'
         )
     args, unknown = parser.parse_known_args(argv)
     server_flags = {"--" + name.replace("_", "-") for name in SERVER_FLAGS}
@@ -118,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         # exit does not raise again (Python ignores SIGPIPE, so the write raised instead).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE
+
+
+def _flags_of_generate_before_it(argv: list[str]) -> list[str]:
+    """The flags of `generate` alone given before it (or with no command), which argparse would
+    not name: it takes the flag's value for the command ("invalid choice: '4'")."""
+    end = argv.index("generate") if "generate" in argv else len(argv)
+    names = {"--" + name.replace("_", "-") for name in GENERATE_FLAGS} | {"--no-chat"}
+    return [a.split("=")[0] for a in argv[:end] if a.split("=")[0] in names]
 
 
 def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] | None = None):

@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         # Every flag is a command's: argparse would take the flag's value for the command
         # ("invalid choice: '2'").
-        command = next((a for a in argv if a in COMMANDS), "COMMAND")
+        flag, command = argv[0].split("=")[0], next((a for a in argv if a in COMMANDS), "COMMAND")
         parser.error(
-            f"{argv[0].split('=')[0]}: flags follow the command (train.py {command} "
-            f"{argv[0].split('=')[0]} ...; commands: {', '.join(COMMANDS)})"
+            f"{flag}: flags follow the command (train.py {command} {flag} ...; commands: "
+            f"{', '.join(COMMANDS)})"
         )
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -1348,18 +1348,12 @@ def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):
 def test_serve_py_names_the_flags_of_generate_given_before_it(capsys):
     """argparse took the flag's value for the command: "invalid choice: '4'"."""
     for argv, named in (
-        (
-            ["--max-new-tokens", "4", "generate", "P"],
-            "--max-new-tokens: a flag of `generate`, which goes",
-        ),
-        (
-            ["--temperature=1", "--no-chat", "-v"],
-            "--temperature, --no-chat: flags of `generate`, which go",
-        ),
+        (["--max-new-tokens", "4", "generate", "P"], "--max-new-tokens: give it after"),
+        (["--temperature=1", "--no-chat", "-v"], "--temperature, --no-chat: give them after"),
     ):
         with pytest.raises(SystemExit) as exited:
             serve_py.main(argv)
-        assert exited.value.code == 2 and f"error: {named} after it" in capsys.readouterr().err
+        assert exited.value.code == 2 and f"error: {named} `generate`" in capsys.readouterr().err
     # GENERATE_FLAGS are exactly the flags of `generate` that the top level does not have.
     top_level = set(vars(serve_py._parser().parse_args([])))
     generate = set(vars(serve_py._parser().parse_args(["generate"])))
