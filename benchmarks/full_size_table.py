@@ -159,7 +159,13 @@ def plot_tau(rows: dict[tuple, dict], path: pathlib.Path) -> None:
         for (t, s, x), r in sorted(rows.items(), key=lambda kv: _sort_key(kv[0]))
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    plot(summaries, "tau", path)
+    # Drawn aside, then renamed: a plot cut short (a full disk) must not replace the previous one.
+    partial = path.with_name(f".{path.name}.tmp.png")  # the suffix tells savefig the format
+    try:
+        plot(summaries, "tau", partial)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ from jetspec_jax.checkpoint.bundle import is_bundle
 from jetspec_jax.checkpoint.draft_hf import is_draft_config
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf, read_hf_config
-from jetspec_jax.checkpoint.hf_params import load_hf_params, save_hf_params
+from jetspec_jax.checkpoint.hf_params import load_hf_params, save_hf_params, save_tokenizer
 from jetspec_jax.checkpoint.json_fields import json_integer
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.checkpoint.roles import replaces_only
@@ -121,7 +121,7 @@ class Target:
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
             save_hf_params(self.params, self.config, tmp)
             if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
+                save_tokenizer(self.tokenizer, tmp)
         return pathlib.Path(out_dir)
 
 

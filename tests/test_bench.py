@@ -199,6 +199,11 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     a_file.write_text("not a directory")
     assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(a_file / "bench")]) == 2
     assert f"{a_file} is a file, not a directory" in capsys.readouterr().err
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")  # `mkdir` would fail only at the first sample
+    assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(dangling)]) == 2
+    message = f"--out {dangling}: {dangling} is a symlink to {tmp_path / 'nowhere'}, which does"
+    assert message in capsys.readouterr().err
     (tmp_path / "taken" / "results.md").mkdir(parents=True)
     assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "taken")]) == 2
     assert "results.md would be written over directories" in capsys.readouterr().err
@@ -507,6 +512,48 @@ def test_a_failed_plot_leaves_no_plot_of_an_earlier_run(monkeypatch, tmp_path):
     ]
 
 
+def test_a_failed_table_write_leaves_the_previous_report_whole(monkeypatch, tmp_path):
+    """The tables are renamed into place together: a write that fails (a full disk) leaves the
+    previous run's report as it was, not its results.md beside this run's results.jsonl."""
+    from jetspec_jax.bench import report
+
+    old = Summary("old", 0.0, "ar", 1, 8, 1.0, 10.0, 1.0, 1.0, 1.0, 0.5, None, None)
+    report.write_report(tmp_path, [], [old])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    write, calls = report.write_text_atomically, []
+
+    def full_disk_at_the_second(path, text):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write(path, text)
+
+    monkeypatch.setattr(report, "write_text_atomically", full_disk_at_the_second)
+    new = dataclasses.replace(old, dataset="new")
+    with pytest.raises(OSError, match="No space"):
+        report.write_report(tmp_path, [], [new])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no staged file left
+
+
+def test_the_full_size_table_keeps_its_previous_plot_when_drawing_fails(monkeypatch, tmp_path):
+    from benchmarks.full_size_table import plot_tau
+    from jetspec_jax.bench import report
+
+    path = tmp_path / "tau.png"
+    path.write_bytes(b"the previous plot")
+
+    def cut_short(summaries, metric, path):
+        path.write_bytes(b"half a plot")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "plot", cut_short)
+    row = {"tau": 1.5}
+    with pytest.raises(OSError, match="No space"):
+        plot_tau({(0.0, "gsm8k_test", "J0"): row}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["tau.png"]
+    assert path.read_bytes() == b"the previous plot"
+
+
 def test_load_test_counts_network_errors(capsys):
     """A refused connection is a failed request, not an aborted load test."""
     from jetspec_jax.bench.load import run_load
@@ -533,6 +580,8 @@ def test_load_test_checks_every_concurrency_level_before_the_first_runs(
     # And the other flags the results depend on, and where they go.
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    dangling = tmp_path / "results.jsonl"
+    dangling.symlink_to(tmp_path / "no" / "results.jsonl")  # where the results would not go
     for flags, message in [
         (["--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
         (["--requests", "0"], "--requests must be >= 1, got 0"),
@@ -541,6 +590,7 @@ def test_load_test_checks_every_concurrency_level_before_the_first_runs(
         (["--prompts", str(empty)], f"--prompts {empty} holds no prompts"),
         (["--out", str(tmp_path)], f"--out {tmp_path}: not a file path in an existing directory"),
         (["--out", str(tmp_path / "no" / "l.jsonl")], "not a file path in an existing directory"),
+        (["--out", str(dangling)], f"--out {dangling}: cannot append to it (No such file"),
     ]:
         assert load.main(["--model", "m", *flags]) == 2
         assert message in capsys.readouterr().err

@@ -319,6 +319,28 @@ def test_train_export_reads_the_target_config_not_its_weights(
         target_module.load_target_config(saved)
 
 
+def test_train_export_onto_a_full_disk_names_the_file_and_leaves_nothing(
+    saved, checkpoints, tmp_path, monkeypatch, capsys
+):
+    """safetensors reports a failed write as its own SafetensorError, no OSError: the command
+    says `error:` naming the file, not a traceback, and leaves no directory behind."""
+    import safetensors
+    import safetensors.numpy
+
+    import train
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    out = tmp_path / "out"
+    argv = ["export", "--draft", str(saved), "--out", str(out)]
+    assert train.main([*argv, "--target", str(checkpoints.get("qwen3")[0])]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot write {tmp_path}/.out.tmp-" in err and "No space left" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_train_export_in_bfloat16_and_with_another_adapter(
     checkpoints, target, draft, saved, tmp_path, capsys
 ):

@@ -243,6 +243,22 @@ def test_export_refuses_to_overwrite(checkpoints, tmp_path):
         target.save(tmp_path / "taken")
 
 
+def test_an_export_whose_tokenizer_cannot_be_written_raises_oserror_and_leaves_nothing(
+    checkpoints, tmp_path
+):
+    """The Rust tokenizer reports a full disk as a bare Exception: `save` raises the OSError its
+    docstring promises (which the commands report as `error:`), naming the directory."""
+
+    class FullDisk:
+        def save_pretrained(self, directory):
+            raise Exception("No space left on device (os error 28)")
+
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
+    with pytest.raises(OSError, match="cannot write the tokenizer into .*No space left"):
+        dataclasses.replace(target, tokenizer=FullDisk()).save(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bfloat16_export_round_trips(checkpoints, tmp_path):
     target = jetspec_jax.load_target(checkpoints.get("qwen3")[0], dtype="bfloat16")
     again = jetspec_jax.load_target(target.save(tmp_path / "bf16"), dtype="bfloat16")
@@ -653,6 +669,22 @@ def test_two_writers_of_one_text_file_never_publish_a_torn_file(tmp_path, monkey
     assert [p.name for p in tmp_path.iterdir()] == ["BENCHMARKS.md"]  # no temporary left
 
 
+def test_a_full_disk_while_a_directory_is_written_names_it_and_leaves_nothing(tmp_path):
+    """A failed write names no file: the error names the directory being written."""
+    from jetspec_jax.checkpoint.atomic import atomic_directory
+
+    out = tmp_path / "ckpt"
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        with atomic_directory(out):
+            raise OSError(28, "No space left on device")
+    assert failed.value.filename == str(out)
+    with pytest.raises(OSError) as failed:  # or a file of the temporary directory, gone now
+        with atomic_directory(out) as tmp:
+            raise OSError(28, "No space left on device", str(tmp / "draft"))
+    assert failed.value.filename == str(out)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_atomic_text_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
     from jetspec_jax.checkpoint import atomic
 
@@ -663,8 +695,9 @@ def test_a_failed_atomic_text_write_leaves_the_old_file_and_no_temporary(tmp_pat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(atomic.os, "fsync", full_disk)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match="No space") as failed:
         atomic.write_text_atomically(path, "new")
+    assert failed.value.filename == str(path)  # named, not the vanished temporary (nor nothing)
     assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]
     assert path.read_text() == "old"
 

@@ -326,6 +326,30 @@ def test_partial_trailing_line_is_truncated_and_regenerated(
     assert cut_id in _read_by_id(out)
 
 
+def test_a_failed_append_names_the_output_and_a_rerun_completes_it(
+    target, prompt_files, uninterrupted, tmp_path, monkeypatch
+):
+    """A full disk while a response is appended: the error names the output (a failed write
+    names no file), and the rerun writes what is missing."""
+    out, real_fsync, appended = tmp_path / "out.jsonl", os.fsync, []
+
+    def full_disk_after_two(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(out):
+            appended.append(fd)
+            if len(appended) == 3:
+                raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk_after_two)
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert failed.value.filename == str(out)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    summary = regenerate(target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW)
+    assert (summary.written, summary.skipped_existing) == (2, 3)
+    assert _read_by_id(out) == _read_by_id(uninterrupted)
+
+
 def test_a_complete_last_line_without_its_newline_is_kept(
     target, prompt_files, uninterrupted, tmp_path
 ):

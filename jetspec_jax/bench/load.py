@@ -224,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(args.out) or ".")
         ):
             raise ValueError(f"--out {args.out}: not a file path in an existing directory")
+        if args.out:  # and what only opening it tells (a dangling symlink, no permission)
+            try:
+                open(args.out, "a", encoding="utf-8").close()
+            except OSError as e:
+                raise ValueError(
+                    f"--out {args.out}: cannot append to it ({e.strerror or e})"
+                ) from e
         prompts = (
             [r["prompt"] for r in read_prompts(args.prompts, limit=args.limit)]
             if args.prompts
@@ -250,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(markdown(results), end="")
     if args.out:
-        with open(args.out, "a", encoding="utf-8") as f:
-            for r in results:
-                f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+        try:
+            with open(args.out, "a", encoding="utf-8") as f:
+                for r in results:
+                    f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+        except OSError as e:  # a full disk, say: the table above still holds the results
+            print(f"error: --out {args.out}: not written ({e.strerror or e})", file=sys.stderr)
+            return 2
     return 0 if not any(r.errors for r in results) else 1
 
 

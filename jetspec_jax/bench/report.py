@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -37,10 +38,15 @@ def check_out_dir(out_dir: pathlib.Path) -> None:
     its nearest existing parent (where it would be created).
 
     Raises:
-        ValueError: `out_dir` (or a parent) is a file, it cannot be created or written into, or
-            a report file's name there is taken by a directory.
+        ValueError: `out_dir` (or a parent) is a file or a symlink to nowhere, it cannot be
+            created or written into, or a report file's name there is taken by a directory.
     """
-    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists() or p == p.parent)
+    existing = next(p for p in (out_dir, *out_dir.parents) if os.path.lexists(p) or p == p.parent)
+    if not existing.exists():  # `mkdir` would say only "File exists", after the first run
+        raise ValueError(
+            f"--out {out_dir}: {existing} is a symlink to {os.readlink(existing)}, which does "
+            "not exist"
+        )
     if not existing.is_dir():
         raise ValueError(f"--out {out_dir}: {existing} is a file, not a directory")
     try:
@@ -123,18 +129,27 @@ def write_report(
     (each file atomically; a previous run's files there are replaced), then removes the partial
     log (`log_sample`).
 
-    A previous run's plots are removed first, so they never sit beside this run's tables (should
-    plotting fail). The plots need matplotlib (the `bench` extra); without it they are skipped,
-    with a note on stderr. Returns the paths written, by kind.
+    The three tables are written aside first and renamed into place together, so a write that
+    fails (a full disk) leaves the previous run's report whole, never its tables beside some of
+    this run's. A previous run's plots are removed before those renames, so they never sit beside
+    this run's tables (should plotting fail). The plots need matplotlib (the `bench` extra);
+    without it they are skipped, with a note on stderr. Returns the paths written, by kind.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = {metric: out_dir / REPORT_FILES[metric] for metric in ("tau", "speedup")}
-    for stale in plots.values():  # first: a failure below never leaves old plots by new tables
-        stale.unlink(missing_ok=True)
     paths = {kind: out_dir / REPORT_FILES[kind] for kind in ("results", "samples", "table")}
-    write_jsonl(paths["results"], summaries)
-    write_jsonl(paths["samples"], samples)
-    write_text_atomically(paths["table"], markdown_table(summaries))
+    staged = {kind: path.with_name(f".{path.name}.staged") for kind, path in paths.items()}
+    try:
+        write_jsonl(staged["results"], summaries)
+        write_jsonl(staged["samples"], samples)
+        write_text_atomically(staged["table"], markdown_table(summaries))
+        for stale in plots.values():  # a failure below never leaves old plots by new tables
+            stale.unlink(missing_ok=True)
+        for kind, path in paths.items():
+            staged[kind].replace(path)
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
     try:
         import matplotlib  # noqa: F401  (the plots' only optional dependency)
     except ImportError as e:

@@ -25,9 +25,6 @@ import json
 import pathlib
 from typing import Any
 
-import safetensors
-import safetensors.numpy
-
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
@@ -35,6 +32,7 @@ from jetspec_jax.checkpoint.hf_params import (
     TensorSpec,
     decoder_layer_specs,
     locate_tensors,
+    save_tensors,
     tensors_from_tree,
     tree_from_tensors,
     validate_names_and_shapes,
@@ -161,7 +159,7 @@ def save_adapter(adapter, out_dir: str | pathlib.Path) -> None:
     config = adapter_config_to_dict(adapter.config)
     tensors = tensors_from_tree(adapter_tensor_specs(adapter.config), adapter.params)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    safetensors.numpy.save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    save_tensors(tensors, out / SINGLE_FILE)
 
 
 def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):

@@ -61,6 +61,8 @@ def atomic_directory(
             there; or a non-directory appears at `out_dir` while it runs (there is no copy to
             keep).
         NotADirectoryError: a parent of `out_dir` is a file.
+        OSError: writing failed (a full disk, say); an error that names no file (as a failed
+            write's does) or one in the temporary directory (gone by then) names `out_dir`.
     """
     out = pathlib.Path(out_dir)
     _check_destination(out, overwrite, refuse)
@@ -87,14 +89,33 @@ def atomic_directory(
         elif not _rename_to_new(tmp, out):
             shutil.rmtree(tmp, ignore_errors=True)  # another writer finished first: theirs kept
         _fsync_dir(out.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno is not None and _names_nothing_but(e, tmp):
+            raise OSError(e.errno, e.strerror, str(out)) from e
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def _names_nothing_but(error: OSError, tmp: pathlib.Path) -> bool:
+    """Whether `error` names no file, or only one in the temporary directory `tmp`."""
+    if error.filename is None:
+        return True
+    if not isinstance(error.filename, str | bytes | os.PathLike):
+        return False
+    return pathlib.Path(os.fsdecode(error.filename)).is_relative_to(tmp)
+
+
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Writes `text` (UTF-8) to `path` through a flushed hidden sibling and one rename: a crash
-    leaves the old file or none, never half of one."""
+    leaves the old file or none, never half of one.
+
+    Raises:
+        OSError: the write failed (a full disk, say), naming `path`: a failed write names no
+            file, and the hidden sibling's name (gone by then) would read as the one at fault.
+    """
     path = pathlib.Path(path)
     # A name of its own (two writers of one path must not share one), created as `open` creates
     # files (mode 0666 under the umask; mkstemp's would be owner-only).
@@ -106,6 +127,11 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno is not None and e.filename in (None, tmp):
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

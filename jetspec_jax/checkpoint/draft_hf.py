@@ -23,8 +23,6 @@ import pathlib
 from typing import Any
 
 import numpy as np
-import safetensors
-import safetensors.numpy
 
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
@@ -36,6 +34,7 @@ from jetspec_jax.checkpoint.hf_params import (
     linear_specs,
     locate_tensors,
     norm_spec,
+    save_tensors,
     tensors_from_tree,
     tree_from_tensors,
     validate_names_and_shapes,
@@ -223,7 +222,7 @@ def load_draft_params(checkpoint_dir: str | pathlib.Path, config: DraftConfig, d
 def save_draft_params(params: Params, config: DraftConfig, out_dir: pathlib.Path) -> None:
     """Writes the draft's `model.safetensors` with HF names into an existing directory."""
     tensors: dict[str, np.ndarray] = tensors_from_tree(draft_tensor_specs(config), params)
-    safetensors.numpy.save_file(tensors, str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+    save_tensors(tensors, out_dir / SINGLE_FILE)
 
 
 def _check_layers_match_target(

@@ -25,7 +25,12 @@ from tqdm.auto import tqdm
 
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
-from jetspec_jax.checkpoint.hf_params import MAX_SHARD_BYTES, LazyTensor, write_safetensors
+from jetspec_jax.checkpoint.hf_params import (
+    MAX_SHARD_BYTES,
+    LazyTensor,
+    save_tokenizer,
+    write_safetensors,
+)
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "convert_gguf_to_hf"]
 
@@ -397,7 +402,7 @@ def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, **tokenizer_config, **extra_kwargs
     )
-    tokenizer.save_pretrained(str(out))
+    save_tokenizer(tokenizer, out)
 
 
 def _field(reader: gguf.GGUFReader, key: str, **kw: Any) -> Any:

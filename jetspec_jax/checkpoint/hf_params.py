@@ -339,6 +339,35 @@ class LazyTensor(NamedTuple):
     load: Callable[[], np.ndarray]
 
 
+def save_tensors(arrays: dict[str, np.ndarray], path: pathlib.Path) -> None:
+    """Writes `arrays` as the safetensors file `path` (HF's `{"format": "pt"}` metadata).
+
+    Raises:
+        OSError: the file could not be written (a full disk, say), naming it: safetensors
+            raises its own `SafetensorError`, no OSError, which the commands' "error:" line
+            would not catch (a traceback naming no file).
+    """
+    try:
+        safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt"})
+    except safetensors.SafetensorError as e:
+        raise OSError(f"cannot write {path}: {e}") from e
+
+
+def save_tokenizer(tokenizer, out_dir: pathlib.Path) -> None:
+    """Writes a transformers `tokenizer`'s files into the directory `out_dir`.
+
+    Raises:
+        OSError: a file could not be written (a full disk, say), naming `out_dir`: the Rust
+            tokenizer raises a bare `Exception` for it, no OSError.
+    """
+    try:
+        tokenizer.save_pretrained(str(out_dir))
+    except Exception as e:
+        if type(e) is not Exception:  # only the Rust tokenizer's own errors: the rest are bugs
+            raise
+        raise OSError(f"cannot write the tokenizer into {out_dir}: {e}") from e
+
+
 def write_safetensors(
     tensors: Sequence[LazyTensor],
     out_dir: pathlib.Path,
@@ -370,7 +399,7 @@ def write_safetensors(
         names = [SINGLE_FILE]
     for name, shard in zip(names, shards, strict=True):
         arrays = {tensor.name: tensor.load() for tensor in shard}
-        safetensors.numpy.save_file(arrays, str(out_dir / name), metadata={"format": "pt"})
+        save_tensors(arrays, out_dir / name)
         del arrays  # freed before the next shard is loaded
     if count > 1:
         weight_map = {

@@ -290,7 +290,9 @@ def _generate_into(
         disable=None if show_progress is None else not show_progress,  # None: only on a terminal
     )
     cut = 0
-    with out_path.open("ab") as out, progress:
+    # Unbuffered: a write that fails leaves no buffer for `close` to flush again (its error,
+    # naming no file, would replace `_append_lines`').
+    with out_path.open("ab", buffering=0) as out, progress:
         if not encoded:
             return 0, 0
         results = generate_as_completed(
@@ -350,11 +352,22 @@ def _line(target: Target, record: PromptRecord, ids: list[int], result) -> dict:
 
 
 def _append_lines(out, objects: list[dict]) -> None:
-    """Appends the objects as JSONL in one write, then flushes them to disk."""
-    data = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objects)
-    out.write(data.encode("utf-8"))
-    out.flush()
-    os.fsync(out.fileno())
+    """Appends the objects as JSONL to the unbuffered binary file `out`, then flushes them to
+    disk.
+
+    Raises:
+        OSError: the write failed (a full disk, say), naming the file (a failed write names
+            none); a partial line it left is cut when the run resumes.
+    """
+    data = memoryview("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objects).encode())
+    try:
+        while data:  # an unbuffered write may take part of it
+            data = data[out.write(data) :]
+        os.fsync(out.fileno())
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, out.name) from e
 
 
 def settings_path(out_path: pathlib.Path) -> pathlib.Path:
