@@ -945,6 +945,18 @@ def test_a_request_its_stop_string_ended_is_answered_though_its_batch_fails_afte
     assert chunks[-1]["usage"] == body["usage"] and "jetspec" not in chunks[-1]
 
 
+def test_a_model_name_with_a_slash_is_retrieved_escaped_or_not(target):
+    """`--model-name org/model` (as vLLM's names go): curl and older SDKs send the slash as is."""
+    config = dataclasses.replace(CONFIG, model_name="org/tiny", api_key=None)
+    with BackgroundServer(target, None, config) as running:
+        for path in ("/v1/models/org/tiny", "/v1/models/org%2Ftiny"):
+            answer = httpx.get(running.url + path)
+            assert (answer.status_code, answer.json().get("id")) == (200, "org/tiny"), answer.text
+        answer = httpx.get(running.url + "/v1/models/org/other")
+        assert answer.status_code == 404
+        assert answer.json()["error"]["code"] == "model_not_found"
+
+
 def test_unknown_routes_and_methods_answer_json_errors(http):
     # Counted under one label, whatever the path: a scanner's paths cannot grow the metrics.
     labels = dict(endpoint="other", status="404")
@@ -1520,6 +1532,27 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     assert "roles must alternate" in refused.value.message
 
 
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        (dict(functions=[{"name": "f"}]), "functions"),  # was named "tools", not sent
+        (dict(top_logprobs=2), "top_logprobs"),  # was named "logprobs", not sent
+        (dict(messages=[{"role": "user"}]), "messages[0].content"),
+        (dict(messages=[{"role": "user", "content": None}]), "messages[0].content"),
+        (
+            dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages[0].content",
+        ),
+    ],
+)
+def test_a_refused_field_is_the_errors_param(extra, param):
+    """The error's `param` is the field the request sent (OpenAI's clients show it)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **extra}
+    with pytest.raises(RequestError) as refused:
+        parse_chat(body, ModelInfo(MODEL, None, context_length=64))
+    assert (refused.value.status, refused.value.param) == (400, param), refused.value.message
+
+
 def test_an_unset_completion_budget_fits_the_context():
     class Tokenizer:
         def encode(self, text, add_special_tokens):
@@ -1541,6 +1574,9 @@ def test_server_config_refuses_bad_values():
         ServerConfig(reserve_prompt_tokens=-1)
     with pytest.raises(ValueError, match="reserve_new_tokens must be an integer >= 0"):
         ServerConfig(reserve_new_tokens=True)
+    for key in ("secret\n", " secret"):  # no header carries it: every request got 401
+        with pytest.raises(ValueError, match="api_key begins or ends with whitespace"):
+            ServerConfig(api_key=key)
 
 
 def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):

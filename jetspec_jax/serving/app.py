@@ -129,7 +129,9 @@ def create_app(
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model}", _model)
+    # Any path after /v1/models/: served names may hold slashes (`--model-name org/model`),
+    # which clients send unescaped (curl, older SDKs).
+    app.router.add_get("/v1/models/{model:.+}", _model)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
 

@@ -174,8 +174,9 @@ def parse_chat(body: Any, model: ModelInfo) -> GenerationRequest:
     body = _common_checks(body, model)
     if "messages" not in body:
         raise RequestError(400, "missing required parameter: 'messages'", param="messages")
-    if body.get("tools") or body.get("functions"):
-        raise RequestError(400, "tools / function calling are not supported", param="tools")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise RequestError(400, "tools / function calling are not supported", param=name)
     for name in ("tool_choice", "function_call"):  # a forced call, even with no tools given
         if body.get(name) not in _TEXT_ANSWER_CHOICES:
             raise RequestError(
@@ -228,8 +229,10 @@ def _common_checks(body: Any, model: ModelInfo) -> dict:
         raise RequestError(400, "suffix is not supported", param="suffix")
     # Identity, not equality: logprobs=0 asks for the chosen tokens' logprobs (and 0 == False).
     logprobs = body.get("logprobs")
-    if not (logprobs is None or logprobs is False) or not _is_zero(body.get("top_logprobs")):
+    if not (logprobs is None or logprobs is False):
         raise RequestError(400, "logprobs are not supported", param="logprobs")
+    if not _is_zero(body.get("top_logprobs")):
+        raise RequestError(400, "top_logprobs is not supported (must be 0)", param="top_logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if not _is_zero(body.get(name)):
             raise RequestError(400, f"{name} is not supported (must be 0)", param=name)
@@ -442,10 +445,12 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                     400, f"{where}.{name}: tool calls are not supported", param=f"{where}.{name}"
                 )
         if "content" not in message:
-            raise RequestError(400, f"missing required parameter: '{where}.content'", param=where)
+            raise RequestError(
+                400, f"missing required parameter: '{where}.content'", param=f"{where}.content"
+            )
         turn = {
             "role": "system" if role == "developer" else role,
-            "content": _content(message["content"], where),
+            "content": _content(message["content"], f"{where}.content"),
         }
         name = message.get("name")
         if name is not None:  # a participant's name, which templates may render (as vLLM's)
@@ -457,11 +462,12 @@ def _messages(messages: Any) -> list[dict[str, str]]:
 
 
 def _content(content: Any, where: str) -> str:
+    """A message's content as text; `where` names it in errors (`messages[i].content`)."""
     if isinstance(content, str):
         return _unicode(content, where)
     if isinstance(content, list):
         if not content:
-            raise RequestError(400, f"{where}.content: an empty list of parts", param=where)
+            raise RequestError(400, f"{where}: an empty list of parts", param=where)
         texts = []
         for part in content:
             if (
@@ -469,14 +475,10 @@ def _content(content: Any, where: str) -> str:
                 or part.get("type") != "text"
                 or not isinstance(part.get("text"), str)
             ):
-                raise RequestError(
-                    400, f"{where}.content: only text parts are supported", param=where
-                )
+                raise RequestError(400, f"{where}: only text parts are supported", param=where)
             texts.append(part["text"])
         return _unicode("\n".join(texts), where)  # as vLLM joins a message's text parts
-    raise RequestError(
-        400, f"{where}.content must be a string or a list of text parts", param=where
-    )
+    raise RequestError(400, f"{where} must be a string or a list of text parts", param=where)
 
 
 def _stop(stop: Any) -> tuple[str, ...]:

@@ -97,6 +97,13 @@ class ServerConfig:
         ):
             # "" would serve without authentication: None says that, explicitly.
             raise ValueError(f"api_key must be None or a non-empty string, got {self.api_key!r}")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            # Header values lose their surrounding whitespace (and cannot carry a newline): no
+            # request could send this key. The key itself stays out of the message.
+            raise ValueError(
+                "api_key begins or ends with whitespace, which no 'Authorization: Bearer' header "
+                "carries (every request would get 401): strip it (a key file's final newline?)"
+            )
         check_sizes(
             max_batch_size=self.max_batch_size,
             queue_size=self.queue_size,
