@@ -317,19 +317,31 @@ class TokenStream:
     """
 
     def __init__(self, session: DecodeSession, chunk_steps: int):
-        self._chunks = session.chunks(chunk_steps)
         self._session = session
+        self._chunk_steps = chunk_steps
+        self._closed = False
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TokenStream:
         return self
 
     def __next__(self) -> list[int]:
-        for rows in self._chunks:
-            if rows[0]:
-                return rows[0]
-        if self.result is None and self._session.started:  # not started: closed before a chunk
-            self.result = self._session.results()[0]
+        # Each step reads the session's state afresh (no generator, which an exception would
+        # end): after an exception inside a step (Ctrl-C during a chunk), iterating again goes
+        # on from where the device got to, its tokens still to come.
+        session = self._session
+        while not self._closed:
+            if not session.started:
+                session.start()
+            elif session.done:
+                self.result = session.results()[0]
+                self._closed = True
+                break
+            else:
+                session.advance(self._chunk_steps)
+            (chunk,) = session.poll()
+            if chunk:
+                return chunk
         raise StopIteration
 
     def close(self) -> None:
@@ -338,7 +350,7 @@ class TokenStream:
         if self.result is None and self._session.started:
             self._session.cancel(0)
             self.result = self._session.results()[0]
-        self._chunks.close()
+        self._closed = True
 
 
 def stream(

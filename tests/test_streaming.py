@@ -3,6 +3,7 @@ incremental detokenization across chunk boundaries."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -10,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 import jetspec_jax
 from jetspec_jax import DecodingOptions
-from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
 from tests.oracles import OracleDraft
 
@@ -245,6 +246,81 @@ def test_a_budget_of_one_token_decodes_nothing_after_the_prefill(target, prompts
     session.advance()
     assert session.timing == session.timing.__class__(session.timing.prefill_seconds, 0.0, compiled)
     assert [r.tokens for r in session.results()] == [_ar(target, p, n=1).tokens for p in prompts]
+
+
+def test_an_advance_interrupted_while_it_waits_leaves_the_session_usable(
+    target, prompts, monkeypatch
+):
+    """Ctrl-C during `advance`'s wait for the device (the loop's input state already donated):
+    the session keeps the state the loop computes, and decodes on to AR's tokens."""
+    session = DecodeSession(target, prompts, max_new_tokens=N_NEW, stop_token_ids=[])
+    session.start()
+    session.poll()
+    wait = jax.block_until_ready
+
+    def interrupted(tree):
+        monkeypatch.setattr(jax, "block_until_ready", wait)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jax, "block_until_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.advance(2)
+    session.poll()
+    session.advance()
+    session.poll()
+    assert [r.tokens for r in session.results()] == [_ar(target, p).tokens for p in prompts]
+
+
+def test_a_stream_interrupted_inside_a_chunk_goes_on_when_iterated_again(
+    target, prompts, monkeypatch
+):
+    """Ctrl-C inside a chunk's step ends no stream: iterated again, it yields the tokens the
+    device went on to commit, and then the rest, to `generate`'s tokens and result."""
+    stream = jetspec_jax.stream(
+        target, prompts[0], chunk_steps=2, max_new_tokens=N_NEW, stop_token_ids=[]
+    )
+    got = next(stream)
+    wait = jax.block_until_ready
+
+    def interrupted(tree):
+        monkeypatch.setattr(jax, "block_until_ready", wait)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jax, "block_until_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(stream)
+    got += sum(stream, [])
+    assert got == stream.result.tokens == _ar(target, prompts[0]).tokens
+    assert stream.result.finish_reason == "length"
+
+
+def test_a_session_whose_state_a_failed_step_consumed_says_so(target, prompts, monkeypatch):
+    """A step that fails after its program took the (donated) state, as a device error does:
+    every later call says the state was lost, not that some array was deleted."""
+    session = DecodeSession(target, prompts, max_new_tokens=N_NEW, stop_token_ids=[])
+    session.start()
+    session.advance(2)  # compiled: the failing call below runs the loop
+    session.poll()
+    get = COMPILED.get
+
+    def failing(fn, *args, **static):
+        run, seconds = get(fn, *args, **static)
+
+        def run_and_fail(*inputs):
+            run(*inputs)
+            raise RuntimeError("device failure")
+
+        return run_and_fail, seconds
+
+    monkeypatch.setattr(COMPILED, "get", failing)
+    with pytest.raises(RuntimeError, match="device failure"):
+        session.advance(2)
+    monkeypatch.setattr(COMPILED, "get", get)
+    calls = [session.poll, session.results, lambda: session.result(0), lambda: session.cancel(0)]
+    calls += [lambda: session.advance(2), lambda: session.admit(1, [1], max_new_tokens=1)]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="state was lost.*in a new session"):
+            call()
 
 
 def _byte_level_tokenizer():

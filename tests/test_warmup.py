@@ -117,6 +117,20 @@ def test_warming_up_needs_a_reserve(target):
         warmup.warm_up(target, reserve_prompt_tokens=0, reserve_new_tokens=8)
     with pytest.raises(ValueError, match="batch_sizes is empty"):
         warmup.warm_up(target, batch_sizes=[], reserve_prompt_tokens=8, reserve_new_tokens=8)
+    # Refused by name before anything compiles, not as a comparison's TypeError, an attribute
+    # missing from the options, or the sessions' `pad_batch_to`.
+    refused = [
+        (dict(reserve_prompt_tokens=None), "reserve_prompt_tokens None .* must both be >= 1"),
+        (dict(reserve_new_tokens="8"), "reserve_new_tokens '8' must both be >= 1"),
+        (dict(batch_sizes=[4, 0]), "each of batch_sizes must be an integer >= 1, got 0"),
+        (dict(batch_sizes=4), "batch_sizes must be a list of batch sizes, got 4"),
+        (dict(options={"method": "ar"}), "options must be a DecodingOptions, got dict"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ValueError, match=message):
+            warmup.warm_up(
+                target, **{**dict(reserve_prompt_tokens=8, reserve_new_tokens=8), **kwargs}
+            )
     with pytest.raises(ValueError, match="give a reserve"):
         Scheduler(target, warm_up=True, reserve=(16, 0))
     with pytest.raises(ValueError, match="warmup compiles"):

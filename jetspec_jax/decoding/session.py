@@ -323,12 +323,11 @@ class DecodeSession:
                 greedy.
 
         Raises:
-            RuntimeError: the session has not started.
+            RuntimeError: the session has not started, or its state was lost (`_live_state`).
             ValueError: a bad row, prompt, budget or sampling, or a request the session does not
                 `fit`; then nothing is admitted.
         """
-        if self._state is None:
-            raise RuntimeError("start() the session before admitting requests")
+        self._live_state("before admitting requests")
         if isinstance(sampling, SamplingParams):  # one seed for all would draw copies
             raise ValueError("sampling: give one SamplingParams per request (seeds used as given)")
         rows, prompts = list(rows), list(prompts)
@@ -382,8 +381,11 @@ class DecodeSession:
         )
         compiled_before, decoded_before = self._compile_seconds, self._decode_seconds
         state, seconds = self._prefill(*inputs, new_requests)
-        self._state = write_rows(self._state, state, rows, self._batch)
-        self._requests = write_rows(self._requests, new_requests, rows, self._batch)
+        # Both written before either is kept: an interrupt between them leaves the state donated
+        # (`_live_state` then says so), never new rows with their old requests.
+        state = write_rows(self._state, state, rows, self._batch)
+        requests = write_rows(self._requests, new_requests, rows, self._batch)
+        self._state, self._requests = state, requests
         self._admission_prefill_seconds += seconds
         for row, prompt, budget in zip(rows, prompts, budgets, strict=True):
             if row == self.num_rows:  # a padding row joins: every per-row list grows by one
@@ -420,11 +422,10 @@ class DecodeSession:
         done; each forward commits >= 1 token per unfinished row).
 
         Raises:
-            RuntimeError: the session has not started.
+            RuntimeError: the session has not started, or its state was lost (`_live_state`).
             ValueError: `max_steps` is neither None nor an integer >= 1.
         """
-        if self._state is None:
-            raise RuntimeError("start() the session before advancing it")
+        self._live_state("before advancing it")
         if max_steps is not None and (
             isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer))
         ):
@@ -457,8 +458,10 @@ class DecodeSession:
         run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
-        # The old state is donated: never reuse it.
-        self._state = jax.block_until_ready(run(*args))
+        # The old state is donated: never reuse it. The new one is kept before it is waited for,
+        # so that an interrupt (Ctrl-C) during the wait leaves the session the state it computes.
+        self._state = run(*args)
+        jax.block_until_ready(self._state)
         self._decode_seconds += time.perf_counter() - start
 
     def _prefill_two_programs(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
@@ -493,7 +496,11 @@ class DecodeSession:
         self._decode_seconds += time.perf_counter() - start - compile_seconds
 
     def poll(self) -> list[list[int]]:
-        """The tokens each row committed since the previous poll (one small device transfer)."""
+        """The tokens each row committed since the previous poll (one small device transfer).
+
+        Raises:
+            RuntimeError: the session has not started, or its state was lost (`_live_state`).
+        """
         decode = self._decode_state()
         output, counts, done = jax.device_get((decode.output, decode.num_generated, decode.done))
         new = []
@@ -520,7 +527,7 @@ class DecodeSession:
 
         Raises:
             ValueError: `row` is not an integer in [0, `num_rows`).
-            RuntimeError: the session has not started.
+            RuntimeError: the session has not started, or its state was lost (`_live_state`).
         """
         self._check_row(row)
         decode = self._decode_state()
@@ -550,7 +557,7 @@ class DecodeSession:
 
         Raises:
             ValueError: `row` is not an integer in [0, `num_rows`).
-            RuntimeError: the session has not started.
+            RuntimeError: the session has not started, or its state was lost (`_live_state`).
         """
         self._check_row(row)
         return self._result(row, jax.device_get(row_outputs(self._running_state(), row)))
@@ -587,14 +594,28 @@ class DecodeSession:
             raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
 
     def _running_state(self):
-        if self._state is None:
-            raise RuntimeError("start() the session before reading its results")
-        return self._state
+        return self._live_state("before reading its results")
 
     def _decode_state(self):
+        state = self._live_state("first")
+        return state.decode if isinstance(state, SpecState) else state
+
+    def _live_state(self, before: str):
+        """The loop state, after checking that the session has started (else a RuntimeError
+        saying to start it `before` ...) and that its state is whole: `advance` and `admit`
+        donate it to their programs, so an exception that interrupts them after that (Ctrl-C
+        within a multi-round host loop or between rows' writes, a device failure) leaves deleted
+        buffers, which JAX would report as a deleted array (a ValueError from the next step)."""
         if self._state is None:
-            raise RuntimeError("start() the session first")
-        return self._state.decode if isinstance(self._state, SpecState) else self._state
+            raise RuntimeError(f"start() the session {before}")
+        leaves = jax.tree.leaves((self._state, self._requests))
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+            raise RuntimeError(
+                "this session's state was lost: an exception interrupted a step (advance or "
+                "admit) after its state was handed to the device program, which consumes it; "
+                "decode its unfinished requests in a new session"
+            )
+        return self._state
 
 
 def resolve_proposer(target, draft, options: DecodingOptions):

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 from jetspec_jax.decoding.buckets import buckets_up_to, prefill_lengths_up_to
 from jetspec_jax.decoding.options import DecodingOptions
+from jetspec_jax.decoding.request_checks import check_int
 from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.scalars import as_int
 
 
 def warm_up(
@@ -49,11 +51,18 @@ def warm_up(
         cache, cost nothing here).
 
     Raises:
-        ValueError: a reserve below 1, no batch size, or one `DecodeSession` refuses.
+        ValueError: a reserve below 1, no batch size, a batch size below 1, or one
+            `DecodeSession` refuses.
     """
     check_warm_up_reserve(reserve_prompt_tokens, reserve_new_tokens)
+    if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
+        raise ValueError(f"batch_sizes must be a list of batch sizes, got {batch_sizes!r}")
     if not batch_sizes:
         raise ValueError("batch_sizes is empty: give the batch sizes to compile for")
+    # Checked here, not as the sessions' `pad_batch_to`, which is no argument of this call.
+    batch_sizes = [check_int("each of batch_sizes", rows, 1) for rows in batch_sizes]
+    if options is not None and not isinstance(options, DecodingOptions):
+        raise ValueError(f"options must be a DecodingOptions, got {type(options).__name__}")
     reserve = dict(
         reserve_prompt_tokens=reserve_prompt_tokens, reserve_new_tokens=reserve_new_tokens
     )
@@ -94,9 +103,9 @@ def warm_up(
 def check_warm_up_reserve(prompt_tokens: int, new_tokens: int) -> None:
     """Raises a ValueError unless the reserve has room to warm up for (both sizes >= 1): the
     one check of `warm_up`, `Scheduler(warm_up=True)` and `ServerConfig(warmup=True)`."""
-    if prompt_tokens < 1 or new_tokens < 1:
+    if any(as_int(n) is None or n < 1 for n in (prompt_tokens, new_tokens)):
         raise ValueError(
             "warmup compiles the programs of requests within the reserve: give a reserve "
-            f"(reserve_prompt_tokens {prompt_tokens} and reserve_new_tokens {new_tokens} must "
-            "both be >= 1)"
+            f"(reserve_prompt_tokens {prompt_tokens!r} and reserve_new_tokens {new_tokens!r} "
+            "must both be >= 1)"
         )
