@@ -294,6 +294,16 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
         train(dataclasses.replace(config, draft=deeper), target=target, stop_after=1)
     assert "changed since: draft.num_layers 2 (the checkpoints': 1)" in str(refused.value)
     assert "new run.dir" in str(refused.value)
+    # So is another draft of the same shapes, which would restore and train on as the new one;
+    # taps given as the default rule gives them are the same draft (no step runs either way).
+    dflash = dataclasses.replace(config.draft, variant="dflash")
+    with pytest.raises(ValueError, match="changed since: draft.variant 'dflash' \\(the checkp"):
+        train(dataclasses.replace(config, draft=dflash), target=target, stop_after=0)
+    taps = dataclasses.replace(config.draft, target_layer_ids=(0,))  # the rule's: (1,)
+    with pytest.raises(
+        ValueError, match="draft.target_layer_ids \\[0\\] \\(the checkpoints': None"
+    ):
+        train(dataclasses.replace(config, draft=taps), target=target, stop_after=0)
     # Each process saved its own data position: another process count is refused by name.
     recorded = json.loads((tmp_path / "run_setup.json").read_text())
     assert recorded["process_count"] == 1 and recorded["target"] == config.target
@@ -617,8 +627,10 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "optim: {epochs: .inf}": "optim.epochs",
         "optim: {learning_rate: .inf}": "optim.learning_rate",
         # Each bound just past it (the values at it load: the next test).
-        "data: {files: [a.jsonl], max_length: 16}\ndraft: {block_size: 16}": "data.max_length",
-        "optim: {steps: 10, warmup_steps: 11}": "optim.warmup_steps",
+        "data: {files: [a.jsonl], max_length: 16}\ndraft: {block_size: 16}": (
+            r"data.max_length \(>= draft.block_size \+ 1: 17\): 16"
+        ),
+        "optim: {steps: 10, warmup_steps: 11}": r"optim.warmup_steps \(in \[0, optim.steps 10\]\)",
         "optim: {seed: 4294967296}": "optim.seed",
     }.items():
         if not text.startswith("data:"):
@@ -683,6 +695,11 @@ def test_command_line_overrides_are_typed_and_validated(tmp_path):
         load_train_config(path, ["draft.varient=dflash"])
     with pytest.raises(ValueError, match="optim.steps must be an integer"):
         load_train_config(path, ["optim.steps=many"])
+    # A section given by a YAML alias is a copy the override edits alone, not its anchor too.
+    path.write_text("data: {files: [a.jsonl]}\noptim: &o {steps: 500}\nadapter: {optim: *o}\n")
+    config = load_train_config(path, ["adapter.optim.steps=300", "optim.learning_rate=1e-3"])
+    assert (config.optim.steps, config.adapter.optim.steps) == (500, 300)
+    assert (config.optim.learning_rate, config.adapter.optim.learning_rate) == (1e-3, 3e-4)
 
 
 def test_a_steps_override_replaces_the_configs_epochs(tmp_path):

@@ -179,9 +179,10 @@ class TrainConfig:
         _check(self.draft.init_from != "", "draft.init_from (a path, or null)", "")
         _check_optim(self.optim, "optim")
         _check_adapter(self.adapter, self.draft)
+        # Named with the bound: an override of the block size alone fails here.
         _check(
             self.data.max_length >= self.draft.block_size + 1,
-            "data.max_length",
+            f"data.max_length (>= draft.block_size + 1: {self.draft.block_size + 1})",
             self.data.max_length,
         )
         _check(bool(self.data.files), "data.files", self.data.files)
@@ -210,7 +211,12 @@ def _check_optim(optim: OptimConfig, where: str) -> None:
     for name in ("batch_size", "anchors_per_sequence", "anchors_per_loss_chunk", "steps"):
         _check(getattr(optim, name) >= 1, f"{where}.{name}", getattr(optim, name))
     if optim.epochs is None:
-        _check(0 <= optim.warmup_steps <= optim.steps, f"{where}.warmup_steps", optim.warmup_steps)
+        # Named with the bound: `--set optim.steps=N` alone fails here when N < the warmup.
+        _check(
+            0 <= optim.warmup_steps <= optim.steps,
+            f"{where}.warmup_steps (in [0, {where}.steps {optim.steps}])",
+            optim.warmup_steps,
+        )
     else:  # steps come from the data (`resolve_steps`, which caps the warmup at them)
         _check(math.isfinite(optim.epochs) and optim.epochs > 0, f"{where}.epochs", optim.epochs)
         _check(optim.warmup_steps >= 0, f"{where}.warmup_steps", optim.warmup_steps)
@@ -398,6 +404,10 @@ def _apply_override(data: dict, override: str) -> None:
     for i, name in enumerate(keys[:-1]):
         if node.get(name) is None:  # absent, or `null`: the defaults, which the override edits
             node[name] = {}
+        elif isinstance(node[name], dict):
+            # A copy: a YAML alias (`adapter: {optim: *o}`) is one dict in two places, and the
+            # override edits only the one it names.
+            node[name] = dict(node[name])
         node = node[name]
         if not isinstance(node, dict):
             raise ValueError(f"override {override!r}: {'.'.join(keys[: i + 1])} is not a section")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
+from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft, load_draft_for_config
 from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
@@ -42,7 +43,13 @@ from jetspec_jax.training.run_helpers import (
     with_device_params,
     with_host_params,
 )
-from jetspec_jax.training.run_loop import has_checkpoint, logged, opened_run, run_steps
+from jetspec_jax.training.run_loop import (
+    has_checkpoint,
+    logged,
+    opened_run,
+    recorded_setup,
+    run_steps,
+)
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
 from jetspec_jax.training.step import StepConfig, train_step
 
@@ -108,6 +115,8 @@ def train(
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     check_fits_context(config, target)
+    if resuming:
+        check_resumes_architecture(config, target)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
@@ -209,6 +218,46 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     return Draft(
         config=configured, params=start.params, dtype=start.dtype, target_config=target.config
     )
+
+
+def check_resumes_architecture(config: TrainConfig, target: Target) -> None:
+    """Refuses a resume whose `draft` section describes another draft than the one `run.dir`'s
+    checkpoints were trained as. Weights of the same shapes (another variant, block size, or taps
+    of the same count) would restore and train on as the new draft, and a finished run's rerun
+    would name its export, of the old architecture, as the asked one. Compared as `draft_config`
+    resolves them (taps None and the default rule's taps are one draft); nothing for checkpoints
+    whose setup was not recorded.
+
+    Raises:
+        ValueError: naming each changed `draft.*` key with both values.
+    """
+    run_dir = pathlib.Path(config.run.dir)
+    recorded = recorded_setup(run_dir).get("draft")
+    if not isinstance(recorded, dict):
+        return
+    now = config.draft.architecture()
+    was = {**now, **{k: v for k, v in recorded.items() if k in now}}
+    configured = draft_config(target, **now)  # its own errors are initial_draft's
+    try:
+        if draft_config(target, **was) == configured:
+            return
+    except (ValueError, CheckpointError):  # the recorded draft does not fit this target
+        pass
+    changed = "; ".join(
+        f"draft.{k} {_as_json(now[k])!r} (the checkpoints': {_as_json(was[k])!r})"
+        for k in now
+        if _as_json(now[k]) != _as_json(was[k])
+    )
+    raise ValueError(
+        f"{run_dir}: its checkpoint does not hold this run's train state, a draft of another "
+        f"architecture (changed since: {changed}); resume it with the setup that wrote it, or "
+        "start a new run.dir"
+    )
+
+
+def _as_json(value):
+    """`value` as run_setup.json records it (tuples are lists there)."""
+    return list(value) if isinstance(value, tuple | list) else value
 
 
 def _exported_params(export_dir: pathlib.Path, trained: Draft) -> dict | None:
