@@ -1533,6 +1533,10 @@ def test_missing_input_files_and_a_bad_seed_fail_before_the_model_load(tmp_path,
     config = load_train_config(path, [f"data.files=[{data}]", "adapter.eval_files=[held.jsonl]"])
     with pytest.raises(FileNotFoundError, match="missing input file\\(s\\): held.jsonl"):
         adapter_trainer.train_adapter(config)
+    gone = f"{tmp_path}/gone.jsonl"  # the data and the eval prompts: one file, named once
+    config = load_train_config(path, [f"data.files=[{gone}]", f"data.eval_prompts={gone}"])
+    with pytest.raises(FileNotFoundError, match=f"missing input file\\(s\\): {gone}$"):
+        trainer.train(config)
     with pytest.raises(ValueError, match="optim.seed"):
         load_train_config(path, ["optim.seed=-1"])
 

@@ -36,7 +36,8 @@ def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) ->
     """Refuses missing data or evaluation files (`data` and `more`) before the model load, which
     can take minutes. `eval_tau`: the run reads `data.eval_prompts` (when it names a file)."""
     eval_prompts = [config.data.eval_prompts] if eval_tau and config.data.eval_prompts else []
-    missing = [f for f in (*config.data.files, *eval_prompts, *more) if not os.path.isfile(f)]
+    inputs = dict.fromkeys((*config.data.files, *eval_prompts, *more))  # each named once
+    missing = [f for f in inputs if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
 
