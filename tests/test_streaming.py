@@ -248,6 +248,17 @@ def test_a_budget_of_one_token_decodes_nothing_after_the_prefill(target, prompts
     assert [r.tokens for r in session.results()] == [_ar(target, p, n=1).tokens for p in prompts]
 
 
+def _interrupt_the_next_wait(monkeypatch) -> None:
+    """Ctrl-C once, in the next wait for the device (after the step's program has started)."""
+    wait = jax.block_until_ready
+
+    def interrupted(tree):
+        monkeypatch.setattr(jax, "block_until_ready", wait)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jax, "block_until_ready", interrupted)
+
+
 def test_an_advance_interrupted_while_it_waits_leaves_the_session_usable(
     target, prompts, monkeypatch
 ):
@@ -256,13 +267,7 @@ def test_an_advance_interrupted_while_it_waits_leaves_the_session_usable(
     session = DecodeSession(target, prompts, max_new_tokens=N_NEW, stop_token_ids=[])
     session.start()
     session.poll()
-    wait = jax.block_until_ready
-
-    def interrupted(tree):
-        monkeypatch.setattr(jax, "block_until_ready", wait)  # once
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(jax, "block_until_ready", interrupted)
+    _interrupt_the_next_wait(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         session.advance(2)
     session.poll()
@@ -280,13 +285,7 @@ def test_a_stream_interrupted_inside_a_chunk_goes_on_when_iterated_again(
         target, prompts[0], chunk_steps=2, max_new_tokens=N_NEW, stop_token_ids=[]
     )
     got = next(stream)
-    wait = jax.block_until_ready
-
-    def interrupted(tree):
-        monkeypatch.setattr(jax, "block_until_ready", wait)  # once
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(jax, "block_until_ready", interrupted)
+    _interrupt_the_next_wait(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         next(stream)
     got += sum(stream, [])
