@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.INFO if args.verbose or args.command is None else logging.WARNING
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
+    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
     enable_compile_cache()
+    raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
     try:
         return _generate(args) if args.command == "generate" else _serve(args)
     except KeyboardInterrupt:  # Ctrl-C while loading, compiling or generating (the server

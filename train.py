@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
     from jetspec_jax.compile_cache import enable_compile_cache
+    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
     enable_compile_cache()
+    raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
 
     try:
         return COMMANDS[args.command](args)

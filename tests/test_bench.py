@@ -413,6 +413,15 @@ def test_an_interrupted_run_keeps_the_runs_that_finished(
     assert main(argv) == 130
     assert "interrupted: no run had finished" in capsys.readouterr().err
     assert (out / "samples.partial.jsonl").read_text() == partial
+    # Interrupted while the report is written: no traceback, the samples kept.
+    from jetspec_jax.bench import report
+
+    monkeypatch.setattr(runner, "generate", lambda target, prompt, **k: calls.append(0) or done)
+    done = GenerationResult([7, 8], [1, 1], "length", 2, Timing(0.0, 0.01, 0.0))
+    monkeypatch.setattr(report, "write_jsonl", lambda *a: _interrupt())
+    assert main(argv) == 130
+    assert f"interrupted: the runs that finished are in {out}" in capsys.readouterr().err
+    assert len((out / "samples.partial.jsonl").read_text().splitlines()) == 4
 
 
 def _interrupt():

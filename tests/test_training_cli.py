@@ -624,3 +624,30 @@ def test_an_interrupt_is_reported_in_one_line(monkeypatch, capsys):
     monkeypatch.setitem(train.COMMANDS, "export", interrupted)
     assert train.main(["export", "--draft", "D", "--out", "O"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_a_ctrl_c_during_a_garbage_collection_is_not_lost():
+    """Python drops an exception raised in a gc callback (JAX registers one): the interrupt is
+    raised once the callback has returned."""
+    import gc
+    import signal
+    import time
+
+    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def interrupted_collection(phase, info):
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(10))  # Python code: the handler runs here, in the callback
+
+    gc.callbacks.append(interrupted_collection)
+    try:
+        raise_interrupts_outside_gc_callbacks()
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            time.sleep(2)
+    finally:
+        gc.callbacks.remove(interrupted_collection)
+        signal.signal(signal.SIGINT, previous)

@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
     from jetspec_jax.flag_paths import require_paths
+    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
     from jetspec_jax.prompting import has_chat_template, require_chat_template
 
     enable_compile_cache()
+    raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
 
     out = pathlib.Path(args.out)
     replaced = False  # whether this run has replaced an interrupted run's samples with its own
@@ -95,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: the report could not be written to {args.out}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # while plotting, say: the partial log goes only once all is written
+        print(
+            f"interrupted: the runs that finished are in {out / PARTIAL_SAMPLES}", file=sys.stderr
+        )
+        return 130
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     # In float32 an output unlike AR's is a bug: the run fails (its report kept for the diff).
     # In bfloat16 a block forward and a one-token step may round a near-tie apart: a warning.
