@@ -701,6 +701,16 @@ def test_a_failed_atomic_text_write_leaves_the_old_file_and_no_temporary(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]
     assert path.read_text() == "old"
 
+    def replace_fails(source, destination):  # as an OSError names its file: a str
+        raise OSError(28, "No space left on device", str(source))
+
+    monkeypatch.undo()
+    monkeypatch.setattr(atomic.os, "replace", replace_fails)
+    with pytest.raises(OSError) as failed:
+        atomic.write_text_atomically(path, "new")
+    assert failed.value.filename == str(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]
+
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_a_text_file_written_atomically_has_the_mode_the_umask_gives(tmp_path, umask, mode):

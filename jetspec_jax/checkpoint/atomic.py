@@ -100,7 +100,8 @@ def atomic_directory(
 
 
 def _names_nothing_but(error: OSError, tmp: pathlib.Path) -> bool:
-    """Whether `error` names no file, or only one in the temporary directory `tmp`."""
+    """Whether `error` names no file, or only the temporary `tmp` (a file or directory) or one
+    in it."""
     if error.filename is None:
         return True
     if not isinstance(error.filename, str | bytes | os.PathLike):
@@ -129,7 +130,7 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if e.errno is not None and e.filename in (None, tmp):
+        if e.errno is not None and _names_nothing_but(e, tmp):
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     except BaseException:
