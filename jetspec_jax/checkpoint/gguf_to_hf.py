@@ -25,10 +25,12 @@ from tqdm.auto import tqdm
 
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.hf_config import config_from_hf
 from jetspec_jax.checkpoint.hf_params import (
     MAX_SHARD_BYTES,
     LazyTensor,
     save_tokenizer,
+    tensor_specs,
     write_safetensors,
 )
 
@@ -208,7 +210,8 @@ def _check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     shapes = {_hf_name(t.name): _hf_shape(t) for t in reader.tensors}
     config["vocab_size"] = shapes.get("model.embed_tokens.weight", (0,))[0]
     config["tie_word_embeddings"] = "lm_head.weight" not in shapes
-    expected = _expected_shapes(config)
+    # The tensors an HF Llama of this config has: loading's own table (lm_head when untied).
+    expected = {spec.hf_name: spec.hf_shape for spec in tensor_specs(config_from_hf(config))}
     missing = sorted(set(expected) - set(shapes))
     if missing:
         raise CheckpointError(f"GGUF file lacks tensors for: {', '.join(missing[:5])}")
@@ -283,30 +286,6 @@ def _hf_name(gguf_name: str) -> str:
             "later), which this converter cannot rebuild: convert the original HF checkpoint"
         )
     raise CheckpointError(f"unsupported GGUF tensor {gguf_name!r} (no HF Llama equivalent known)")
-
-
-def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor the HF Llama of ``config`` has (lm_head when untied)."""
-    hidden, vocab, ffn = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
-    q_dim = config["num_attention_heads"] * config["head_dim"]
-    kv_dim = config["num_key_value_heads"] * config["head_dim"]
-    layer = {
-        "self_attn.q_proj": (q_dim, hidden),
-        "self_attn.k_proj": (kv_dim, hidden),
-        "self_attn.v_proj": (kv_dim, hidden),
-        "self_attn.o_proj": (hidden, q_dim),
-        "mlp.gate_proj": (ffn, hidden),
-        "mlp.up_proj": (ffn, hidden),
-        "mlp.down_proj": (hidden, ffn),
-        "input_layernorm": (hidden,),
-        "post_attention_layernorm": (hidden,),
-    }
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    for i in range(config["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{k}.weight": s for k, s in layer.items()})
-    return shapes
 
 
 def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
