@@ -95,7 +95,10 @@ def default_target_dir(*, show_progress: bool | None = True) -> Path:
     if _is_complete(target):
         return target
     root = _writable_cache_root()
-    busy = f"jetspec_jax: another process is converting the default model into {target}; waiting"
+    busy = (
+        f"jetspec_jax: another process or thread is converting the default model into {target}; "
+        "waiting"
+    )
     with exclusively(root / f".{_CACHE_SUBDIR}.lock", busy=busy, wait=True):
         _remove_unfinished_conversions(root)
         with contextlib.suppress(OSError):  # absent, not empty, or not a directory: judged below

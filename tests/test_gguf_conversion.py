@@ -299,7 +299,7 @@ def test_a_second_conversion_waits_for_the_first_and_returns_its_directory(
         _publish(target)  # the first's conversion lands
     waiting.join(60)
     assert returned == [target]
-    assert "another process is converting the default model" in capsys.readouterr().err
+    assert "another process or thread is converting the default model" in capsys.readouterr().err
 
 
 def test_a_lock_on_a_filesystem_without_flock_names_the_file(tmp_path, monkeypatch):
