@@ -113,6 +113,16 @@ def test_collected_outcomes_match_the_decode_loop(setup):
     assert not set(fit.records.tolist()) & set(held.records.tolist())
 
 
+def test_a_proxy_that_predicts_non_finite_logits_is_refused_at_once(setup):
+    """A diverged adapter's NaN weights: refused at the first sequence, naming the proxy, not
+    by the fit's check of its input once every round was collected."""
+    target, draft, records = setup
+    nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), draft.adapter.params)
+    broken = draft.with_adapter(dataclasses.replace(draft.adapter, params=nan))
+    with pytest.raises(ValueError, match=r"proxy \(adapter \+ decoder\) predicts non-finite"):
+        collect_rounds(target, broken, records, num_rounds=48, anchors_per_sequence=8)
+
+
 def test_anchors_are_the_response_positions_whose_block_fits():
     """P <= t <= T - K: the block [t, t + K) lies inside the T tokens."""
     np.testing.assert_array_equal(anchor_candidates(6, 14, 6), [6, 7, 8])
@@ -210,6 +220,13 @@ def test_every_fraction_holds_out_a_sequence_and_keeps_one_to_fit():
     for fraction in (0.01, 0.5, 0.9):
         fit, held = rounds.split(held_out_sequences(rounds, fraction, 0))
         assert len(fit) == len(held) == 2
+
+
+def test_rounds_of_one_sequence_name_both_remedies():
+    """One source sequence is either too few rounds asked (all taken from the first sequence)
+    or too few sequences given (the records ran out): raising the rounds cures only the first."""
+    with pytest.raises(ValueError, match="came from 1 .* if the records ran out, give more seq"):
+        held_out_sequences(_rounds([0, 0], [3, 3]), 0.2)
 
 
 def test_the_held_out_likelihood_is_that_of_the_calibration_scored():

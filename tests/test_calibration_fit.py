@@ -102,6 +102,14 @@ def test_with_no_drafts_the_acceptance_temperature_stays_one():
     assert fitted.bonus_temperature == pytest.approx(0.6, rel=0.05)
 
 
+def test_a_temperature_its_term_does_not_depend_on_stays_one():
+    """Logits constant over the tokens score every outcome alike at every temperature: both
+    terms tie over the grid, and the tie goes to 1, not to the grid's first point (0.05)."""
+    _, drafts, k_true, a_true = _rounds(6, 50)
+    fitted = fit_calibration(np.zeros((50, 4, 16), np.float32), drafts, k_true, a_true)
+    assert (fitted.acceptance_temperature, fitted.bonus_temperature) == (1.0, 1.0)
+
+
 def test_a_fit_at_the_grid_edge_reaches_min_temperature():
     """Outcomes sharper than the search range allows: both temperatures land on
     `min_temperature` itself, the grid's first point."""

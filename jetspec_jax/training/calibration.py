@@ -171,8 +171,8 @@ def fit_calibration(
         grid_size: log-spaced grid points in `[min_temperature, max_temperature]`.
 
     Returns:
-        The fitted `Calibration`; a temperature whose term does not depend on it (K = 1: no drafts)
-        stays 1.
+        The fitted `Calibration`; a temperature whose term does not depend on it (K = 1: no drafts;
+        logits constant over the tokens) stays 1.
 
     Raises:
         ValueError: empty, mis-shaped, out-of-range or impossible input, or bad search settings.
@@ -185,7 +185,6 @@ def fit_calibration(
     if grid_size < 3 or steps < 0:
         raise ValueError(f"need grid_size >= 3 and steps >= 0, got {grid_size}, {steps}")
     data = tuple(jnp.asarray(x) for x in _validated(logits_hat, drafts, k_true, a_true))
-    k_len = data[0].shape[1]
 
     def terms(x_acc, x_bonus):
         return np.asarray(_mean_terms(*data, jnp.float32(x_acc), jnp.float32(x_bonus)), np.float64)
@@ -195,15 +194,17 @@ def fit_calibration(
         np.append(np.linspace(math.log(min_temperature), math.log(max_temperature), grid_size), 0.0)
     )
     values = np.stack([terms(x, x) for x in grid])  # [G, 2]: (acceptance, bonus) per point
-    best = np.argmax(values, axis=0)  # per term
+    # Per term; of tied points the one nearest T = 1 (argmax takes the first of ties in this
+    # order): a term that does not depend on its temperature (K = 1, logits constant over the
+    # tokens) keeps 1, not the grid's first point, which would sharpen every score on no evidence.
+    nearest_one = np.argsort(np.abs(grid), kind="stable")
+    best = nearest_one[np.argmax(values[nearest_one], axis=0)]
     lo, hi = grid[np.maximum(best - 1, 0)], grid[np.minimum(best + 1, len(grid) - 1)]
     refined = _golden_max(lambda x: terms(x[0], x[1]), lo, hi, steps)
     refined_values = terms(refined[0], refined[1])
     grid_best = grid[best]
     fitted = np.where(refined_values > values[best, [0, 1]], refined, grid_best)
     fitted = [float(np.exp(x)) for x in fitted]
-    if k_len == 1:  # no drafts: the acceptance term is identically 0
-        fitted[0] = 1.0
     return Calibration(acceptance_temperature=fitted[0], bonus_temperature=fitted[1])
 
 

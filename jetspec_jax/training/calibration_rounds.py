@@ -250,7 +250,8 @@ def collect_rounds(
         show_progress: tqdm bar; None: only on a terminal.
 
     Raises:
-        ValueError: no adapter, bad sizes, a hybrid target, or not a single usable round.
+        ValueError: no adapter, bad sizes, a hybrid target, a proxy that predicts non-finite
+            logits, or not a single usable round.
     """
     _check_calibratable(target, draft, num_rounds, anchors_per_sequence)
     proposer, proposer_params = draft.proposer(
@@ -297,6 +298,14 @@ def collect_rounds(
                     proxy=proxy,
                 )
             )
+            # Refused at the first sequence, named, not by the fit's input check after every
+            # round (and the confidence's whole grid) was collected.
+            if not np.all(np.isfinite(logits_hat[:count])):
+                raise ValueError(
+                    "the draft's proxy (adapter + decoder) predicts non-finite logits (NaN or "
+                    "inf): the checkpoint's weights are not finite (a diverged adapter run?) and "
+                    "cannot be calibrated"
+                )
             keep = np.zeros(anchors_per_sequence, bool)
             keep[:count] = greedy[:count]
             dropped += int(count - keep.sum())
@@ -389,7 +398,9 @@ def held_out_sequences(rounds: Rounds, holdout_fraction: float, seed: int = 0) -
         raise ValueError(
             f"splitting rounds into fit and held-out needs rounds from >= 2 source sequences; "
             f"the {len(rounds.records)} rounds came from {len(sequences)} (rounds are taken "
-            "sequence by sequence: raise the number of rounds or lower the anchors per sequence)"
+            "sequence by sequence: raise the number of rounds or lower the anchors per sequence; "
+            "if the records ran out, give more sequences, each with a response of at least the "
+            "block size)"
         )
     shuffled = np.random.default_rng(seed).permutation(sequences)
     count = min(max(1, round(holdout_fraction * len(sequences))), len(sequences) - 1)
