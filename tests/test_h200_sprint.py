@@ -293,3 +293,14 @@ def test_a_run_that_crashes_is_exported_at_its_last_checkpoint(tmp_path, monkeyp
     assert h200_sprint._sprint(sprint) == 0
     assert (run_dir / "bundle" / "weights").read_text() == "step 50's"
     assert sprint.summary["steps"]["draft"] == 50
+
+
+def test_a_second_call_on_a_fresh_machine_names_the_missing_half(tmp_path, monkeypatch):
+    """The first call's half stays only on the warm machine: a fresh one lacks it."""
+    monkeypatch.setattr(h200_sprint, "ROOT", tmp_path)
+    monkeypatch.setattr(h200_sprint, "SITE", tmp_path / "site")
+    (tmp_path / h200_sprint.HALVES[1]).mkdir()
+    (tmp_path / h200_sprint.HALVES[1] / "gguf.part").write_bytes(b"uf")
+    sprint = h200_sprint.Sprint(types.SimpleNamespace(out=tmp_path / "out", budget=1.0))
+    with pytest.raises(SystemExit, match=rf"^{h200_sprint.HALVES[0]} missing .* went back"):
+        h200_sprint._install_target(sprint)
