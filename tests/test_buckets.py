@@ -47,14 +47,17 @@ def test_prompts_past_the_prefill_chunk_take_the_context_bucket():
 
 
 def test_the_prefill_lengths_give_each_prefill_width_once():
-    """Warm-up's dummy prompts: every prompt of 1 to `longest` tokens takes the width of one of
-    them, and no two of them the same."""
+    """Warm-up's dummy prompts, each of 1 to `longest` tokens: every prompt of 1 to `longest`
+    tokens takes the width of one of them, and no two of them the same."""
     for longest, chunk in [(40, None), (40, 16), (700, 512), (500, 510), (300, 20), (16, 16)]:
         sizes = (chunk, length_bucket(longest), length_bucket(longest) + 64)
         lengths = prefill_lengths_up_to(longest, chunk)
         widths = [prefill_width(n, *sizes) for n in lengths]
         assert len(set(widths)) == len(widths) and lengths == sorted(lengths), (longest, chunk)
+        # Lengths of prompts within the reserve: a reserve that fills the context leaves room for
+        # none longer (warm-up's dummy prompts are refused past it).
+        assert lengths[-1] <= longest, (longest, chunk)
         every = {prefill_width(n, *sizes) for n in range(1, longest + 1)}
         assert every == set(widths), (longest, chunk)
     assert prefill_lengths_up_to(700, 512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 700]
-    assert prefill_lengths_up_to(500, 510) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 510]
+    assert prefill_lengths_up_to(500, 510) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 500]

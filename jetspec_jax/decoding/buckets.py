@@ -63,11 +63,13 @@ def prefill_width(longest: int, chunk: int | None, context_bucket: int, capacity
 
 def prefill_lengths_up_to(longest: int, chunk: int | None) -> list[int]:
     """A prompt length for each prefill width that prompts of 1 to `longest` tokens take
-    (`prefill_width`, one session's sizes): each length bucket's, at most `chunk`, and past the
+    (`prefill_width`, one session's sizes): each length bucket's, capped at `chunk` and at
+    `longest` (a prompt of `longest` tokens takes its bucket's width, and `warm_up`'s dummy prompt
+    of the whole bucket could pass the context its reserve was checked against), and past the
     chunk `longest` (all longer prompts share the chunked program). Smallest first."""
     if chunk is None:
-        return length_buckets_up_to(longest)
-    short = sorted({min(b, chunk) for b in length_buckets_up_to(min(longest, chunk))})
+        return [min(b, longest) for b in length_buckets_up_to(longest)]
+    short = sorted({min(b, chunk, longest) for b in length_buckets_up_to(min(longest, chunk))})
     return short + [longest] if uses_chunks(longest, chunk) else short
 
 
