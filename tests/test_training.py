@@ -1310,6 +1310,22 @@ def test_a_run_dir_another_process_trains_is_refused(target, data_files, tmp_pat
     assert has_checkpoint(tmp_path)
 
 
+def test_a_refusal_by_process_0_alone_fails_every_process(tmp_path, monkeypatch):
+    """Process 0 alone holds the run's lock and writes its metrics: when it refuses the run (the
+    lock held, a corrupt metrics log), the others refuse too, rather than go on to their first
+    collective and wait there for it, and it for them at exit, forever. Seen from process 1 of
+    2, told by the broadcast that process 0 failed."""
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_loop.multihost_utils, "broadcast_one_to_all", lambda x: np.int32(1))
+    run = run_loop.RunConfig(dir=str(tmp_path))
+    opened = run_loop.opened_run(tmp_path, run, None, None, setup={}, total_steps=2)
+    with pytest.raises(ValueError, match=f"{tmp_path}: process 0 refused to open the run"):
+        with opened:
+            pass
+    assert list(tmp_path.iterdir()) == []  # nothing begun: no checkpoint directory
+
+
 def test_a_run_killed_while_evaluating_evaluates_that_step_on_resume(
     target, data_files, tmp_path, monkeypatch
 ):

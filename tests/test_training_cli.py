@@ -76,6 +76,30 @@ def _start_two_processes(workdir, port):
 def test_two_process_distributed_training_completes_and_exports(workdir):
     """One CPU device per process, the fsdp axis across both: every process holds only half of
     the sharded parameters, so evaluation and export must gather the other process's shards."""
+    procs, outputs = _run_two_processes(workdir)
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    assert "trained 6 steps" in outputs[0][0] and "eval tau n/a" not in outputs[0][0]
+    target = jetspec_jax.load_target(workdir / "runs" / "tiny" / "target")
+    draft = jetspec_jax.load_draft(workdir / "runs" / "tiny" / "run" / "draft", target)
+    assert draft.config.variant == "jetspec++"
+    steps = [json.loads(x)["step"] for x in (workdir / "runs/tiny/run/metrics.jsonl").open()]
+    assert steps[:6] == [1, 2, 3, 4, 5, 6]
+    # An export process 0 alone refuses (something else in its place) fails process 1 too,
+    # rather than leave it reporting the draft exported.
+    export = workdir / "runs" / "tiny" / "run" / "draft"
+    shutil.rmtree(export)
+    export.mkdir()
+    (export / "notes.txt").write_text("not a draft")
+    procs, outputs = _run_two_processes(workdir)
+    assert [proc.returncode for proc in procs] == [2, 2], outputs[1][1][-3000:]
+    assert "is not a checkpoint directory" in outputs[0][1]
+    assert f"{export.relative_to(workdir)}: process 0 could not export the draft" in outputs[1][1]
+    assert "exported" not in outputs[1][0]
+
+
+def _run_two_processes(workdir):
+    """The two processes of a run, finished: `(procs, [(stdout, stderr) of each])`."""
     # The coordinator's port is only found free, then released for process 0, so another process
     # may take it meanwhile: process 0 then fails at once, and the pair is started again.
     for attempt in (1, 2):
@@ -93,14 +117,7 @@ def test_two_process_distributed_training_completes_and_exports(workdir):
                 proc.wait()
         if len(outputs) == len(procs):
             break
-    for proc, (_, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
-    assert "trained 6 steps" in outputs[0][0] and "eval tau n/a" not in outputs[0][0]
-    target = jetspec_jax.load_target(workdir / "runs" / "tiny" / "target")
-    draft = jetspec_jax.load_draft(workdir / "runs" / "tiny" / "run" / "draft", target)
-    assert draft.config.variant == "jetspec++"
-    steps = [json.loads(x)["step"] for x in (workdir / "runs/tiny/run/metrics.jsonl").open()]
-    assert steps[:6] == [1, 2, 3, 4, 5, 6]
+    return procs, outputs
 
 
 def test_bad_config_exits_with_a_clear_error(tmp_path):

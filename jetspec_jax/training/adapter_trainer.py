@@ -61,6 +61,7 @@ from jetspec_jax.training.run_loop import (
     logged,
     opened_run,
     recorded_setup,
+    refused_alike,
     run_steps,
 )
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
@@ -257,8 +258,9 @@ def train_adapter(
                 trained, int(state.step), metrics, evaluation, export_dir, True
             )
         # Export before the final evaluation: a failing evaluation must not cost the adapter.
-        if jax.process_index() == 0:
-            save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
+        with refused_alike(f"{export_dir}: process 0 could not export the draft + adapter"):
+            if jax.process_index() == 0:
+                save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
         evaluation = evaluate(int(state.step), state)
     return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
 

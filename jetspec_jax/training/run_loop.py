@@ -140,15 +140,22 @@ def opened_run(
     recorded setup is what its last steps and export were made with). Another process count is
     refused (ValueError): each process saved its own data position. So is a `run_dir` another
     process is training (ValueError): the primary process holds a lock on `<run_dir>/.lock`
-    while the run is open.
+    while the run is open. What the primary alone does (the lock, the setup and metrics files)
+    is refused by every process when it fails there (`refused_alike`).
     """
     setup = {**setup, "process_count": jax.process_count()}
+    primary = jax.process_index() == 0
+    opening = f"{run_dir}: process 0 refused to open the run"
     with contextlib.ExitStack() as stack:
-        if jax.process_index() == 0:  # keeps a second run's checkpoints, metrics and export out
-            busy = f"{run_dir} is being trained by another process: wait, or give another run.dir"
-            stack.enter_context(exclusively(run_dir / LOCK_FILE, busy=busy))
+        with refused_alike(opening):
+            if primary:  # keeps a second run's checkpoints, metrics and export out
+                busy = (
+                    f"{run_dir} is being trained by another process: wait, or give another run.dir"
+                )
+                stack.enter_context(exclusively(run_dir / LOCK_FILE, busy=busy))
         manager = checkpoint_manager(run_dir / "checkpoints", run.keep_checkpoints)
         stack.enter_context(contextlib.closing(manager))
+        record = primary  # the setup, at the first start
         if manager.latest_step() is not None:
             recorded = recorded_setup(run_dir)
             _check_process_count(run_dir, recorded, setup["process_count"])
@@ -157,12 +164,38 @@ def opened_run(
             logger.info("%s: resumed from step %d", run_dir, int(state.step))
             for change in changes:
                 logger.warning("%s: resuming with %s", run_dir, change)
-            if changes and int(state.step) < total_steps and jax.process_index() == 0:
+            record = primary and bool(changes) and int(state.step) < total_steps
+        with refused_alike(opening):
+            if record:
                 _write_json_atomically(run_dir / SETUP_FILE, setup)
-        elif jax.process_index() == 0:
-            _write_json_atomically(run_dir / SETUP_FILE, setup)
-        with MetricsLog(run_dir, run.tensorboard, start_step=int(state.step)) as metrics_log:
+            log = MetricsLog(run_dir, run.tensorboard, start_step=int(state.step))
+        with log as metrics_log:
             yield state, manager, metrics_log
+
+
+@contextlib.contextmanager
+def refused_alike(refusal: str) -> Iterator[None]:
+    """Runs the body, which only the primary process can fail (its lock, the files it alone
+    writes), and makes a failure there every process's: one process leaving alone would leave
+    the others waiting in their next collective (and itself waiting for them at exit) forever,
+    or reporting as done what it did not do.
+
+    Raises:
+        ValueError, OSError: the body's, on the process that met it; ValueError(`refusal`) on the
+            others.
+    """
+    error = None
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        error = e
+    failed = error is not None
+    if jax.process_count() > 1:
+        failed = bool(multihost_utils.broadcast_one_to_all(np.int32(failed)))
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{refusal} (its error says why)")
 
 
 def _write_json_atomically(path: pathlib.Path, data: dict) -> None:

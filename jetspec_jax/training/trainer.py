@@ -48,6 +48,7 @@ from jetspec_jax.training.run_loop import (
     logged,
     opened_run,
     recorded_setup,
+    refused_alike,
     run_steps,
 )
 from jetspec_jax.training.sharding import batch_sharding, make_mesh
@@ -189,8 +190,9 @@ def train(
                 eval_tau = _evaluate(config, target, trained, eval_prompts, log, int(state.step))
             return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir, True)
         # Export before the final evaluation: a failing evaluation must not cost the draft.
-        if jax.process_index() == 0:
-            trained.save(export_dir, overwrite=True)
+        with refused_alike(f"{export_dir}: process 0 could not export the draft"):
+            if jax.process_index() == 0:
+                trained.save(export_dir, overwrite=True)
         eval_tau = _evaluate(config, target, trained, eval_prompts, log, int(state.step))
     return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
 
