@@ -1310,6 +1310,28 @@ def test_a_run_dir_another_process_trains_is_refused(target, data_files, tmp_pat
     assert has_checkpoint(tmp_path)
 
 
+def test_processes_given_different_settings_are_refused_by_name(tmp_path, monkeypatch):
+    """A `--set` on one host only: refused on every process, naming the keys and the process,
+    not left to fail in a collective. Paths may differ between hosts. Seen from process 0 of 2."""
+    setup = dict(target="/a/t", data_files=["/a/d.jsonl"], records=8, optim={"steps": 6})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    allgather = "process_allgather"
+
+    def gathered_with(other):  # process 1's digests, as its own call sends them
+        sent = []
+        monkeypatch.setattr(
+            run_loop.multihost_utils, allgather, lambda d: sent.append(d) or d[None]
+        )
+        run_loop.check_processes_agree(tmp_path, other)
+        monkeypatch.setattr(run_loop.multihost_utils, allgather, lambda d: np.stack([d, sent[0]]))
+
+    gathered_with({**setup, "target": "/b/t", "data_files": ["/b/d.jsonl"]})
+    run_loop.check_processes_agree(tmp_path, setup)  # other mount points: the same run
+    gathered_with({**setup, "records": 9, "optim": {"steps": 8}})
+    with pytest.raises(ValueError, match=r"process\(es\) 1 were given another optim, records "):
+        run_loop.check_processes_agree(tmp_path, setup)
+
+
 def test_a_refusal_by_process_0_alone_fails_every_process(tmp_path, monkeypatch):
     """Process 0 alone holds the run's lock and writes its metrics: when it refuses the run (the
     lock held, a corrupt metrics log), the others refuse too, rather than go on to their first
@@ -1317,6 +1339,7 @@ def test_a_refusal_by_process_0_alone_fails_every_process(tmp_path, monkeypatch)
     2, told by the broadcast that process 0 failed."""
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(run_loop.multihost_utils, "process_allgather", lambda d: d[None])
     monkeypatch.setattr(run_loop.multihost_utils, "broadcast_one_to_all", lambda x: np.int32(1))
     run = run_loop.RunConfig(dir=str(tmp_path))
     opened = run_loop.opened_run(tmp_path, run, None, None, setup={}, total_steps=2)

@@ -15,6 +15,7 @@ thread.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import pathlib
@@ -140,10 +141,12 @@ def opened_run(
     recorded setup is what its last steps and export were made with). Another process count is
     refused (ValueError): each process saved its own data position. So is a `run_dir` another
     process is training (ValueError): the primary process holds a lock on `<run_dir>/.lock`
-    while the run is open. What the primary alone does (the lock, the setup and metrics files)
-    is refused by every process when it fails there (`refused_alike`).
+    while the run is open. So are processes given different settings (`check_processes_agree`).
+    What the primary alone does (the lock, the setup and metrics files) is refused by every
+    process when it fails there (`refused_alike`).
     """
     setup = {**setup, "process_count": jax.process_count()}
+    check_processes_agree(run_dir, setup)
     primary = jax.process_index() == 0
     opening = f"{run_dir}: process 0 refused to open the run"
     with contextlib.ExitStack() as stack:
@@ -171,6 +174,41 @@ def opened_run(
             log = MetricsLog(run_dir, run.tensorboard, start_step=int(state.step))
         with log as metrics_log:
             yield state, manager, metrics_log
+
+
+# Setup keys that are paths: a host may mount the same files elsewhere (the draft's weights are
+# compared by their digest, the data by their record count).
+_PER_HOST_KEYS = ("target", "data_files", "draft")
+
+
+def check_processes_agree(run_dir: pathlib.Path, setup: dict) -> None:
+    """Refuses, on every process alike, a run whose processes were given different settings (a
+    `--set` on one host only, another data file): their steps would disagree on shapes or
+    counts and fail in a collective, or wait there, with no cause named. Paths are not compared
+    (`_PER_HOST_KEYS`).
+
+    Raises:
+        ValueError: naming the differing keys and the processes whose values are not process 0's.
+    """
+    if jax.process_count() == 1:
+        return
+    keys = sorted(key for key in setup if key not in _PER_HOST_KEYS)
+    digests = np.array([_digest32(setup[key]) for key in keys], np.int32)  # [keys]
+    gathered = np.asarray(multihost_utils.process_allgather(digests)).reshape(-1, len(keys))
+    differ = gathered != gathered[0]  # [processes, keys]
+    if differ.any():
+        names = ", ".join(key for key, column in zip(keys, differ.T, strict=True) if column.any())
+        processes = ", ".join(str(i) for i in np.flatnonzero(differ.any(axis=1)))
+        raise ValueError(
+            f"{run_dir}: process(es) {processes} were given another {names} than process 0: give "
+            "every process the same config, --set flags and data"
+        )
+
+
+def _digest32(value) -> int:
+    """A 32-bit digest of a JSON-ready value (int32: what JAX gathers without 64-bit mode)."""
+    text = json.dumps(value, sort_keys=True, default=str).encode()
+    return int(np.frombuffer(hashlib.sha256(text).digest()[:4], np.int32)[0])
 
 
 @contextlib.contextmanager
