@@ -25,7 +25,13 @@ import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
 import jetspec_jax.decoding.session as session_module  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    machine_line,
+    out_parser,
+    require_at_least,
+    write_section,
+)
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 
@@ -80,6 +86,7 @@ def admission_costs(target, draft, method: str, admissions: int) -> tuple[list, 
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
+    require_at_least(parser, args, WARM + 1, "--admissions")  # a median past the compiling ones
     target = jetspec_jax.load_target()
     draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
     rows = []

@@ -24,7 +24,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    int_list,
+    machine_line,
+    out_parser,
+    require_at_least,
+    write_section,
+)
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import DecodeSession  # noqa: E402
 
@@ -71,8 +78,9 @@ def admit(target, kwargs: dict, prompts: list[list[int]], together: bool):
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
-    groups = [int(g) for g in args.groups.split(",")]
-    lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    groups = int_list(parser, "--groups", args.groups, maximum=BATCH)  # rows 0 to G-1
+    lengths = int_list(parser, "--prompt-tokens", args.prompt_tokens)
+    require_at_least(parser, args, 1, "--repeats")
     target = jetspec_jax.load_target()
     draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
     rng = np.random.default_rng(0)

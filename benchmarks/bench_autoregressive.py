@@ -31,6 +31,7 @@ import transformers  # noqa: E402
 import jetspec_jax  # noqa: E402
 from benchmarks.report import machine_line, write_section  # noqa: E402
 from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts  # noqa: E402
+from jetspec_jax.flag_paths import require_paths  # noqa: E402
 from jetspec_jax.prompting import encode_prompt  # noqa: E402
 
 
@@ -41,8 +42,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
-    cfg = json.loads(pathlib.Path(args.config).read_text())
+    parser = _parser()
+    args = parser.parse_args()
+    try:  # not after the two models' load
+        require_paths("--config", [args.config])
+        cfg = json.loads(pathlib.Path(args.config).read_text())
+        require_paths(f"--config {args.config}: prompt_file", [ROOT / cfg["prompt_file"]])
+    except FileNotFoundError as e:
+        parser.error(str(e))
 
     target = jetspec_jax.load_target(dtype=cfg["dtype"])
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -28,7 +28,13 @@ sys.path.insert(0, str(ROOT))
 EVAL_DIR = ROOT.parent / "shared" / "data" / "eval"
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, publish  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    BENCHMARKS_MD,
+    changed_flags,
+    int_list,
+    machine_line,
+    publish,
+)
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.default_model import default_draft_dir  # noqa: E402
 
@@ -61,12 +67,10 @@ def _decode_rate(results) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        sizes = [int(k) for k in args.block_sizes.split(",") if k.strip()]
-    except ValueError:
-        parser.error(f"--block-sizes {args.block_sizes!r}: comma-separated integers")
-    if not sizes or args.num_prompts < 1 or args.max_new_tokens < 2:
-        parser.error("need block sizes, --num-prompts >= 1 and --max-new-tokens >= 2")
+    # Each >= 2 now; the draft's trained block, the upper bound, is read after its load.
+    sizes = int_list(parser, "--block-sizes", args.block_sizes, minimum=2)
+    if args.num_prompts < 1 or args.max_new_tokens < 2:
+        parser.error("need --num-prompts >= 1 and --max-new-tokens >= 2")
     # Before the model load: what needs no model.
     if not args.prompts.is_file():
         parser.error(f"--prompts {args.prompts}: no such file")

@@ -38,7 +38,14 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, publish  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    int_list,
+    machine_line,
+    out_parser,
+    publish,
+    require_at_least,
+)
 from jetspec_jax.data.prompts import read_prompts  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.prompting import encode_prompt  # noqa: E402
@@ -128,13 +135,21 @@ def serve_workload(scheduler: Scheduler, jobs, clients: int, stagger: float = 0.
 def main() -> int:
     parser = _parser()
     args = parser.parse_args()
+    # Before the model load: a bad value would fail after it, or (no clients) wait 30 minutes.
+    require_at_least(parser, args, 1, "--batch", "--clients", "--requests", "--repeats")
+    if args.stagger < 0:
+        parser.error(f"--stagger must be >= 0, got {args.stagger}")
+    budgets = int_list(parser, "--budgets", args.budgets, distinct=False)  # cycled: repeats too
+    reserve = None
+    if args.reserve:
+        reserve = tuple(int_list(parser, "--reserve", args.reserve, minimum=0, distinct=False))
+        if len(reserve) != 2:
+            parser.error(f"--reserve {args.reserve!r}: two integers P,N")
     target = jetspec_jax.load_target()
     draft, options = None, DecodingOptions()
     if args.method != "ar":
         draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
         options = DecodingOptions(args.method)
-    budgets = [int(b) for b in args.budgets.split(",")]
-    reserve = tuple(int(n) for n in args.reserve.split(",")) if args.reserve else None
     modes = {"static": dict(continuous=False), "continuous": dict(continuous=True)}
     if reserve:
         modes["reserved"] = dict(continuous=True, reserve=reserve)

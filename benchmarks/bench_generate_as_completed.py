@@ -25,7 +25,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, publish  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    machine_line,
+    out_parser,
+    publish,
+    require_at_least,
+)
 from jetspec_jax.data.prompts import read_prompts  # noqa: E402
 from jetspec_jax.prompting import encode_prompt  # noqa: E402
 
@@ -62,6 +68,7 @@ def continuous(target, prompts, budget: int, batch: int) -> dict[int, list[int]]
 def main() -> int:
     parser = _parser()
     args = parser.parse_args()
+    require_at_least(parser, args, 1, "--prompts", "--max-new-tokens", "--batch")
     target = jetspec_jax.load_target()
     records = read_prompts(TRAIN, limit=args.prompts)
     prompts = [encode_prompt(target.tokenizer, r["prompt"], chat=True) for r in records]

@@ -26,9 +26,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import changed_flags, machine_line, out_parser, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    int_list,
+    machine_line,
+    out_parser,
+    require_at_least,
+    write_section,
+)
 from jetspec_jax.checkpoint.hf_config import config_from_hf  # noqa: E402
-from jetspec_jax.models.hybrid_cache import HybridCache  # noqa: E402
+from jetspec_jax.models.hybrid_cache import ROLLBACK_WINDOW, HybridCache  # noqa: E402
 
 LINEAR_LAYERS = 18
 HF_CONFIG = dict(
@@ -90,11 +97,14 @@ def verified_cache(config, batch: int, block: int, seed: int) -> HybridCache:
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
+    batches = int_list(parser, "--batches", args.batches)
+    blocks = int_list(parser, "--blocks", args.blocks, maximum=ROLLBACK_WINDOW)
+    require_at_least(parser, args, 1, "--repeats")
     config = config_from_hf(HF_CONFIG)
     assert len(config.linear_layers) == LINEAR_LAYERS
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for block in (int(k) for k in args.blocks.split(",")):
+    for batch in batches:
+        for block in blocks:
             cache = verified_cache(config, batch, block, seed=batch * 100 + block)
             kept = 40 + jnp.asarray(np.random.default_rng(block).integers(0, block + 1, batch))
             ways = {

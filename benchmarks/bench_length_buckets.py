@@ -23,7 +23,14 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    int_list,
+    machine_line,
+    out_parser,
+    require_at_least,
+    write_section,
+)
 from jetspec_jax.decoding.buckets import (  # noqa: E402
     bucket,
     buckets_up_to,
@@ -51,7 +58,8 @@ def prefill(target, prompt: list[int], kwargs: dict) -> tuple[float, float]:
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = int_list(parser, "--lengths", args.lengths)
+    require_at_least(parser, args, 1, "--repeats")
     target = jetspec_jax.load_target()
     draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
     rng = np.random.default_rng(0)

@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import machine_line, write_section  # noqa: E402
+from benchmarks.report import int_list, machine_line, require_at_least, write_section  # noqa: E402
 from jetspec_jax.training.config import load_train_config  # noqa: E402
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step  # noqa: E402
 from jetspec_jax.training.trainer import initial_draft  # noqa: E402
@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    require_at_least(parser, args, 1, "--anchors", "--batch")
+    asked = int_list(parser, "--chunks", args.chunks)
     config = load_train_config(args.config)
     target = jetspec_jax.load_target(config.target, dtype=config.target_dtype)
     draft = initial_draft(config, target)
@@ -67,7 +70,7 @@ def main() -> None:
         "|---:|---:|---:|---:|",
     ]
     baseline = None
-    chunks = [int(c) for c in args.chunks.split(",") if int(c) < args.anchors]
+    chunks = [c for c in asked if c < args.anchors]
     for chunk in [args.anchors, *chunks]:
         optim = dataclasses.replace(
             config.optim, anchors_per_sequence=args.anchors, anchors_per_loss_chunk=chunk

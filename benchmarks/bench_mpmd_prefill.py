@@ -28,7 +28,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, write_section  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    int_list,
+    machine_line,
+    out_parser,
+    require_at_least,
+    write_section,
+)
 from jetspec_jax.decoding.buckets import length_bucket, uses_chunks  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.pipeline_mpmd import (  # noqa: E402
@@ -96,7 +103,8 @@ def program_bytes(target, proposer, params, length: int, chunk: int) -> dict[str
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = int_list(parser, "--lengths", args.lengths)
+    require_at_least(parser, args, 1, "--chunk")
     target = jetspec_jax.load_target()
     draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
     proposer, params = resolve_proposer(target, draft, OPTIONS)

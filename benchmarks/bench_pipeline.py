@@ -51,6 +51,7 @@ from jetspec_jax.decoding.results import pooled_hit_rate  # noqa: E402
 from jetspec_jax.decoding.session import resolve_proposer  # noqa: E402
 from jetspec_jax.decoding.speculative import prefill_speculative  # noqa: E402
 from jetspec_jax.decoding.state import Requests  # noqa: E402
+from jetspec_jax.flag_paths import require_paths  # noqa: E402
 from jetspec_jax.sampling import RowSampling, SamplingParams  # noqa: E402
 
 FORMS = (("single device", None), ("spmd", "spmd"), ("mpmd", "mpmd"))
@@ -126,6 +127,12 @@ def main() -> None:
     for flag in ("num_prompts", "max_new_tokens", "foresight"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    path = ROOT.parent / "shared" / "data" / "eval" / f"{args.set}.jsonl"
+    try:  # not after the target's load
+        require_paths("--set", [path])
+        require_paths("--draft", [args.draft], directory=True)
+    except FileNotFoundError as e:
+        parser.error(str(e))
 
     target = jetspec_jax.load_target(None)
     if args.draft:
@@ -135,7 +142,6 @@ def main() -> None:
         draft = jetspec_jax.init_draft(target, variant="jetspec++", num_layers=2, seed=0)
         draft = draft.with_adapter(init_adapter(draft))
         draft_name = "random (2 layers, default adapter)"
-    path = ROOT.parent / "shared" / "data" / "eval" / f"{args.set}.jsonl"
     prompts = load_dataset(path, target.tokenizer, limit=args.num_prompts).prompts
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=[])
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import machine_line, write_section  # noqa: E402
+from benchmarks.report import machine_line, require_at_least, write_section  # noqa: E402
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.sampling import CUT_CANDIDATES, filter_logits  # noqa: E402
 
@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    require_at_least(parser, args, 1, "--num-prompts", "--max-new-tokens")
 
     target = jetspec_jax.load_target()
     draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)

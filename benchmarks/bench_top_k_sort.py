@@ -24,7 +24,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import machine_line, write_section  # noqa: E402
+from benchmarks.report import machine_line, require_at_least, write_section  # noqa: E402
 
 VOCABS = (49152, 151936)
 TOP_K = 20
@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    require_at_least(parser, args, 1, "--repeats")
     if args.child:
         vocab, barrier = int(args.child[0]), args.child[1] == "1"
         print(json.dumps(_measure(vocab, barrier, args.repeats)))
@@ -73,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         result = {}
         for barrier in (False, True):  # side by side: one after the other, same shapes
             child = [sys.executable, __file__, "--repeats", str(args.repeats)]
-            out = subprocess.run(
+            out = subprocess.run(  # its stderr passes through: a failure shows its cause
                 [*child, "--child", str(vocab), str(int(barrier))],
                 check=True,
-                capture_output=True,
+                stdout=subprocess.PIPE,
                 text=True,
             ).stdout
             result[barrier] = json.loads(out.strip().splitlines()[-1])

@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, write_section  # noqa: E402
+from benchmarks.report import changed_flags, machine_line, require_at_least, write_section  # noqa: E402
 from jetspec_jax.training.config import load_train_config  # noqa: E402
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings  # noqa: E402
 from jetspec_jax.training.step import StepConfig, init_state, make_optimizer, train_step  # noqa: E402
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    parser = _parser()
+    args = parser.parse_args()
+    require_at_least(parser, args, 1, "--steps")
     config = load_train_config(args.config)
     target = jetspec_jax.load_target(config.target, dtype=config.target_dtype)
     draft = initial_draft(config, target)

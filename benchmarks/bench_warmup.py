@@ -27,7 +27,13 @@ import httpx  # noqa: E402
 import jax  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import changed_flags, machine_line, out_parser, publish  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    changed_flags,
+    machine_line,
+    out_parser,
+    publish,
+    require_at_least,
+)
 from jetspec_jax.data.prompts import read_prompts  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
 from jetspec_jax.decoding.session import COMPILED  # noqa: E402
@@ -35,6 +41,7 @@ from jetspec_jax.serving import BackgroundServer, ServerConfig  # noqa: E402
 
 EVAL = ROOT.parent / "shared" / "data" / "eval" / "gsm8k_test.jsonl"
 MODES = ("cold", "warmed up")
+POOL = 40  # the first test prompts, of which `--requests` are picked by length
 
 
 def _parser():
@@ -76,13 +83,16 @@ def serve_requests(target, draft, config: ServerConfig, prompts: list[str], max_
 def main() -> int:
     parser = _parser()
     args = parser.parse_args()
+    require_at_least(parser, args, 1, "--batch", "--requests", "--max-tokens")
+    if args.requests > POOL:
+        parser.error(f"--requests must be <= {POOL}, got {args.requests}")
     jax.config.update("jax_enable_compilation_cache", False)  # every mode compiles from scratch
     target = jetspec_jax.load_target()
     draft = None
     if args.method != "ar":
         draft = jetspec_jax.load_draft(jetspec_jax.default_draft_dir(), target)
     # Prompts of growing length: the requests fall into different prompt buckets.
-    records = sorted(read_prompts(EVAL, limit=40), key=lambda r: len(r["prompt"]))
+    records = sorted(read_prompts(EVAL, limit=POOL), key=lambda r: len(r["prompt"]))
     step = max(len(records) // args.requests, 1)
     prompts = [records[i * step]["prompt"] for i in range(args.requests)]
     figures, completions = {}, {}

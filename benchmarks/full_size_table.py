@@ -176,7 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=50)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument(
-        "--plot", type=pathlib.Path, default=ROOT / "docs" / "img" / "full_size_tau.png"
+        "--plot",
+        type=pathlib.Path,
+        default=None,
+        help="the PNG to draw (default: img/full_size_tau.png beside --out for the default "
+        "--section, else img/SECTION_tau.png)",
     )
     parser.add_argument("--out", type=pathlib.Path, default=BENCHMARKS_MD)
     parser.add_argument("--section", default="full_size_table")
@@ -222,6 +226,9 @@ def main() -> None:
                 "",
                 *timed,
             ]
+    if args.plot is None:  # beside --out: a run written elsewhere leaves the docs' plots alone
+        name = "full_size_tau" if args.section == "full_size_table" else f"{args.section}_tau"
+        args.plot = args.out.parent / "img" / f"{name}.png"
     plot_tau(rows, args.plot)
     lines += ["", f"![tau by set and setting]({os.path.relpath(args.plot, args.out.parent)})"]
     body = "\n".join(lines)

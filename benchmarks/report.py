@@ -46,6 +46,42 @@ def out_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def require_at_least(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *flags: str
+) -> None:
+    """Refuses (`parser.error`, naming the flag) each of `flags` ("--num-prompts") whose value is
+    below `minimum`: before any model load, not as an empty median or a zero division after it."""
+    for flag in flags:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value < minimum:
+            parser.error(f"{flag} must be >= {minimum}, got {value}")
+
+
+def int_list(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    text: str,
+    minimum: int = 1,
+    maximum: int | None = None,
+    distinct: bool = True,
+) -> list[int]:
+    """`text`'s comma-separated integers, each in `[minimum, maximum]` and, when `distinct`, none
+    given twice (each names a row of the table: a repeat would run and print it twice); else
+    `parser.error` naming `flag`."""
+    try:
+        values = [int(value) for value in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} {text!r}: comma-separated integers")
+    for value in values:
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            parser.error(f"{flag} {text!r}: each must be {bounds}, got {value}")
+    twice = sorted({value for value in values if values.count(value) > 1})
+    if distinct and twice:
+        parser.error(f"{flag}: {', '.join(map(str, twice))} given twice")
+    return values
+
+
 def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     """` --flag value` for each option `args` holds away from its default (flags named after
     their destinations): what a section's command line needs to reproduce the run."""

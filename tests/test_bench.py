@@ -905,6 +905,74 @@ def test_the_block_size_bench_refuses_bad_flags_before_the_model_load(
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("bench_admission_cost", ["--admissions", "2"], "--admissions must be >= 3, got 2"),
+        ("bench_admission_groups", ["--groups", "2,9"], "--groups '2,9': each must be in [1, 8]"),
+        ("bench_admission_groups", ["--prompt-tokens", "50,50"], "--prompt-tokens: 50 given twice"),
+        ("bench_autoregressive", ["--config", "nowhere.json"], "nowhere.json: no such file"),
+        ("bench_block_size", ["--block-sizes", "8,1"], "--block-sizes '8,1': each must be >= 2"),
+        ("bench_continuous_batching", ["--clients", "0"], "--clients must be >= 1, got 0"),
+        ("bench_continuous_batching", ["--reserve", "256"], "--reserve '256': two integers P,N"),
+        ("bench_generate_as_completed", ["--batch", "0"], "--batch must be >= 1, got 0"),
+        ("bench_hybrid_rollback", ["--blocks", "4,64"], "--blocks '4,64': each must be in [1, 32]"),
+        ("bench_length_buckets", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        ("bench_loss_memory", ["--chunks", "16,x"], "--chunks '16,x': comma-separated integers"),
+        ("bench_mpmd_prefill", ["--chunk", "0"], "--chunk must be >= 1, got 0"),
+        ("bench_pipeline", ["--set", "nowhere"], "nowhere.jsonl: no such file"),
+        ("bench_prefill_chunks", ["--lengths", "700,700"], "--lengths: 700 given twice"),
+        ("bench_sampling", ["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+        ("bench_top_k_sort", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        ("bench_training", ["--steps", "0"], "--steps must be >= 1, got 0"),
+        ("bench_warmup", ["--requests", "41"], "--requests must be <= 40, got 41"),
+    ],
+)
+def test_a_benchmark_refuses_a_bad_flag_by_name_before_any_work(
+    script, flags, message, monkeypatch, capsys
+):
+    """Not after the model load (or the run) as an empty median, an index or a zero division
+    error, or a wait for clients that never come."""
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{script}")
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_top_k_bench_shows_why_a_variant_failed(tmp_path, monkeypatch, capfd):
+    """Each variant runs in a child process: its error reaches the terminal, not only its
+    exit status."""
+    from benchmarks import bench_top_k_sort
+
+    child = tmp_path / "child.py"
+    child.write_text("import sys\nsys.exit('the cause')\n")
+    monkeypatch.setattr(bench_top_k_sort, "__file__", str(child))
+    with pytest.raises(subprocess.CalledProcessError):
+        bench_top_k_sort.main(["--repeats", "1"])
+    assert "the cause" in capfd.readouterr().err
+
+
+def test_the_full_size_table_draws_its_plot_beside_its_out(tmp_path, monkeypatch):
+    """A table written elsewhere (`--out`) must not replace the docs' plot."""
+    from benchmarks import full_size_table
+
+    monkeypatch.setattr(full_size_table, "ROOT", tmp_path / "repo")  # where the docs would be
+    rows = tmp_path / "rows.jsonl"
+    row = dict(set="gsm8k_test", setting="J0", temperature=0.0, prompts=2, max_new_tokens=6)
+    rows.write_text(json.dumps(row | {"tau": 1.5}) + "\n")
+    out = tmp_path / "B.md"
+    argv = ["--results", str(rows), "--num-prompts", "2", "--max-new-tokens", "6"]
+    monkeypatch.setattr(sys, "argv", ["full_size_table.py", *argv, "--out", str(out)])
+    full_size_table.main()
+    assert (tmp_path / "img" / "full_size_tau.png").is_file()
+    assert "](img/full_size_tau.png)" in out.read_text()
+    assert not (tmp_path / "repo").exists()
+
+
 @pytest.mark.parametrize("flag", ["--num-prompts", "--max-new-tokens"])
 def test_the_refinement_bench_refuses_an_empty_run(flag, capsys):
     from benchmarks import bench_refinement
