@@ -428,6 +428,31 @@ def test_advancing_a_finished_mpmd_session_dispatches_nothing(target, draft, pro
     assert logs() == before
 
 
+def test_an_mpmd_advance_interrupted_while_it_waits_leaves_the_session_usable(
+    target, draft, prompts, monkeypatch
+):
+    """Ctrl-C during the wait for the rounds the MPMD host loop dispatched (their input state
+    already donated): the session keeps the state they compute, as the one-program loop does,
+    and decodes on to AR's tokens (it said the state was lost)."""
+    session = mixed_session(target, draft, prompts)
+    session.start()
+    session.poll()
+    wait = jax.block_until_ready
+
+    def interrupted(tree):  # once: the host loop itself waits on no `block_until_ready`
+        monkeypatch.setattr(jax, "block_until_ready", wait)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jax, "block_until_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.advance(2)
+    session.poll()
+    while not session.done:
+        session.advance(2)
+        session.poll()
+    assert [r.tokens for r in session.results()] == _ar(target, prompts)
+
+
 @contextlib.contextmanager
 def dispatch_log():
     """The names of the stage programs the MPMD host dispatches inside the block, in order."""

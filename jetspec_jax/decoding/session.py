@@ -491,8 +491,11 @@ class DecodeSession:
         """`advance` through the MPMD pipeline's host loop (compilation timed apart)."""
         start = time.perf_counter()
         state, compile_seconds = self._two_programs.advance(self._state, self._requests, steps)
-        self._state = jax.block_until_ready(state)
+        # Kept before it is waited for, as `advance` keeps the loop's: the rounds still in flight
+        # took the old state (donated), so an interrupt during the wait must not leave it.
+        self._state = state
         self._compile_seconds += compile_seconds
+        jax.block_until_ready(state)
         self._decode_seconds += time.perf_counter() - start - compile_seconds
 
     def poll(self) -> list[list[int]]:
