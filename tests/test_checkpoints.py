@@ -362,6 +362,7 @@ def test_a_broken_tokenizer_is_refused_naming_the_directory_before_the_weights(
     "changes, message",
     [
         (dict(model_type="gpt2"), "unsupported model_type 'gpt2'"),
+        (dict(model_type=["qwen3"]), r"unsupported model_type \['qwen3'\]"),
         (
             dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
             "unsupported rope scaling type 'yarn'",
@@ -378,6 +379,32 @@ def test_unsupported_or_invalid_config(checkpoints, tmp_path, changes, message):
     _edit_config(path, **changes)
     with pytest.raises(CheckpointError, match=message):
         jetspec_jax.load_target(path)
+
+
+def test_a_target_of_no_layers_matches_transformers(checkpoints, tmp_path):
+    """num_hidden_layers 0 (embedding, final norm, head): no layer tensor makes the layer list."""
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_config(path, num_hidden_layers=0, layer_types=None)
+
+    def drop_layers(tensors):
+        for name in [n for n in tensors if n.startswith("model.layers.")]:
+            del tensors[name]
+
+    _edit_tensors(path, drop_layers)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    target = jetspec_jax.load_target(path)
+    np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
+
+
+def test_architectures_that_are_not_a_list_do_not_break_the_draft_check(checkpoints, tmp_path):
+    """A number there is no draft architecture (transformers loads by model_type)."""
+    from jetspec_jax.checkpoint.roles import checkpoint_role
+
+    path, _ = _copy(checkpoints, tmp_path)
+    _edit_config(path, architectures=5)
+    assert checkpoint_role(path) == "target"
+    want = jetspec_jax.target.load_target_config(checkpoints.get("qwen3")[0])
+    assert jetspec_jax.target.load_target_config(path) == want
 
 
 def test_missing_weights_file(checkpoints, tmp_path):

@@ -185,6 +185,18 @@ def test_a_non_number_hybrid_field_is_named(changes, field):
         config_from_hf({**HYBRID, **changes})
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("where", ["top level", "rope_parameters"])
+def test_a_non_finite_partial_rotary_factor_is_named(value, where):
+    """Python's json reads Infinity and NaN; neither gives a number of rotary channels."""
+    if where == "top level":
+        hf = {**HYBRID, "partial_rotary_factor": value}
+    else:
+        hf = {**HYBRID, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": value}}
+    with pytest.raises(CheckpointError, match=rf"partial_rotary_factor={value} must be a finite"):
+        config_from_hf(hf)
+
+
 @pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}])
 def test_zero_attention_heads_is_named(base):
     """Llama divides hidden_size by it for head_dim; Qwen3 (head_dim 128) by it in GQA checks."""

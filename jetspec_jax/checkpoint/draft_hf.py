@@ -110,7 +110,9 @@ def check_draft_matches_target(
 
 def is_draft_config(hf: dict[str, Any]) -> bool:
     """Whether an HF `config.json` describes a DFlash/JetSpec draft (not a target)."""
-    architectures = hf.get("architectures") or []
+    architectures = hf.get("architectures")
+    if not isinstance(architectures, list):  # absent, or malformed (a number is not iterable)
+        architectures = []
     return "dflash_config" in hf or any(
         a in (ARCHITECTURE, _DFLASH2_ARCHITECTURE) for a in architectures
     )

@@ -69,7 +69,7 @@ def read_hf_config(checkpoint_dir: str | pathlib.Path) -> dict[str, Any]:
 def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     """Our config from an HF config dict; `CheckpointError` on anything unsupported."""
     hf_type = hf.get("model_type")
-    if hf_type not in _HF_MODEL_TYPES:
+    if not isinstance(hf_type, str) or hf_type not in _HF_MODEL_TYPES:  # a list is unhashable
         raise CheckpointError(
             f"unsupported model_type {hf_type!r}; supported: {', '.join(_HF_MODEL_TYPES)}"
         )

@@ -248,7 +248,10 @@ def load_hf_params(
     )
     with progress, TensorReader(files_by_name, on_read=progress.update) as tensors:
         _check_tied_head(tensors, config, checkpoint_dir)
-        return tree_from_tensors(specs, tensors, dtype)
+        params = tree_from_tensors(specs, tensors, dtype)
+    # A model of no layers has no layer tensor to create the list, but the forward reads one.
+    params.setdefault("layers", [])
+    return params
 
 
 class TensorReader(Mapping):

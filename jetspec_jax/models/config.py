@@ -158,6 +158,10 @@ class TransformerConfig:
             raise ValueError(
                 f"unsupported layer types {unknown}; supported: {', '.join(LAYER_TYPES)}"
             )
+        if not math.isfinite(self.partial_rotary_factor):  # rotary_dim's int() would raise
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} must be a finite number"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} gives rotary_dim="
