@@ -1314,6 +1314,7 @@ def test_processes_given_different_settings_are_refused_by_name(tmp_path, monkey
     """A `--set` on one host only: refused on every process, naming the keys and the process,
     not left to fail in a collective. Paths may differ between hosts. Seen from process 0 of 2."""
     setup = dict(target="/a/t", data_files=["/a/d.jsonl"], records=8, optim={"steps": 6})
+    paths = ("target", "data_files")
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     allgather = "process_allgather"
 
@@ -1322,14 +1323,14 @@ def test_processes_given_different_settings_are_refused_by_name(tmp_path, monkey
         monkeypatch.setattr(
             run_loop.multihost_utils, allgather, lambda d: sent.append(d) or d[None]
         )
-        run_loop.check_processes_agree(tmp_path, other)
+        run_loop.check_processes_agree(tmp_path, other, paths)
         monkeypatch.setattr(run_loop.multihost_utils, allgather, lambda d: np.stack([d, sent[0]]))
 
     gathered_with({**setup, "target": "/b/t", "data_files": ["/b/d.jsonl"]})
-    run_loop.check_processes_agree(tmp_path, setup)  # other mount points: the same run
+    run_loop.check_processes_agree(tmp_path, setup, paths)  # other mount points: the same run
     gathered_with({**setup, "records": 9, "optim": {"steps": 8}})
     with pytest.raises(ValueError, match=r"process\(es\) 1 were given another optim, records "):
-        run_loop.check_processes_agree(tmp_path, setup)
+        run_loop.check_processes_agree(tmp_path, setup, paths)
 
 
 def test_a_refusal_by_process_0_alone_fails_every_process(tmp_path, monkeypatch):
@@ -1342,7 +1343,7 @@ def test_a_refusal_by_process_0_alone_fails_every_process(tmp_path, monkeypatch)
     monkeypatch.setattr(run_loop.multihost_utils, "process_allgather", lambda d: d[None])
     monkeypatch.setattr(run_loop.multihost_utils, "broadcast_one_to_all", lambda x: np.int32(1))
     run = run_loop.RunConfig(dir=str(tmp_path))
-    opened = run_loop.opened_run(tmp_path, run, None, None, setup={}, total_steps=2)
+    opened = run_loop.opened_run(tmp_path, run, None, None, setup={}, paths=(), total_steps=2)
     with pytest.raises(ValueError, match=f"{tmp_path}: process 0 refused to open the run"):
         with opened:
             pass

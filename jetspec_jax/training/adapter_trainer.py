@@ -198,7 +198,10 @@ def train_adapter(
             dataclasses.replace(config.adapter, optim=optim, init_from=None)
         ),
     )
-    opened = opened_run(run_dir, config.run, state, iterator, setup=setup, total_steps=optim.steps)
+    paths = ("target", "data_files", "draft")  # the draft's weights: by `draft_digest`
+    opened = opened_run(
+        run_dir, config.run, state, iterator, setup=setup, paths=paths, total_steps=optim.steps
+    )
     with opened as (state, manager, log):
         finished_before = int(state.step) >= optim.steps
 

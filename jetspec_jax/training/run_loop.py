@@ -123,7 +123,14 @@ def run_steps(
 
 @contextlib.contextmanager
 def opened_run(
-    run_dir: pathlib.Path, run: RunConfig, state, iterator, *, setup: dict, total_steps: int
+    run_dir: pathlib.Path,
+    run: RunConfig,
+    state,
+    iterator,
+    *,
+    setup: dict,
+    paths: tuple[str, ...],
+    total_steps: int,
 ) -> Iterator[tuple[object, ocp.CheckpointManager, MetricsLog]]:
     """A run's checkpoints (`<run_dir>/checkpoints`) and metrics log, opened for the loop.
 
@@ -141,12 +148,13 @@ def opened_run(
     recorded setup is what its last steps and export were made with). Another process count is
     refused (ValueError): each process saved its own data position. So is a `run_dir` another
     process is training (ValueError): the primary process holds a lock on `<run_dir>/.lock`
-    while the run is open. So are processes given different settings (`check_processes_agree`).
+    while the run is open. So are processes given different settings (`check_processes_agree`;
+    `paths`: the setup keys that hold paths, not compared, since a host may mount elsewhere).
     What the primary alone does (the lock, the setup and metrics files) is refused by every
     process when it fails there (`refused_alike`).
     """
     setup = {**setup, "process_count": jax.process_count()}
-    check_processes_agree(run_dir, setup)
+    check_processes_agree(run_dir, setup, paths)
     primary = jax.process_index() == 0
     opening = f"{run_dir}: process 0 refused to open the run"
     with contextlib.ExitStack() as stack:
@@ -176,23 +184,19 @@ def opened_run(
             yield state, manager, metrics_log
 
 
-# Setup keys that are paths: a host may mount the same files elsewhere (the draft's weights are
-# compared by their digest, the data by their record count).
-_PER_HOST_KEYS = ("target", "data_files", "draft")
-
-
-def check_processes_agree(run_dir: pathlib.Path, setup: dict) -> None:
+def check_processes_agree(run_dir: pathlib.Path, setup: dict, paths: tuple[str, ...]) -> None:
     """Refuses, on every process alike, a run whose processes were given different settings (a
     `--set` on one host only, another data file): their steps would disagree on shapes or
-    counts and fail in a collective, or wait there, with no cause named. Paths are not compared
-    (`_PER_HOST_KEYS`).
+    counts and fail in a collective, or wait there, with no cause named. The keys in `paths` are
+    not compared: a host may mount the same files elsewhere (their contents are compared through
+    other keys: a record count, a weights digest).
 
     Raises:
         ValueError: naming the differing keys and the processes whose values are not process 0's.
     """
     if jax.process_count() == 1:
         return
-    keys = sorted(key for key in setup if key not in _PER_HOST_KEYS)
+    keys = sorted(key for key in setup if key not in paths)
     digests = np.array([_digest32(setup[key]) for key in keys], np.int32)  # [keys]
     gathered = np.asarray(multihost_utils.process_allgather(digests)).reshape(-1, len(keys))
     differ = gathered != gathered[0]  # [processes, keys]

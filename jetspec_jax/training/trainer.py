@@ -150,7 +150,13 @@ def train(
     )
     export_dtype = config.export_dtype or target.dtype
     opened = opened_run(
-        run_dir, config.run, state, iterator, setup=setup, total_steps=config.optim.steps
+        run_dir,
+        config.run,
+        state,
+        iterator,
+        setup=setup,
+        paths=("target", "data_files"),
+        total_steps=config.optim.steps,
     )
     with opened as (state, manager, log):
         finished_before = int(state.step) >= config.optim.steps
