@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -319,6 +320,54 @@ def test_a_client_that_hangs_up_during_the_shutdown_grace_is_counted_as_499(targ
         finally:
             running.stop()
     assert (_count(running, "499"), _count(running, "503")) == (1, 0)
+
+
+def _until_closed(connection: socket.socket) -> bytes:
+    received = b""
+    while chunk := connection.recv(65536):
+        received += chunk
+    return received
+
+
+def test_past_the_shutdown_timeout_running_requests_are_cancelled_and_answered_503(
+    target, monkeypatch
+):
+    """Past `shutdown_timeout` (0: at once) the running rows are cancelled, at their next chunk
+    boundary: a stream ends in an error event and `[DONE]`, a plain request gets a 503. Left to
+    aiohttp's timeout, they decoded on (twice the timeout, or, with 0, to their budgets) and
+    their clients got a cut connection."""
+    advance = ContinuousBatch.advance
+    monkeypatch.setattr(  # slow decoding: 400 tokens would take seconds
+        ContinuousBatch, "advance", lambda rows, steps: (time.sleep(0.05), advance(rows, steps))[1]
+    )
+    running = BackgroundServer(
+        target, None, dataclasses.replace(_config(SLOW), shutdown_timeout=0)
+    ).start()
+    scheduler = running.app[SCHEDULER]
+    url = httpx.URL(running.url)
+    body = dict(REQUESTS["/v1/completions"], max_tokens=400)
+    try:
+        with (
+            socket.create_connection((url.host, url.port), timeout=30) as streaming,
+            socket.create_connection((url.host, url.port), timeout=30) as plain,
+        ):
+            streaming.sendall(_raw_request(url, dict(body, stream=True)))
+            plain.sendall(_raw_request(url, body))
+            streamed = b""
+            while b"data: {" not in streamed:  # decoding
+                streamed += streaming.recv(4096)
+            _wait_for(lambda: scheduler.running == 2)
+            running.stop()  # as on SIGTERM
+            streamed += _until_closed(streaming)
+            answered = _until_closed(plain)
+    finally:
+        running.stop()
+    shut_down = b"the server shut down before the request finished"
+    assert answered.startswith(b"HTTP/1.1 503") and shut_down in answered, answered[-300:]
+    assert streamed.startswith(b"HTTP/1.1 200") and shut_down in streamed, streamed[-300:]
+    # `[DONE]`, then the chunked body's last chunk: a whole answer, not a cut connection.
+    assert streamed.endswith(DONE + b"\r\n0\r\n\r\n"), streamed[-300:]
+    assert _count(running, "503") == 2 and _count(running, "200") == 0
 
 
 @pytest.mark.parametrize("seconds", [0, -1.0, float("nan"), float("inf"), True, "15"])

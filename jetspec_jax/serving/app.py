@@ -2,7 +2,8 @@
 
 Why aiohttp: one dependency gives a production HTTP/1.1 server, streaming responses for
 server-sent events, graceful shutdown on SIGINT/SIGTERM (stop listening → `on_shutdown` → wait for
-in-flight handlers up to a timeout → cancel them → `on_cleanup`) and a client, with no ASGI layer
+in-flight handlers up to a timeout → cancel them → `on_cleanup`; the app cancels the running rows
+at its own, shorter, timeout, so that their handlers answer 503) and a client, with no ASGI layer
 and no second server package (starlette + uvicorn would be two, plus their own dependencies).
 Decoding runs on the scheduler's worker thread; handlers only parse, wait for events and write.
 
@@ -87,6 +88,10 @@ KEEPALIVE_COMMENT = b": keep-alive\n\n"
 # stays the floor; a 128k-token context allows 8 MiB.
 BODY_BYTES_PER_CONTEXT_TOKEN = 64
 
+# Seconds past the app's shutdown timeout that aiohttp's own gives the handlers of cancelled rows
+# to answer 503 (a row stops at its next chunk boundary) before it cancels them.
+SHUTDOWN_ANSWER_SECONDS = 10.0
+
 
 def max_body_bytes(context_length: int) -> int:
     """The largest request body the server reads (larger ones get 413, naming the limit)."""
@@ -99,6 +104,7 @@ def create_app(
     *,
     api_key: str | None = None,
     keepalive_seconds: float = 15.0,
+    shutdown_timeout: float = 30.0,
 ):
     """The application; starting it starts the scheduler, shutting it down drains and stops it.
 
@@ -109,11 +115,18 @@ def create_app(
         keepalive_seconds: a stream with no text yet sends its headers and a `: keep-alive`
             comment after this many seconds, and the comment again each as many until its first
             text (finite, > 0).
+        shutdown_timeout: seconds the running requests get to finish once the shutdown begins;
+            then their rows are cancelled, and each is answered 503 (a stream: an error event,
+            then `data: [DONE]`). Run the app with a longer aiohttp `shutdown_timeout`
+            (`SHUTDOWN_ANSWER_SECONDS` longer), which cancels the handlers themselves: their
+            clients would get a cut connection.
     """
     if not (math.isfinite(keepalive_seconds) and keepalive_seconds > 0):
         raise ValueError(
             f"keepalive_seconds must be a finite number > 0, got {keepalive_seconds!r}"
         )
+    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise ValueError(f"shutdown_timeout must be a finite number >= 0, got {shutdown_timeout!r}")
     app = web.Application(
         middlewares=[_count, _errors, _auth],
         client_max_size=max_body_bytes(model.context_length),
@@ -138,11 +151,29 @@ def create_app(
     async def start(app):
         app[SCHEDULER].start()
 
+    deadline: list[asyncio.TimerHandle] = []
+
+    def cancel_running():
+        if app[SCHEDULER].running:
+            logger.warning(
+                "shutdown timeout (%g s): cancelling %d running requests",
+                shutdown_timeout,
+                app[SCHEDULER].running,
+            )
+        app[SCHEDULER].cancel_running()
+
     async def drain(app):
         logger.info("shutting down: refusing new requests, finishing the running batch")
         app[SCHEDULER].begin_shutdown()
+        # The rows are cancelled here, not by aiohttp's timeout: that one cancels the handlers
+        # (cut connections, no 503), and only after waiting twice as long (0: never), the rows
+        # decoding meanwhile.
+        loop = asyncio.get_running_loop()
+        deadline.append(loop.call_later(shutdown_timeout, cancel_running))
 
     async def stop(app):
+        for timer in deadline:
+            timer.cancel()
         await asyncio.get_running_loop().run_in_executor(None, app[SCHEDULER].stop)
         app[TOKENIZING].shutdown(wait=False)
 

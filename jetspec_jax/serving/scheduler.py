@@ -28,7 +28,8 @@ says so (/health answers 503).
 
 The queue is bounded: `submit` raises `QueueFull` rather than letting work pile up unseen. A job
 can be cancelled at any time (its row stops at the next chunk boundary). `begin_shutdown` refuses
-new and waiting jobs and lets the running batch finish; `stop` also cancels the running batch.
+new and waiting jobs and lets the running batch finish; `cancel_running` also cancels the
+running batch, and `stop` then joins the worker.
 
 A batch that fails (say out of memory for one large request: the session's cache is sized by the
 batch's largest prompt and budget, for every row) is decoded again one job at a time, for each
@@ -290,14 +291,20 @@ class Scheduler:
         for job in waiting:
             job.deliver(Failed(503, "the server is shutting down"))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """`begin_shutdown`, cancels the running batch's rows, and joins the worker."""
+    def cancel_running(self) -> None:
+        """`begin_shutdown`, and cancels the running batch's rows: each gets its `Finished`
+        ("cancelled") at its next chunk boundary, and no job starts or joins after. Returns at
+        once (the shutdown's deadline, on the event loop)."""
         self.begin_shutdown()
         with self._cond:
             self._stopping = True
             for job in self._running:
                 job.cancel()
             self._cond.notify_all()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """`cancel_running`, and joins the worker."""
+        self.cancel_running()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

@@ -20,7 +20,7 @@ from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.request_checks import check_reserve
 from jetspec_jax.default_model import served_model_name
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.serving.app import create_app
+from jetspec_jax.serving.app import SHUTDOWN_ANSWER_SECONDS, create_app
 from jetspec_jax.serving.metrics import ServerMetrics
 from jetspec_jax.serving.openai_requests import ModelInfo
 from jetspec_jax.serving.scheduler import Scheduler, check_sizes
@@ -59,7 +59,8 @@ class ServerConfig:
         warmup: compile the programs of requests within the reserve (both sizes >= 1) before
             the first batch (`Scheduler`'s `warm_up`); /health answers 503 "warming_up" until
             done, and requests sent meanwhile wait in the queue.
-        shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM.
+        shutdown_timeout: seconds in-flight requests get to finish on SIGINT/SIGTERM; then their
+            rows are cancelled and each is answered 503 (0: at once).
         keepalive_seconds: a streaming request with no text yet (waiting in the queue behind a
             long batch, or for its batch shape's first compile) gets its headers and an SSE
             comment (`: keep-alive`) after this many seconds, then the comment again each as many
@@ -190,14 +191,18 @@ def build_app(target, draft, config: ServerConfig) -> web.Application:
         default_max_tokens=config.default_max_tokens,
     )
     return create_app(
-        scheduler, model, api_key=config.api_key, keepalive_seconds=config.keepalive_seconds
+        scheduler,
+        model,
+        api_key=config.api_key,
+        keepalive_seconds=config.keepalive_seconds,
+        shutdown_timeout=config.shutdown_timeout,
     )
 
 
 def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000):
     """Serves until SIGINT/SIGTERM, then shuts down gracefully: stops listening, fails waiting
     requests with 503, lets running ones finish for `config.shutdown_timeout` seconds, cancels the
-    rest.
+    rest (answered 503).
 
     Args:
         target: a loaded `Target` with a tokenizer.
@@ -218,7 +223,7 @@ def serve(target, draft, config: ServerConfig, *, host: str = "127.0.0.1", port:
         app,
         host=host,
         port=port,
-        shutdown_timeout=config.shutdown_timeout,
+        shutdown_timeout=config.shutdown_timeout + SHUTDOWN_ANSWER_SECONDS,  # see create_app
         print=lambda msg: logger.warning("%s", msg),
         access_log=None,
         # A client that disconnects cancels its handler, whose `finally` cancels the job (else a
@@ -275,7 +280,7 @@ class BackgroundServer:
     async def _start(self) -> None:
         self._runner = web.AppRunner(
             self.app,
-            shutdown_timeout=self._config.shutdown_timeout,
+            shutdown_timeout=self._config.shutdown_timeout + SHUTDOWN_ANSWER_SECONDS,  # see serve()
             access_log=None,
             handler_cancellation=True,  # see serve()
         )
@@ -289,7 +294,10 @@ class BackgroundServer:
         """Graceful shutdown (as on SIGTERM), then the loop and thread end."""
         if self._runner is not None:
             future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-            future.result(timeout=self._config.shutdown_timeout + 60)
+            # aiohttp waits its timeout twice for a handler that does not end (say, writing to a
+            # client that stopped reading) before cancelling it.
+            limit = self._config.shutdown_timeout + SHUTDOWN_ANSWER_SECONDS
+            future.result(timeout=2 * limit + 60)
             self._runner = None
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
