@@ -203,7 +203,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     stored_dtype = read_manifest(args.draft)["dtype"]
     out = pathlib.Path(args.out or args.draft)
-    if out.exists():
+    if out.is_symlink() or out.exists():  # a dangling symlink too: the save would refuse it
         if out.resolve() != pathlib.Path(args.draft).resolve():
             raise ValueError(f"--out {out} exists and is not --draft; not replacing it")
         out = out.resolve()  # in place: where a symlinked checkpoint lies
@@ -351,7 +351,7 @@ def _export(args: argparse.Namespace) -> int:
     from jetspec_jax.target import load_target_config
 
     out = pathlib.Path(args.out)
-    if out.exists():
+    if out.is_symlink() or out.exists():  # a dangling symlink too: the save would refuse it
         raise ValueError(f"--out {out} exists; not replacing it")
     require_paths("--draft", [args.draft], directory=True)
     require_paths("--adapter-from", [args.adapter_from], directory=True)

@@ -380,8 +380,13 @@ def test_train_export_in_bfloat16_and_with_another_adapter(
     dflash = dflash.save(tmp_path / "dflash")
     other_taps = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 1))
     other_taps = other_taps.save(tmp_path / "other_taps")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # named by --out, before the load
     refusals = [
         (["--draft", str(plain), "--out", str(paired)], "exists; not replacing it"),
+        (
+            ["--draft", str(plain), "--out", str(tmp_path / "dangling")],
+            f"--out {tmp_path / 'dangling'} exists; not replacing it",
+        ),
         (["--draft", str(plain), "--adapter-from", str(plain)], "not a JetSpec++ checkpoint"),
         (["--draft", str(saved), "--adapter-from", str(saved)], "already has an adapter"),
         (["--draft", target_dir], f"--draft {target_dir} is a target model checkpoint"),

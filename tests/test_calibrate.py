@@ -482,6 +482,9 @@ def test_calibrate_cli_writes_the_calibration(setup, tmp_path, capsys, caplog, m
         m.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
         assert train.main([*argv, "--out", str(tmp_path / "given")]) == 2
         assert "exists and is not --draft" in capsys.readouterr().err
+        (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+        assert train.main([*argv, "--out", str(tmp_path / "dangling")]) == 2
+        assert "dangling exists and is not --draft" in capsys.readouterr().err
         assert train.main([*argv, "--out", str(data / "calibrated")]) == 2
         assert f"{data} is a file" in capsys.readouterr().err
         assert train.main([*argv, "--confidence-grid", "0,0.5,0"]) == 2

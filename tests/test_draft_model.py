@@ -423,6 +423,12 @@ def _set(**changes):
         (_set(is_causal=False), "causal_head=True contradicts is_causal=False"),
         (_set_dflash(block_size=16), r"dflash_config\.block_size=16 and block_size=8"),
         (_set_dflash(block_size=8), None),  # the same value in both places is fine
+        (  # the reference takes dflash_config's null: no cap, whatever the top level says
+            lambda c: (
+                _set_dflash(final_logit_softcapping=None)(c) or _set(final_logit_softcapping=5.0)(c)
+            ),
+            r"dflash_config\.final_logit_softcapping=None and final_logit_softcapping=5\.0",
+        ),
         (_set_dflash(input_mode="noise"), "input_mode must be one of mask, tokens, got 'noise'"),
         (_set_dflash(prediction="shifted"), "none of the published variants"),
         (_set_dflash(output_multiplier="2"), "output_multiplier must be a number, got '2'"),

@@ -271,13 +271,16 @@ def _draft_field(hf: dict[str, Any], dflash: dict[str, Any], name: str):
     """`dflash_config[name]`, else the top-level `name` (the reference's lookup order).
 
     Both present with different values is refused: the reference would silently take the first.
+    A `dflash_config` key counts even when null (the reference's `dict.get` takes that null, and
+    our exports write `final_logit_softcapping: null` there), so a top-level value beside it
+    is refused too, not taken.
     """
     nested, top = dflash.get(name), hf.get(name)
-    if nested is not None and top is not None and nested != top:
+    if name in dflash and top is not None and nested != top:
         raise CheckpointError(
             f"draft config.json sets dflash_config.{name}={nested!r} and {name}={top!r}"
         )
-    return nested if nested is not None else top
+    return nested if name in dflash else top
 
 
 def _tap_ids(value: Any) -> tuple[int, ...]:
