@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.INFO if args.verbose or args.command is None else logging.WARNING
     logging.basicConfig(level=level, format="%(name)s: %(message)s")
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
+    from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
+    escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
     try:
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout's reader went away (`generate ... | head`): stop quietly,
         # as a process SIGPIPE ended would; stdout is pointed at /dev/null so that the flush at
         # exit does not raise again (Python ignores SIGPIPE, so the write raised instead).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard_stdout()
         return 141  # 128 + SIGPIPE
 
 
@@ -387,7 +389,16 @@ def _generate(args) -> int:
             raise ValueError(
                 "--system is a chat message: it needs the chat template (no --no-chat)"
             )
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if args.prompt == "-" and sys.stdin is None:  # `<&-`: Python gives no stdin at all
+            raise ValueError(
+                "'-' reads the prompt from stdin, which is closed: give the prompt as an argument"
+            )
+        try:
+            prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        except UnicodeDecodeError as e:  # a UTF-8 locale's stdin is strict (C's gives surrogates)
+            raise ValueError(
+                f"the prompt read from stdin is not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from e
         if not prompt.strip():
             raise ValueError("the prompt is empty")
         # Bytes that are not UTF-8 (argv, stdin) arrive as surrogates, which no tokenizer takes.

@@ -61,13 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
     from jetspec_jax.compile_cache import enable_compile_cache
+    from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
+    escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
 
     try:
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
+            sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
+        return status
+    except BrokenPipeError:  # stdout's reader went away (`train.py ... | head`): stop quietly,
+        # as a process SIGPIPE ended would (Python ignores SIGPIPE, so the write raised instead)
+        discard_stdout()
+        return 141  # 128 + SIGPIPE
     except (ValueError, OSError, ImportError, CheckpointError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -238,7 +247,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         seed=args.seed,
     )
-    _print_calibration(result, f"J{args.refine_passes}-R{args.refreshes}")
+    from jetspec_jax.console import discard_stdout
+
+    try:
+        _print_calibration(result, f"J{args.refine_passes}-R{args.refreshes}")
+    except BrokenPipeError:  # stdout's reader went away (`| head`): the fit is saved all the same
+        discard_stdout()
     # The figures above are printed even if a write fails. The checkpoint first: a report that
     # fails (its place was checked above, but a disk may fill) must not cost the fit. Saved in
     # the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).

@@ -77,3 +77,14 @@ def default_model_dir(default_cache) -> pathlib.Path:
 def checkpoints(tmp_path_factory) -> tiny_models.CheckpointFactory:
     """Builds (once per session and variant) tiny random checkpoints with `save_pretrained`."""
     return tiny_models.CheckpointFactory(pathlib.Path(tmp_path_factory.mktemp("checkpoints")))
+
+
+@pytest.fixture
+def closed_pipe():
+    """A text file on a pipe whose reader went away (`... | head`): a write that reaches the pipe
+    raises BrokenPipeError, as Python (which ignores SIGPIPE) raises it. A test sets it as
+    `sys.stdout` in its body (pytest's capture replaces `sys.stdout` after the fixtures)."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w") as closed:
+        yield closed

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
@@ -428,6 +429,36 @@ def _interrupt():
     raise KeyboardInterrupt
 
 
+@pytest.mark.parametrize("stdout", ["closed pipe", "ascii"])
+def test_a_stdout_that_fails_the_table_costs_not_the_report(
+    checkpoints, monkeypatch, tmp_path, closed_pipe, stdout
+):
+    """`python -m jetspec_jax.bench ... | head -1` (PYTHONUNBUFFERED: the table's print fails
+    once the reader has gone), or an ASCII stdout and a dataset named "café" (escaped, as on
+    stderr): the report is written all the same, without a traceback."""
+    done = GenerationResult([7, 8], [1, 1], "length", 2, Timing(0.0, 0.01, 0.0))
+    monkeypatch.setattr(runner, "generate", lambda target, prompt, **k: done)
+    prompts = tmp_path / "café.jsonl"  # no source: the dataset is named after the file
+    prompts.write_text(json.dumps({"id": "t-0", "prompt": "Hi"}) + "\n")
+    out = tmp_path / "bench"
+    argv = [
+        "--prompts", str(prompts),
+        "--target", str(with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "tiny")),
+        "--warmup", "0",
+        "--out", str(out),
+    ]  # fmt: skip
+    if stdout == "ascii":
+        ascii_stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+        monkeypatch.setattr(sys, "stdout", ascii_stdout)
+    else:
+        closed_pipe.reconfigure(line_buffering=True)  # each line written as it is printed
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+    assert main(argv) == 0
+    assert (out / "results.md").exists() and not (out / "samples.partial.jsonl").exists()
+    if stdout == "ascii":
+        assert b"| caf\\xe9 | 0 | ar |" in ascii_stdout.buffer.getvalue()
+
+
 def test_chat_is_refused_by_flag_for_a_tokenizer_without_a_template(checkpoints, tmp_path, capsys):
     plain = with_tokenizer(checkpoints.get("qwen3")[0], tmp_path / "plain", chat=False)
     argv = ["--prompts", str(_prompt_file(tmp_path, ["Hi"])), "--target", str(plain)]
@@ -657,6 +688,34 @@ def test_load_test_counts_a_malformed_stream_event_as_a_failed_request(capsys):
         result = run_load(url, "m", ["Hi"], concurrency=1, requests=2)
     assert (result.requests, result.errors) == (2, 2)
     assert "2 of 2 requests at concurrency 1 failed: a malformed event" in capsys.readouterr().err
+
+
+def test_load_test_help_prints_on_an_ascii_stdout(monkeypatch):
+    """The help (the module's doc, with arrows) under PYTHONIOENCODING=ascii: escaped."""
+    from jetspec_jax.bench.load import main as load_main
+
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    with pytest.raises(SystemExit) as exited:
+        load_main(["--help"])
+    sys.stdout.flush()
+    assert exited.value.code == 0 and b"\\u2192" in sys.stdout.buffer.getvalue()
+
+
+def test_load_test_into_a_closed_pipe_still_writes_its_results(tmp_path, monkeypatch, closed_pipe):
+    """`python -m jetspec_jax.bench.load ... --out F | head -1` (PYTHONUNBUFFERED): the table's
+    print fails once the reader has gone; --out gets the results all the same."""
+    from jetspec_jax.bench.load import main as load_main
+
+    def answer(body, out):
+        out.write(_events({"choices": [{"text": "a"}]}, USAGE))
+
+    out = tmp_path / "load.jsonl"
+    closed_pipe.reconfigure(line_buffering=True)  # each line written as it is printed
+    monkeypatch.setattr(sys, "stdout", closed_pipe)
+    with _event_stream_server(answer) as url:
+        argv = ["--url", url, "--model", "m", "--completions", "--concurrency", "1,2"]
+        assert load_main([*argv, "--requests", "2", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 2
 
 
 def test_load_test_times_the_first_token_not_the_role_chunk():

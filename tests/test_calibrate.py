@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 
 import jax
@@ -539,6 +540,24 @@ def test_a_report_that_fails_to_write_costs_not_the_fit(setup, tmp_path, monkeyp
     assert f"is saved in {tmp_path / 'out'}" in err
     assert jetspec_jax.load_draft(tmp_path / "out", target).calibration is not None
     assert not report.exists()
+
+
+def test_a_closed_stdout_costs_not_the_fit(setup, tmp_path, monkeypatch, capsys, closed_pipe):
+    """`train.py calibrate ... | head -1` (PYTHONUNBUFFERED): the figures' print fails once the
+    reader has gone; the calibration is saved all the same, and the run ends quietly (its work
+    done: status 0; a write that fails after the save ends it with SIGPIPE's, 141)."""
+    target, draft, records = setup
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["calibrate", "--target", str(target.save(tmp_path / "target"))]
+    argv += ["--draft", str(draft.save(tmp_path / "pp")), "--data", str(data), "--out"]
+    # The rounds of the temperatures' test above: its compiled programs, not new ones.
+    argv += [str(tmp_path / "out"), "--num-rounds", "48", "--anchors-per-sequence", "8"]
+    closed_pipe.reconfigure(line_buffering=True)  # each line written as it is printed
+    monkeypatch.setattr(sys, "stdout", closed_pipe)
+    assert train.main([*argv, "--replacement-confidence", "0"]) == 0
+    assert capsys.readouterr().err == ""
+    assert jetspec_jax.load_draft(tmp_path / "out", target).calibration is not None
 
 
 def test_distinct_sequences_keep_the_first_of_each():

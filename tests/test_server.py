@@ -1505,6 +1505,38 @@ def test_serve_py_generate_into_a_closed_pipe_ends_quietly(target_dir, monkeypat
         assert capsys.readouterr().err == ""
 
 
+def test_serve_py_generate_into_an_ascii_stdout_escapes_what_it_cannot_encode(
+    target_dir, monkeypatch, capsys
+):
+    """`PYTHONIOENCODING=ascii serve.py generate ...` (or a latin-1 locale): text the stream
+    cannot encode comes out escaped, as on stderr, not as a UnicodeEncodeError mid-completion."""
+    from jetspec_jax.serving.detokenize import IncrementalDetokenizer
+
+    push = IncrementalDetokenizer.push
+    monkeypatch.setattr(IncrementalDetokenizer, "push", lambda self, t: push(self, t) + "é—")
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    argv = ["generate", "P", "--target", str(target_dir), "--max-new-tokens", "2"]
+    assert serve_py.main(argv) == 0
+    stdout.flush()
+    assert b"\\xe9\\u2014" in stdout.buffer.getvalue()
+
+
+def test_serve_py_generate_names_a_closed_or_undecodable_stdin(monkeypatch, capsys):
+    """`serve.py generate - <&-`: Python has no stdin at all; an error naming it, no traceback."""
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(sys, "stdin", None)
+    assert serve_py.main(["generate", "-"]) == 2
+    assert "error: '-' reads the prompt from stdin, which is closed" in capsys.readouterr().err
+    # A UTF-8 locale's stdin decodes strictly: bytes that are not UTF-8 are named as stdin's.
+    monkeypatch.setattr(
+        sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait"), encoding="utf-8")
+    )
+    assert serve_py.main(["generate", "-"]) == 2
+    message = "error: the prompt read from stdin is not UTF-8 text (invalid continuation byte at"
+    assert message in capsys.readouterr().err
+
+
 def test_serve_py_takes_the_model_flags_before_or_after_generate():
     def parse(*argv):
         return vars(serve_py._parser().parse_args(argv))

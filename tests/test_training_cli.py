@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -641,6 +642,69 @@ def test_an_interrupt_is_reported_in_one_line(monkeypatch, capsys):
     monkeypatch.setitem(train.COMMANDS, "export", interrupted)
     assert train.main(["export", "--draft", "D", "--out", "O"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["at-the-print", "at-the-exit-flush"])
+def test_output_into_a_closed_pipe_ends_quietly(monkeypatch, capsys, closed_pipe, flush):
+    """`train.py evaluate ... | head -c 1`: not `error: [Errno 32] Broken pipe` with bad input's
+    status 2, but a SIGPIPE death's status and nothing on stderr, whether the write fails at the
+    print (PYTHONUNBUFFERED) or at the flush after the command."""
+    import train
+
+    def prints(args):
+        print("tau 1.000", flush=flush)
+        return 0
+
+    monkeypatch.setitem(train.COMMANDS, "export", prints)
+    monkeypatch.setattr(sys, "stdout", closed_pipe)
+    assert train.main(["export", "--draft", "D", "--out", "O"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_output_an_ascii_stdout_cannot_encode_is_escaped(monkeypatch, capsys):
+    """`PYTHONIOENCODING=ascii train.py export --out runs/café`: the closing line names the path
+    escaped (as stderr would), not `error: 'ascii' codec can't encode` with status 2 after the
+    export was written."""
+    import train
+
+    monkeypatch.setitem(train.COMMANDS, "export", lambda args: print("saved in runs/café") or 0)
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert train.main(["export", "--draft", "D", "--out", "O"]) == 0
+    stdout.flush()
+    assert stdout.buffer.getvalue() == b"saved in runs/caf\\xe9\n"
+    assert capsys.readouterr().err == ""
+
+
+def test_a_ctrl_c_in_a_collections_weakref_callback_is_not_lost():
+    """Python drops an exception raised in a weakref callback or finalizer the collector runs
+    too (garbage earlier work left): the interrupt is raised once the collection has ended."""
+    import gc
+    import signal
+    import time
+    import weakref
+
+    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
+
+    class Node:
+        pass
+
+    def on_collected(_):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(10))  # Python code: the handler runs here, in the collection
+
+    node = Node()
+    node.cycle = node  # freed by the collector, not by its reference count
+    ref = weakref.ref(node, on_collected)  # noqa: F841 (kept alive: its callback must run)
+    del node
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        raise_interrupts_outside_gc_callbacks()
+        with pytest.raises(KeyboardInterrupt):
+            gc.collect()
+            time.sleep(2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_ctrl_c_during_a_garbage_collection_is_not_lost():

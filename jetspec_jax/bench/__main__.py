@@ -35,10 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
+    from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
     from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
     from jetspec_jax.prompting import has_chat_template, require_chat_template
 
+    escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
 
@@ -91,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         finished = f"the runs that finished are in {out / PARTIAL_SAMPLES}"
         print(f"interrupted: {finished if replaced else 'no run had finished'}", file=sys.stderr)
         return 130
-    print(markdown_table(summaries), end="")  # first: a failing write must not cost the figures
+    try:  # first: a failing write must not cost the figures
+        print(markdown_table(summaries), end="", flush=True)
+    except BrokenPipeError:  # stdout's reader went away (`| head`): the report is written all the
+        # same; stdout is pointed at /dev/null so that the flush at exit does not raise again
+        discard_stdout()
     try:
         paths = write_report(out, samples, summaries)
     except OSError as e:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
@@ -195,6 +197,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The load test's command line; returns the exit status."""
+    escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     args = _parser().parse_args(argv)
     from jetspec_jax.data.prompts import read_prompts
 
@@ -255,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown(results), end="")
+    try:
+        print(markdown(results), end="", flush=True)
+    except BrokenPipeError:  # stdout's reader went away (`| head`): --out is written all the
+        # same; stdout is pointed at /dev/null so that the flush at exit does not raise again
+        discard_stdout()
     if args.out:
         try:
             with open(args.out, "a", encoding="utf-8") as f:

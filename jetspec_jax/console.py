@@ -1,0 +1,21 @@
+"""Standard output for the command-line programs: text its encoding lacks, and a reader gone."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def escape_what_stdout_cannot_encode() -> None:
+    """Makes stdout write the characters its encoding lacks (PYTHONIOENCODING=ascii, a latin-1
+    locale) as backslash escapes, as stderr does, instead of failing mid-output. A stdout without
+    `reconfigure` (None: started with `>&-`; a stand-in) is left as it is."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
+def discard_stdout() -> None:
+    """Points stdout at /dev/null once its reader went away (`... | head`; Python ignores SIGPIPE,
+    so the write raised BrokenPipeError), so that later prints and the flush at exit do not raise
+    it again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
