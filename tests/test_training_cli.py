@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
 import pathlib
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -676,59 +680,48 @@ def test_output_an_ascii_stdout_cannot_encode_is_escaped(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_ctrl_c_during_a_garbage_collection_is_not_lost():
+    """Python drops an exception raised in a gc callback (JAX registers one): the interrupt is
+    raised once the callback has returned."""
+
+    def interrupted_collection(phase, info):
+        if phase == "start":
+            _interrupt_here()
+
+    gc.callbacks.append(interrupted_collection)
+    try:
+        _assert_a_collection_raises_the_interrupt()
+    finally:
+        gc.callbacks.remove(interrupted_collection)
+
+
 def test_a_ctrl_c_in_a_collections_weakref_callback_is_not_lost():
     """Python drops an exception raised in a weakref callback or finalizer the collector runs
     too (garbage earlier work left): the interrupt is raised once the collection has ended."""
-    import gc
-    import signal
-    import time
-    import weakref
-
-    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
     class Node:
         pass
 
-    def on_collected(_):
-        os.kill(os.getpid(), signal.SIGINT)
-        sum(range(10))  # Python code: the handler runs here, in the collection
-
     node = Node()
     node.cycle = node  # freed by the collector, not by its reference count
-    ref = weakref.ref(node, on_collected)  # noqa: F841 (kept alive: its callback must run)
+    ref = weakref.ref(node, lambda _: _interrupt_here())  # noqa: F841 (kept: its callback runs)
     del node
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        raise_interrupts_outside_gc_callbacks()
-        with pytest.raises(KeyboardInterrupt):
-            gc.collect()
-            time.sleep(2)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    _assert_a_collection_raises_the_interrupt()
 
 
-def test_a_ctrl_c_during_a_garbage_collection_is_not_lost():
-    """Python drops an exception raised in a gc callback (JAX registers one): the interrupt is
-    raised once the callback has returned."""
-    import gc
-    import signal
-    import time
+def _interrupt_here():
+    os.kill(os.getpid(), signal.SIGINT)
+    sum(range(10))  # Python code: the handler runs here
 
+
+def _assert_a_collection_raises_the_interrupt():
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def interrupted_collection(phase, info):
-        if phase == "start":
-            os.kill(os.getpid(), signal.SIGINT)
-            sum(range(10))  # Python code: the handler runs here, in the callback
-
-    gc.callbacks.append(interrupted_collection)
     try:
         raise_interrupts_outside_gc_callbacks()
         with pytest.raises(KeyboardInterrupt):
             gc.collect()
             time.sleep(2)
     finally:
-        gc.callbacks.remove(interrupted_collection)
         signal.signal(signal.SIGINT, previous)
