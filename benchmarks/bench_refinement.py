@@ -50,7 +50,13 @@ EVAL_DIR = ROOT.parent / "shared" / "data" / "eval"
 import numpy as np  # noqa: E402
 
 import jetspec_jax  # noqa: E402
-from benchmarks.report import BENCHMARKS_MD, changed_flags, machine_line, publish  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    BENCHMARKS_MD,
+    changed_flags,
+    machine_line,
+    publish,
+    refuse_repeats,
+)
 from jetspec_jax.bench.datasets import load_dataset  # noqa: E402
 from jetspec_jax.data.jsonl import trim_partial_last_line  # noqa: E402
 from jetspec_jax.decoding.options import DecodingOptions  # noqa: E402
@@ -193,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--rules", rules),
         ("--foresight", budget_texts),
     ):
-        twice = sorted({value for value in values if values.count(value) > 1})
-        if twice:  # each names a table row or column: a repeat would run and print it twice
-            parser.error(f"{flag}: {', '.join(twice)} given twice")
+        refuse_repeats(parser, flag, values)
     set_paths = {name: args.eval_dir / f"{name}.jsonl" for name in sets}
     for name, path in set_paths.items():
         if not path.is_file():

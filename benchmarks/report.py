@@ -66,8 +66,7 @@ def int_list(
     distinct: bool = True,
 ) -> list[int]:
     """`text`'s comma-separated integers, each in `[minimum, maximum]` and, when `distinct`, none
-    given twice (each names a row of the table: a repeat would run and print it twice); else
-    `parser.error` naming `flag`."""
+    given twice (`refuse_repeats`); else `parser.error` naming `flag`."""
     try:
         values = [int(value) for value in text.split(",")]
     except ValueError:
@@ -76,10 +75,17 @@ def int_list(
         if value < minimum or (maximum is not None and value > maximum):
             bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
             parser.error(f"{flag} {text!r}: each must be {bounds}, got {value}")
-    twice = sorted({value for value in values if values.count(value) > 1})
-    if distinct and twice:
-        parser.error(f"{flag}: {', '.join(map(str, twice))} given twice")
+    if distinct:
+        refuse_repeats(parser, flag, values)
     return values
+
+
+def refuse_repeats(parser: argparse.ArgumentParser, flag: str, values: list) -> None:
+    """`parser.error` naming `flag` and each of its `values` given twice: each names a row or
+    column of a table, which a repeat would run and print twice."""
+    twice = sorted({value for value in values if values.count(value) > 1})
+    if twice:
+        parser.error(f"{flag}: {', '.join(map(str, twice))} given twice")
 
 
 def changed_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:

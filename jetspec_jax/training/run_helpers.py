@@ -195,9 +195,15 @@ def export_holds(read_saved: Callable[[], dict | None], params) -> bool:
             holds = a_tree == b_tree and all(
                 np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b, strict=True)
             )
+    return process_0s(holds)
+
+
+def process_0s(flag: bool) -> bool:
+    """Process 0's `flag` on every process (a collective: every process must call it), so that
+    all take the branch of the process that alone reads or writes the run's files."""
     if jax.process_count() > 1:
-        holds = bool(multihost_utils.broadcast_one_to_all(np.int32(holds)))
-    return holds
+        flag = bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+    return flag
 
 
 def with_host_params(model):

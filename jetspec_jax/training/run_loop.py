@@ -32,7 +32,7 @@ from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.file_lock import exclusively
 from jetspec_jax.training.config import RunConfig
 from jetspec_jax.training.differences import leaf_differences
-from jetspec_jax.training.run_helpers import Throughput
+from jetspec_jax.training.run_helpers import Throughput, process_0s
 
 logger = logging.getLogger(__name__)
 
@@ -231,9 +231,7 @@ def refused_alike(refusal: str) -> Iterator[None]:
         yield
     except (ValueError, OSError) as e:
         error = e
-    failed = error is not None
-    if jax.process_count() > 1:
-        failed = bool(multihost_utils.broadcast_one_to_all(np.int32(failed)))
+    failed = process_0s(error is not None)
     if error is not None:
         raise error
     if failed:
@@ -399,9 +397,7 @@ def logged(run_dir: pathlib.Path, step: int, key: str) -> bool:
     if jax.process_index() == 0 and path.exists():
         lines = path.read_text(encoding="utf-8").split("\n")
         found = any(r["step"] == step and key in r for _, r in _metric_rows(path, lines))
-    if jax.process_count() > 1:
-        found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
-    return found
+    return process_0s(found)
 
 
 def drop_rows_after(path: pathlib.Path, step: int) -> None:
