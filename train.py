@@ -247,12 +247,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         seed=args.seed,
     )
-    from jetspec_jax.console import discard_stdout
+    from jetspec_jax.console import reader_may_leave
 
-    try:
+    with reader_may_leave():  # `| head`: the fit is saved all the same
         _print_calibration(result, f"J{args.refine_passes}-R{args.refreshes}")
-    except BrokenPipeError:  # stdout's reader went away (`| head`): the fit is saved all the same
-        discard_stdout()
     # The figures above are printed even if a write fails. The checkpoint first: a report that
     # fails (its place was checked above, but a disk may fill) must not cost the fit. Saved in
     # the checkpoint's own dtype (a bfloat16 target must not round fp32 weights).

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 
 def escape_what_stdout_cannot_encode() -> None:
@@ -19,3 +21,14 @@ def discard_stdout() -> None:
     so the write raised BrokenPipeError), so that later prints and the flush at exit do not raise
     it again."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Runs output (flushed within the block) whose reader may have gone (`... | head`): then
+    stdout is discarded (`discard_stdout`) and the work after the block goes on, a calibration
+    or a report saved all the same."""
+    try:
+        yield
+    except BrokenPipeError:
+        discard_stdout()

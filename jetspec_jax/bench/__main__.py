@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
-    from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
+    from jetspec_jax.console import escape_what_stdout_cannot_encode, reader_may_leave
     from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
     from jetspec_jax.prompting import has_chat_template, require_chat_template
@@ -93,11 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         finished = f"the runs that finished are in {out / PARTIAL_SAMPLES}"
         print(f"interrupted: {finished if replaced else 'no run had finished'}", file=sys.stderr)
         return 130
-    try:  # first: a failing write must not cost the figures
+    with reader_may_leave():  # first: a failing write must not cost the figures
         print(markdown_table(summaries), end="", flush=True)
-    except BrokenPipeError:  # stdout's reader went away (`| head`): the report is written all the
-        # same; stdout is pointed at /dev/null so that the flush at exit does not raise again
-        discard_stdout()
     try:
         paths = write_report(out, samples, summaries)
     except OSError as e:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
+from jetspec_jax.console import escape_what_stdout_cannot_encode, reader_may_leave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,11 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
+    with reader_may_leave():  # `| head`: --out is written all the same
         print(markdown(results), end="", flush=True)
-    except BrokenPipeError:  # stdout's reader went away (`| head`): --out is written all the
-        # same; stdout is pointed at /dev/null so that the flush at exit does not raise again
-        discard_stdout()
     if args.out:
         try:
             with open(args.out, "a", encoding="utf-8") as f:
