@@ -10,24 +10,31 @@ import tempfile
 
 # The tests run tiny models, so XLA's compile time dominates their cost: turn the CPU backend's
 # LLVM optimisations down (about a third less CPU time), and emit fusions with the classic
-# emitters instead of the MLIR fusion emitters (a third less again: these compile slower).
-# Numerics are unchanged (fast-math stays off); set before the backend starts, and inherited by
-# the tests' subprocesses.
+# emitters instead of the MLIR fusion emitters (a third less again: these compile slower), in
+# one piece rather than split for threads (the two workers keep both cores busy: 6% less CPU
+# time, three runs side by side). Numerics are unchanged (fast-math stays off); set before the
+# backend starts, and inherited by the tests' subprocesses.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    + " --xla_cpu_use_fusion_emitters=false"
+    + " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 ).strip()
 
-# A persistent compilation cache private to the test session: a program compiled in one module
-# (or by the other xdist worker, or a CLI subprocess, which inherit these variables) is loaded,
-# not compiled again, after `_free_compiled_programs` clears the in-memory caches (about a tenth
-# less time side by side). The controller makes the directory before the workers start, and
-# removes it at exit: nothing is written outside the session.
-if "JETSPEC_TEST_XLA_CACHE" not in os.environ:
-    os.environ["JETSPEC_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jetspec-test-xla-")
-    atexit.register(shutil.rmtree, os.environ["JETSPEC_TEST_XLA_CACHE"], ignore_errors=True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JETSPEC_TEST_XLA_CACHE"]
+
+def _session_directory(variable: str) -> str:
+    """A directory private to the test session, shared by its xdist workers and subprocesses: the
+    controller makes it (before the workers start, which inherit `variable`) and removes it at
+    exit, so nothing is written outside the session."""
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=f"{variable.lower()}-")
+        atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+    return os.environ[variable]
+
+
+# A persistent compilation cache: a program compiled in one module (or by the other xdist worker,
+# or a CLI subprocess) is loaded, not compiled again, after `_free_compiled_programs` clears the
+# in-memory caches (about a tenth less time side by side).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _session_directory("JETSPEC_TEST_XLA_CACHE")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # tiny programs compile fast
 
 import jax  # noqa: E402
@@ -53,9 +60,11 @@ def _free_compiled_programs():
 
 
 @pytest.fixture(scope="session")
-def default_cache(tmp_path_factory) -> pathlib.Path:
-    """A private JETSPEC_JAX_CACHE for the session (the user's cache is never touched)."""
-    root = tmp_path_factory.mktemp("jetspec_cache")
+def default_cache() -> pathlib.Path:
+    """A private JETSPEC_JAX_CACHE for the session (the user's cache is never touched), shared by
+    the workers: the default model is converted once (a second worker waits for the first's
+    conversion, as `default_target_dir` promises), not once per worker."""
+    root = pathlib.Path(_session_directory("JETSPEC_TEST_DEFAULT_CACHE"))
     previous = os.environ.get("JETSPEC_JAX_CACHE")
     os.environ["JETSPEC_JAX_CACHE"] = str(root)
     yield root
