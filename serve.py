@@ -389,6 +389,8 @@ def _generate(args) -> int:
             raise ValueError(
                 "--system is a chat message: it needs the chat template (no --no-chat)"
             )
+        if sys.stdout is None:  # `>&-`: Python gives no stdout at all
+            raise ValueError("stdout is closed: generate writes the completion there")
         if args.prompt == "-" and sys.stdin is None:  # `<&-`: Python gives no stdin at all
             raise ValueError(
                 "'-' reads the prompt from stdin, which is closed: give the prompt as an argument"

@@ -1523,8 +1523,15 @@ def test_serve_py_generate_into_an_ascii_stdout_escapes_what_it_cannot_encode(
 
 
 def test_serve_py_generate_names_a_closed_or_undecodable_stdin(monkeypatch, capsys):
-    """`serve.py generate - <&-`: Python has no stdin at all; an error naming it, no traceback."""
+    """`serve.py generate - <&-`: Python has no stdin at all; an error naming it, no traceback,
+    before the model loads. The same for `>&-`, which leaves nowhere to write the completion."""
     monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    with monkeypatch.context() as closed:
+        closed.setattr(sys, "stdout", None)
+        assert serve_py.main(["generate", "hi"]) == 2
+    assert "error: stdout is closed: generate writes the completion there" in (
+        capsys.readouterr().err
+    )
     monkeypatch.setattr(sys, "stdin", None)
     assert serve_py.main(["generate", "-"]) == 2
     assert "error: '-' reads the prompt from stdin, which is closed" in capsys.readouterr().err
