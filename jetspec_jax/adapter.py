@@ -6,7 +6,13 @@ import dataclasses
 
 from jetspec_jax import random_streams
 from jetspec_jax.checkpoint.adapter_files import adapter_tensor_specs
-from jetspec_jax.draft import Draft, check_init_std, layers_like_target, random_params
+from jetspec_jax.draft import (
+    Draft,
+    check_init_seed,
+    check_init_std,
+    layers_like_target,
+    random_params,
+)
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.target import DTYPES
 
@@ -44,17 +50,18 @@ def init_adapter(
         intermediate_size: MLP width of the adapter layers; None: the target's.
         init_std: standard deviation of the kernels (norm scales 1, biases 0). Small values start
             every module near the identity: level m-1 states as the guess for level m.
-        seed: seed of `jax.random`.
+        seed: seed of `jax.random`, in [0, 2**32).
 
     Raises:
         ValueError: `layers_per_module` does not give each of the draft's taps >= 1 layer
-            (`AdapterConfig`), `intermediate_size` is < 1, or `init_std` is not a finite
-            number >= 0.
+            (`AdapterConfig`), `intermediate_size` is < 1, `init_std` is not a finite
+            number >= 0, or `seed` is not an integer in [0, 2**32).
     """
     config = adapter_config(
         draft, layers_per_module=layers_per_module, intermediate_size=intermediate_size
     )
     init_std = check_init_std(init_std)
+    seed = check_init_seed(seed)
     key = random_streams.stream(seed, random_streams.ADAPTER_INIT)
     params = random_params(adapter_tensor_specs(config), key, init_std, DTYPES[draft.dtype])
     return Adapter(config=config, params=params, dtype=draft.dtype)

@@ -281,13 +281,21 @@ def init_draft(target: Target, *, init_std: float = 0.02, seed: int = 0, **archi
             a finite number >= 0.
     """
     config = draft_config(target, **architecture)
-    seed = check_int("seed", seed, 0)
-    if seed >= 2**32:
-        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    seed = check_init_seed(seed)
     init_std = check_init_std(init_std)
     key = random_streams.stream(seed, random_streams.DRAFT_INIT)
     params = random_params(draft_tensor_specs(config), key, init_std, DTYPES[target.dtype])
     return Draft(config=config, params=params, dtype=target.dtype, target_config=target.config)
+
+
+def check_init_seed(seed) -> int:
+    """`seed` as an int, after checking it is an integer in [0, 2**32), as the training config's
+    `optim.seed` is (ValueError otherwise: `jax.random.key` would wrap -1 or 2**32 + s onto
+    another seed's key without a word, and raise an OverflowError from 2**63 on)."""
+    seed = check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    return seed
 
 
 def check_init_std(init_std) -> float:

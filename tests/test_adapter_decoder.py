@@ -106,6 +106,23 @@ def test_adapter_config_is_the_architecture_init_adapter_builds(target):
         assert adapter_config(draft, **settings) == init_adapter(draft, **settings).config
 
 
+@pytest.mark.parametrize(
+    "seed, message",
+    [
+        (-1, "seed must be an integer >= 0, got -1"),  # jax.random.key: 2**32 - 1's key
+        (2**32 + 5, "seed must be in \\[0, 2\\*\\*32\\)"),  # jax.random.key: 5's key
+        (2**63, "seed must be in \\[0, 2\\*\\*32\\)"),  # jax.random.key: an OverflowError
+        (True, "seed must be an integer >= 0, got True"),
+        (1.5, "seed must be an integer >= 0, got 1.5"),
+    ],
+)
+def test_init_adapter_names_a_bad_seed(target, seed, message):
+    """Refused as `init_draft` refuses it, not drawn with another seed's key."""
+    draft = jetspec_jax.init_draft(target, num_layers=1, target_layer_ids=(0, 2), block_size=4)
+    with pytest.raises(ValueError, match=message):
+        init_adapter(draft, seed=seed)
+
+
 def test_adapter_decode_path_equals_training_path(target):
     """Predicting a block from the incremental context cache == the all-anchors training
     forward at that block's anchor (both are causal and see only the context before it)."""
