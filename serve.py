@@ -287,6 +287,11 @@ def _check_before_loading(args, *, server: bool) -> None:
     load)."""
     from jetspec_jax.flag_paths import require_paths
 
+    if server and args.warmup and min(args.reserve_prompt_tokens, args.reserve_new_tokens) < 1:
+        raise ValueError(  # by flag: ServerConfig names its fields
+            "--warmup compiles the programs of requests within the reserve: give "
+            "--reserve-prompt-tokens and --reserve-new-tokens"
+        )
     if args.method == "ar" and args.draft:
         raise ValueError(
             f"--method ar decodes without a draft: drop --draft {args.draft}, or pass the "

@@ -1648,6 +1648,14 @@ def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):
     assert {name: getattr(config, name) for name in given} == given
 
 
+@pytest.mark.parametrize("reserve", [[], ["--reserve-prompt-tokens", "64"]])
+def test_serve_py_warmup_without_a_reserve_names_the_flags(reserve, monkeypatch, capsys):
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    assert serve_py.main(["--method", "ar", "--warmup", *reserve]) == 2
+    message = "give --reserve-prompt-tokens and --reserve-new-tokens"
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
 def test_serve_py_refuses_a_port_out_of_range(port, capsys):
     with pytest.raises(SystemExit) as exited:
