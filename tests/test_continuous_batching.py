@@ -7,8 +7,10 @@ the chunk boundary's joins), so every test here is deterministic.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -247,6 +249,34 @@ def test_a_full_size_batch_takes_a_joiner_while_more_wait(target):
     client, scheduler = _serve(target, [("long", [5, 6, 7], 16)], then, max_batch_size=2)
     assert client.order.index("a") < client.order.index("long")
     assert _count(scheduler, "jetspec_joined_requests_total") == 2 and _batches(scheduler) == 1
+
+
+def test_a_batch_that_jobs_keep_joining_keeps_no_job_it_answered(target):
+    """Under steady load a batch runs for as long as jobs join it (a server's for days): it
+    must not hold the jobs it answered (each holds its prompt and its client's delivery
+    callback). Nine short jobs go through the three rows beside a long one, each submitted as
+    the one before it gets its first tokens; when the last joins, the first six, answered and
+    their rows taken by others, are gone while the long job still decodes."""
+    shorts, gone = [], []
+
+    def submit_short(i):
+        def submit(client):
+            name = f"s{i}"
+            client.submit(name, [8, 9, i], 2)
+            shorts.append(weakref.ref(client.jobs.pop(name)))  # the scheduler's alone
+            client.then[name] = [submit_short(i + 1) if i < 8 else check]
+
+        return submit
+
+    def check(client):
+        assert "long" not in client.order  # the batch still runs
+        gc.collect()
+        gone.extend(ref() is None for ref in shorts[:6])
+
+    long = [("long", [5, 6, 7], 16)]
+    _, scheduler = _serve(target, long, {"long": [submit_short(0)]}, answers=10)
+    assert _count(scheduler, "jetspec_joined_requests_total") == 9 and _batches(scheduler) == 1
+    assert gone == [True] * 6
 
 
 def test_no_job_joins_while_the_scheduler_is_held(target):

@@ -396,8 +396,13 @@ class Scheduler:
         worker thread. Returns the unfinished jobs that received nothing, in order (they can be
         retried), and how many jobs the attempt served."""
         m = self.metrics
-        jobs = list(batch)  # the batch's jobs, then those that joined it, in order
-        unfinished, streamed = set(batch), set()
+        # The unfinished jobs, in order (the batch's, then those that joined it; a dict as an
+        # ordered set), and those of them that received tokens. An answered job leaves both: a
+        # batch that jobs keep joining runs for as long as they come (steady load), and must not
+        # hold every job it ever served (its prompt, its client's delivery callback and queue).
+        unfinished: dict[Job, None] = dict.fromkeys(batch)
+        streamed: set[Job] = set()
+        served = len(batch)
 
         def tokens(job: Job, new_tokens: list[int]) -> None:
             streamed.add(job)
@@ -409,11 +414,13 @@ class Scheduler:
             if len(result.acceptance_lengths) > 1:
                 m.tau.observe(result.tau)
             self._answer(job, Finished(result))
-            unfinished.discard(job)
+            unfinished.pop(job, None)
+            streamed.discard(job)
 
         def joined(job: Job) -> None:
-            jobs.append(job)
-            unfinished.add(job)
+            nonlocal served
+            served += 1
+            unfinished[job] = None
             m.joined.inc()
             m.phase_seconds.labels("queue").observe(time.perf_counter() - job.submitted_at)
 
@@ -429,12 +436,12 @@ class Scheduler:
             m.phase_seconds.labels("prefill").observe(timing.prefill_seconds)
             m.phase_seconds.labels("decode").observe(timing.decode_seconds)
         except Exception:
-            logger.exception("serving a batch of %d requests failed", len(jobs))
-            for job in jobs:
-                if job in unfinished and job in streamed:
+            logger.exception("serving a batch of %d requests failed", served)
+            for job in unfinished:
+                if job in streamed:
                     self._answer(job, Failed(500, FAILED_MESSAGE))
-            return [job for job in jobs if job in unfinished and job not in streamed], len(jobs)
-        return [], len(jobs)
+            return [job for job in unfinished if job not in streamed], served
+        return [], served
 
     def _answer(self, job: Job, event: Finished | Failed) -> None:
         """Gives `job` its last event, once it has left the running count: a client that reads
