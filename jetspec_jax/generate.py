@@ -335,7 +335,7 @@ class TokenStream:
                 session.start()
             elif session.done:
                 self.result = session.results()[0]
-                self._closed = True
+                self.close()
                 break
             else:
                 session.advance(self._chunk_steps)
@@ -347,10 +347,15 @@ class TokenStream:
     def close(self) -> None:
         """Stops decoding early; `result` then holds the tokens so far ("cancelled"), or stays
         None if no chunk was requested (decoding never started)."""
+        if self._session is None:
+            return
         if self.result is None and self._session.started:
             self._session.cancel(0)
             self.result = self._session.results()[0]
         self._closed = True
+        # The session holds the row's device state (its cache, sized by the prompt and the
+        # budget): a stream kept for its `result` must not keep that on the device.
+        self._session = None
 
 
 def stream(

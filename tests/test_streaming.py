@@ -3,6 +3,8 @@ incremental detokenization across chunk boundaries."""
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import numpy as np
 import pytest
@@ -96,6 +98,28 @@ def test_closing_a_stream_cancels_it(target, prompts):
     unstarted = jetspec_jax.stream(target, prompts[0], max_new_tokens=N_NEW)
     unstarted.close()  # before any chunk: nothing decoded, nothing to iterate
     assert list(unstarted) == [] and unstarted.result is None
+
+
+def test_a_stream_kept_for_its_result_holds_no_device_state(target, prompts):
+    """Exhausted or closed, a stream kept (for its `result`) holds none of its session's device
+    arrays: its cache, sized by the prompt and the budget, would stay on the device per stream."""
+
+    def live() -> int:
+        gc.collect()
+        return len(jax.live_arrays())
+
+    kwargs = dict(chunk_steps=4, max_new_tokens=N_NEW, stop_token_ids=[])
+    list(jetspec_jax.stream(target, prompts[0], **kwargs))  # compiled: its constants stay
+    before = live()
+    exhausted = jetspec_jax.stream(target, prompts[0], **kwargs)
+    list(exhausted)
+    closed = jetspec_jax.stream(target, prompts[1], **kwargs)
+    next(closed)
+    closed.close()
+    assert live() == before
+    assert exhausted.result.finish_reason == "length" and list(exhausted) == []
+    assert closed.result.finish_reason == "cancelled" and list(closed) == []
+    closed.close()  # again: a no-op
 
 
 def test_stream_validates_before_the_first_token(target):
