@@ -317,9 +317,8 @@ class TokenStream:
     """
 
     def __init__(self, session: DecodeSession, chunk_steps: int):
-        self._session = session
+        self._session: DecodeSession | None = session  # None once exhausted or closed
         self._chunk_steps = chunk_steps
-        self._closed = False
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TokenStream:
@@ -329,8 +328,7 @@ class TokenStream:
         # Each step reads the session's state afresh (no generator, which an exception would
         # end): after an exception inside a step (Ctrl-C during a chunk), iterating again goes
         # on from where the device got to, its tokens still to come.
-        session = self._session
-        while not self._closed:
+        while (session := self._session) is not None:
             if not session.started:
                 session.start()
             elif session.done:
@@ -347,12 +345,12 @@ class TokenStream:
     def close(self) -> None:
         """Stops decoding early; `result` then holds the tokens so far ("cancelled"), or stays
         None if no chunk was requested (decoding never started)."""
-        if self._session is None:
+        session = self._session
+        if session is None:
             return
-        if self.result is None and self._session.started:
-            self._session.cancel(0)
-            self.result = self._session.results()[0]
-        self._closed = True
+        if self.result is None and session.started:
+            session.cancel(0)
+            self.result = session.results()[0]
         # The session holds the row's device state (its cache, sized by the prompt and the
         # budget): a stream kept for its `result` must not keep that on the device.
         self._session = None
