@@ -130,6 +130,16 @@ def test_use_sliding_window_without_a_sliding_layer_loads_as_full_attention(
         )
 
 
+def test_qwen_sliding_window_fields_in_a_llama_config_load_as_full_attention(checkpoints, tmp_path):
+    """`use_sliding_window` / `max_window_layers` are Qwen fields: transformers' Llama ignores
+    them and attends in full, so they are no reason to refuse a Llama checkpoint."""
+    path, _ = _copy(checkpoints, tmp_path, "llama")
+    _edit_config(path, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    target = jetspec_jax.load_target(path)
+    np.testing.assert_allclose(np.asarray(target.logits(IDS)), _hf_logits(model), atol=1e-4, rtol=0)
+
+
 def test_linear_rope_scaling_matches_transformers(tmp_path):
     """Position interpolation (`rope_type: linear`, factor 4) over 300 positions, where a wrong
     factor moves every rotation. llama3's fields in the dict are unused, so not kept: the

@@ -130,12 +130,15 @@ def _refuse_sliding_window(hf: dict[str, Any], model_type: str) -> None:
     'sliding_attention' layers use it; absent `layer_types`, those are the layers from
     `max_window_layers` on. So the flag with no such layer is full attention, and is accepted
     (`max_window_layers` >= the layer count, or `layer_types` listing full attention only). A
-    listed 'sliding_attention' layer is refused whatever the flag says.
+    listed 'sliding_attention' layer is refused whatever the flag says. The flag and
+    `max_window_layers` are Qwen fields: transformers' Llama ignores them (full attention).
     """
     # The hybrid's layer types are read and checked with its other fields.
     layer_types = hf.get("layer_types") if model_type != "qwen3_5" else None
     if isinstance(layer_types, list):
         windowed = "sliding_attention" in layer_types
+    elif model_type == "llama":
+        windowed = False
     else:
         layers, first = hf.get("num_hidden_layers"), hf.get("max_window_layers", 28)
         windowed = (
