@@ -99,6 +99,18 @@ def test_without_calibration_and_bf16(target, draft, tmp_path):
     assert jax.tree.leaves(loaded.adapter.params)[0].dtype == np.dtype("bfloat16")
 
 
+def test_load_adapter_refuses_an_unknown_dtype_by_name(draft, saved):
+    """`load_adapter`'s dtype is checked as `load_draft`'s: a ValueError naming the choices, not
+    a KeyError from the dtype table."""
+    adapter = adapter_files.load_adapter(saved / "adapter", draft, dtype="bfloat16")
+    assert adapter.dtype == "bfloat16"
+    for dtype in ("float16", "bf16"):
+        with pytest.raises(
+            ValueError, match=f"dtype must be one of float32, bfloat16, got '{dtype}'"
+        ):
+            adapter_files.load_adapter(saved / "adapter", draft, dtype=dtype)
+
+
 def test_draft_part_loads_as_plain_draft(target, draft, saved):
     plain = jetspec_jax.load_draft(saved / "draft", target)
     assert plain.adapter is None and plain.calibration is None

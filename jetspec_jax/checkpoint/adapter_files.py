@@ -169,10 +169,13 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
         CheckpointError: a missing or malformed `config.json` or weights (every missing,
             unexpected and mis-shaped tensor named), or an adapter that does not fit the draft:
             other tap layers than the draft reads, or another hidden size than the target's.
+        ValueError: `dtype` is neither "float32" nor "bfloat16" (before anything is read).
     """
     from jetspec_jax.adapter import Adapter  # jetspec_jax.adapter imports this module
-    from jetspec_jax.target import DTYPES
+    from jetspec_jax.target import DTYPES, check_dtype
 
+    dtype = draft.dtype if dtype is None else dtype
+    check_dtype(dtype)  # as load_draft: a ValueError naming the choices, not a KeyError
     path = pathlib.Path(path)
     config_file = path / CONFIG_FILE
     data = read_json(
@@ -189,7 +192,6 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
         validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
     except CheckpointError as e:
         raise CheckpointError(f"adapter {path}: {e}") from e
-    dtype = draft.dtype if dtype is None else dtype
     with TensorReader(located) as tensors:
         params = tree_from_tensors(specs, tensors, DTYPES[dtype])
     return Adapter(config=config, params=params, dtype=dtype)
