@@ -637,6 +637,35 @@ def test_a_prompt_file_as_training_data_is_refused_with_nothing_created(
     assert sorted(p.name for p in run.iterdir()) == ["draft"]
 
 
+def test_too_few_records_for_a_batch_are_refused_with_nothing_created(
+    checkpoints, tmp_path, capsys
+):
+    """Records that make no batch (tiny_cpu.yaml's are 4) are unusable data: refused before the
+    run directory is made, as unreadable data is."""
+    import train
+    from jetspec_jax.target import load_target
+
+    target_dir = checkpoints.get("qwen3")[0]
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    run = tmp_path / "run"
+    message = "error: 1 examples over 1 process(es) leave some process 1, fewer than one batch of 4"
+    assert train.main(["draft", *_tiny_config(target_dir, data, run)]) == 2
+    assert message in capsys.readouterr().err
+    assert not run.exists()
+    jetspec_jax.init_draft(load_target(target_dir), block_size=4).save(run / "draft")
+    assert train.main(["adapter", *_tiny_config(target_dir, data, run)]) == 2
+    assert message in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["draft"]
+    # Enough training records, too few held-out ones for the adapter's evaluation batch.
+    enough = tmp_path / "enough.jsonl"
+    enough.write_text(data.read_text() * 4)
+    held_out = ["--set", f"adapter.eval_files=[{data}]"]
+    assert train.main(["adapter", *_tiny_config(target_dir, enough, run), *held_out]) == 2
+    assert "adapter evaluation needs at least 4 records" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["draft"]
+
+
 def test_an_interrupt_is_reported_in_one_line(monkeypatch, capsys):
     import train
 

@@ -160,7 +160,6 @@ def train_adapter(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )
     eval_prompts = read_eval_prompts(config, target, records) if config.adapter.eval_tau else None
-    run_dir.mkdir(parents=True, exist_ok=True)  # once the draft and the data proved usable
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft, resuming=resuming)
     state, target_params, iterator, local_batch, global_batch = place_step_inputs(
@@ -185,6 +184,9 @@ def train_adapter(
     )
     sharding = batch_sharding(mesh)
     eval_batches = _eval_batches(config, local_batch, sharding, target.config.vocab_size, records)
+    # Once the draft and the data (training and evaluation records enough for a batch) proved
+    # usable.
+    run_dir.mkdir(parents=True, exist_ok=True)
     setup = dict(
         target=config.target,
         target_dtype=config.target_dtype,

@@ -124,7 +124,6 @@ def train(
     eval_prompts = read_eval_prompts(config, target, records)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target, resuming=resuming)
-    run_dir.mkdir(parents=True, exist_ok=True)  # once the data and the start draft proved usable
     state, target_params, iterator, _, global_batch = place_step_inputs(
         records,
         draft.params,
@@ -133,6 +132,8 @@ def train(
         max_length=config.data.max_length,
         mesh=mesh,
     )
+    # Once the data (enough records for a batch) and the start draft proved usable.
+    run_dir.mkdir(parents=True, exist_ok=True)
     # From here the steps read `state` and `target_params`: no device keeps the whole target or
     # the initial draft besides them (evaluation moves the target back while it runs).
     target, draft = with_host_params(target), with_host_params(draft)
