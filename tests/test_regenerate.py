@@ -476,6 +476,15 @@ def test_duplicate_ids_across_files_are_rejected(target, prompt_files, tmp_path)
         regenerate(target, [*prompt_files, dup], tmp_path / "out.jsonl")
 
 
+def test_a_prompt_file_given_twice_is_named_as_such(prompt_files):
+    """Not as an id duplicated within a line of itself (`at a.jsonl:1 and a.jsonl:1`)."""
+    a = prompt_files[0]
+    with pytest.raises(ValueError, match=f"prompt file {a} is given twice"):
+        read_records([a, prompt_files[1], a.parent / "." / a.name])
+    with pytest.raises(ValueError, match=f"prompt file {a} is given twice"):
+        read_records([str(a), str(a)])
+
+
 def test_missing_prompt_file_is_rejected(target, tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         regenerate(target, [tmp_path / "missing.jsonl"], tmp_path / "out.jsonl")

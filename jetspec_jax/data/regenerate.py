@@ -107,14 +107,23 @@ def read_records(
 
     Raises:
         FileNotFoundError: a prompt file does not exist.
-        ValueError: no prompt files or no records in them, a malformed record, or an id seen
-            twice (named).
+        ValueError: no prompt files or no records in them, a file given twice, a malformed
+            record, or an id seen twice (named).
     """
     if isinstance(prompt_files, (str, os.PathLike)):
         raise ValueError("prompt_files must be a list of paths, not a single path")
     if not prompt_files:
         raise ValueError("no prompt files given")
     _check_limit(limit)
+    # By real path (`a.jsonl`, `./a.jsonl` and a symlink are one file): else its every id is
+    # refused as a duplicate of itself, at the same file and line.
+    given: dict[str, str | os.PathLike] = {}  # real path -> the entry that named it first
+    for path in prompt_files:
+        real = os.path.realpath(path)
+        if real in given:
+            also = "" if str(given[real]) == str(path) else f" (as {given[real]} and {path})"
+            raise ValueError(f"prompt file {given[real]} is given twice{also}; give each file once")
+        given[real] = path
     suffixed = set(math_suffix_sources)
     records: list[PromptRecord] = []
     seen: dict[str, str] = {}  # id -> the path:line it was first seen at
