@@ -518,6 +518,25 @@ def test_a_mask_input_draft_is_refused_before_training(target, data_file, tmp_pa
     assert not (tmp_path / "run").exists()  # no empty run directory left behind
 
 
+def test_a_batch_the_mesh_does_not_split_is_refused_before_the_model_load(
+    draft, data_file, tmp_path, monkeypatch
+):
+    """The adapter's own `optim` section sets its batch: the refusal names that key, not the
+    draft's `optim.batch_size` (4 here, which the mesh splits), and comes before the load."""
+    monkeypatch.setattr(adapter_trainer, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    config = _config(data_file, tmp_path / "run")
+    config = dataclasses.replace(
+        config,
+        adapter=dataclasses.replace(
+            config.adapter, optim=dataclasses.replace(config.optim, batch_size=3)
+        ),
+        mesh=MeshConfig(data=2, fsdp=1),
+    )
+    with pytest.raises(ValueError, match=r"^adapter\.optim\.batch_size=3 must be a multiple"):
+        train_adapter(config, draft=draft)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_file, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 5}\n')

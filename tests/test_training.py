@@ -1579,6 +1579,10 @@ def test_missing_input_files_and_a_bad_seed_fail_before_the_model_load(tmp_path,
         trainer.train(config)
     with pytest.raises(ValueError, match="optim.seed"):
         load_train_config(path, ["optim.seed=-1"])
+    # A batch the mesh does not split (2 devices here).
+    config = load_train_config(path, [f"data.files=[{data}]", "optim.batch_size=3", "mesh.data=2"])
+    with pytest.raises(ValueError, match=r"^optim\.batch_size=3 must be a multiple of the mesh"):
+        trainer.train(config)
 
 
 def test_a_mesh_on_several_processes_takes_as_many_devices_of_each():

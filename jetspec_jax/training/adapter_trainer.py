@@ -46,6 +46,7 @@ from jetspec_jax.training.data import (
 )
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
+    batch_sizes,
     check_fits_context,
     check_input_files,
     check_run_dir_writable,
@@ -131,7 +132,8 @@ def train_adapter(
 
     Raises:
         ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft,
-            or `adapter.init_from` has another architecture than the section's.
+            `adapter.init_from` has another architecture than the section's, or the mesh does
+            not split the batch (checked before the target load).
         FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
             before the target load).
         CheckpointError: the draft directory is missing or does not fit the target, the draft
@@ -153,6 +155,10 @@ def train_adapter(
     else:  # its kind and fit checked before the target's weights load
         draft = trained_draft(config, draft, target)
     mesh = make_mesh(config.mesh)
+    # Its own section's batch size, else the top-level one (`adapter_optim`): refused if the
+    # mesh does not split it before the target's weights load.
+    section = "adapter.optim" if config.adapter.optim is not None else "optim"
+    batch_sizes((config.adapter.optim or config.optim).batch_size, mesh, section)
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     check_fits_context(config, target)
@@ -169,6 +175,7 @@ def train_adapter(
         optim,
         max_length=config.data.max_length,
         mesh=mesh,
+        section=section,
     )
     # The steps read `state` and `target_params`; the frozen target and draft serve evaluation
     # and export only, so they wait in host memory (moved to the device while an evaluation runs).

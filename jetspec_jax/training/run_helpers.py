@@ -121,15 +121,23 @@ class StepInputs(NamedTuple):
 
 
 def place_step_inputs(
-    records: list[dict], params, target_params, optim: OptimConfig, *, max_length: int, mesh
+    records: list[dict],
+    params,
+    target_params,
+    optim: OptimConfig,
+    *,
+    max_length: int,
+    mesh,
+    section: str = "optim",
 ) -> StepInputs:
     """The data iterator over `records` and step 0's state for the trained `params` (the draft's
     or the adapter's) with `optim`'s optimizer, and `target_params`, placed on `mesh`.
+    `section`: the config section `optim` came from, named in the refusal.
 
     Raises:
-        ValueError: `optim.batch_size` does not split evenly over the mesh and the processes.
+        ValueError: `<section>.batch_size` does not split evenly over the mesh and the processes.
     """
-    local_batch, global_batch = batch_sizes(optim.batch_size, mesh)
+    local_batch, global_batch = batch_sizes(optim.batch_size, mesh, section)
     dataset = training_dataset(
         records,
         batch_size=local_batch,
@@ -148,12 +156,13 @@ def place_step_inputs(
     )
 
 
-def batch_sizes(global_batch: int, mesh) -> tuple[int, int]:
-    """(per-process batch, global batch); the global batch must split evenly over processes."""
+def batch_sizes(global_batch: int, mesh, section: str = "optim") -> tuple[int, int]:
+    """(per-process batch, global batch); the global batch must split evenly over processes.
+    `section`: the config section holding the batch size (`optim` or `adapter.optim`)."""
     processes = jax.process_count()
     if global_batch % processes or global_batch % mesh.size:
         raise ValueError(
-            f"optim.batch_size={global_batch} must be a multiple of the mesh size "
+            f"{section}.batch_size={global_batch} must be a multiple of the mesh size "
             f"({mesh.size}) and of the process count ({processes})"
         )
     return global_batch // processes, global_batch

@@ -33,6 +33,7 @@ from jetspec_jax.training.data import read_regenerated
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.evaluate import prompts_tau
 from jetspec_jax.training.run_helpers import (
+    batch_sizes,
     check_fits_context,
     check_input_files,
     check_run_dir_writable,
@@ -113,6 +114,7 @@ def train(
     check_input_files(config, *start_files)
     check_run_dir_writable(config)
     mesh = make_mesh(config.mesh)
+    batch_sizes(config.optim.batch_size, mesh)  # a batch the mesh cannot split: before the load
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     check_fits_context(config, target)
