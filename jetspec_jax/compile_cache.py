@@ -8,11 +8,14 @@ it on: a program that owns its process does, by calling `enable_compile_cache`.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 import jax
 
 from jetspec_jax.default_model import cache_root
+
+logger = logging.getLogger(__name__)
 
 
 def enable_compile_cache() -> pathlib.Path | None:
@@ -21,10 +24,16 @@ def enable_compile_cache() -> pathlib.Path | None:
 
     Returns:
         The cache directory in use; None when the cache is switched off
-        (`JAX_ENABLE_COMPILATION_CACHE=false`).
+        (`JAX_ENABLE_COMPILATION_CACHE=false`), or when `cache_root()` cannot be found (no home
+        directory: logged as a warning; a program given its model's path still runs).
     """
     if not jax.config.jax_enable_compilation_cache:
         return None
     if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+        try:
+            root = cache_root()
+        except OSError as e:
+            logger.warning("%s; compiling without the persistent compilation cache", e.strerror)
+            return None
+        jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
     return pathlib.Path(jax.config.jax_compilation_cache_dir)

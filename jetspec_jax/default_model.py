@@ -45,12 +45,23 @@ _DRAFT_DIR = Path(__file__).resolve().parent / "assets" / "smollm2_135m_jetspec_
 
 def cache_root() -> Path:
     """Cache directory: ``$JETSPEC_JAX_CACHE``, else ``$XDG_CACHE_HOME/jetspec_jax``,
-    else ``~/.cache/jetspec_jax``."""
+    else ``~/.cache/jetspec_jax``.
+
+    Raises:
+        OSError: ``~`` cannot be expanded (no ``$HOME`` and no passwd entry, as for a
+            container's arbitrary uid), naming the variables that choose the directory.
+    """
     explicit = os.environ.get("JETSPEC_JAX_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "jetspec_jax"
+    path = Path(explicit) if explicit else Path(xdg) / "jetspec_jax"
+    try:
+        return path.expanduser()
+    except RuntimeError as e:  # pathlib's "Could not determine home directory."
+        raise OSError(
+            errno.ENOENT,
+            f"cannot find the cache directory {path} ({e}): set JETSPEC_JAX_CACHE "
+            "(or XDG_CACHE_HOME) to a writable directory",
+        ) from e
 
 
 def default_gguf_path() -> Path:
@@ -89,7 +100,8 @@ def default_target_dir(*, show_progress: bool | None = True) -> Path:
         CheckpointError: the cache path holds something other than a complete checkpoint (our
             converter only ever renames complete directories into place); delete it.
         ModuleNotFoundError, FileNotFoundError: the default model's package is missing or broken.
-        OSError: the cache cannot be written (named, with the variables that choose another).
+        OSError: the cache cannot be found or written (named, with the variables that choose
+            another).
     """
     target = cache_root() / _CACHE_SUBDIR
     if _is_complete(target):
@@ -168,8 +180,9 @@ def served_model_name(target_path: Path | None) -> str:
     built in memory)."""
     if target_path is None:
         return "jetspec"
-    if Path(target_path).resolve() == (cache_root() / _CACHE_SUBDIR).resolve():
-        return DEFAULT_MODEL_NAME
+    with contextlib.suppress(OSError):  # no cache directory (no home): not the default model's
+        if Path(target_path).resolve() == (cache_root() / _CACHE_SUBDIR).resolve():
+            return DEFAULT_MODEL_NAME
     return Path(target_path).resolve().name  # `--target .` is named by its directory too
 
 

@@ -343,6 +343,35 @@ def test_cache_root_resolution(monkeypatch, tmp_path):
     assert default_model.cache_root() == Path.home() / ".cache" / "jetspec_jax"
 
 
+def test_no_home_directory_names_the_variables_and_leaves_compiling_uncached(monkeypatch, tmp_path):
+    """No $HOME and no passwd entry (a container's arbitrary uid): `~` cannot be expanded. The
+    default model's cache is refused by name, a `--target` run compiles without the persistent
+    cache and is served under its directory's name, not a RuntimeError traceback."""
+    import pwd
+
+    import jax
+
+    from jetspec_jax.compile_cache import enable_compile_cache
+
+    for variable in ("JETSPEC_JAX_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(variable, raising=False)
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(OSError, match="cache directory ~/.cache/jetspec_jax .*set JETS"):
+        default_model.default_target_dir(show_progress=False)
+    assert default_model.served_model_name(tmp_path / "Llama") == "Llama"
+    previous = jax.config.jax_compilation_cache_dir  # the session's (conftest)
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert enable_compile_cache() is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
 def _write_gguf(
     path: Path,
     arch: str,
