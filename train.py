@@ -193,8 +193,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from jetspec_jax.checkpoint.atomic import check_can_write
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
     from jetspec_jax.checkpoint.roles import replaces_only
+    from jetspec_jax.target import load_target_config
     from jetspec_jax.training.calibrate import SETTING_NAMES, calibrate, check_settings
-    from jetspec_jax.training.calibration_rounds import distinct_sequences
+    from jetspec_jax.training.calibration_rounds import check_dense_target, distinct_sequences
     from jetspec_jax.training.data import read_regenerated
 
     # The settings `calibrate` refuses, refused now in the flags' terms, not after the loads.
@@ -222,6 +223,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     report_path = None if args.report is None else pathlib.Path(args.report)
     if report_path is not None:
         _check_report_path(report_path, out)
+    # A hybrid target is refused from its config, not after its weights load.
+    target_config = load_target_config(args.target)
+    try:
+        check_dense_target(target_config)
+    except ValueError as e:
+        raise ValueError(f"--target {args.target}: {e}") from None  # never the default: it is dense
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     records, repeats = distinct_sequences(
         read_regenerated(args.data, vocab_size=target.config.vocab_size)

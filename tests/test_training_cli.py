@@ -586,7 +586,34 @@ def test_a_wrong_draft_is_refused_by_flag_before_the_target_loads(
     assert train.main([*adapter, str(dflash)]) == 2
     message = f"error: --draft {dflash}: an adapter serves a token-input (jetspec++) draft's"
     assert message in capsys.readouterr().err
+    # DFlash's default taps for 2 draft layers of a 3-layer target go down: (1, 0).
+    shallow = jetspec_jax.init_draft(target, num_layers=2, block_size=4).save(tmp_path / "down")
+    assert train.main([*adapter, str(shallow)]) == 2
+    message = f"error: --draft {shallow}: an adapter chains the draft's taps from shallow to deep"
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_calibrate_refuses_a_hybrid_target_before_it_loads(
+    checkpoints, tmp_path, no_target_load, capsys
+):
+    """Calibration rounds cut the caches back, which a hybrid's recurrent state does not allow:
+    `--target` is refused from its config, not after its weights load (minutes at 27B)."""
+    import train
+
+    target_dir = checkpoints.get("qwen3_5")[0]
+    draft = tmp_path / "jetspec_pp"  # only the manifest is read before the target
+    draft.mkdir()
+    manifest = {"format": "jetspec_pp", "format_version": 1, "dtype": "float32"}
+    (draft / "jetspec_pp.json").write_text(
+        json.dumps({**manifest, "contents": ["draft", "adapter"]})
+    )
+    data = tmp_path / "held_out.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    argv = ["calibrate", "--target", str(target_dir), "--draft", str(draft), "--data", str(data)]
+    assert train.main(argv) == 2
+    message = f"error: --target {target_dir}: calibration rounds start every anchor from one prefix"
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

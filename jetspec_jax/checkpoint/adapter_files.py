@@ -198,12 +198,21 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
 
 
 def check_takes_an_adapter(draft_config) -> None:
-    """Refuses (CheckpointError) a mask-input (dflash, jetspec) draft's config: refreshes and
-    foresight, which an adapter serves, feed the draft tokens, not mask embeddings."""
+    """Refuses (CheckpointError) a draft config no adapter can serve: a mask-input (dflash,
+    jetspec) draft's (refreshes and foresight, which an adapter serves, feed the draft tokens,
+    not mask embeddings), or taps that are not strictly increasing (the adapter's chain runs
+    from shallow to deep; DFlash's default rule gives such taps for very shallow targets)."""
     if not draft_config.token_inputs:
         raise CheckpointError(
             f"an adapter serves a token-input (jetspec++) draft's refinement and foresight; this "
             f"draft is {draft_config.variant!r}"
+        )
+    taps = list(draft_config.target_layer_ids)
+    if taps != sorted(set(taps)):
+        raise CheckpointError(
+            f"an adapter chains the draft's taps from shallow to deep; this draft's "
+            f"target_layer_ids {taps} are not strictly increasing (train a draft with increasing "
+            "draft.target_layer_ids)"
         )
 
 

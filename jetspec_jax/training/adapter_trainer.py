@@ -137,8 +137,8 @@ def train_adapter(
         FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
             before the target load).
         CheckpointError: the draft directory is missing or does not fit the target, the draft
-            is not a token-input (jetspec++) draft, or `adapter.init_from` is no adapter or
-            predicts other taps.
+            is not a token-input (jetspec++) draft or its taps are not increasing, or
+            `adapter.init_from` is no adapter or predicts other taps.
     """
     run_dir = adapter_run_dir(config)
     resuming = has_checkpoint(run_dir)
@@ -304,8 +304,8 @@ def trained_draft(
     needed). It must take token inputs: refreshes feed the draft tokens, not mask embeddings.
 
     Raises:
-        CheckpointError: a mask-input (dflash, jetspec) draft, or the directory holds no draft
-            that fits the target.
+        CheckpointError: a mask-input (dflash, jetspec) draft, one whose taps are not
+            increasing, or the directory holds no draft that fits the target.
     """
     if target is None:
         target_config, dtype = load_target_config(config.target), config.target_dtype

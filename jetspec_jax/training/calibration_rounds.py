@@ -343,7 +343,14 @@ def _check_calibratable(target, draft, num_rounds: int, anchors_per_sequence: in
             f"num_rounds and anchors_per_sequence must be >= 1, got {num_rounds}, "
             f"{anchors_per_sequence}"
         )
-    if target.config.is_hybrid:  # refused now, not after the first jitted call (`_at_anchors`)
+    # Refused now, not after the first jitted call (`_at_anchors`).
+    check_dense_target(target.config)
+
+
+def check_dense_target(config) -> None:
+    """Refuses (ValueError) a hybrid target's `TransformerConfig`: `train.py calibrate` runs it
+    on the config alone, before the target's weights load."""
+    if config.is_hybrid:
         raise ValueError(
             "calibration rounds start every anchor from one prefix by cutting the caches back, "
             "which a hybrid target's recurrent state does not allow: calibrate needs a dense "
