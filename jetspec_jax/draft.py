@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -342,6 +342,49 @@ def draft_config(
         TypeError: `target` is not a `Target`.
     """
     check_is_target(target)
+    return _configured(
+        target.config,
+        lambda: _default_mask_token_id(target),
+        variant=variant,
+        num_layers=num_layers,
+        target_layer_ids=target_layer_ids,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def check_draft_fits(target_config: TransformerConfig, **settings) -> None:
+    """Refuses draft settings for a target known by its config alone, before its weights (and
+    tokenizer) load: every check of `draft_config`, raising as it does, the default mask token
+    aside (the tokenizer's; any id the vocabulary holds fits).
+
+    Args:
+        target_config: the target's architecture (`load_target_config`).
+        **settings: every keyword of `draft_config` (`DraftArchConfig.architecture()`).
+    """
+    _configured(target_config, lambda: target_config.vocab_size - 1, **settings)
+
+
+def _configured(
+    target_config: TransformerConfig,
+    default_mask_token_id: Callable[[], int],
+    *,
+    variant: str,
+    num_layers: int,
+    target_layer_ids: tuple[int, ...] | None,
+    block_size: int,
+    mask_token_id: int | None,
+    intermediate_size: int | None,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    head_dim: int | None,
+) -> DraftConfig:
+    """`draft_config` for `target_config` (every setting given: the defaults are
+    `draft_config`'s), `default_mask_token_id()` standing in for a None `mask_token_id`."""
     switches = DraftConfig.variant_switches(variant)
     num_layers = check_int("num_layers", num_layers, 1)
     block_size = check_int("block_size", block_size, 2)
@@ -355,7 +398,7 @@ def draft_config(
     if target_layer_ids is None:
         # DFlash's rule, kept as it is: for very shallow targets it can repeat a tap or
         # go down (e.g. (1, 0) for 3 target layers and 2 draft layers).
-        taps = default_target_layer_ids(target.config.num_layers, num_layers)
+        taps = default_target_layer_ids(target_config.num_layers, num_layers)
     else:
         try:
             taps = tuple(as_int(i) for i in target_layer_ids)
@@ -367,18 +410,18 @@ def draft_config(
                 f"{target_layer_ids!r}"
             )
     config = DraftConfig(
-        layers=layers_like_target(target.config, num_layers, **sizes),
+        layers=layers_like_target(target_config, num_layers, **sizes),
         target_layer_ids=taps,
         block_size=block_size,
         mask_token_id=(
-            _default_mask_token_id(target)
+            default_mask_token_id()
             if mask_token_id is None
             # An int: a float would be saved in a config.json that `load_draft` refuses.
             else check_int("mask_token_id", mask_token_id, 0)
         ),
         **switches,
     )
-    check_draft_matches_target(config, target.config)
+    check_draft_matches_target(config, target_config)
     return config
 
 

@@ -1421,7 +1421,7 @@ def test_sequences_longer_than_the_targets_context_are_refused(target, data_file
     assert not (tmp_path / "checkpoints").exists()
     # The whole context is a valid length.
     at_context = dataclasses.replace(config.data, max_length=context)
-    check_fits_context(dataclasses.replace(config, data=at_context), target)
+    check_fits_context(dataclasses.replace(config, data=at_context), target.config)
 
 
 def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
@@ -1583,6 +1583,36 @@ def test_missing_input_files_and_a_bad_seed_fail_before_the_model_load(tmp_path,
     config = load_train_config(path, [f"data.files=[{data}]", "optim.batch_size=3", "mesh.data=2"])
     with pytest.raises(ValueError, match=r"^optim\.batch_size=3 must be a multiple of the mesh"):
         trainer.train(config)
+
+
+def test_what_the_targets_config_refuses_fails_before_its_weights_load(
+    checkpoints, target, tmp_path, monkeypatch
+):
+    """A draft section or a training length the target's architecture cannot take is refused
+    from its config.json, not after its weights load (minutes for a large target)."""
+    from jetspec_jax.training import adapter_trainer, trainer
+    from jetspec_jax.training.config import load_train_config
+
+    for module in (trainer, adapter_trainer):
+        monkeypatch.setattr(module, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt_ids": [1], "response_ids": [2]}\n')
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"target: {checkpoints.get('qwen3')[0]}\ndata: {{files: [{data}]}}\n"
+        f"run: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    layers, context = target.config.num_layers, target.config.max_position_embeddings
+    taps = f"draft.target_layer_ids=[0, {layers}]"
+    with pytest.raises(CheckpointError, match=f"target_layer_ids .*{layers}"):
+        trainer.train(load_train_config(path, [taps]))
+    too_long = f"data.max_length={context + 1}"
+    with pytest.raises(ValueError, match=f"data.max_length {context + 1} exceeds"):
+        trainer.train(load_train_config(path, [too_long]))
+    draft = jetspec_jax.init_draft(target, block_size=4)
+    with pytest.raises(ValueError, match=f"data.max_length {context + 1} exceeds"):
+        adapter_trainer.train_adapter(load_train_config(path, [too_long]), draft=draft)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_mesh_on_several_processes_takes_as_many_devices_of_each():

@@ -159,9 +159,9 @@ def train_adapter(
     # mesh does not split it before the target's weights load.
     section = "adapter.optim" if config.adapter.optim is not None else "optim"
     batch_sizes((config.adapter.optim or config.optim).batch_size, mesh, section)
+    check_fits_context(config, draft.target_config)  # the draft's target: before the load
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
-    check_fits_context(config, target)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
     )

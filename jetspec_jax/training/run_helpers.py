@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from jetspec_jax.checkpoint.atomic import check_takes_new_files
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.decoding.request_checks import check_budget
+from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.target import Target
 from jetspec_jax.training.config import OptimConfig, TrainConfig
 from jetspec_jax.training.data import count_training_prompts, training_dataset
@@ -52,10 +53,10 @@ def check_run_dir_writable(config: TrainConfig) -> None:
     check_takes_new_files(config.run.dir, named=f"run.dir {config.run.dir}")
 
 
-def check_fits_context(config: TrainConfig, target: Target) -> None:
+def check_fits_context(config: TrainConfig, target_config: TransformerConfig) -> None:
     """Refuses `data.max_length` beyond the target's context: positions past it would run the
     target's rotary embedding where it was never trained."""
-    context = target.config.max_position_embeddings
+    context = target_config.max_position_embeddings
     if config.data.max_length > context:
         raise ValueError(
             f"data.max_length {config.data.max_length} exceeds the target's context of "

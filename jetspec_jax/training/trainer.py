@@ -26,8 +26,15 @@ import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
 from jetspec_jax.checkpoint.errors import CheckpointError
-from jetspec_jax.draft import Draft, draft_config, init_draft, load_draft, load_draft_for_config
-from jetspec_jax.target import Target, load_target
+from jetspec_jax.draft import (
+    Draft,
+    check_draft_fits,
+    draft_config,
+    init_draft,
+    load_draft,
+    load_draft_for_config,
+)
+from jetspec_jax.target import Target, load_target, load_target_config
 from jetspec_jax.training.config import TrainConfig, resolve_steps
 from jetspec_jax.training.data import read_regenerated
 from jetspec_jax.training.differences import check_start_fits
@@ -115,9 +122,13 @@ def train(
     check_run_dir_writable(config)
     mesh = make_mesh(config.mesh)
     batch_sizes(config.optim.batch_size, mesh)  # a batch the mesh cannot split: before the load
+    # The target's architecture alone checks the data's length and the draft section, before
+    # its weights load (minutes for a large target).
+    target_config = load_target_config(config.target) if target is None else target.config
+    check_fits_context(config, target_config)
+    check_draft_fits(target_config, **config.draft.architecture())
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
-    check_fits_context(config, target)
     if resuming:
         check_resumes_architecture(config, target)
     records = read_regenerated(
