@@ -441,7 +441,9 @@ def _generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    detokenizer = IncrementalDetokenizer(target.tokenizer)
+    # A raw prompt's completion continues its text (a SentencePiece word keeps its leading
+    # space); a chat answer is a message of its own.
+    detokenizer = IncrementalDetokenizer(target.tokenizer, context=() if chat else prompt_ids)
     for tokens in stream:
         sys.stdout.write(detokenizer.push(tokens))
         sys.stdout.flush()

@@ -56,7 +56,7 @@ from jetspec_jax.serving.openai_requests import (
 )
 from jetspec_jax.serving.scheduler import Failed, Finished, Job, QueueFull, Scheduler, Tokens
 from tests.oracles import OracleDraft
-from tests.text_fixtures import with_tokenizer
+from tests.text_fixtures import metaspace_tokenizer, with_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -1141,6 +1141,26 @@ def test_text_held_back_as_a_possible_stop_string_is_emitted_when_none_comes():
     assert output.finish_reason(result) == "length"
 
 
+def test_a_completion_continues_its_prompts_text():
+    """/v1/completions' text is what the tokens add to the prompt's: a SentencePiece completion
+    " blue" of "The sky is" keeps its leading space (decoded alone it is "blue")."""
+    tokenizer = metaspace_tokenizer()
+    model = ModelInfo(MODEL, tokenizer, 64)
+    req = parse_completion(dict(model=MODEL, prompt="The sky is", max_tokens=5), model)
+    tokens = tokenizer.encode(" blue")
+    events = asyncio.Queue()
+    events.put_nowait(Tokens(tokens))
+    result = row_result(_finished_row(tokens), 5, (), Timing(0.0, 0.0, 0.0), False)
+    events.put_nowait(Finished(result))
+    metrics = types.SimpleNamespace(
+        time_to_first_token=types.SimpleNamespace(observe=lambda _: None)
+    )
+    job = types.SimpleNamespace(cancel=lambda: None)
+    collect = app_module._collect(req, job, events, model, metrics, len(req.prompt_ids), 0.0)
+    answer = json.loads(asyncio.run(collect).text)
+    assert answer["choices"][0]["text"] == " blue"
+
+
 def test_metrics_parse(server, http):
     """The exposition parses, and the request counters count this test's own requests (before
     vs after: other tests share the server)."""
@@ -1520,6 +1540,28 @@ def test_serve_py_generate_into_an_ascii_stdout_escapes_what_it_cannot_encode(
     assert serve_py.main(argv) == 0
     stdout.flush()
     assert b"\\xe9\\u2014" in stdout.buffer.getvalue()
+
+
+def test_serve_py_generate_decodes_a_raw_prompts_completion_after_it(
+    target, target_dir, monkeypatch, capsys
+):
+    """`--no-chat`: the completion continues the prompt's text, so the detokenizer gets the
+    prompt as context (a SentencePiece word keeps its leading space); a chat answer gets none."""
+    from jetspec_jax.serving.detokenize import IncrementalDetokenizer
+
+    contexts = []
+    init = IncrementalDetokenizer.__init__
+
+    def recording(self, tokenizer, *, context=(), **kwargs):
+        contexts.append(list(context))
+        init(self, tokenizer, context=context, **kwargs)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "__init__", recording)
+    argv = ["generate", "P", "--target", str(target_dir), "--max-new-tokens", "2"]
+    assert serve_py.main([*argv, "--no-chat"]) == 0
+    assert serve_py.main([*argv, "--chat"]) == 0
+    capsys.readouterr()
+    assert contexts == [encode_prompt(target.tokenizer, "P", chat=False), []]
 
 
 def test_serve_py_generate_names_a_closed_or_undecodable_stdin(monkeypatch, capsys):

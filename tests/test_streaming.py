@@ -16,6 +16,7 @@ from jetspec_jax import DecodingOptions
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
 from tests.oracles import OracleDraft
+from tests.text_fixtures import metaspace_tokenizer
 
 # All sessions here share the smallest buckets (prompt 16, output 16) to compile few executables.
 N_NEW = 16
@@ -357,19 +358,7 @@ def _byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-def _metaspace_tokenizer():
-    """SentencePiece-style: words carry a leading '▁' that decodes to a space, except at the
-    start of a text (so decoding a window that starts mid-text drops a space)."""
-    pieces = ["<unk>", "▁"] + [chr(c) for c in range(33, 127)]
-    tokenizer = Tokenizer(
-        models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>")
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
-
-
-@pytest.mark.parametrize("make", [_byte_level_tokenizer, _metaspace_tokenizer])
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, metaspace_tokenizer])
 def test_incremental_detokenizer_is_correct_across_chunk_boundaries(make):
     tokenizer = make()
     text = "héllo wörld, naïve café ☕ über" if make is _byte_level_tokenizer else "hello big world"
@@ -382,6 +371,23 @@ def test_incremental_detokenizer_is_correct_across_chunk_boundaries(make):
         deltas.append(detok.flush())
         assert "".join(deltas) == expected
         assert not any("\ufffd" in d for d in deltas)  # no half character is ever emitted
+
+
+def test_a_continuation_keeps_the_leading_space_its_context_gives_it():
+    """Decoded alone, a SentencePiece word drops its leading space: with the prompt as context
+    the deltas are what the tokens add to the prompt's text. A context that ends in an incomplete
+    character (a token-id prompt cut mid-character) has no text to extend: it is not used."""
+    tokenizer = metaspace_tokenizer()
+    prompt, completion = tokenizer.encode("The sky is"), tokenizer.encode(" blue")
+    assert tokenizer.decode(prompt + completion) == "The sky is blue"
+    for size in (1, 2):
+        detok = IncrementalDetokenizer(tokenizer, context=prompt)
+        deltas = [detok.push(completion[i : i + size]) for i in range(0, len(completion), size)]
+        assert "".join(deltas) + detok.flush() == " blue"
+    byte_level = _byte_level_tokenizer()
+    coffee = byte_level.encode("☕")
+    detok = IncrementalDetokenizer(byte_level, context=coffee[:1])
+    assert detok.push(coffee[1:] + byte_level.encode("!")) + detok.flush() == "\ufffd\ufffd!"
 
 
 def test_a_run_of_invalid_bytes_streams_on_and_characters_stay_whole():
@@ -413,7 +419,7 @@ class _WindowRecorder:
         return self.tokenizer.decode(ids, **kwargs)
 
 
-@pytest.mark.parametrize("make", [_byte_level_tokenizer, _metaspace_tokenizer])
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, metaspace_tokenizer])
 def test_a_run_of_skipped_special_tokens_keeps_the_window_short(make):
     """A sampling loop on a special token that is no stop token (each decodes to nothing when
     skipped) must not grow the decoded window, making each push slower than the last; the text

@@ -3,6 +3,7 @@
 `char_tokenizer()`: one token per printable ASCII character (32..125) plus three special tokens,
 97 ids in all: the vocabulary of the tiny models. `with_tokenizer(src, dst)` copies a checkpoint
 and adds it (with a short chat template, or none, and `<|im_end|>` as end of sequence).
+`metaspace_tokenizer()`: SentencePiece-style, one token per character or word-start space.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pathlib
 import shutil
 
 import transformers
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
 EOS_ID = 2
@@ -38,6 +39,18 @@ def char_tokenizer(chat: bool = True) -> transformers.PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         chat_template=CHAT_TEMPLATE if chat else None,
     )
+
+
+def metaspace_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """SentencePiece-style: words carry a leading '▁' that decodes to a space, except at the
+    start of a text (so decoding a window that starts mid-text drops a space)."""
+    pieces = ["<unk>", "▁"] + [chr(c) for c in range(33, 127)]
+    tokenizer = Tokenizer(
+        models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
 
 
 def with_tokenizer(src: pathlib.Path, dst: pathlib.Path, *, chat: bool = True) -> pathlib.Path:

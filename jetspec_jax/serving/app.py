@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -328,10 +329,11 @@ async def _json(request: web.Request) -> Any:
 
 class _Output:
     """One request's text so far: incremental detokenization, stop strings, finish reason, and
-    the completion's token count."""
+    the completion's token count. `context`: the prompt a completion continues (its text is what
+    the tokens add to the prompt's); a chat answer is a message of its own, decoded alone."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer, stop: tuple[str, ...], context: Sequence[int] = ()):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, context=context)
         self.stops = StopStrings(stop)
         self.tokens = 0  # fed so far, up to the one that completes a stop string
         self.result = None  # the `GenerationResult`, once `_decoded` has seen it finish
@@ -395,7 +397,7 @@ async def _generate(
 
 
 async def _collect(req, job, events, model: ModelInfo, metrics, prompt_tokens: int, arrived):
-    output = _Output(model.tokenizer, req.stop)
+    output = _Output(model.tokenizer, req.stop, () if req.chat else req.prompt_ids)
     text = "".join([piece async for piece in _decoded(job, events, output, metrics, arrived)])
     body = responses.full_response(
         chat=req.chat,
@@ -418,7 +420,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     event. Every write happens here, on the handler's task: no second writer to race."""
     model: ModelInfo = request.app[MODEL]
     metrics = request.app[SCHEDULER].metrics
-    output = _Output(model.tokenizer, req.stop)
+    output = _Output(model.tokenizer, req.stop, () if req.chat else req.prompt_ids)
     ids = dict(
         chat=req.chat,
         request_id=responses.new_id(req.chat),

@@ -7,9 +7,10 @@ what it adds to the text of the window's already-emitted part, holding back a tr
 incomplete character) until the next token completes it. An incomplete character is at most 3 bytes,
 so only the last 3 tokens are ever held: a run of invalid bytes (a degenerate sampling loop) streams
 on, and the window stays short. Special tokens that decoding skips never enter the window. The
-concatenation of all deltas is the text of all tokens, but for invalid UTF-8: a byte-fallback
-decoder (SentencePiece's) that sees a run of byte tokens whole may turn more of it into U+FFFD than
-the windows, which see it in pieces, do.
+concatenation of all deltas is the text of all tokens (given a `context`, the prompt they
+continue: the text they add to the context's), but for invalid UTF-8: a byte-fallback decoder
+(SentencePiece's) that sees a run of byte tokens whole may turn more of it into U+FFFD than the
+windows, which see it in pieces, do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 _INCOMPLETE = "\ufffd"
 _MAX_HELD_TOKENS = 3  # an incomplete UTF-8 character holds at most 3 bytes, so 3 tokens
+_CONTEXT_TOKENS = 4  # the prompt's last tokens a continuation's first delta is decoded after
 
 
 class IncrementalDetokenizer:
@@ -26,17 +28,24 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a transformers tokenizer.
         skip_special_tokens: drop special tokens (e.g. the end-of-turn token) from the text.
+        context: the ids the tokens continue (a completion's prompt): the deltas are then the
+            text the tokens add to the context's, so that a SentencePiece word's leading space
+            survives at the start (decoded alone, " Paris" is "Paris"). Its last few tokens are
+            used; none when they end in an incomplete character (their text is no prefix).
     """
 
-    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Tokens the decode drops never reach the window: a run of them (a sampling loop on a
         # special token that is no stop token) would grow it, and each push's decode, without end.
         self._dropped = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
-        self._ids: list[int] = []
+        context = [i for i in map(int, context) if i not in self._dropped][-_CONTEXT_TOKENS:]
+        if context and self._decode(context).endswith(_INCOMPLETE):
+            context = []
+        self._ids: list[int] = context
         self._prefix = 0  # the window starts here: context for the tokens after `_read`
-        self._read = 0  # tokens before this have had their text emitted
+        self._read = len(context)  # tokens before this have had their text emitted
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The text that `token_ids` (appended to the earlier ones) add; may be "" while a
