@@ -347,7 +347,7 @@ def _check_calibratable(target, draft, num_rounds: int, anchors_per_sequence: in
     check_dense_target(target.config)
 
 
-def check_dense_target(config) -> None:
+def check_dense_target(config: TransformerConfig) -> None:
     """Refuses (ValueError) a hybrid target's `TransformerConfig`: `train.py calibrate` runs it
     on the config alone, before the target's weights load."""
     if config.is_hybrid:
