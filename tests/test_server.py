@@ -1116,6 +1116,9 @@ class _LetterTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + i % 26) for i in ids if i != 9)
 
+    def convert_ids_to_tokens(self, i):
+        return chr(97 + i % 26)
+
 
 def test_a_stop_token_that_spends_the_budget_finishes_with_stop():
     """OpenAI's "stop": the model stopped, here on the last token its budget allowed, which

@@ -437,6 +437,22 @@ def test_a_run_of_skipped_special_tokens_keeps_the_window_short(make):
         assert recorder.longest <= 8
 
 
+@pytest.mark.parametrize("make", [_byte_level_tokenizer, metaspace_tokenizer])
+def test_a_run_of_ids_past_the_tokenizers_vocabulary_keeps_the_window_short(make):
+    """A model vocabulary padded past the tokenizer's (Qwen3: 151936 ids, 151669 tokens) has ids
+    that decode drops, special or not: a sampling loop on one (a random target's padded rows are
+    live) must not grow the decoded window either, and the text stays the whole decode's."""
+    tokenizer = make()
+    padded = len(tokenizer) + 5
+    ids = tokenizer.encode("hello big") + [padded] * 300 + tokenizer.encode(" world")
+    for skip in (True, False):
+        recorder = _WindowRecorder(tokenizer)
+        detok = IncrementalDetokenizer(recorder, skip_special_tokens=skip)
+        deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert recorder.longest <= 8
+
+
 def test_stop_strings_cut_the_text_and_hold_back_possible_starts():
     stops = StopStrings(["END", "##"])
     out = [stops.feed(d) for d in ("ab", "cE", "N", "xy#", "z", "E", "ND tail")]

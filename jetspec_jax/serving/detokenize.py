@@ -6,7 +6,8 @@ decoded token by token: each step decodes a short window that starts a few token
 what it adds to the text of the window's already-emitted part, holding back a trailing U+FFFD (an
 incomplete character) until the next token completes it. An incomplete character is at most 3 bytes,
 so only the last 3 tokens are ever held: a run of invalid bytes (a degenerate sampling loop) streams
-on, and the window stays short. Special tokens that decoding skips never enter the window. The
+on, and the window stays short. Special tokens that decoding skips, and ids the tokenizer has no
+token for (a model vocabulary padded past the tokenizer's), never enter the window. The
 concatenation of all deltas is the text of all tokens (given a `context`, the prompt they
 continue: the text they add to the context's), but for invalid UTF-8: a byte-fallback decoder
 (SentencePiece's) that sees a run of byte tokens whole may turn more of it into U+FFFD than the
@@ -38,9 +39,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         # Tokens the decode drops never reach the window: a run of them (a sampling loop on a
-        # special token that is no stop token) would grow it, and each push's decode, without end.
+        # special token that is no stop token, or on a padded id) would grow it, and each push's
+        # decode, without end.
         self._dropped = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
-        context = [i for i in map(int, context) if i not in self._dropped][-_CONTEXT_TOKENS:]
+        context = self._kept(context)[-_CONTEXT_TOKENS:]
         if context and self._decode(context).endswith(_INCOMPLETE):
             context = []
         self._ids: list[int] = context
@@ -50,7 +52,7 @@ class IncrementalDetokenizer:
     def push(self, token_ids: Sequence[int]) -> str:
         """The text that `token_ids` (appended to the earlier ones) add; may be "" while a
         character is incomplete."""
-        self._ids.extend(i for i in map(int, token_ids) if i not in self._dropped)
+        self._ids.extend(self._kept(token_ids))
         return self._delta(final=False)
 
     def flush(self) -> str:
@@ -83,6 +85,13 @@ class IncrementalDetokenizer:
             return ""
         self._prefix, self._read = self._read, cut
         return head[len(emitted) :]
+
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        """`ids` less those the decode drops: the special tokens it skips, and ids the tokenizer
+        has no token for (a model vocabulary padded past the tokenizer's: Qwen3's 151936 ids
+        hold 151669 tokens; a random target samples the padding)."""
+        convert = self._tokenizer.convert_ids_to_tokens
+        return [i for i in map(int, ids) if i not in self._dropped and convert(i) is not None]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
