@@ -1647,6 +1647,22 @@ def test_an_unset_completion_budget_fits_the_context():
     assert parse_completion(dict(model=MODEL, prompt="x" * 2), model).max_tokens == 16
 
 
+@pytest.mark.parametrize(
+    "prompt, names",
+    [
+        (["a", "b"], "one prompt per request"),
+        ([[1], [2]], "one prompt per request"),
+        # One prompt nested a level too deep is malformed, not a batch to split.
+        ([["a"]], "invalid token id 'a'"),
+        ([[[1, 2]]], "invalid token id [1, 2]"),
+    ],
+)
+def test_a_batch_of_prompts_is_refused_as_such_and_a_nested_prompt_as_malformed(prompt, names):
+    with pytest.raises(RequestError) as refused:
+        parse_completion(dict(model=MODEL, prompt=prompt), ModelInfo(MODEL, None, 64))
+    assert refused.value.param == "prompt" and names in refused.value.message
+
+
 def test_server_config_refuses_bad_values():
     with pytest.raises(ValueError, match="default_max_tokens"):
         ServerConfig(default_max_tokens=0)

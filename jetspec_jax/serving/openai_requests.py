@@ -404,16 +404,19 @@ def _check_token_count(name: str, value: Any) -> None:
 
 
 def _prompt_ids(prompt: Any, model: ModelInfo) -> list[int]:
+    # A batch is told apart before a batch of one is unwrapped: a prompt nested a level deeper
+    # (`[["a"]]`) is malformed, not a batch to send as concurrent requests.
+    if isinstance(prompt, list) and len(prompt) > 1:
+        if all(isinstance(i, list) for i in prompt) or all(isinstance(i, str) for i in prompt):
+            raise RequestError(
+                400, "one prompt per request; send concurrent requests", param="prompt"
+            )
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(400, "prompt is empty", param="prompt")
         return model.tokenizer.encode(_unicode(prompt, "prompt"), add_special_tokens=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(i, list) for i in prompt):
-        raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(i, str) for i in prompt):
-        raise RequestError(400, "one prompt per request; send concurrent requests", param="prompt")
     if not isinstance(prompt, list) or not prompt:
         raise RequestError(
             400, "prompt must be a non-empty string or list of token ids", param="prompt"
