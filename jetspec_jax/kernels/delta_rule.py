@@ -100,14 +100,14 @@ def chunked_delta_rule(
             its blocks from `k` alone: a mismatch would read out of bounds, not fail).
     """
     _check_shapes(q, k, v, g, beta, state)
-    if k.shape[1] == 0:  # nothing to run: the kernel's blocks cannot be empty
-        return jnp.zeros(v.shape, jnp.float32), state.astype(jnp.float32)
-    backend, interpret = select_launch(
+    backend, interpret = select_launch(  # first: an empty sequence must not let a bad impl by
         impl,
         kernel="delta-rule",
         verified=HARDWARE_VERIFIED & AUTO_BACKENDS,
         supports=lambda b: kernel_supports(k.shape, v.shape, b),
     )
+    if k.shape[1] == 0:  # nothing to run: the kernel's blocks cannot be empty
+        return jnp.zeros(v.shape, jnp.float32), state.astype(jnp.float32)
     if backend is None:
         return gated_deltanet.chunked(q, k, v, g, beta, state)
 
