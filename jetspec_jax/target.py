@@ -77,10 +77,16 @@ class Target:
         """Full causal forward without a cache: int `[B, T]` -> float32 logits `[B, T, V]`.
 
         Raises:
-            ValueError: `token_ids` is not 2-D or not integers, holds an id outside
-                [0, vocab_size), or is longer than the model's context.
+            ValueError: `token_ids` is not 2-D (rows of one length) or not integers, holds an
+                id outside [0, vocab_size), or is longer than the model's context.
         """
-        ids = np.asarray(token_ids)
+        try:
+            ids = np.asarray(token_ids)
+        except ValueError as e:  # NumPy's "inhomogeneous shape", which names no argument
+            raise ValueError(
+                f"token_ids must be [batch, length], rows of one length (pad them, or use "
+                f"generate_batch for prompts of any lengths): {e}"
+            ) from e
         if ids.ndim != 2:
             raise ValueError(f"token_ids must be [batch, length], got shape {ids.shape}")
         if ids.size and not np.issubdtype(ids.dtype, np.integer):

@@ -11,9 +11,9 @@ import torch
 
 import jetspec_jax
 from jetspec_jax import SamplingParams
-from jetspec_jax.decoding.request_checks import check_budget, check_token_ids
+from jetspec_jax.decoding.request_checks import check_budget, check_prompts, check_token_ids
 from jetspec_jax.decoding.session import DecodeSession
-from tests.text_fixtures import EOS_ID, with_tokenizer
+from tests.text_fixtures import EOS_ID, char_tokenizer, with_tokenizer
 
 
 def _hf_greedy(model, prompt, n):
@@ -155,7 +155,9 @@ def test_max_new_tokens_is_respected(target, prompts):
         (dict(seed=-1), "seed"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(method="medusa"), "unknown method"),
-        (dict(draft=object()), "takes no draft"),
+        (dict(draft=object()), "^draft must be a Draft \\(load_draft\\(path, target\\)"),
+        # A path is named as no Draft, not told to pass the (jetspec++) method it would not fit.
+        (dict(draft="runs/draft"), "^draft must be a Draft .*got str: 'runs/draft'"),
         (dict(stop_token_ids=[1000]), "outside the vocabulary"),
         (dict(stop_token_ids=2), "stop_token_ids must be a list of token ids, got 2"),
     ],
@@ -214,6 +216,21 @@ def test_invalid_batches_are_refused(target):
 def test_token_ids_that_are_not_integers_are_refused(ids, message):
     with pytest.raises(ValueError, match=message):
         check_token_ids(ids, 97)
+
+
+def test_a_mapping_or_set_where_ids_belong_is_refused_not_read_as_its_keys(target):
+    """A tokenizer's output (a mapping) is named as one, not read as its keys ('input_ids' as
+    text); a set of ids would decode in hash order. Stop ids, unordered, may be a set."""
+    encoding = char_tokenizer()(["hi", "yo"])  # BatchEncoding: input_ids, attention_mask
+    with pytest.raises(ValueError, match="^prompt must be a list, got a mapping .*'input_ids'"):
+        check_token_ids({5: 0, 100: 0}, 200)  # was [5, 100], its keys
+    with pytest.raises(ValueError, match="^prompts must be a list, got a mapping"):
+        jetspec_jax.generate_batch(target, encoding)  # was "not text; tokenize it first"
+    with pytest.raises(ValueError, match="^prompt must be a list, got an unordered set"):
+        check_token_ids({5, 100}, 200)  # was [100, 5]
+    with pytest.raises(ValueError, match="^prompt 1 must be a list, got an unordered frozenset"):
+        check_prompts([[1], frozenset({5, 100})], 200)
+    assert check_token_ids({2}, 97, "stop_token_ids", allow_empty=True, ordered=False) == [2]
 
 
 def test_numpy_and_jax_integers_are_accepted(target, prompts):

@@ -888,6 +888,7 @@ def test_logits_refuse_ids_outside_the_vocabulary_before_any_int32_wrap(checkpoi
         ([[1, -1]], r"must be in \[0, 97\)"),
         ([[1.0, 2.0]], "must be integers"),
         ([1, 2], r"\[batch, length\]"),
+        ([[1, 2], [3]], r"^token_ids must be \[batch, length\], rows of one length"),
     ):
         with pytest.raises(ValueError, match=message):
             target.logits(ids)

@@ -5,7 +5,7 @@ what is wrong, naming the prompt."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
@@ -36,6 +36,7 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     iterable = hasattr(prompts, "__iter__") and getattr(prompts, "ndim", None) != 0
     if isinstance(prompts, (str, bytes)) or not iterable:
         raise ValueError(f"prompts must be a list of prompts (lists of token ids), got {prompts!r}")
+    _check_ordered(prompts, "prompts", sets=False)
     prompts = list(prompts)
     if not prompts:
         raise ValueError("prompts is empty")
@@ -56,14 +57,15 @@ def prompt_name(index: int, count: int) -> str:
 
 
 def check_token_ids(
-    ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False
+    ids, vocab_size: int, what: str = "prompt", allow_empty: bool = False, ordered: bool = True
 ) -> list[int]:
-    """`ids` (a sequence of integer ids, or a 1-D NumPy/JAX integer array) as a list of ints in
-    [0, vocab_size), or a ValueError saying what is wrong."""
+    """`ids` (a sequence of integer ids, or a 1-D NumPy/JAX integer array; a set too unless
+    `ordered`) as a list of ints in [0, vocab_size), or a ValueError saying what is wrong."""
     if isinstance(ids, (str, bytes)):
         raise ValueError(f"{what} must be a list of token ids, not text; tokenize it first")
     if not hasattr(ids, "__iter__") or getattr(ids, "ndim", 1) != 1:  # 0-d arrays iterate no ids
         raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
+    _check_ordered(ids, what, sets=not ordered)
     if hasattr(ids, "dtype"):  # an array: one dtype check, then Python ints
         array = np.asarray(ids)
         if not np.issubdtype(array.dtype, np.integer):  # bool is no integer dtype
@@ -83,6 +85,19 @@ def check_token_ids(
             )
         checked.append(token)
     return checked
+
+
+def _check_ordered(value, what: str, sets: bool) -> None:
+    """ValueError for a mapping, or a set unless `sets`, where a list belongs: iterated, a
+    mapping gives its keys (a tokenizer's output: 'input_ids', 'attention_mask') and a set its
+    items in hash order, either read without a word as something else."""
+    if isinstance(value, Mapping):
+        raise ValueError(
+            f"{what} must be a list, got a mapping ({type(value).__name__}); a tokenizer's "
+            "output holds the ids under 'input_ids' (or use tokenizer.encode)"
+        )
+    if isinstance(value, Set) and not sets:
+        raise ValueError(f"{what} must be a list, got an unordered {type(value).__name__}")
 
 
 def check_int(name: str, value, minimum: int) -> int:

@@ -136,7 +136,9 @@ class DecodeSession:
         sampling = row_sampling(sampling, len(prompts))
         stops = target.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_token_ids = tuple(
-            check_token_ids(stops, config.vocab_size, what="stop_token_ids", allow_empty=True)
+            check_token_ids(
+                stops, config.vocab_size, what="stop_token_ids", allow_empty=True, ordered=False
+            )
         )
         pad_to = check_int("pad_batch_to", pad_batch_to, 1)
         reserved = check_reserve(config, reserve_prompt_tokens, reserve_new_tokens)
@@ -624,6 +626,13 @@ class DecodeSession:
 def resolve_proposer(target, draft, options: DecodingOptions):
     """`(proposer, params)` of `options`' speculative method with `draft` (wrapped for foresight),
     `(None, None)` for "ar"; a pipeline is refused here with fewer than two devices."""
+    # First: a checkpoint path where the loaded draft belongs (the usual slip) is no draft to
+    # pass another method for.
+    if draft is not None and not hasattr(draft, "proposer"):
+        raise ValueError(
+            f"draft must be a Draft (load_draft(path, target) or init_draft), got "
+            f"{type(draft).__name__}: {draft!r:.80}"
+        )
     if options.method == "ar":
         if draft is not None:
             variant = getattr(getattr(draft, "config", None), "variant", "jetspec++")
@@ -636,8 +645,6 @@ def resolve_proposer(target, draft, options: DecodingOptions):
         raise ValueError(
             f"method {options.method!r} needs a draft model (load_draft or init_draft)"
         )
-    if not hasattr(draft, "proposer"):
-        raise ValueError(f"draft must be a Draft (load_draft or init_draft), got {type(draft)}")
     proposer, params = draft.proposer(
         target,
         method=options.method,
