@@ -6,6 +6,7 @@ import dataclasses
 import fcntl
 import gc
 import json
+import os
 import shutil
 import threading
 import weakref
@@ -626,6 +627,7 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         "optim: {epochs: 0}": "optim.epochs",
         "optim: {epochs: .inf}": "optim.epochs",
         "optim: {learning_rate: .inf}": "optim.learning_rate",
+        "optim: {learning_rate: 1" + "0" * 400 + "}": "optim.learning_rate",  # past a float
         # Each bound just past it (the values at it load: the next test).
         "data: {files: [a.jsonl], max_length: 16}\ndraft: {block_size: 16}": (
             r"data.max_length \(>= draft.block_size \+ 1: 17\): 16"
@@ -638,6 +640,18 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         path.write_text(text + "\n")
         with pytest.raises(ValueError, match=f"invalid value for {field}"):
             load_train_config(path)
+    # A directory is named as one; a pipe (`--config <(...)`) is read like a file.
+    with pytest.raises(IsADirectoryError, match="is a directory; give its YAML file"):
+        load_train_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="gone.yaml not found"):
+        load_train_config(tmp_path / "gone.yaml")
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as f:
+        f.write("data: {files: [a.jsonl]}\noptim: {steps: 7, warmup_steps: 1}\n")
+    try:
+        assert load_train_config(f"/dev/fd/{read}").optim.steps == 7
+    finally:
+        os.close(read)
     for text in ("optim: {steps: true}", "draft: {num_layers: false}"):  # YAML's booleans
         path.write_text("data: {files: [a.jsonl]}\n" + text + "\n")
         with pytest.raises(ValueError, match="must be an integer"):
@@ -695,6 +709,11 @@ def test_command_line_overrides_are_typed_and_validated(tmp_path):
         load_train_config(path, ["draft.varient=dflash"])
     with pytest.raises(ValueError, match="optim.steps must be an integer"):
         load_train_config(path, ["optim.steps=many"])
+    # An empty value (a shell's `--set target=$T`, T unset) is no null: it would train the
+    # default model, turn the evaluation off, or replace epochs with the default steps.
+    for override in ("target=", "data.eval_prompts= ", "optim.epochs="):
+        with pytest.raises(ValueError, match=f"override '{override}' gives no value; write null"):
+            load_train_config(path, [override])
     # A section given by a YAML alias is a copy the override edits alone, not its anchor too.
     path.write_text("data: {files: [a.jsonl]}\noptim: &o {steps: 500}\nadapter: {optim: *o}\n")
     config = load_train_config(path, ["adapter.optim.steps=300", "optim.learning_rate=1e-3"])

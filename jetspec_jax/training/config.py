@@ -308,23 +308,28 @@ def load_train_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -
     Args:
         path: the YAML file.
         overrides: `"dotted.key=value"` strings, applied in order before validation; the value is
-            parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`).
+            parsed as YAML (`draft.variant=dflash`, `optim.steps=500`, `data.files=[a.jsonl]`);
+            an empty one is refused (none is `=null`).
             `steps` and `epochs` give one budget two ways: overriding one drops the other.
             `adapter.optim.*` overrides on a config without that section change the top-level
             `optim` (with its overrides, in any order) for the adapter.
 
     Raises:
         FileNotFoundError: no such file.
+        IsADirectoryError: `path` is a directory.
         ValueError: malformed YAML or override, a key given twice (named with its line; YAML
             would keep the last silently), an unknown key, a missing required key, a wrong
             type or an invalid value, named by its dotted path; an `optim` section with both
             `steps` and `epochs` (epochs would silently win).
     """
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training config {path} not found")
+    # Read, not tested with `is_file`: a pipe (`--config <(...)`) is a config too.
+    if path.is_dir():
+        raise IsADirectoryError(f"training config {path} is a directory; give its YAML file")
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"training config {path} not found") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid YAML: {e}") from e
     data = {} if data is None else data
@@ -400,6 +405,10 @@ def _apply_override(data: dict, override: str) -> None:
         value = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"override {override!r}: the value is not valid YAML: {e}") from e
+    if not text.strip():
+        # YAML reads nothing as null, but a shell's empty expansion (`--set target=$T`, T unset)
+        # is no "none": it would train the default model, or the default steps for `epochs=`.
+        raise ValueError(f"override {override!r} gives no value; write null for none")
     node = data
     for i, name in enumerate(keys[:-1]):
         if node.get(name) is None:  # absent, or `null`: the defaults, which the override edits
@@ -457,7 +466,10 @@ def _convert(hint, value, where: str):
             raise ValueError(f"{where} must be a list, got {value!r}")
         return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range: inf, as YAML reads 1.0e400
+            return math.inf if value > 0 else -math.inf
     if hint is float and isinstance(value, str):  # YAML reads 3e-4 as a string
         try:
             return float(value)
