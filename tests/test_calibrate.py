@@ -194,6 +194,21 @@ def test_replacement_confidence_fit_scores_the_served_refinement(setup):
             fit_replacement_confidence(target, draft, records, **{**common, **kwargs})
 
 
+def test_the_confidence_fits_warnings_name_the_setting_of_each_collection(setup, caplog):
+    """The fit collects rounds once per grid value: records that run out are warned of for each
+    (their counts may differ), each line naming its value, not the default grid's seven
+    identical lines that say not which collection each was."""
+    target, draft, records = setup
+    with caplog.at_level("WARNING", logger="jetspec_jax.training.calibration_rounds"):
+        fit_replacement_confidence(
+            target, draft, records, grid=(0.0, 0.5), num_rounds=100, anchors_per_sequence=8
+        )
+    ran_out = [r.getMessage() for r in caplog.records if "the records ran out" in r.getMessage()]
+    assert len(ran_out) == 2
+    assert "(J1-R1, replacement confidence 0)" in ran_out[0]
+    assert "(J1-R1, replacement confidence 0.5)" in ran_out[1]
+
+
 def test_confidence_ties_go_to_no_refresh_else_to_the_smaller():
     """c = 1 drafts as `Jj-R0` and serving compiles its refreshes away: a tie it is part of goes
     to it (a c that trusts no position ties with it exactly); other ties go to the smaller c."""

@@ -267,9 +267,14 @@ def collect_rounds(
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(records))
     parts, dropped, used = [], 0, 0
+    # Named in the bar and the warnings: a confidence fit collects once per grid value, and
+    # seven identical lines would not say which collection each is.
+    setting = f"J{refine_passes}-R{refreshes}"
+    if refreshes and replacement_confidence is not None:
+        setting += f", replacement confidence {replacement_confidence:g}"
     progress = tqdm.tqdm(
         total=num_rounds,
-        desc="calibration rounds",
+        desc=f"calibration rounds ({setting})",
         unit="round",
         disable=None if show_progress is None else not show_progress,
     )
@@ -324,9 +329,15 @@ def collect_rounds(
             f">= {k_len} tokens that is the target's greedy continuation; {dropped} dropped)"
         )
     if used < num_rounds:
-        logger.warning("only %d of %d calibration rounds: the records ran out", used, num_rounds)
+        logger.warning(
+            "only %d of %d calibration rounds (%s): the records ran out", used, num_rounds, setting
+        )
     if dropped:
-        logger.warning("%d rounds dropped: the sequence is not the target's greedy output", dropped)
+        logger.warning(
+            "%d rounds dropped (%s): the sequence is not the target's greedy output",
+            dropped,
+            setting,
+        )
     arrays = [np.concatenate(column) for column in zip(*parts, strict=True)]
     return Rounds(*arrays, dropped=dropped)
 
