@@ -342,8 +342,13 @@ def test_methods_run_side_by_side_prompt_by_prompt(checkpoints, monkeypatch, tmp
     assert "| 1/2 |" in markdown_table(summaries)
     # The speedups are over the AR method whatever its label.
     renamed = [methods[0], dataclasses.replace(methods[1], name="baseline")]
-    _, renamed_summaries = run_benchmark(target, data, renamed, drafts, warmup=0)
+    capsys.readouterr()
+    _, renamed_summaries = run_benchmark(
+        target, data, renamed, drafts, warmup=0, show_progress=True
+    )
     assert [s.speedup for s in renamed_summaries] == [s.speedup for s in summaries] == [1.0, 1.0]
+    # The bar counts timed runs (2 prompts x 2 methods) and says so: not "4/4 prompt" of 2.
+    assert re.search(r"4/4 \[[^]]*(run/s|s/run)[],]", capsys.readouterr().err)
     # The CLI prints the table and warns of the mismatch.
     argv = [
         "--prompts", str(_prompt_file(tmp_path, ["Hi", "Sky"])),

@@ -146,7 +146,7 @@ def run_benchmark(
     progress = tqdm.tqdm(
         total=runs,
         desc="bench",
-        unit="prompt",
+        unit="run",  # a method on a prompt at a temperature
         disable=None if show_progress is None else not show_progress,
     )
     with progress:
