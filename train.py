@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
     from jetspec_jax.compile_cache import enable_compile_cache
-    from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
+    from jetspec_jax.console import (
+        discard_stdout,
+        escape_what_stdout_cannot_encode,
+        log_lines_clear_of_bars,
+    )
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
     escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
 
     try:
-        status = COMMANDS[args.command](args)
+        with log_lines_clear_of_bars():  # `-v`'s lines, logged while a progress bar is drawn
+            status = COMMANDS[args.command](args)
         if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
             sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is handled below
         return status

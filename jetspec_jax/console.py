@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -32,3 +33,23 @@ def reader_may_leave() -> Iterator[None]:
         yield
     except BrokenPipeError:
         discard_stdout()
+
+
+@contextlib.contextmanager
+def log_lines_clear_of_bars() -> Iterator[None]:
+    """Writes the root logger's console lines (`-v`'s loading and compile lines, warnings) through
+    `tqdm.write` within the block, so that a line logged while a progress bar is drawn starts a
+    line of its own rather than continuing the bar's. Without a console handler on the root
+    (`basicConfig` found other handlers) logging is left as it is."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    console = [
+        h
+        for h in logging.root.handlers
+        if isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+    ]
+    if not console:  # the redirect would add a stderr handler of its own
+        yield
+        return
+    with logging_redirect_tqdm():
+        yield

@@ -704,6 +704,31 @@ def test_an_interrupt_is_reported_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
+def test_a_line_logged_while_a_progress_bar_is_drawn_starts_a_line_of_its_own():
+    """`-v`'s loading and compile lines, logged while a bar is drawn (a step that compiles, an
+    evaluation): each on a line of its own, not appended to the bar's (the console handler of
+    `basicConfig`, which pytest's own handlers keep out of an in-process run: a subprocess)."""
+    code = (
+        "import logging, sys, tqdm, train\n"
+        "def command(args):\n"
+        "    with tqdm.tqdm(total=2, desc='training', disable=False) as bar:\n"
+        "        logging.getLogger('jetspec_jax').info('compiled a step')\n"
+        "        bar.update(2)\n"
+        "    return 0\n"
+        "train.COMMANDS['export'] = command\n"
+        "sys.exit(train.main(['export', '--draft', 'D', '--out', 'O', '-v']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "jetspec_jax: compiled a step" in re.split(r"[\r\n]", proc.stderr), proc.stderr
+
+
 @pytest.mark.parametrize("flush", [True, False], ids=["at-the-print", "at-the-exit-flush"])
 def test_output_into_a_closed_pipe_ends_quietly(monkeypatch, capsys, closed_pipe, flush):
     """`train.py evaluate ... | head -c 1`: not `error: [Errno 32] Broken pipe` with bad input's

@@ -35,7 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
-    from jetspec_jax.console import escape_what_stdout_cannot_encode, reader_may_leave
+    from jetspec_jax.console import (
+        escape_what_stdout_cannot_encode,
+        log_lines_clear_of_bars,
+        reader_may_leave,
+    )
     from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
     from jetspec_jax.prompting import has_chat_template, require_chat_template
@@ -47,45 +51,46 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     replaced = False  # whether this run has replaced an interrupted run's samples with its own
     try:
-        check_out_dir(out)  # not after hours of runs
-        methods = parse_methods(args.methods)
-        variants = {m.method for m in methods}
-        temperatures = _temperatures(args.temperatures)
-        require_paths("--target", [args.target], directory=True)  # nor after the model load
-        require_paths("--draft", args.draft or [], directory=True)
-        require_paths("--prompts", args.prompts)
-        _check_prompt_files(args.prompts, args.limit)  # their contents too
-        _check_drafts_given(args, methods)
-        target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-        if target.tokenizer is None:
-            raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
-        drafts = _drafts(args, target, variants)
-        if args.chat:
-            require_chat_template(target.tokenizer, target.path, "drop --chat (raw prompts)")
-        chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
-        datasets = [
-            load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
-        ]
+        with log_lines_clear_of_bars():  # `-v`'s lines, logged while the bar is drawn
+            check_out_dir(out)  # not after hours of runs
+            methods = parse_methods(args.methods)
+            variants = {m.method for m in methods}
+            temperatures = _temperatures(args.temperatures)
+            require_paths("--target", [args.target], directory=True)  # nor after the model load
+            require_paths("--draft", args.draft or [], directory=True)
+            require_paths("--prompts", args.prompts)
+            _check_prompt_files(args.prompts, args.limit)  # their contents too
+            _check_drafts_given(args, methods)
+            target = jetspec_jax.load_target(args.target, dtype=args.dtype)
+            if target.tokenizer is None:
+                raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
+            drafts = _drafts(args, target, variants)
+            if args.chat:
+                require_chat_template(target.tokenizer, target.path, "drop --chat (raw prompts)")
+            chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
+            datasets = [
+                load_dataset(p, target.tokenizer, limit=args.limit, chat=chat) for p in args.prompts
+            ]
 
-        def keep(sample) -> None:
-            # An interrupted run's samples are replaced once this run measures, not before: a
-            # run that `run_benchmark`'s checks refuse keeps them.
-            nonlocal replaced
-            if not replaced:
-                (out / PARTIAL_SAMPLES).unlink(missing_ok=True)
-                replaced = True
-            log_sample(out, sample)
+            def keep(sample) -> None:
+                # An interrupted run's samples are replaced once this run measures, not before: a
+                # run that `run_benchmark`'s checks refuse keeps them.
+                nonlocal replaced
+                if not replaced:
+                    (out / PARTIAL_SAMPLES).unlink(missing_ok=True)
+                    replaced = True
+                log_sample(out, sample)
 
-        samples, summaries = run_benchmark(
-            target,
-            datasets,
-            methods,
-            drafts,
-            temperatures=temperatures,
-            max_new_tokens=args.max_new_tokens,
-            warmup=args.warmup,
-            on_sample=keep,
-        )
+            samples, summaries = run_benchmark(
+                target,
+                datasets,
+                methods,
+                drafts,
+                temperatures=temperatures,
+                max_new_tokens=args.max_new_tokens,
+                warmup=args.warmup,
+                on_sample=keep,
+            )
     except (ValueError, ImportError, OSError) as e:  # OSError: paths, permissions
         print(f"error: {e}", file=sys.stderr)
         return 2
