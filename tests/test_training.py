@@ -1629,6 +1629,9 @@ def test_what_the_targets_config_refuses_fails_before_its_weights_load(
     with pytest.raises(ValueError, match=f"data.max_length {context + 1} exceeds"):
         trainer.train(load_train_config(path, [too_long]))
     draft = jetspec_jax.init_draft(target, block_size=4)
+    # Checked against the target the run loads, not the one a given draft was built for.
+    longer = dataclasses.replace(target.config, max_position_embeddings=2 * context)
+    draft = dataclasses.replace(draft, target_config=longer)
     with pytest.raises(ValueError, match=f"data.max_length {context + 1} exceeds"):
         adapter_trainer.train_adapter(load_train_config(path, [too_long]), draft=draft)
     assert not (tmp_path / "run").exists()

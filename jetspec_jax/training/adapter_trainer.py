@@ -159,7 +159,10 @@ def train_adapter(
     # mesh does not split it before the target's weights load.
     section = "adapter.optim" if config.adapter.optim is not None else "optim"
     batch_sizes((config.adapter.optim or config.optim).batch_size, mesh, section)
-    check_fits_context(config, draft.target_config)  # the draft's target: before the load
+    # The target this run loads (a given Draft may be another's), before its weights load.
+    check_fits_context(
+        config, load_target_config(config.target) if target is None else target.config
+    )
     if target is None:
         target = load_target(config.target, dtype=config.target_dtype)
     records = read_regenerated(
