@@ -384,6 +384,15 @@ def test_a_continuation_keeps_the_leading_space_its_context_gives_it():
         detok = IncrementalDetokenizer(tokenizer, context=prompt)
         deltas = [detok.push(completion[i : i + size]) for i in range(0, len(completion), size)]
         assert "".join(deltas) + detok.flush() == " blue"
+    # A long prompt is read from its end only (once per completion, on the server's loop).
+    looked_up = []
+    counting = _WindowRecorder(tokenizer)
+    counting.convert_ids_to_tokens = lambda i: (
+        looked_up.append(i) or tokenizer.convert_ids_to_tokens(i)
+    )
+    detok = IncrementalDetokenizer(counting, context=prompt * 500)
+    assert detok.push(completion) + detok.flush() == " blue"
+    assert len(looked_up) <= 4 + len(completion)  # its last 4 kept ids, then the pushed ones
     byte_level = _byte_level_tokenizer()
     coffee = byte_level.encode("☕")
     detok = IncrementalDetokenizer(byte_level, context=coffee[:1])

@@ -16,6 +16,7 @@ windows, which see it in pieces, do.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 _INCOMPLETE = "\ufffd"
@@ -42,7 +43,10 @@ class IncrementalDetokenizer:
         # special token that is no stop token, or on a padded id) would grow it, and each push's
         # decode, without end.
         self._dropped = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
-        context = self._kept(context)[-_CONTEXT_TOKENS:]
+        # Its last few kept ids, found from the end: a long prompt is not walked whole (this runs
+        # on the server's event loop, once per completion).
+        last = itertools.islice(filter(self._keeps, reversed(list(context))), _CONTEXT_TOKENS)
+        context = list(last)[::-1]
         if context and self._decode(context).endswith(_INCOMPLETE):
             context = []
         self._ids: list[int] = context
@@ -87,11 +91,18 @@ class IncrementalDetokenizer:
         return head[len(emitted) :]
 
     def _kept(self, ids: Sequence[int]) -> list[int]:
-        """`ids` less those the decode drops: the special tokens it skips, and ids the tokenizer
-        has no token for (a model vocabulary padded past the tokenizer's: Qwen3's 151936 ids
-        hold 151669 tokens; a random target samples the padding)."""
-        convert = self._tokenizer.convert_ids_to_tokens
-        return [i for i in map(int, ids) if i not in self._dropped and convert(i) is not None]
+        """`ids` less those the decode drops (`_keeps`)."""
+        return [i for i in map(int, ids) if self._keeps(i)]
+
+    def _keeps(self, token_id: int) -> bool:
+        """Whether the decode keeps `token_id`: not a special token it skips, nor an id the
+        tokenizer has no token for (a model vocabulary padded past the tokenizer's: Qwen3's
+        151936 ids hold 151669 tokens; a random target samples the padding)."""
+        token_id = int(token_id)
+        return (
+            token_id not in self._dropped
+            and self._tokenizer.convert_ids_to_tokens(token_id) is not None
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
