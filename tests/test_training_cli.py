@@ -644,24 +644,13 @@ def test_a_prompt_file_as_training_data_is_refused_with_nothing_created(
 ):
     """The draft and adapter stages make their run directories only once their data proved to
     be regenerated records; a prompt file is named as one, with the command that converts it."""
-    import train
-    from jetspec_jax.target import load_target
-
-    target_dir = checkpoints.get("qwen3")[0]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
-    run = tmp_path / "run"
     message = (
         f"error: {prompts}:1 lacks integer prompt_ids / response_ids (a prompt file? "
         "`train.py regenerate` turns it into training data)"
     )
-    assert train.main(["draft", *_tiny_config(target_dir, prompts, run)]) == 2
-    assert message in capsys.readouterr().err
-    assert not run.exists()
-    jetspec_jax.init_draft(load_target(target_dir), block_size=4).save(run / "draft")
-    assert train.main(["adapter", *_tiny_config(target_dir, prompts, run)]) == 2
-    assert message in capsys.readouterr().err
-    assert sorted(p.name for p in run.iterdir()) == ["draft"]
+    _both_stages_refuse(checkpoints.get("qwen3")[0], prompts, tmp_path / "run", message, capsys)
 
 
 def test_too_few_records_for_a_batch_are_refused_with_nothing_created(
@@ -670,26 +659,34 @@ def test_too_few_records_for_a_batch_are_refused_with_nothing_created(
     """Records that make no batch (tiny_cpu.yaml's are 4) are unusable data: refused before the
     run directory is made, as unreadable data is."""
     import train
-    from jetspec_jax.target import load_target
 
     target_dir = checkpoints.get("qwen3")[0]
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
     run = tmp_path / "run"
     message = "error: 1 examples over 1 process(es) leave some process 1, fewer than one batch of 4"
-    assert train.main(["draft", *_tiny_config(target_dir, data, run)]) == 2
-    assert message in capsys.readouterr().err
-    assert not run.exists()
-    jetspec_jax.init_draft(load_target(target_dir), block_size=4).save(run / "draft")
-    assert train.main(["adapter", *_tiny_config(target_dir, data, run)]) == 2
-    assert message in capsys.readouterr().err
-    assert sorted(p.name for p in run.iterdir()) == ["draft"]
+    _both_stages_refuse(target_dir, data, run, message, capsys)
     # Enough training records, too few held-out ones for the adapter's evaluation batch.
     enough = tmp_path / "enough.jsonl"
     enough.write_text(data.read_text() * 4)
     held_out = ["--set", f"adapter.eval_files=[{data}]"]
     assert train.main(["adapter", *_tiny_config(target_dir, enough, run), *held_out]) == 2
     assert "adapter evaluation needs at least 4 records" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["draft"]
+
+
+def _both_stages_refuse(target_dir, data, run, message, capsys) -> None:
+    """`train.py draft`, then `train.py adapter` (given a draft), refuse `data` with `message`
+    and make no run directory, nor anything in the adapter's."""
+    import train
+    from jetspec_jax.target import load_target
+
+    assert train.main(["draft", *_tiny_config(target_dir, data, run)]) == 2
+    assert message in capsys.readouterr().err
+    assert not run.exists()
+    jetspec_jax.init_draft(load_target(target_dir), block_size=4).save(run / "draft")
+    assert train.main(["adapter", *_tiny_config(target_dir, data, run)]) == 2
+    assert message in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["draft"]
 
 
