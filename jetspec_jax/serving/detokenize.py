@@ -46,7 +46,7 @@ class IncrementalDetokenizer:
         # Its last few kept ids, found from the end: a long prompt is not walked whole (this runs
         # on the server's event loop, once per completion).
         last = itertools.islice(filter(self._keeps, reversed(list(context))), _CONTEXT_TOKENS)
-        context = list(last)[::-1]
+        context = [int(i) for i in list(last)[::-1]]
         if context and self._decode(context).endswith(_INCOMPLETE):
             context = []
         self._ids: list[int] = context
