@@ -599,6 +599,14 @@ def test_the_full_size_table_keeps_its_previous_plot_when_drawing_fails(monkeypa
     assert path.read_bytes() == b"the previous plot"
 
 
+def test_summary_tau_matches_the_samples_when_no_prompt_got_past_its_first_token():
+    """Prompts that stopped at the prefill's token (`--max-new-tokens 1`, or a stop token first)
+    have no verification round: the row's pooled tau is `GenerationResult.tau`'s 1.0, not 0."""
+    samples = [_sample("ar", 1, 0, 0.0), _sample("jetspec", 1, 0, 0.0, True)]
+    rows = summarize([*samples, _sample("dflash", 0, 0, 0.0, True)])
+    assert [(r.method, r.tau) for r in rows] == [("ar", 1.0), ("jetspec", 1.0), ("dflash", 0.0)]
+
+
 def test_load_test_counts_network_errors(capsys):
     """A refused connection is a failed request, not an aborted load test."""
     from jetspec_jax.bench.load import run_load

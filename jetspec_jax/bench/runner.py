@@ -50,7 +50,8 @@ class Summary:
     """One (dataset, temperature, method) row.
 
     Attributes:
-        tau: pooled: all committed tokens after the first / all verification rounds.
+        tau: pooled: all committed tokens after the first / all verification rounds (1.0 when
+            every prompt's first token was its only one, as `GenerationResult.tau` reads it).
         decode_tokens_per_second: pooled over the dataset's decode time.
         speedup: decode tokens/s over AR's on the same prompts (this run).
         prefill_ms: mean prefill time per prompt.
@@ -232,7 +233,9 @@ def summarize(samples: Sequence[Sample], baseline: str = "ar") -> list[Summary]:
                 method=method,
                 prompts=len(group),
                 new_tokens=sum(s.new_tokens for s in group),
-                tau=decoded / rounds if rounds else 0.0,
+                # No rounds: every prompt stopped at the prefill's token, tau 1.0 as each
+                # sample's (0.0 only without any token).
+                tau=decoded / rounds if rounds else float(any(s.new_tokens for s in group)),
                 decode_tokens_per_second=rates[(dataset, temperature, method)],
                 speedup=rates[(dataset, temperature, method)] / ar_rate if ar_rate else 0.0,
                 prefill_ms=1e3 * sum(s.prefill_seconds for s in group) / len(group),
