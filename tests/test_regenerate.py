@@ -570,6 +570,10 @@ def test_cli_bad_argument_exits_2_without_traceback(prompt_files, tmp_path, caps
     # A --system with bytes that are not UTF-8 (read as surrogates, which no tokenizer takes).
     assert train.main([*args, "--target", missing, "--system", "Be \udcff"]) == 2
     assert "error: --system holds an unpaired UTF-16 surrogate" in capsys.readouterr().err
+    # Sampling values name their flags, as the other arguments do.
+    for flag, value in (("--temperature", "-1"), ("--seed", "-1")):
+        assert train.main([*args, "--target", missing, flag, value]) == 2
+        assert f"error: {flag} must be" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_budget_the_context_cannot_hold_before_the_load(
