@@ -381,9 +381,13 @@ def _generate(args) -> int:
 
     try:
         # Validate the request before the (slow) model load.
-        sampling = jetspec_jax.SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-        )
+        try:
+            sampling = jetspec_jax.SamplingParams(
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+            )
+        except ValueError as e:  # it names its field first ("top_p must be ..."): name the flag
+            field, _, rest = str(e).partition(" ")
+            raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
         for flag, value in (
             ("--max-new-tokens", args.max_new_tokens),
             ("--chunk-steps", args.chunk_steps),

@@ -1505,6 +1505,10 @@ def test_serve_py_refuses_flags_without_a_use_before_loading(monkeypatch, tmp_pa
     assert "--prefill-chunk must be >= 0 (0: each prompt in one forward), got -1" in (
         capsys.readouterr().err
     )
+    # Sampling values are named by their flags, not SamplingParams' fields.
+    for flag, value in (("--top-p", "2"), ("--top-k", "-1"), ("--temperature", "-1")):
+        assert serve_py.main(["generate", "P", flag, value]) == 2
+        assert f"error: {flag} must be" in capsys.readouterr().err
 
 
 def test_serve_py_reports_an_interrupt_in_one_line(monkeypatch, capsys):
