@@ -90,7 +90,7 @@ def test_serve_replacement_confidence_flag():
         (["--max-batch-size", "0"], "max_batch_size"),
         (["--refine-passes", "1", "--refreshes", "2"], "refreshes"),
         (["generate", "hi", "--chunk-steps", "0"], "--chunk-steps must be >= 1"),
-        (["generate", "hi", "--top-p", "1.5"], "top_p"),
+        (["generate", "hi", "--top-p", "1.5"], "--top-p must be in [0, 1]"),
         (["generate", "hi", "--method", "ar", "--block-size", "4"], "method 'ar' drafts none"),
         # --target without --draft (or --method) decodes autoregressively.
         (

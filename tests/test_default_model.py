@@ -70,4 +70,4 @@ def test_serve_generate_cli_reports_bad_input_without_traceback(default_cache, d
         timeout=600,
     )
     assert proc.returncode == 2
-    assert "error: temperature must be" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error: --temperature must be" in proc.stderr and "Traceback" not in proc.stderr
