@@ -371,6 +371,7 @@ def _server_config(args, draft, *, method: str | None = None):
 
 def _generate(args) -> int:
     import jetspec_jax
+    from jetspec_jax.flag_paths import keywords_named_by_flag
     from jetspec_jax.prompting import (
         encode_prompt,
         has_chat_template,
@@ -381,13 +382,10 @@ def _generate(args) -> int:
 
     try:
         # Validate the request before the (slow) model load.
-        try:
+        with keywords_named_by_flag():
             sampling = jetspec_jax.SamplingParams(
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
             )
-        except ValueError as e:  # it names its field first ("top_p must be ..."): name the flag
-            field, _, rest = str(e).partition(" ")
-            raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
         for flag, value in (
             ("--max-new-tokens", args.max_new_tokens),
             ("--chunk-steps", args.chunk_steps),

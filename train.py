@@ -521,13 +521,12 @@ def _regenerate(args: argparse.Namespace) -> int:
         read_records,
         regenerate,
     )
+    from jetspec_jax.flag_paths import keywords_named_by_flag
     from jetspec_jax.target import load_target_config
 
     # Validate everything cheap (arguments, prompt files) before the slow model load.
-    try:
+    with keywords_named_by_flag():
         sampling = jetspec_jax.SamplingParams(temperature=args.temperature, seed=args.seed)
-    except ValueError as e:  # it names its field ("temperature ...", "seed ..."): name the flag
-        raise ValueError(f"--{e}") from None
     for name in ("batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")

@@ -1,6 +1,7 @@
 """`require_paths`: a command line's input paths checked before its model load, which takes
 minutes for a large target, so that a typo fails at once (`serve.py`, `train.py`, the bench);
-`named_by_flag`: a loader's errors in the command line's terms."""
+`named_by_flag` and `keywords_named_by_flag`: a loader's or a constructor's errors in the command
+line's terms."""
 
 from __future__ import annotations
 
@@ -47,3 +48,19 @@ def named_by_flag(flag: str, path: str | os.PathLike) -> Iterator[None]:
         message, path = str(e), os.fspath(path)
         named = f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}"
         raise CheckpointError(named) from e
+
+
+@contextlib.contextmanager
+def keywords_named_by_flag() -> Iterator[None]:
+    """Names a ValueError raised in its block whose message starts with a keyword
+    (`SamplingParams`' "top_p must be in [0, 1]") by that keyword's flag ("--top-p must be ...").
+    Only for blocks whose every ValueError starts so.
+
+    Raises:
+        ValueError: the block's, so named.
+    """
+    try:
+        yield
+    except ValueError as e:
+        keyword, _, rest = str(e).partition(" ")
+        raise ValueError(f"--{keyword.replace('_', '-')} {rest}") from None
