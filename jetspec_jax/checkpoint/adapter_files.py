@@ -39,7 +39,7 @@ from jetspec_jax.checkpoint.hf_params import (
 )
 from jetspec_jax.checkpoint.json_fields import json_integer, json_number
 from jetspec_jax.checkpoint.json_files import read_json
-from jetspec_jax.models.adapter import AdapterConfig
+from jetspec_jax.models.adapter import AdapterConfig, check_chained_taps
 from jetspec_jax.models.config import RopeConfig, TransformerConfig
 
 ARCHITECTURE = "JetSpecPPAdapter"
@@ -207,13 +207,14 @@ def check_takes_an_adapter(draft_config) -> None:
             f"an adapter serves a token-input (jetspec++) draft's refinement and foresight; this "
             f"draft is {draft_config.variant!r}"
         )
-    taps = list(draft_config.target_layer_ids)
-    if taps != sorted(set(taps)):
+    try:
+        check_chained_taps(draft_config.target_layer_ids)
+    except ValueError:
         raise CheckpointError(
             f"an adapter chains the draft's taps from shallow to deep; this draft's "
-            f"target_layer_ids {taps} are not strictly increasing (train a draft with increasing "
-            "draft.target_layer_ids)"
-        )
+            f"target_layer_ids {list(draft_config.target_layer_ids)} are not strictly increasing "
+            "(train a draft with increasing draft.target_layer_ids)"
+        ) from None
 
 
 def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:

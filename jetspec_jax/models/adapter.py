@@ -39,6 +39,16 @@ from jetspec_jax.models.config import TransformerConfig
 Params = dict
 
 
+def check_chained_taps(target_layer_ids) -> None:
+    """ValueError unless `target_layer_ids` are strictly increasing: the adapter chains its
+    modules from the shallowest tap to the deepest."""
+    if list(target_layer_ids) != sorted(set(target_layer_ids)):
+        raise ValueError(
+            f"the adapter chains taps from shallow to deep: target_layer_ids "
+            f"{tuple(target_layer_ids)} must be strictly increasing"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class AdapterConfig:
     """An adapter for one target and tap set; hashable (a static jit argument).
@@ -68,11 +78,7 @@ class AdapterConfig:
             )
         if any(n < 1 for n in self.layers_per_module):
             raise ValueError(f"every module needs >= 1 layer, got {self.layers_per_module}")
-        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
-            raise ValueError(
-                f"the adapter chains taps from shallow to deep: target_layer_ids "
-                f"{self.target_layer_ids} must be strictly increasing"
-            )
+        check_chained_taps(self.target_layer_ids)
 
     @property
     def num_layers(self) -> int:
