@@ -45,8 +45,8 @@ class IncrementalDetokenizer:
         self._dropped = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
         # Its last few kept ids, found from the end: a long prompt is not walked whole (this runs
         # on the server's event loop, once per completion).
-        last = itertools.islice(filter(self._keeps, reversed(list(context))), _CONTEXT_TOKENS)
-        context = [int(i) for i in list(last)[::-1]]
+        ids = map(int, reversed(list(context)))
+        context = list(itertools.islice(filter(self._keeps, ids), _CONTEXT_TOKENS))[::-1]
         if context and self._decode(context).endswith(_INCOMPLETE):
             context = []
         self._ids: list[int] = context
@@ -98,7 +98,6 @@ class IncrementalDetokenizer:
         """Whether the decode keeps `token_id`: not a special token it skips, nor an id the
         tokenizer has no token for (a model vocabulary padded past the tokenizer's: Qwen3's
         151936 ids hold 151669 tokens; a random target samples the padding)."""
-        token_id = int(token_id)
         return (
             token_id not in self._dropped
             and self._tokenizer.convert_ids_to_tokens(token_id) is not None
