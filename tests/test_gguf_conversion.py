@@ -552,8 +552,22 @@ def _count_dequantized(monkeypatch) -> list[str]:
             {},
             r"beyond its 1 layers \(llama\.block_count\): model\.layers\.1\.input_layernorm",
         ),
+        # Its tokenizer's last id would be refused in every prompt, as the client's fault.
+        (
+            {"token_embd.weight": np.ones((4, 8), np.float32)},
+            {},
+            r"tokenizer has 5 tokens \(tokenizer\.ggml\.tokens\) but token_embd\.weight only 4",
+        ),
     ],
-    ids=["unknown", "missing", "partial rotary", "llama3 rope", "mis-shaped", "extra layer"],
+    ids=[
+        "unknown",
+        "missing",
+        "partial rotary",
+        "llama3 rope",
+        "mis-shaped",
+        "extra layer",
+        "fewer rows than tokens",
+    ],
 )
 def test_unknown_or_missing_tensors_are_refused_before_any_is_dequantized(
     tmp_path, monkeypatch, tensors, fields, message
@@ -644,6 +658,44 @@ def test_unusable_tokenizer_metadata_is_refused_before_any_tensor(
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf", vocab=vocab, eot=eot, tokenizer_model=model)
     monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("tensors read"))
     with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_a_vocabulary_without_merges_or_scores_is_refused_before_any_tensor(
+    tmp_path, monkeypatch, model
+):
+    """Either vocabulary is rebuilt from its merges or, without them, from its scores: with
+    neither, transformers' builder raised a bare KeyError('scores'), after every tensor."""
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_scores", lambda self, scores: None)
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", tokenizer_model=model)
+    monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("tensors read"))
+    message = f"{path}: its '{model}' tokenizer has neither merges nor scores"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize(
+    "value, shown", [(0, "got 0"), ([2], "got [2] (per-layer values are not supported)")]
+)
+def test_a_count_that_is_zero_or_per_layer_is_named_by_its_key(tmp_path, monkeypatch, value, shown):
+    """A zero head count divided by zero, and a per-layer array (which llama.cpp reads) reached
+    the arithmetic as a list: both were a bare ZeroDivisionError / TypeError naming no file."""
+    add_uint32 = gguf.GGUFWriter.add_uint32
+
+    def add(self, key, given):
+        if key != "llama.attention.head_count":
+            return add_uint32(self, key, given)
+        return (
+            self.add_array(key, value) if isinstance(value, list) else add_uint32(self, key, value)
+        )
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_uint32", add)
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    message = f"{path}: GGUF metadata llama.attention.head_count must be an integer >= 1, {shown}"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
     assert list(tmp_path.iterdir()) == [path]
 

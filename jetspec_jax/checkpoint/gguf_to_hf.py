@@ -89,9 +89,10 @@ def convert_gguf_to_hf(
     Raises:
         CheckpointError (a ``ValueError``, naming ``gguf_path``): it is not a
             readable GGUF file (or not in this machine's byte order), the
-            architecture is not ``llama``, a required metadata key is missing,
-            the tokenizer metadata is unusable, a tensor is unknown, missing or
-            shaped against the metadata (all refused before any tensor is
+            architecture is not ``llama``, a required metadata key is missing
+            or a size in it is not an integer >= 1, the tokenizer metadata is
+            unusable, a tensor is unknown, missing or shaped against the metadata
+            (the token list included; all refused before any tensor is
             dequantized), or a tensor's type is one ``gguf`` cannot dequantize.
         FileExistsError: ``out_dir`` exists already.
     """
@@ -166,10 +167,10 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     if rope_scaling != "none":
         raise CheckpointError(f"GGUF rope scaling {rope_scaling!r} is not supported")
 
-    hidden = _field(reader, "llama.embedding_length")
-    n_heads = _field(reader, "llama.attention.head_count")
-    head_dim = _field(reader, "llama.attention.key_length", default=hidden // n_heads)
-    rotated = _field(reader, "llama.rope.dimension_count", default=head_dim)
+    hidden = _count(reader, "llama.embedding_length")
+    n_heads = _count(reader, "llama.attention.head_count")
+    head_dim = _count(reader, "llama.attention.key_length", default=hidden // n_heads)
+    rotated = _count(reader, "llama.rope.dimension_count", default=head_dim)
     if rotated != head_dim:  # an HF Llama rotates every channel of a head
         raise CheckpointError(
             f"GGUF rope.dimension_count {rotated} != head_dim {head_dim}: partial rotary "
@@ -181,12 +182,12 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "intermediate_size": _count(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _count(reader, "llama.block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", default=n_heads),
+        "num_key_value_heads": _count(reader, "llama.attention.head_count_kv", default=n_heads),
         "head_dim": head_dim,
-        "max_position_embeddings": _field(reader, "llama.context_length"),
+        "max_position_embeddings": _count(reader, "llama.context_length"),
         "rms_norm_eps": _f32(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
         "rope_theta": rope_theta,  # transformers < 5 layout
@@ -204,9 +205,10 @@ def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def _check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
-    """Refuses an unknown, missing or extra tensor, or one whose shape contradicts the metadata
-    (the q/k unpermutation and the converted checkpoint need them to agree), before any is
-    dequantized; fills in ``config``'s ``vocab_size`` and ``tie_word_embeddings``."""
+    """Refuses an unknown, missing or extra tensor, one whose shape contradicts the metadata
+    (the q/k unpermutation and the converted checkpoint need them to agree), or an embedding with
+    fewer rows than the tokenizer has tokens, before any is dequantized; fills in ``config``'s
+    ``vocab_size`` and ``tie_word_embeddings``."""
     shapes = {_hf_name(t.name): _hf_shape(t) for t in reader.tensors}
     config["vocab_size"] = shapes.get("model.embed_tokens.weight", (0,))[0]
     config["tie_word_embeddings"] = "lm_head.weight" not in shapes
@@ -229,6 +231,14 @@ def _check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
     if wrong:
         raise CheckpointError(
             f"GGUF tensors do not match its metadata (as HF shapes): {'; '.join(wrong[:5])}"
+        )
+    # Ids past the embedding's rows would be refused in every prompt that holds them (as the
+    # client's fault); llama.cpp refuses such a file. Fewer tokens than rows is padding.
+    tokens = len(reader.get_field("tokenizer.ggml.tokens").data)  # `_check_tokenizer_metadata`
+    if tokens > config["vocab_size"]:
+        raise CheckpointError(
+            f"its tokenizer has {tokens} tokens (tokenizer.ggml.tokens) but token_embd.weight "
+            f"only {config['vocab_size']} rows"
         )
 
 
@@ -305,8 +315,8 @@ def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _check_tokenizer_metadata(reader: gguf.GGUFReader) -> None:
     """Refuses what `_save_tokenizer` cannot use, before the tensors are converted (it runs
-    last): no token list, a vocabulary type it cannot rebuild, or a special-token id outside
-    the token list."""
+    last): no token list, a vocabulary type it cannot rebuild, neither merges nor scores to
+    rebuild it from, or a special-token id outside the token list."""
     tokens = _field(reader, "tokenizer.ggml.tokens", default=None)
     if not tokens:
         raise CheckpointError(
@@ -318,6 +328,13 @@ def _check_tokenizer_metadata(reader: gguf.GGUFReader) -> None:
         raise CheckpointError(
             f"its tokenizer.ggml.model {model!r} is not a vocabulary this converter rebuilds "
             f"(supported: {', '.join(_TOKENIZER_MODELS)})"
+        )
+    # Both vocabulary types are rebuilt as BPE: with the file's merges, or merges derived from
+    # its scores (transformers' builders raise a bare KeyError, after every tensor, otherwise).
+    if all(reader.get_field(f"tokenizer.ggml.{key}") is None for key in ("merges", "scores")):
+        raise CheckpointError(
+            f"its {model!r} tokenizer has neither merges nor scores (metadata keys "
+            "'tokenizer.ggml.merges', 'tokenizer.ggml.scores'), one of which rebuilding it needs"
         )
     for key in ("bos", "eos", "eot", "unknown", "padding"):
         token_id = _field(reader, f"tokenizer.ggml.{key}_token_id", default=None)
@@ -392,6 +409,19 @@ def _field(reader: gguf.GGUFReader, key: str, **kw: Any) -> Any:
             return kw["default"]
         raise CheckpointError(f"GGUF metadata lacks required key {key!r}")
     return field.contents()
+
+
+def _count(reader: gguf.GGUFReader, key: str, **kw: Any) -> int:
+    """A size or count of the metadata (`_field`): an integer >= 1, named by its GGUF key when
+    not (a zero would divide by zero; a per-layer array, which llama.cpp also reads, would reach
+    the config as a list)."""
+    value = _field(reader, key, **kw)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        per_layer = " (per-layer values are not supported)" if isinstance(value, list) else ""
+        raise CheckpointError(
+            f"GGUF metadata {key} must be an integer >= 1, got {value!r}{per_layer}"
+        )
+    return value
 
 
 def _f32(value: float) -> float:
