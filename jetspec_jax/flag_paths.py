@@ -20,7 +20,7 @@ def require_paths(
 
     Raises:
         FileNotFoundError: naming the flag, the path, what it should be and, when something
-            else is there, what it is.
+            else is there, what it is (with the conversion a GGUF file needs).
     """
     kind, exists = ("directory", os.path.isdir) if directory else ("file", os.path.isfile)
     for path in paths:
@@ -29,7 +29,10 @@ def require_paths(
                 found = "a directory" if os.path.isdir(path) else "a file"
                 if os.path.islink(path) and not os.path.exists(path):
                     found = "a dangling symbolic link"
-                raise FileNotFoundError(f"{flag} {path} is {found}, not a {kind}")
+                hint = ""
+                if directory and found == "a file" and str(path).endswith(".gguf"):
+                    hint = " (a GGUF file: convert it with convert_gguf_to_hf)"
+                raise FileNotFoundError(f"{flag} {path} is {found}, not a {kind}{hint}")
             raise FileNotFoundError(f"{flag} {path}: no such {kind}")
 
 

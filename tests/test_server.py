@@ -1500,6 +1500,12 @@ def test_serve_py_refuses_flags_without_a_use_before_loading(monkeypatch, tmp_pa
     afile.write_text("")
     assert serve_py.main(["generate", "P", "--target", str(afile)]) == 2
     assert f"--target {afile} is a file, not a directory" in capsys.readouterr().err
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_text("")
+    assert serve_py.main(["generate", "P", "--target", str(gguf_file)]) == 2
+    assert "is a file, not a directory (a GGUF file: convert it with convert_gguf_to_hf)" in (
+        capsys.readouterr().err
+    )
     # The flag's 0 (one forward each) is no keyword value: its own message says so.
     assert serve_py.main(["generate", "P", "--prefill-chunk", "-1"]) == 2
     assert "--prefill-chunk must be >= 0 (0: each prompt in one forward), got -1" in (
