@@ -47,8 +47,8 @@ def warm_up(
         reserve_prompt_tokens, reserve_new_tokens: the sessions' reserve (each >= 1).
 
     Returns:
-        The seconds spent compiling (programs already compiled, e.g. loaded from the persistent
-        cache, cost nothing here).
+        The seconds spent compiling: nothing for programs this process compiled already; for
+        one loaded from the persistent cache, its lowering and loading (less than compiling it).
 
     Raises:
         ValueError: a reserve below 1, no batch size, a batch size below 1, or one
