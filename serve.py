@@ -424,6 +424,14 @@ def _generate(args) -> int:
             require_chat_template(target.tokenizer, target.path, f"drop {flags} (raw prompt)")
         chat = args.chat if args.chat is not None else has_chat_template(target.tokenizer)
         prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat, system=args.system)
+        context = target.config.max_position_embeddings
+        if len(prompt_ids) + args.max_new_tokens > context:  # by flag: the library names keywords
+            raise ValueError(
+                f"the prompt of {len(prompt_ids)} tokens"
+                + (" (chat template included)" if chat else "")
+                + f" + --max-new-tokens {args.max_new_tokens} exceeds the model's context of "
+                f"{context} tokens: shorten the prompt or lower --max-new-tokens"
+            )
         request = dict(
             max_new_tokens=args.max_new_tokens,
             temperature=sampling.temperature,

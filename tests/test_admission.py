@@ -285,6 +285,17 @@ def test_a_reserve_is_checked(target):
     assert check_reserve(target.config, context - 4, 4) == (context - 4, 4)  # the whole context
 
 
+def test_a_session_fits_only_what_it_admits(target):
+    """A session's cache (prompt bucket 1536 plus output bucket 1024 here) may hold more than the
+    model's context (2048): `fits` is True for exactly the requests `admit` takes, so a request
+    past the context, or with no budget, is no fit whatever the cache holds."""
+    context = target.config.max_position_embeddings
+    session = DecodeSession(target, [[1] * 1100], max_new_tokens=900)  # not started: no compile
+    assert session.fits(1100, context - 1100) and session.fits(context - 1, 1)
+    assert not session.fits(1100, context - 1100 + 1) and not session.fits(context, 1)
+    assert not session.fits(1, 0) and not session.fits(0, 1)
+
+
 def test_the_batch_axis_is_the_one_axis_where_the_new_rows_are_fewer():
     assert batch_axis((3, 4, 5), (3, 1, 5), 4) == 1
     assert batch_axis((3, 4, 5), (3, 2, 5), 4) == 1

@@ -1555,6 +1555,17 @@ def test_serve_py_generate_into_an_ascii_stdout_escapes_what_it_cannot_encode(
     assert b"\\xe9\\u2014" in stdout.buffer.getvalue()
 
 
+def test_serve_py_generate_names_the_flag_of_a_budget_past_the_context(target, target_dir, capsys):
+    """A prompt plus `--max-new-tokens` (given, or its default 128) past the context is refused
+    by the flag, not by the library's keyword, with the prompt's true token count."""
+    context = target.config.max_position_embeddings
+    argv = ["generate", "P", "--target", str(target_dir), "--no-chat"]
+    prompt = len(encode_prompt(target.tokenizer, "P", chat=False))
+    assert serve_py.main([*argv, "--max-new-tokens", str(context)]) == 2
+    message = f"the prompt of {prompt} tokens + --max-new-tokens {context} exceeds the model's "
+    assert message + f"context of {context} tokens" in capsys.readouterr().err
+
+
 def test_serve_py_generate_decodes_a_raw_prompts_completion_after_it(
     target, target_dir, monkeypatch, capsys
 ):

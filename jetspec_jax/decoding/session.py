@@ -264,12 +264,16 @@ class DecodeSession:
         return state, time.perf_counter() - start
 
     def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
-        """Whether a request of this prompt length and budget can be `admit`ted. The session's
-        shapes were sized by its first batch (and the reserve): the output buffer holds
+        """Whether a request of this prompt length and budget (each >= 1) can be `admit`ted. The
+        session's shapes were sized by its first batch (and the reserve): the output buffer holds
         `max_output` tokens, and the cache a prompt of the context bucket plus that many: a longer
-        prompt fits with a budget as much shorter."""
+        prompt fits with a budget as much shorter. Both buckets rounded up, the cache may hold
+        more than the model's context, which bounds a request all the same (`check_budget`)."""
+        room = min(self._capacity, self._target.config.max_position_embeddings)
         return (
-            max_new_tokens <= self._max_output and prompt_length + max_new_tokens <= self._capacity
+            min(prompt_length, max_new_tokens) >= 1
+            and max_new_tokens <= self._max_output
+            and prompt_length + max_new_tokens <= room
         )
 
     def admit(
