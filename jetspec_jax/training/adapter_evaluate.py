@@ -4,7 +4,9 @@ adapter_state_metrics       per-tap normalised MSE and fraction of the stale-to-
                             closed (`adapter_loss.py` defines both), averaged over batches
 evaluate_refinement_tau     tau of `Jj-Rr` (J1-R1 by default) with the adapter's predicted
                             states vs the same with the target's true states (`TargetProxy`);
-                            their ratio is the share of the refresh's benefit the adapter keeps
+                            their ratio is the share of the true-state tau the predictions
+                            reach (the paper's 95-98%), not the share of the refresh's benefit
+                            they keep: that would subtract `Jj-R0`'s tau from both
 """
 
 from __future__ import annotations
