@@ -145,6 +145,23 @@ def test_conversion_needs_no_torch(gguf_path, tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "chat_template.jinja").is_file()
 
 
+def test_a_transformers_without_the_tokenizer_builders_is_named_before_any_tensor(
+    tmp_path, monkeypatch
+):
+    """transformers 5.17.0 kept them elsewhere (behind a torch import): the error names the floor
+    pyproject.toml declares (a lower one installs a transformers that cannot convert) and the
+    version found, and nothing is dequantized or written."""
+    floor = re.search(r'"transformers>=([\d.]+)"', (REPO_ROOT / "pyproject.toml").read_text())[1]
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", None)
+    monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("dequantized"))
+    with pytest.raises(
+        ImportError, match=rf"needs transformers>={re.escape(floor)} .*found: trans"
+    ):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert _siblings(path) == ["tiny.gguf"]
+
+
 def test_failure_mid_conversion_leaves_nothing(tmp_path, monkeypatch):
     path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
 

@@ -10,6 +10,7 @@ Only numpy is used for the weights: this module must work without torch.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -64,6 +65,10 @@ _TOKENIZER_MODELS = ("llama", "gpt2")
 # `tokenizer.ggml.pre` values for which llama.cpp cuts every numeral (\p{N}) off before GPT-2's
 # split, as the model's own tokenizer did (SmolLM2's tokenizer.json: individual digits).
 _NUMERALS_APART = ("smollm",)
+# The oldest transformers verified to hold the GGUF tokenizer builders `_save_tokenizer` uses in
+# `integrations.gguf.gguf_tokenizer_mapping`, importable without torch (5.17.0 has neither);
+# pyproject.toml's floor.
+_TRANSFORMERS_FLOOR = "5.24"
 
 
 def convert_gguf_to_hf(
@@ -95,6 +100,8 @@ def convert_gguf_to_hf(
             (the token list included; all refused before any tensor is
             dequantized), or a tensor's type is one ``gguf`` cannot dequantize.
         FileExistsError: ``out_dir`` exists already.
+        ImportError: the installed transformers is older than the tokenizer needs (named,
+            before any tensor is dequantized).
     """
     gguf_path = pathlib.Path(gguf_path)
     out = pathlib.Path(out_dir)
@@ -115,6 +122,7 @@ def convert_gguf_to_hf(
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         _check_tokenizer_metadata(reader)
+        _tokenizer_builders()
         config = _llama_config(reader)
         _check_tensors(reader, config)
         with atomic_directory(out) as tmp:
@@ -344,6 +352,28 @@ def _check_tokenizer_metadata(reader: gguf.GGUFReader) -> None:
             )
 
 
+def _tokenizer_builders() -> tuple[Any, dict, Callable]:
+    """transformers' `PreTrainedTokenizerFast`, `GGUF_TOKENIZER_MAPPING` and
+    `convert_gguf_tokenizer`, or an ImportError naming the version needed and the one found."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError as e:  # the module is transformers-internal; 5.17 kept it elsewhere
+        try:
+            found = f"transformers {importlib.metadata.version('transformers')}"
+        except importlib.metadata.PackageNotFoundError:
+            found = "no transformers"
+        raise ImportError(
+            f"converting a GGUF tokenizer needs transformers>={_TRANSFORMERS_FLOOR} "
+            f"(transformers.integrations.gguf.gguf_tokenizer_mapping, importable without torch); "
+            f"found: {found} ({e}); upgrade: pip install -U 'transformers>={_TRANSFORMERS_FLOOR}'"
+        ) from e
+    return PreTrainedTokenizerFast, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+
 def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
     """Rebuild the HF tokenizer (incl. chat template) from the GGUF metadata.
 
@@ -353,18 +383,7 @@ def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
     ``get_gguf_tokenizer`` does with it (the output is byte-identical), but for
     the numeral split of `_NUMERALS_APART` vocabularies, which it lacks.
     """
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
-    except ImportError as e:  # the module is transformers-internal
-        raise ImportError(
-            "converting a GGUF tokenizer needs transformers>=5 with "
-            "transformers.integrations.gguf.gguf_tokenizer_mapping"
-        ) from e
-
+    PreTrainedTokenizerFast, GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer = _tokenizer_builders()
     meta = {
         key: field.contents()
         for key, field in reader.fields.items()
