@@ -59,7 +59,8 @@ class Target:
         tokenizer: a transformers tokenizer, or None when the checkpoint ships none.
         stop_token_ids: the end-of-sequence ids `generate` stops on by default.
         path: the directory it was loaded from, if any.
-        source_token_ids: the bos and pad ids of that directory's config.json, and
+        source_token_ids: the bos and pad ids of that directory's config.json (a multimodal
+            one's `text_config` ids where its top level has none), and
         generation_config: its generation_config.json (sampling defaults, pad and bos ids), both
             read at load time, for `save` to write back ({} for neither).
     """
@@ -174,7 +175,8 @@ def load_target(
         if (path / "generation_config.json").is_file()
         else {}
     )
-    stop_token_ids = _stop_token_ids(path, hf_config, generation, tokenizer, config.vocab_size)
+    config_ids = _config_token_ids(hf_config)
+    stop_token_ids = _stop_token_ids(path, config_ids, generation, tokenizer, config.vocab_size)
     params = load_hf_params(path, config, DTYPES[dtype], show_progress=show_progress)
     return Target(
         config=config,
@@ -184,7 +186,7 @@ def load_target(
         stop_token_ids=stop_token_ids,
         path=path,
         source_token_ids={
-            k: hf_config[k] for k in ("bos_token_id", "pad_token_id") if k in hf_config
+            k: config_ids[k][0] for k in ("bos_token_id", "pad_token_id") if k in config_ids
         },
         generation_config=generation,
     )
@@ -247,10 +249,26 @@ def _load_tokenizer(path: pathlib.Path):
         ) from e
 
 
+def _config_token_ids(hf_config: dict) -> dict[str, tuple[Any, str]]:
+    """config.json's bos, eos and pad ids as transformers' `generate` reads them
+    (`GenerationConfig.from_model_config`), each as `(value, field name)`: the top level's, else
+    (absent or null there) a multimodal Qwen3.5 config's `text_config` one, where its released
+    layout keeps them."""
+    text = hf_config.get("text_config") if hf_config.get("model_type") == "qwen3_5" else None
+    found = {}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if hf_config.get(name) is None and isinstance(text, dict) and text.get(name) is not None:
+            found[name] = (text[name], f"text_config.{name}")
+        elif name in hf_config:
+            found[name] = (hf_config[name], name)
+    return found
+
+
 def _stop_token_ids(
-    path: pathlib.Path, hf_config: dict, generation: dict, tokenizer, vocab_size: int
+    path: pathlib.Path, config_ids: dict, generation: dict, tokenizer, vocab_size: int
 ) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json's, else config.json's, else the tokenizer's.
+    """End-of-sequence ids: generation_config.json's, else config.json's (`config_ids`, from
+    `_config_token_ids`), else the tokenizer's.
 
     A generation_config.json that sets `eos_token_id` to null stops on nothing, as transformers'
     `generate` reads it (and as `Target.save` writes a target without stop ids); a null in
@@ -265,7 +283,8 @@ def _stop_token_ids(
     if "eos_token_id" in generation and eos is None:
         return ()
     if eos is None:
-        eos, what = hf_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'"
+        eos, field = config_ids.get("eos_token_id", (None, "eos_token_id"))
+        what = f"{path / 'config.json'} field {field!r}"
     if eos is None and tokenizer is not None:
         eos, what = tokenizer.eos_token_id, f"the eos_token_id of {path}'s tokenizer"
     if eos is None:

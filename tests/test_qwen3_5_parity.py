@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+import transformers
 
 import jetspec_jax
 from jetspec_jax.adapter import init_adapter
@@ -134,9 +135,11 @@ def test_a_hybrid_of_one_layer_kind_matches_transformers_and_decodes_as_ar(check
 
 def test_multimodal_checkpoint_loads_its_text_model(hybrid, tmp_path):
     """The released layout: `qwen3_5` config with text_config, `model.language_model.*` weights,
-    a vision tower and an MTP head (both skipped)."""
+    a vision tower and an MTP head (both skipped). Its token ids are in text_config: transformers'
+    `generate` stops on that eos (with no generation_config.json), and so do we and our export."""
     path, _, target = hybrid
     text = json.loads((path / "config.json").read_text())
+    text.update(bos_token_id=1, eos_token_id=5)
     hf = {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": text}
     (tmp_path / "config.json").write_text(json.dumps(hf))
     tensors = {
@@ -150,6 +153,13 @@ def test_multimodal_checkpoint_loads_its_text_model(hybrid, tmp_path):
     assert loaded.config == target.config
     ids = np.random.default_rng(5).integers(0, 97, (2, CHUNK + 16))  # the compiled shape
     np.testing.assert_array_equal(np.asarray(loaded.logits(ids)), np.asarray(target.logits(ids)))
+    reference = transformers.GenerationConfig.from_model_config(
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    )
+    assert (reference.eos_token_id, reference.bos_token_id) == (5, 1)
+    assert loaded.stop_token_ids == (5,)
+    exported = json.loads((loaded.save(tmp_path / "export") / "config.json").read_text())
+    assert (exported["eos_token_id"], exported["bos_token_id"]) == ([5], 1)
     # A tensor under both spellings: which copy is meant would be a guess.
     tensors["model.norm.weight"] = tensors["model.language_model.norm.weight"]
     safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
