@@ -428,6 +428,7 @@ def _check_refreshes(args: argparse.Namespace) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     """Prints the tau a draft reaches on prompts through the inference path."""
     import jetspec_jax
+    from jetspec_jax.data.regenerate import check_room_for_a_prompt
     from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import named_by_flag, require_paths
     from jetspec_jax.target import load_target_config
@@ -444,15 +445,21 @@ def _evaluate(args: argparse.Namespace) -> int:
     # The prompts and the draft are checked against the target's config alone, before its
     # weights load (minutes for a large target); the draft is the one `load_draft` would give.
     target_config = load_target_config(args.target)
+    context = target_config.max_position_embeddings
+    check_room_for_a_prompt(args.max_new_tokens, context, "--max-new-tokens")
     records = eval_prompt_records(
         args.prompts, num_prompts=args.num_prompts, vocab_size=target_config.vocab_size
     )
+    ids = [(where, r["prompt_ids"]) for where, r in records if "prompt_ids" in r]
+    _check_prompts_fit(ids, args.max_new_tokens, context)  # text prompts: once encoded
     with named_by_flag("--draft", args.draft):
         draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     _check_draft_takes_passes(args, draft)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
     prompts = encoded_prompts(target, records, encoding=encoding)
+    located = zip([where for where, _ in records], prompts, strict=True)
+    _check_prompts_fit(located, args.max_new_tokens, context)
     tau = prompts_tau(
         target,
         draft,
@@ -465,6 +472,18 @@ def _evaluate(args: argparse.Namespace) -> int:
     setting = f"J{args.refine_passes}" + (f"-R{args.refreshes}" if args.refreshes else "")
     print(f"tau {tau:.3f} ({draft.config.variant}, {setting}, {len(prompts)} prompts)")
     return 0
+
+
+def _check_prompts_fit(located_ids, max_new_tokens: int, context: int) -> None:
+    """Refuses a prompt, named by `file:line` (`located_ids`: `(file:line, token ids)` pairs),
+    with no room for `--max-new-tokens` in the target's `context`: generation would name it by its
+    index in the batch, and the budget by the library's keyword."""
+    for where, ids in located_ids:
+        if len(ids) + max_new_tokens > context:
+            raise ValueError(
+                f"{where}: a prompt of {len(ids)} tokens + --max-new-tokens {max_new_tokens} "
+                f"exceeds the target's context of {context} tokens"
+            )
 
 
 def _prompt_encoding(args: argparse.Namespace):

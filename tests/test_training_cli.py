@@ -409,6 +409,11 @@ def test_missing_paths_are_refused_before_the_target_loads(
         ("regenerate", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         ("draft", ["--stop-after", "0"], "--stop-after must be >= 1, got 0"),
         ("adapter", ["--stop-after", "0"], "--stop-after must be >= 1, got 0"),
+        (
+            "evaluate",
+            ["--max-new-tokens", "8192"],
+            "--max-new-tokens 8192 leaves no room for a prompt in the target's context of 8192",
+        ),
     ],
 )
 def test_bad_counts_are_refused_before_any_work(
@@ -429,6 +434,7 @@ def test_bad_counts_are_refused_before_any_work(
         "regenerate": ["--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")],
         "draft": ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")],
         "adapter": ["--config", str(ROOT / "configs" / "tiny_cpu.yaml")],
+        "evaluate": ["--draft", str(tmp_path), "--prompts", str(prompts)],  # the default target
     }[command]
     assert train.main([command, *argv, *flags]) == 2
     assert f"error: {message}" in capsys.readouterr().err
@@ -622,6 +628,12 @@ def test_calibrate_refuses_a_hybrid_target_before_it_loads(
         ("", "holds no prompts"),
         ("{not json\n", "p.jsonl:1 is not valid JSON"),
         (json.dumps({"prompt_ids": [1, 500]}) + "\n", "holds ids outside the vocabulary [0, 97)"),
+        # Named by its line and the flag, not by its index in the batch and a library keyword.
+        (
+            json.dumps({"prompt_ids": [1] * 1800}) + "\n",
+            "p.jsonl:1: a prompt of 1800 tokens + --max-new-tokens 256 exceeds the target's "
+            "context of 2048 tokens",
+        ),
         (json.dumps({"id": "a"}) + "\n", "p.jsonl:1 has neither 'prompt_ids' nor a string"),
         # JSON's escapes admit an unpaired surrogate, which the tokenizer refused with a TypeError.
         (json.dumps({"prompt": "Hi \ud800"}) + "\n", "p.jsonl:1: 'prompt' holds an unpaired"),
