@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import jetspec_jax
 from jetspec_jax import SamplingParams
 from jetspec_jax.decoding.request_checks import check_budget, check_prompts, check_token_ids
 from jetspec_jax.decoding.session import DecodeSession
+from jetspec_jax.decoding.state import DecodeState, Requests, commit
 from tests.text_fixtures import EOS_ID, char_tokenizer, with_tokenizer
 
 
@@ -109,6 +111,24 @@ def test_stop_token_ends_generation_and_is_included(target, prompts):
     assert result.tokens == free[: first + 1]
     assert result.finish_reason == "stop"
     assert sum(result.acceptance_lengths) == len(result.tokens)
+
+
+def test_commit_cuts_at_stops_and_budgets_under_strict_dtype_promotion():
+    """A user's process may set `jax_numpy_dtype_promotion="strict"`, which refuses bool + int:
+    `commit` counts its stop tokens and rounds with explicit casts (a TypePromotionError before)."""
+    cache = types.SimpleNamespace(lengths=jnp.zeros(3, jnp.int32))  # commit reads only its batch
+    requests = Requests(
+        max_new_tokens=jnp.asarray([5, 1, 5], jnp.int32),
+        stop_token_ids=jnp.asarray([[7, -1]] * 3, jnp.int32),
+        sampling=None,
+    )
+    tokens = jnp.asarray([[1, 7, 3], [4, 5, 6], [8, 9, 7]], jnp.int32)
+    with jax.numpy_dtype_promotion("strict"):
+        state = commit(DecodeState.start(cache, 4), tokens, jnp.asarray([3, 2, 2]), requests)
+    # Row 0 stops at its stop token (included), row 1 at its budget, row 2 at its count.
+    np.testing.assert_array_equal(state.output, [[1, 7, 0, 0], [4, 0, 0, 0], [8, 9, 0, 0]])
+    np.testing.assert_array_equal(state.num_rounds, [1, 1, 1])
+    np.testing.assert_array_equal(state.done, [True, True, False])
 
 
 def test_stop_lists_of_other_lengths_reuse_the_compiled_decoders(target, prompts):

@@ -88,7 +88,9 @@ def test_replace_first_disagreement_acts_only_where_trusted():
     guess = jnp.asarray([[5, 9, 9, 8]] * 3 + [[5, 6, 7, 8]])
     # Rows: the paper's rule; an untrusted disagreement; an untrusted agreement (twice).
     trusted = jnp.asarray([[1, 1, 1, 1], [1, 0, 1, 1], [0, 1, 1, 1], [1, 1, 0, 1]], bool)
-    new, fixed = replace_first_disagreement(drafts, guess, jnp.zeros(4, jnp.int32), trusted)
+    # Under the strict dtype promotion a user's process may set (no implicit bool + int).
+    with jax.numpy_dtype_promotion("strict"):
+        new, fixed = replace_first_disagreement(drafts, guess, jnp.zeros(4, jnp.int32), trusted)
     np.testing.assert_array_equal(new, [[5, 9, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     np.testing.assert_array_equal(fixed, [2, 1, 0, 2])
 

@@ -515,6 +515,20 @@ def test_the_draft_runs_in_the_compute_dtype_and_keeps_float32_masters(target, c
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
 
 
+def test_a_step_under_strict_dtype_promotion_equals_the_default_one(target):
+    """A user's process may set `jax_numpy_dtype_promotion="strict"`: the loss casts its bool
+    matches, and optax's update (Python floats with its int32 count) runs with standard
+    promotion, so the step trains as by default."""
+    state, batch, config = _one_step_inputs(target)
+    default, metrics = train_step(state, target.params, batch, config=config)
+    with jax.numpy_dtype_promotion("strict"):
+        strict, strict_metrics = train_step(
+            _one_step_inputs(target)[0], target.params, batch, config=config
+        )
+    assert float(strict_metrics["loss"]) == float(metrics["loss"])
+    jax.tree.map(np.testing.assert_array_equal, strict.params, default.params)
+
+
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])
 def test_two_devices_train_like_one(target, data_files, tmp_path, mesh):
     """Two steps on two devices give one device's losses, gradient norms and parameters. Without

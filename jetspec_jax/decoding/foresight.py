@@ -286,7 +286,7 @@ class ForesightProposer:
             occupancy=state.occupancy.at[rows, slot].set(
                 jnp.sum(state.valid, axis=1, dtype=jnp.int32), mode="drop"
             ),
-            num_rounds=state.num_rounds + active,
+            num_rounds=state.num_rounds + active.astype(jnp.int32),
         )
 
 

@@ -220,7 +220,8 @@ def replace_first_disagreement(
     found = jnp.any(stop, axis=1)
     replace = found & jnp.take_along_axis(trusted, first[:, None], 1)[:, 0]
     drafts = jnp.where(replace[:, None] & (index == first[:, None]), guess, drafts)
-    return drafts, jnp.where(found, first + replace, drafts.shape[1]).astype(jnp.int32)
+    fixed = jnp.where(found, first + replace.astype(jnp.int32), drafts.shape[1])
+    return drafts, fixed.astype(jnp.int32)
 
 
 def check_replacement_confidence(value, name: str = "replacement_confidence") -> float:

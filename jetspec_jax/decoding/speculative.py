@@ -214,7 +214,7 @@ def commit_round(s: SpecState, requests, verified: Verified) -> SpecState:
         sequence=sequence,
         accepted=s.accepted.at[rows[:, 0], slot].set(accepted, mode="drop"),
         bonus=s.bonus.at[rows[:, 0], slot].set(bonus, mode="drop"),
-        num_verify_rounds=s.num_verify_rounds + active,
+        num_verify_rounds=s.num_verify_rounds + active.astype(jnp.int32),
     )
 
 

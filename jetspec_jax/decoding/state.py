@@ -92,7 +92,9 @@ def commit(
     k = tokens.shape[1]
     j = jnp.arange(k)[None, :]
     is_stop = jnp.any(tokens[:, :, None] == requests.stop_token_ids[:, None, :], axis=-1)
-    stop_before = jnp.cumsum(is_stop, axis=1) - is_stop  # stop tokens strictly before j
+    # Bools cast explicitly here and below: a process may set strict dtype promotion.
+    stops = is_stop.astype(jnp.int32)
+    stop_before = jnp.cumsum(stops, axis=1) - stops  # stop tokens strictly before j
     budget = requests.max_new_tokens - state.num_generated
     take = (j < counts[:, None]) & (j < budget[:, None]) & (stop_before == 0) & ~state.done[:, None]
     n = jnp.sum(take, axis=1).astype(jnp.int32)
@@ -111,6 +113,6 @@ def commit(
         output=output,
         num_generated=num_generated,
         round_lengths=round_lengths,
-        num_rounds=state.num_rounds + committed_any,
+        num_rounds=state.num_rounds + committed_any.astype(jnp.int32),
         done=state.done | hit_stop | (num_generated >= requests.max_new_tokens),
     )

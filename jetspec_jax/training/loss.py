@@ -87,7 +87,7 @@ def draft_loss(
         draft_logp = jax.nn.log_softmax(logits, axis=-1)
         kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - draft_logp), axis=-1)
         correct = jnp.argmax(logits, -1) == jnp.argmax(teacher_logits, -1)
-        return jnp.sum(kl * weights), jnp.sum(correct * weights, axis=(0, 1))
+        return jnp.sum(kl * weights), jnp.sum(correct.astype(weights.dtype) * weights, axis=(0, 1))
 
     chunks = _anchor_chunks((hidden, blocks.predicted, w), anchors_per_chunk)
     if chunks[0].shape[0] > 1:  # the backward pass recomputes a chunk's logits, not keeps them

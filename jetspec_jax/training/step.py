@@ -145,13 +145,16 @@ def apply_gradients(
     """The optimizer update shared by every trainer: AdamW (clipped, scheduled) on `grads`, the
     step advanced, the state constrained to the fsdp layout under a `mesh`; `metrics` gain
     `grad_norm` and `learning_rate`."""
-    updates, opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(
-        metrics,
-        grad_norm=optax.tree.norm(grads),
-        learning_rate=learning_rate_schedule(optim)(state.step),
-    )
+    # optax mixes Python floats with its int32 step counts (Adam's `1 - b1**count`, the schedule),
+    # which a process's `jax_numpy_dtype_promotion="strict"` refuses: its updates run standard.
+    with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(
+            metrics,
+            grad_norm=optax.tree.norm(grads),
+            learning_rate=learning_rate_schedule(optim)(state.step),
+        )
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     if mesh is not None:
         new_state = jax.lax.with_sharding_constraint(new_state, param_shardings(new_state, mesh))
