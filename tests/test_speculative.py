@@ -249,6 +249,11 @@ def test_first_pass_noise_copies_positions_up_to_the_anchor():
     assert ((positions >= 0) & (positions <= anchors[:, None])).all()
     assert (positions[1:] == anchors[1:, None]).any(axis=1).sum() >= 10
     assert (positions[1:] == 0).any(axis=1).sum() >= 10
+    # A process's x64 mode (int64 by default) draws the same positions for the same anchor.
+    with jax.enable_x64(True):
+        wide = jax.vmap(lambda a: noise_positions(a, 15))(anchors)
+    assert wide.dtype == jnp.int32
+    np.testing.assert_array_equal(wide, positions)
 
 
 def test_method_must_match_the_draft_variant(target):

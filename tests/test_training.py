@@ -432,6 +432,10 @@ def test_block_rows_copy_the_clean_prefix_and_noise_from_at_or_before_the_anchor
             src[b, j, : c + 1], np.minimum(a + np.arange(c + 1), length - 1)
         )
         assert np.all(src[b, j, c + 1 :] <= a)
+    # A process's x64 mode (64-bit draws by default) builds the same blocks from the same key.
+    with jax.enable_x64(True):
+        wide = build_blocks(jax.random.key(4), tokens, mask, config, 24)
+    jax.tree.map(np.testing.assert_array_equal, wide, blocks)
 
 
 def test_the_schedule_warms_up_then_decays_to_the_end_ratio_at_the_last_update():

@@ -210,7 +210,8 @@ def noise_positions(anchor_pos: jax.Array, count: int) -> jax.Array:
     block anchored at `anchor_pos` (scalar). The one rule for plain drafting and for foresight's
     candidates: a hit equals the fallback's block only while both draw the same positions."""
     key = jax.random.fold_in(jax.random.key(NOISE_KEY), anchor_pos)
-    return jax.random.randint(key, (count,), 0, anchor_pos + 1)
+    # dtype explicit: a process's x64 mode would draw int64, other positions for one seed.
+    return jax.random.randint(key, (count,), 0, anchor_pos + 1, dtype=jnp.int32)
 
 
 def draft_proposer(

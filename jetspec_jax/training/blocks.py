@@ -94,7 +94,7 @@ def sample_anchors(
         positions fills the rest with invalid anchors.
     """
     candidate = jnp.concatenate([loss_mask[..., 1:], jnp.zeros_like(loss_mask[..., :1])], axis=-1)
-    scores = jnp.where(candidate, jax.random.uniform(key, loss_mask.shape), -1.0)
+    scores = jnp.where(candidate, jax.random.uniform(key, loss_mask.shape, jnp.float32), -1.0)
     top_scores, anchors = jax.lax.top_k(scores, num_anchors)
     return anchors.astype(jnp.int32), top_scores >= 0
 
@@ -108,10 +108,12 @@ def _sequence_blocks(key, tokens, loss_mask, config: DraftConfig, num_anchors, p
     rows = jnp.arange(k_len, dtype=jnp.int32)
     if config.token_inputs:
         c_key, u_key = jax.random.split(clean_key)
-        full_noise = jax.random.uniform(u_key, (num_anchors,)) < p_full_noise
-        clean = jnp.where(full_noise, 0, jax.random.randint(c_key, (num_anchors,), 1, k_len))
+        full_noise = jax.random.uniform(u_key, (num_anchors,), jnp.float32) < p_full_noise
+        clean = jnp.where(
+            full_noise, 0, jax.random.randint(c_key, (num_anchors,), 1, k_len, jnp.int32)
+        )
         noise_src = jax.random.randint(
-            noise_key, (num_anchors, k_len), 0, anchors[:, None] + 1
+            noise_key, (num_anchors, k_len), 0, anchors[:, None] + 1, jnp.int32
         )  # uniform on [0, a]
         is_clean = rows[None, :] <= clean[:, None]  # row 0 (the anchor) is always real
         src = jnp.where(is_clean, anchors[:, None] + rows[None, :], noise_src)
