@@ -135,7 +135,7 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
     from jetspec_jax.default_model import default_draft_dir
     from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import named_by_flag
-    from jetspec_jax.target import load_target_config
+    from jetspec_jax.target import load_target_config, require_tokenizer
 
     if args.method is not None and args.method not in jetspec_jax.METHODS:  # before the load
         raise ValueError(
@@ -165,6 +165,12 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
     _check_draft_serves_flags(args, draft)
     if check is not None:
         check(target_config, draft)
+    # Both commands read and write text: a target without a tokenizer fails before its weights.
+    require_tokenizer(
+        args.target,
+        f"--target {args.target}",
+        "serve.py needs one to read and write text (token ids: the Python API's generate)",
+    )
     start = time.perf_counter()
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     logger.info("loaded target %s (%s) in %.1f s", target.path, args.dtype, _since(start))
@@ -417,8 +423,6 @@ def _generate(args) -> int:
         _check_before_loading(args, server=False)
         target, draft = _load_models(args)
         options = _decoding_options(args, draft)
-        if target.tokenizer is None:
-            raise ValueError(f"{target.path} has no tokenizer; serve.py needs one to read text")
         given = {"--chat": args.chat, "--system": args.system is not None}
         if flags := " and ".join(flag for flag, on in given.items() if on):
             require_chat_template(target.tokenizer, target.path, f"drop {flags} (raw prompt)")

@@ -431,7 +431,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from jetspec_jax.data.regenerate import check_room_for_a_prompt
     from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import named_by_flag, require_paths
-    from jetspec_jax.target import load_target_config
+    from jetspec_jax.target import load_target_config, require_tokenizer
     from jetspec_jax.training.evaluate import encoded_prompts, eval_prompt_records, prompts_tau
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
@@ -455,6 +455,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     with named_by_flag("--draft", args.draft):
         draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     _check_draft_takes_passes(args, draft)
+    if text := next((where for where, r in records if "prompt_ids" not in r), None):
+        require_tokenizer(
+            args.target, f"--target {args.target}", f"{text} is a text prompt, which needs one"
+        )
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
     prompts = encoded_prompts(target, records, encoding=encoding)
@@ -541,7 +545,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         regenerate,
     )
     from jetspec_jax.flag_paths import keywords_named_by_flag
-    from jetspec_jax.target import load_target_config
+    from jetspec_jax.target import load_target_config, require_tokenizer
 
     # Validate everything cheap (arguments, prompt files) before the slow model load.
     with keywords_named_by_flag():
@@ -558,6 +562,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     read_records(args.prompts)
     context = load_target_config(args.target).max_position_embeddings
     check_room_for_a_prompt(args.max_new_tokens, context, "--max-new-tokens")
+    require_tokenizer(args.target, f"--target {args.target}", "regenerate encodes text prompts")
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     _check_chat_template(encoding, target)
     summary = regenerate(

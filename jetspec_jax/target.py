@@ -204,6 +204,27 @@ def load_target_config(
     return _read_target_config(_target_dir(path, show_progress))[1]
 
 
+def require_tokenizer(path: str | pathlib.Path | None, what: str, need: str) -> None:
+    """Refuses a target that ships no tokenizer (`load_target(path)` would give a `tokenizer` of
+    None), from its directory's file names alone: text input is refused before the weights load.
+
+    Args:
+        path: the target directory, as `load_target` takes it (None: the default model, which
+            ships one: not converted here).
+        what: how the caller's user named it (a flag and its value, say).
+        need: what needs the tokenizer, ending the message.
+
+    Raises:
+        ValueError: no tokenizer file in the directory (named, with `what` and `need`).
+    """
+    if path is not None and not _has_tokenizer_files(pathlib.Path(path)):
+        raise ValueError(f"{what} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); {need}")
+
+
+def _has_tokenizer_files(path: pathlib.Path) -> bool:
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def _target_dir(path: str | pathlib.Path | None, show_progress: bool | None) -> pathlib.Path:
     """`path`, or the embedded default's directory when None (converted on first use)."""
     if path is None:
@@ -236,7 +257,7 @@ def _read_target_config(path: pathlib.Path) -> tuple[dict, TransformerConfig]:
 
 
 def _load_tokenizer(path: pathlib.Path):
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not _has_tokenizer_files(path):
         logger.info("%s has no tokenizer: pass token ids, not text", path)
         return None
     import transformers  # deferred: importing transformers costs seconds

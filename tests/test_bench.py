@@ -472,6 +472,17 @@ def test_chat_is_refused_by_flag_for_a_tokenizer_without_a_template(checkpoints,
     assert message in capsys.readouterr().err
 
 
+def test_a_target_without_a_tokenizer_is_refused_before_it_loads(
+    checkpoints, monkeypatch, tmp_path, capsys
+):
+    target_dir = checkpoints.get("qwen3")[0]  # no tokenizer: the prompt files are text
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    argv = ["--prompts", str(_prompt_file(tmp_path, ["Hi"])), "--target", str(target_dir)]
+    assert main([*argv, "--methods", "ar", "--out", str(tmp_path / "b")]) == 2
+    message = f"error: --target {target_dir} has no tokenizer (none of tokenizer.json"
+    assert message in capsys.readouterr().err
+
+
 def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):
     """And with the default target, the shipped draft is loaded only for a jetspec++ method."""
     tokenizer = types.SimpleNamespace(chat_template=None)
@@ -484,6 +495,7 @@ def test_a_draft_no_method_uses_is_refused(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # the paths given exist (checked before any load)
     for directory in ("T", "a"):
         (tmp_path / directory).mkdir()
+    (tmp_path / "T" / "tokenizer.json").touch()  # a target with text prompts needs one
     _prompt_file(tmp_path, ["Hi"])
     refused = mock.Mock(side_effect=ValueError("encoded"))  # once the drafts are loaded
     monkeypatch.setattr("jetspec_jax.bench.datasets.load_dataset", refused)
@@ -508,6 +520,7 @@ def test_two_drafts_of_one_variant_are_refused(monkeypatch, tmp_path, capsys):
     monkeypatch.chdir(tmp_path)  # the paths given exist (checked before any load)
     for directory in ("T", "a", "b"):
         (tmp_path / directory).mkdir()
+    (tmp_path / "T" / "tokenizer.json").touch()  # a target with text prompts needs one
     prompts = _prompt_file(tmp_path, ["Hi"]).name
     assert main(["--prompts", prompts, "--target", "T", "--draft", "a", "--draft", "b"]) == 2
     assert "--draft a and --draft b are both 'jetspec++' drafts" in capsys.readouterr().err

@@ -1477,6 +1477,18 @@ def test_serve_py_checks_what_the_target_config_decides_before_its_weights_load(
         assert all(m in err for m in messages), (argv, err)
 
 
+def test_serve_py_refuses_a_target_without_a_tokenizer_before_its_weights_load(
+    checkpoints, monkeypatch, capsys
+):
+    """Both commands read text; a checkpoint that ships no tokenizer says so from its files."""
+    target_dir = checkpoints.get("qwen3")[0]  # no tokenizer
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    for argv in (["generate", "P"], ["--port", "0"]):
+        assert serve_py.main([*argv, "--target", str(target_dir)]) == 2, argv
+        message = f"error: --target {target_dir} has no tokenizer (none of tokenizer.json"
+        assert message in capsys.readouterr().err
+
+
 def test_serve_py_refuses_flags_without_a_use_before_loading(monkeypatch, tmp_path, capsys):
     """An empty --api-key (an unset `$KEY`) would serve without authentication; a pipeline
     without two devices, or a file as a checkpoint directory, would fail after the load."""

@@ -459,6 +459,31 @@ def test_evaluate_refuses_contradicting_flags_before_the_target_loads(
     assert f"error: {message}" in capsys.readouterr().err
 
 
+def test_text_prompts_for_a_target_without_a_tokenizer_are_refused_before_it_loads(
+    checkpoints, tmp_path, no_target_load, capsys
+):
+    """regenerate and evaluate encode text prompts: a checkpoint that ships no tokenizer is
+    refused from its files, naming it (evaluate: and the first text prompt)."""
+    import train
+    from jetspec_jax.target import load_target
+
+    target_dir = checkpoints.get("qwen3")[0]  # no tokenizer
+    draft = jetspec_jax.init_draft(load_target(target_dir), block_size=4).save(tmp_path / "d")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    named = f"error: --target {target_dir} has no tokenizer (none of tokenizer.json"
+    argv = ["regenerate", "--target", str(target_dir), "--prompts", str(prompts)]
+    assert train.main([*argv, "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + json.dumps({"prompt": "Hi"}))
+    argv = ["evaluate", "--target", str(target_dir), "--draft", str(draft)]
+    assert train.main([*argv, "--prompts", str(prompts)]) == 2
+    assert f"{named}, tokenizer_config.json, tokenizer.model); {prompts}:2 is a text prompt" in (
+        capsys.readouterr().err
+    )
+
+
 def test_calibrate_refuses_sampled_data_before_the_target_loads(tmp_path, no_target_load, capsys):
     """Calibration fits the draft against the target's greedy continuation: data that `train.py
     regenerate` sampled (its settings file records the temperature) is refused, by its path;

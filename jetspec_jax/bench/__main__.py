@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.flag_paths import require_paths
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
     from jetspec_jax.prompting import has_chat_template, require_chat_template
+    from jetspec_jax.target import require_tokenizer
 
     escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
@@ -61,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             require_paths("--prompts", args.prompts)
             _check_prompt_files(args.prompts, args.limit)  # their contents too
             _check_drafts_given(args, methods)
+            require_tokenizer(args.target, f"--target {args.target}", "the prompt files are text")
             target = jetspec_jax.load_target(args.target, dtype=args.dtype)
-            if target.tokenizer is None:
-                raise ValueError(f"{target.path} has no tokenizer; the prompt files are text")
             drafts = _drafts(args, target, variants)
             if args.chat:
                 require_chat_template(target.tokenizer, target.path, "drop --chat (raw prompts)")
