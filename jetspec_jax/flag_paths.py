@@ -9,7 +9,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 
-from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.errors import CheckpointError, gguf_hint
 
 
 def require_paths(
@@ -29,9 +29,7 @@ def require_paths(
                 found = "a directory" if os.path.isdir(path) else "a file"
                 if os.path.islink(path) and not os.path.exists(path):
                     found = "a dangling symbolic link"
-                hint = ""
-                if directory and found == "a file" and str(path).endswith(".gguf"):
-                    hint = " (a GGUF file: convert it with convert_gguf_to_hf)"
+                hint = gguf_hint(path) if directory and found == "a file" else ""
                 raise FileNotFoundError(f"{flag} {path} is {found}, not a {kind}{hint}")
             raise FileNotFoundError(f"{flag} {path}: no such {kind}")
 

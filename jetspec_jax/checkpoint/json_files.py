@@ -6,7 +6,7 @@ import json
 import pathlib
 from typing import Any
 
-from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.errors import CheckpointError, gguf_hint
 
 
 def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str) -> dict[str, Any]:
@@ -25,12 +25,7 @@ def read_json(directory: str | pathlib.Path, name: str, what: str, missing: str)
     directory = pathlib.Path(directory)
     file = directory / name
     if directory.is_file():
-        hint = (
-            " (a GGUF file: convert it with convert_gguf_to_hf)"
-            if directory.suffix == ".gguf"
-            else ""
-        )
-        raise CheckpointError(f"{directory} is a file, not a {what}{hint}")
+        raise CheckpointError(f"{directory} is a file, not a {what}{gguf_hint(directory)}")
     if not directory.is_dir():
         raise CheckpointError(f"{what} {directory} does not exist")
     if not file.is_file():
