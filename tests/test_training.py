@@ -1284,7 +1284,8 @@ def test_a_bad_evaluation_prompt_file_fails_before_training(target, data_files, 
     long = tmp_path / "long.jsonl"
     long.write_text('{"prompt_ids": [1, 2]}\n' + json.dumps({"prompt_ids": [1] * (context - 2)}))
     data = dataclasses.replace(config.data, eval_prompts=str(long), eval_max_new_tokens=16)
-    with pytest.raises(ValueError, match=f"long.jsonl: prompt 1 of {context - 2} tokens \\+"):
+    message = f"long.jsonl:2: a prompt of {context - 2} tokens \\+ data.eval_max_new_tokens=16"
+    with pytest.raises(ValueError, match=message):
         train(dataclasses.replace(config, data=data), target=target)
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
 

@@ -484,6 +484,41 @@ def test_text_prompts_for_a_target_without_a_tokenizer_are_refused_before_it_loa
     )
 
 
+def test_eval_prompts_a_run_cannot_use_are_refused_before_the_target_loads(
+    checkpoints, tmp_path, no_target_load, no_run, capsys
+):
+    """`draft` and `adapter` evaluate tau on `data.eval_prompts` during the run: a text prompt
+    for a target that ships no tokenizer, or a `prompt_ids` record that leaves no room for
+    `data.eval_max_new_tokens`, is refused by key and `file:line` from the target's files, not
+    after its weights load."""
+    import train
+    from jetspec_jax.target import load_target
+
+    target_dir = checkpoints.get("qwen3")[0]  # no tokenizer
+    target = load_target(target_dir)
+    draft = jetspec_jax.init_draft(target, block_size=4).save(tmp_path / "d")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n" + json.dumps({"prompt": "Hi"}))
+    capsys.readouterr()  # the save's progress bar
+    evaluated = [*_tiny_config(target_dir, data, tmp_path / "run")]
+    evaluated += ["--set", f"data.eval_prompts={prompts}", "--set", "adapter.eval_tau=true"]
+    for command in (["draft"], ["adapter", "--draft", str(draft)]):
+        assert train.main([*command, *evaluated]) == 2, command
+        err = capsys.readouterr().err
+        assert f"error: target {target_dir} has no tokenizer (none of tokenizer.json" in err
+        assert f"; {prompts}:2 (data.eval_prompts) is a text prompt, which needs one" in err
+    context = target.config.max_position_embeddings
+    prompts.write_text(json.dumps({"prompt_ids": [1] * (context - 4)}) + "\n")
+    for command in (["draft"], ["adapter", "--draft", str(draft)]):
+        assert train.main([*command, *evaluated, "--set", "data.eval_max_new_tokens=5"]) == 2
+        message = f"error: data.eval_prompts {prompts}:1: a prompt of {context - 4} tokens + "
+        message += f"data.eval_max_new_tokens=5 exceeds the target's context of {context} tokens"
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_calibrate_refuses_sampled_data_before_the_target_loads(tmp_path, no_target_load, capsys):
     """Calibration fits the draft against the target's greedy continuation: data that `train.py
     regenerate` sampled (its settings file records the temperature) is refused, by its path;

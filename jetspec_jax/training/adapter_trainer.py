@@ -47,6 +47,7 @@ from jetspec_jax.training.data import (
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
     batch_sizes,
+    check_eval_prompts,
     check_fits_context,
     check_input_files,
     check_run_dir_writable,
@@ -160,10 +161,11 @@ def train_adapter(
     section = "adapter.optim" if config.adapter.optim is not None else "optim"
     batch_sizes((config.adapter.optim or config.optim).batch_size, mesh, section)
     # The target this run loads (a given Draft may be another's), before its weights load.
-    check_fits_context(
-        config, load_target_config(config.target) if target is None else target.config
-    )
+    target_config = load_target_config(config.target) if target is None else target.config
+    check_fits_context(config, target_config)
     if target is None:
+        if config.adapter.eval_tau:
+            check_eval_prompts(config, target_config)
         target = load_target(config.target, dtype=config.target_dtype)
     records = read_regenerated(
         config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length

@@ -21,12 +21,11 @@ from jax.experimental import multihost_utils
 
 from jetspec_jax.checkpoint.atomic import check_takes_new_files
 from jetspec_jax.checkpoint.errors import CheckpointError
-from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.target import Target
+from jetspec_jax.target import Target, require_tokenizer
 from jetspec_jax.training.config import OptimConfig, TrainConfig
 from jetspec_jax.training.data import count_training_prompts, training_dataset
-from jetspec_jax.training.evaluate import data_encoding, eval_prompt_ids
+from jetspec_jax.training.evaluate import data_encoding, encoded_prompts, eval_prompt_records
 from jetspec_jax.training.sharding import param_shardings
 from jetspec_jax.training.step import TrainState, init_state, make_optimizer
 
@@ -64,6 +63,32 @@ def check_fits_context(config: TrainConfig, target_config: TransformerConfig) ->
         )
 
 
+def check_eval_prompts(config: TrainConfig, target_config: TransformerConfig) -> None:
+    """Refuses, from the target's config and directory alone (before its weights load, minutes
+    for a large target), an evaluation prompt file `read_eval_prompts` would refuse after it: a
+    malformed record or an id outside the vocabulary, a `prompt_ids` record too long for the
+    context with `data.eval_max_new_tokens`, or a text prompt when the target ships no
+    tokenizer. Text prompts' lengths are known once encoded: `read_eval_prompts` checks them.
+
+    Raises:
+        FileNotFoundError, ValueError: as `eval_prompt_records`; ValueError: a prompt (named by
+            `file:line`) too long, or a text prompt (the first, named) and no tokenizer.
+    """
+    if not config.data.eval_prompts:
+        return
+    records = eval_prompt_records(
+        config.data.eval_prompts,
+        num_prompts=config.data.eval_num_prompts,
+        vocab_size=target_config.vocab_size,
+    )
+    for where, record in records:
+        if "prompt_ids" in record:
+            _check_eval_prompt_fits(config, target_config, where, len(record["prompt_ids"]))
+    if text := next((where for where, r in records if "prompt_ids" not in r), None):
+        need = f"{text} (data.eval_prompts) is a text prompt, which needs one"
+        require_tokenizer(config.target, f"target {config.target}", need)
+
+
 def read_eval_prompts(
     config: TrainConfig, target: Target, records: list[dict]
 ) -> list[list[int]] | None:
@@ -74,22 +99,25 @@ def read_eval_prompts(
     prompts of the training `records` are counted in a warning.
 
     Raises:
-        FileNotFoundError, ValueError: as `eval_prompt_ids` and `data_encoding`; ValueError: a
-            prompt (named by index) that with `data.eval_max_new_tokens` exceeds the target's
-            context.
+        FileNotFoundError, ValueError: as `eval_prompt_records`, `encoded_prompts` and
+            `data_encoding`; ValueError: a prompt (named by `file:line`) that with
+            `data.eval_max_new_tokens` exceeds the target's context.
     """
     if not config.data.eval_prompts:
         return None
-    prompts = eval_prompt_ids(
-        target,
+    located = eval_prompt_records(
         config.data.eval_prompts,
         num_prompts=config.data.eval_num_prompts,
+        vocab_size=target.config.vocab_size,
+    )
+    prompts = encoded_prompts(
+        target,
+        located,
         math_suffix=config.data.eval_math_suffix,
         encoding=data_encoding(config.data.files),
     )
-    for i, ids in enumerate(prompts):
-        what = f"data.eval_prompts {config.data.eval_prompts}: prompt {i}"
-        check_budget(target.config, len(ids), config.data.eval_max_new_tokens, what)
+    for (where, _), ids in zip(located, prompts, strict=True):
+        _check_eval_prompt_fits(config, target.config, where, len(ids))
     repeated = count_training_prompts(prompts, records)
     if repeated:
         logger.warning(
@@ -99,6 +127,19 @@ def read_eval_prompts(
             config.data.eval_prompts,
         )
     return prompts
+
+
+def _check_eval_prompt_fits(
+    config: TrainConfig, target_config: TransformerConfig, where: str, length: int
+) -> None:
+    """An evaluation prompt (`file:line`) of `length` tokens leaves room in the context for
+    `data.eval_max_new_tokens`, which the config bounds below by 1."""
+    budget, context = config.data.eval_max_new_tokens, target_config.max_position_embeddings
+    if length + budget > context:
+        raise ValueError(
+            f"data.eval_prompts {where}: a prompt of {length} tokens + data.eval_max_new_tokens="
+            f"{budget} exceeds the target's context of {context} tokens"
+        )
 
 
 class StepInputs(NamedTuple):

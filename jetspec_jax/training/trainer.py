@@ -41,6 +41,7 @@ from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.evaluate import prompts_tau
 from jetspec_jax.training.run_helpers import (
     batch_sizes,
+    check_eval_prompts,
     check_fits_context,
     check_input_files,
     check_run_dir_writable,
@@ -128,6 +129,7 @@ def train(
     check_fits_context(config, target_config)
     check_draft_fits(target_config, **config.draft.architecture())
     if target is None:
+        check_eval_prompts(config, target_config)
         target = load_target(config.target, dtype=config.target_dtype)
     if resuming:
         check_resumes_architecture(config, target)
