@@ -95,6 +95,19 @@ def test_replace_first_disagreement_acts_only_where_trusted():
     np.testing.assert_array_equal(fixed, [2, 1, 0, 2])
 
 
+def test_a_float32_draft_refreshes_on_a_bfloat16_target_under_strict_promotion(
+    target, draft, prompts
+):
+    """The adapter of a float32 JetSpec++ draft reads a bfloat16 target's tap states: its
+    layers promote them explicitly, so a process with `jax_numpy_dtype_promotion="strict"` runs
+    `Jj-Rr` (it raised a TypePromotionError at the adapter's first norm), with AR's tokens."""
+    bf16 = jetspec_jax.load_target(target.path, dtype="bfloat16")
+    COMPILED.clear()  # its programs are keyed without the JAX config: trace them under strict
+    with jax.numpy_dtype_promotion("strict"):
+        got = _generate(bf16, prompts, draft, refine_passes=1, refreshes=1)
+    assert [r.tokens for r in got] == [r.tokens for r in _generate(bf16, prompts)]
+
+
 # J1-R0: test_speculative. Confidence None: the paper's rule (this draft has no calibration).
 @pytest.mark.parametrize("passes,refreshes,confidence", [(1, 1, None), (3, 2, None), (3, 3, 0.1)])
 def test_every_setting_is_token_identical_to_greedy(

@@ -166,9 +166,9 @@ def block_layers(
                 causal=causal,
                 impl=impl,
             )
-        x = x + layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1))
+        x = _residual(x, layers.linear(attn["o_proj"], out.reshape(batch, cands * k_len, -1)))
         h = layers.rms_norm(layer["post_attention_layernorm"], x, c.rms_norm_eps)
-        x = x + layers.swiglu_mlp(layer["mlp"], h)
+        x = _residual(x, layers.swiglu_mlp(layer["mlp"], h))
     return split(x)
 
 
@@ -179,3 +179,10 @@ class CachedContext:
 
     cache: ContextCache
     first_layer: int = 0
+
+
+def _residual(x: jax.Array, update: jax.Array) -> jax.Array:
+    """`x + update` in the wider dtype (a float32 adapter's update on a bfloat16 target's states),
+    as standard promotion adds them, cast explicitly: strict promotion has no implicit path."""
+    dtype = layers.wider_float(x.dtype, update.dtype)
+    return x.astype(dtype) + update.astype(dtype)

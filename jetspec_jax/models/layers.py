@@ -27,12 +27,23 @@ def embed_inputs(params: Params, tokens: jax.Array | None, inputs: jax.Array | N
     return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
 
 
+def wider_float(a, b) -> jnp.dtype:
+    """The wider of two float dtypes (float32 for float32 and bfloat16), as standard promotion
+    picks it; `jnp.promote_types` refuses the pair under `jax_numpy_dtype_promotion="strict"`."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    return a if a == b or a.itemsize > b.itemsize else b
+
+
 def linear(params: Params, x: jax.Array) -> jax.Array:
     """`x @ kernel (+ bias)`; `x` is `[..., in]`."""
     kernel = params["kernel"]
-    y = jnp.matmul(x, kernel, precision=matmul_precision(x, kernel))
+    precision = matmul_precision(x, kernel)
+    # Operands of two dtypes (a float32 adapter on a bfloat16 target's taps) meet in the wider,
+    # as standard promotion has them, cast here: strict promotion has no implicit path.
+    dtype = wider_float(x.dtype, kernel.dtype)
+    y = jnp.matmul(x.astype(dtype), kernel.astype(dtype), precision=precision)
     if "bias" in params:
-        y = y + params["bias"]
+        y = y + params["bias"].astype(dtype)
     return y
 
 
@@ -45,7 +56,9 @@ def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
 
 def rms_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, statistics in float32, output in the input dtype (as HF)."""
-    return params["scale"] * rms_normalized(x, eps).astype(x.dtype)
+    scale = params["scale"]
+    dtype = wider_float(scale.dtype, x.dtype)  # as `linear`: explicit for strict promotion
+    return scale.astype(dtype) * rms_normalized(x, eps).astype(x.dtype).astype(dtype)
 
 
 def swiglu_mlp(params: Params, x: jax.Array) -> jax.Array:
