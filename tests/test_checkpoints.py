@@ -19,6 +19,7 @@ import transformers
 
 import jetspec_jax
 from jetspec_jax import CheckpointError
+from jetspec_jax.checkpoint import hf_params
 from jetspec_jax.checkpoint.hf_params import INDEX_FILE, save_hf_params
 from jetspec_jax.models.config import RopeConfig
 from tests import tiny_models
@@ -446,17 +447,24 @@ def test_unexpected_tensor_is_named(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, np.int8])
-def test_a_tensor_not_stored_as_a_float_is_named(checkpoints, tmp_path, dtype):
-    """Quantized data (float8, which numpy cannot even read, or integers) is not a weight."""
+def test_a_tensor_not_stored_as_a_float_is_named(checkpoints, tmp_path, monkeypatch, dtype):
+    """Quantized data (float8, which numpy cannot even read, or integers) is not a weight:
+    refused from the headers, before any tensor is read (not after every one before it)."""
     path, _ = _copy(checkpoints, tmp_path)
     name = "model.layers.1.mlp.up_proj.weight"
     _edit_tensors(path, lambda t: t.update({name: t[name].astype(dtype)}))
+    reads = []
+    read = hf_params.TensorReader.__getitem__
+    monkeypatch.setattr(
+        hf_params.TensorReader, "__getitem__", lambda self, n: reads.append(n) or read(self, n)
+    )
     with pytest.raises(
         CheckpointError,
         match=rf"model\.safetensors: tensor {re.escape(name)} is stored as (F8_E4M3|I8); only "
         "floating-point weights",
     ):
         jetspec_jax.load_target(path)
+    assert reads == []
 
 
 def test_shape_mismatch_is_named(checkpoints, tmp_path):

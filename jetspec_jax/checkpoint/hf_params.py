@@ -38,7 +38,7 @@ import functools
 import json
 import os
 import pathlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -201,6 +201,8 @@ def norm_spec(hf_prefix: str, path: tuple[str | int, ...], dim: int) -> TensorSp
 
 def tree_from_tensors(specs: list[TensorSpec], tensors: Mapping[str, np.ndarray], dtype) -> Params:
     """The pytree of `specs` filled from HF-named arrays (names/shapes already validated)."""
+    if isinstance(tensors, TensorReader):  # a non-float tensor refused before any is read
+        tensors.check_floats(spec.hf_name for spec in specs)
     params: Params = {}
     for spec in specs:
         array = np.asarray(tensors[spec.hf_name])
@@ -247,6 +249,7 @@ def load_hf_params(
         disable=None if show_progress is None else not show_progress,  # None: only on a terminal
     )
     with progress, TensorReader(files_by_name, on_read=progress.update) as tensors:
+        tensors.check_floats(spec.hf_name for spec in specs)  # before the tied head is read
         _check_tied_head(tensors, config, checkpoint_dir)
         params = tree_from_tensors(specs, tensors, dtype)
     # A model of no layers has no layer tensor to create the list, but the forward reads one.
@@ -260,7 +263,8 @@ class TensorReader(Mapping):
     A context manager holding one open handle per file. Building a pytree through it keeps one
     tensor on the host at a time, not a host copy of the whole checkpoint beside the device one.
     A name may be stored in its multimodal spelling (`_stored_name`). Reading a tensor not
-    stored as a float (`FLOAT_DTYPES`) is a `CheckpointError` naming it and its file.
+    stored as a float (`FLOAT_DTYPES`) is a `CheckpointError` naming it and its file
+    (`check_floats` checks the tensors a model needs from the headers, before any is read).
     """
 
     def __init__(self, located: Mapping[str, tuple[pathlib.Path, tuple[int, ...]]], on_read=None):
@@ -275,7 +279,15 @@ class TensorReader(Mapping):
     def __exit__(self, *exc) -> None:
         self._files.close()
 
-    def __getitem__(self, name: str) -> np.ndarray:
+    def check_floats(self, names: Iterable[str]) -> None:
+        """Refuses the first of `names` not stored as a float, from the file headers alone: a
+        quantized tensor late in a large checkpoint fails before the others are read, not
+        after."""
+        for name in names:
+            self._float_tensor(name)
+
+    def _float_tensor(self, name: str) -> tuple[Any, str]:
+        """`(handle, stored name)` of `name`, after checking it is stored as a float."""
         file = self._located[name][0]
         if file not in self._handles:
             handle = self._files.enter_context(safetensors.safe_open(file, framework="numpy"))
@@ -289,6 +301,10 @@ class TensorReader(Mapping):
                 f"weights ({', '.join(FLOAT_DTYPES)}) are supported: give the original (or "
                 "dequantized) float weights"
             )
+        return handle, stored_name
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        handle, stored_name = self._float_tensor(name)
         array = handle.get_tensor(stored_name)
         if self._on_read is not None:
             self._on_read(1)
