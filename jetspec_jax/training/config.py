@@ -147,9 +147,17 @@ class TrainConfig:
     run: RunConfig = RunConfig()
 
     def __post_init__(self):
-        _check(self.target_dtype in ("float32", "bfloat16"), "target_dtype", self.target_dtype)
-        dtypes = (None, "float32", "bfloat16")
-        _check(self.export_dtype in dtypes, "export_dtype", self.export_dtype)
+        # Named with the choices: "float16" or "fp16" reads like a dtype the run could take.
+        _check(
+            self.target_dtype in ("float32", "bfloat16"),
+            "target_dtype (float32 or bfloat16)",
+            self.target_dtype,
+        )
+        _check(
+            self.export_dtype in (None, "float32", "bfloat16"),
+            "export_dtype (float32, bfloat16, or null for the target's)",
+            self.export_dtype,
+        )
         _check(
             self.draft.variant in ("dflash", "jetspec", "jetspec++"),
             "draft.variant",
@@ -243,7 +251,7 @@ def _check_optim(optim: OptimConfig, where: str) -> None:
     _check(0 <= optim.seed < 2**32, f"{where}.seed (in [0, 2**32))", optim.seed)
     _check(
         optim.compute_dtype in ("float32", "bfloat16"),
-        f"{where}.compute_dtype",
+        f"{where}.compute_dtype (float32 or bfloat16)",
         optim.compute_dtype,
     )
 
