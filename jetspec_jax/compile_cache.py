@@ -25,7 +25,8 @@ def enable_compile_cache() -> pathlib.Path | None:
     Returns:
         The cache directory in use; None when the cache is switched off
         (`JAX_ENABLE_COMPILATION_CACHE=false`), or when `cache_root()` cannot be found (no home
-        directory: logged as a warning; a program given its model's path still runs).
+        directory) or `<cache_root()>/xla` cannot be created (a read-only cache, a file in its
+        place): logged as a warning naming it; a program given its model's path still runs.
     """
     if not jax.config.jax_enable_compilation_cache:
         return None
@@ -35,5 +36,20 @@ def enable_compile_cache() -> pathlib.Path | None:
         except OSError as e:
             logger.warning("%s; compiling without the persistent compilation cache", e.strerror)
             return None
-        jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
+        xla = root / "xla"
+        try:
+            # Created here, not by JAX at the first compilation: JAX's warning for a directory it
+            # cannot create reads "Error reading persistent compilation cache entry", the one
+            # the README says a cut entry gives (delete it), and names neither cause nor remedy.
+            xla.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            logger.warning(
+                "cannot create the compilation cache %s (%s): compiling without it; set "
+                "JAX_COMPILATION_CACHE_DIR to a writable directory, or "
+                "JAX_ENABLE_COMPILATION_CACHE=false",
+                xla,
+                e.strerror or e,
+            )
+            return None
+        jax.config.update("jax_compilation_cache_dir", str(xla))
     return pathlib.Path(jax.config.jax_compilation_cache_dir)

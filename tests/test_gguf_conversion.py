@@ -389,6 +389,34 @@ def test_no_home_directory_names_the_variables_and_leaves_compiling_uncached(mon
         jax.config.update("jax_compilation_cache_dir", previous)
 
 
+def test_a_compilation_cache_that_cannot_be_created_is_named_with_what_to_set(
+    monkeypatch, tmp_path, caplog
+):
+    """A cache root holding a file (or on a read-only mount): `<cache>/xla` cannot be created.
+    The programs compile without the persistent cache, warned about by name with the variables
+    that choose another, not left to JAX's "Error reading persistent compilation cache entry",
+    the warning the README says a cut entry gives."""
+    import jax
+
+    from jetspec_jax.compile_cache import enable_compile_cache
+
+    (tmp_path / "cache").write_text("not a directory")
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    previous = jax.config.jax_compilation_cache_dir  # the session's (conftest)
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        with caplog.at_level("WARNING", logger="jetspec_jax.compile_cache"):
+            assert enable_compile_cache() is None
+        assert jax.config.jax_compilation_cache_dir is None
+        assert f"cannot create the compilation cache {tmp_path / 'cache' / 'xla'}" in caplog.text
+        assert "JAX_COMPILATION_CACHE_DIR" in caplog.text
+        monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "writable"))
+        assert enable_compile_cache() == tmp_path / "writable" / "xla"
+        assert (tmp_path / "writable" / "xla").is_dir()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
 def _write_gguf(
     path: Path,
     arch: str,
