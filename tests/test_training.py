@@ -652,7 +652,9 @@ def test_bad_configs_are_refused_by_key(tmp_path):
         ),
         "optim: {steps: 10, warmup_steps: 11}": r"optim.warmup_steps \(in \[0, optim.steps 10\]\)",
         "optim: {seed: 4294967296}": "optim.seed",
-        # A dtype the models do not run in is named with those they do.
+        # A dtype the models do not run in, or a variant spelled as the docs name the method, is
+        # named with the choices.
+        "draft: {variant: DFlash}": r"draft.variant \(dflash, jetspec or jetspec\+\+\): 'DFlash'",
         "target_dtype: float16": r"target_dtype \(float32 or bfloat16\): 'float16'",
         "export_dtype: fp16": r"export_dtype \(float32, bfloat16, or null for the target's\)",
         "optim: {compute_dtype: half}": r"optim.compute_dtype \(float32 or bfloat16\): 'half'",

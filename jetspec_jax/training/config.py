@@ -147,7 +147,8 @@ class TrainConfig:
     run: RunConfig = RunConfig()
 
     def __post_init__(self):
-        # Named with the choices: "float16" or "fp16" reads like a dtype the run could take.
+        # Named with the choices: "float16" reads like a dtype the run could take, and "DFlash"
+        # (the baseline as the docs write it) like a variant.
         _check(
             self.target_dtype in ("float32", "bfloat16"),
             "target_dtype (float32 or bfloat16)",
@@ -160,7 +161,7 @@ class TrainConfig:
         )
         _check(
             self.draft.variant in ("dflash", "jetspec", "jetspec++"),
-            "draft.variant",
+            "draft.variant (dflash, jetspec or jetspec++)",
             self.draft.variant,
         )
         _check(self.draft.num_layers >= 1, "draft.num_layers", self.draft.num_layers)
