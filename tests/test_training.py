@@ -40,6 +40,7 @@ from jetspec_jax.training.run_loop import LOCK_FILE, has_checkpoint
 from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shardings
 from jetspec_jax.training.step import (
     StepConfig,
+    apply_gradients,
     init_state,
     learning_rate_schedule,
     make_optimizer,
@@ -531,6 +532,28 @@ def test_a_step_under_strict_dtype_promotion_equals_the_default_one(target):
         )
     assert float(strict_metrics["loss"]) == float(metrics["loss"])
     jax.tree.map(np.testing.assert_array_equal, strict.params, default.params)
+
+
+def test_updates_under_x64_equal_the_default_ones():
+    """A user's process may set `jax_enable_x64`: optax's Python floats (Adam's bias corrections,
+    the schedule) would then meet the int32 step count in float64, and round the float32 update
+    otherwise; the updates run in 32 bits, so training equals the default run bit for bit."""
+    optim = OptimConfig(learning_rate=1e-3, warmup_steps=2, steps=4)
+    rng = np.random.default_rng(0)
+    params = {"proj": {"kernel": rng.normal(size=(16, 16))}, "norm": {"scale": rng.normal(size=16)}}
+    grads = [jax.tree.map(lambda x: rng.normal(size=x.shape), params) for _ in range(3)]
+
+    def updated():
+        state = init_state(params, make_optimizer(optim))
+        update = jax.jit(lambda state, grads: apply_gradients(state, grads, {}, optim, None))
+        for g in grads:
+            state, metrics = update(state, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), g))
+        return jax.tree.map(np.asarray, (state, metrics))
+
+    default = updated()
+    with jax.enable_x64(True):
+        x64 = updated()
+    jax.tree.map(np.testing.assert_array_equal, x64, default)
 
 
 @pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=1), MeshConfig(data=1, fsdp=2)])

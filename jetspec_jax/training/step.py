@@ -147,7 +147,9 @@ def apply_gradients(
     `grad_norm` and `learning_rate`."""
     # optax mixes Python floats with its int32 step counts (Adam's `1 - b1**count`, the schedule),
     # which a process's `jax_numpy_dtype_promotion="strict"` refuses: its updates run standard.
-    with jax.numpy_dtype_promotion("standard"):
+    # Under a process's `jax_enable_x64` those Python floats would make the bias corrections and
+    # the schedule float64 (other roundings of the float32 update): they run in 32 bits.
+    with jax.numpy_dtype_promotion("standard"), jax.enable_x64(False):
         updates, opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(
