@@ -757,6 +757,31 @@ def test_a_failed_atomic_text_write_leaves_the_old_file_and_no_temporary(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["notes.md"]
 
 
+def test_a_place_that_takes_no_temporary_is_named_not_the_temporary(tmp_path, monkeypatch):
+    """Making the temporary sibling fails where the destination's directory is missing or takes
+    no new entry: the error names the destination, as the docstrings say, not the hidden
+    temporary name that was never made."""
+    import os
+
+    from jetspec_jax.checkpoint import atomic
+
+    path = tmp_path / "gone" / "report.json"
+    with pytest.raises(FileNotFoundError) as failed:
+        atomic.write_text_atomically(path, "text")
+    assert failed.value.filename == str(path)
+
+    def read_only(dir, prefix):  # as mkdtemp fails in a read-only directory (root passes modes)
+        raise PermissionError(13, "Permission denied", os.path.join(dir, f"{prefix}x1y2"))
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", read_only)
+    out = tmp_path / "ckpt"
+    with pytest.raises(PermissionError) as failed:
+        with atomic.atomic_directory(out):
+            pass
+    assert failed.value.filename == str(out)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
 def test_a_text_file_written_atomically_has_the_mode_the_umask_gives(tmp_path, umask, mode):
     import os

@@ -62,12 +62,18 @@ def atomic_directory(
             keep).
         NotADirectoryError: a parent of `out_dir` is a file.
         OSError: writing failed (a full disk, say); an error that names no file (as a failed
-            write's does) or one in the temporary directory (gone by then) names `out_dir`.
+            write's does) or the temporary directory or one in it (gone by then, or never made:
+            a place that takes no new entry) names `out_dir`.
     """
     out = pathlib.Path(out_dir)
     _check_destination(out, overwrite, refuse)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:  # a place that takes no new entry: named, not the name never made
+        if e.errno is None:
+            raise
+        raise _named(e, out) from e
     try:
         yield tmp
         _finalize_tree(tmp)
@@ -92,11 +98,17 @@ def atomic_directory(
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno is not None and _names_nothing_but(e, tmp):
-            raise OSError(e.errno, e.strerror, str(out)) from e
+            raise _named(e, out) from e
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _named(error: OSError, path: pathlib.Path) -> OSError:
+    """`error` (one with an errno) naming `path` in place of the temporary file it names, or of
+    no file; of the same subclass (`PermissionError`, say)."""
+    return OSError(error.errno, error.strerror, str(path))
 
 
 def _names_nothing_but(error: OSError, tmp: pathlib.Path) -> bool:
@@ -115,13 +127,19 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
 
     Raises:
         OSError: the write failed (a full disk, say), naming `path`: a failed write names no
-            file, and the hidden sibling's name (gone by then) would read as the one at fault.
+            file, and the hidden sibling's name (gone by then, or never made: a missing or
+            read-only directory) would read as the one at fault.
     """
     path = pathlib.Path(path)
     # A name of its own (two writers of one path must not share one), created as `open` creates
     # files (mode 0666 under the umask; mkstemp's would be owner-only).
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as e:  # a missing or read-only directory: not the sibling that never was
+        if e.errno is None:
+            raise
+        raise _named(e, path) from e
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -131,7 +149,7 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if e.errno is not None and _names_nothing_but(e, tmp):
-            raise OSError(e.errno, e.strerror, str(path)) from e
+            raise _named(e, path) from e
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
