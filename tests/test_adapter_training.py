@@ -606,6 +606,27 @@ def test_a_run_starts_from_a_saved_adapter_of_its_architecture(target, draft, tm
     assert initial_adapter(gone, draft, resuming=True).config == saved.config  # not read
 
 
+def test_the_adapter_section_is_checked_against_the_draft_before_the_target_load(
+    draft, data_file, tmp_path
+):
+    """As `train_adapter` says: `layers_per_module` without one entry per tap of the draft, and an
+    `adapter.init_from` of another architecture, are refused before the target's weights (and
+    here even its config: there is none) are read, not after minutes of loading."""
+    saved = init_adapter(draft, layers_per_module=(1, 2), intermediate_size=32)
+    bundle = draft.with_adapter(saved).save(tmp_path / "pp")
+    cases = {
+        (("layers_per_module", (1, 1, 1)),): r"one entry per tap layer of the draft \(2: ",
+        (("layers_per_module", (1, 1)), ("init_from", str(bundle))): (
+            r"layers_per_module \(1, 2\) \(configured \(1, 1\)\)"
+        ),
+    }
+    for adapter, message in cases.items():
+        config = _config(data_file, tmp_path / "run", eval_tau=False, **dict(adapter))
+        with pytest.raises(ValueError, match=message):
+            train_adapter(dataclasses.replace(config, target="no/such/target"), draft=draft)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_random_adapter_is_drawn_with_its_own_sections_seed(draft, tmp_path):
     """The adapter's `optim` section, when given, seeds its initialisation; else the top-level
     one does."""

@@ -27,6 +27,7 @@ from jetspec_jax.adapter import Adapter, adapter_config, init_adapter
 from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
 from jetspec_jax.checkpoint.adapter_files import (
     adapter_config_from_dict,
+    check_adapter_matches_draft,
     check_takes_an_adapter,
     load_adapter,
 )
@@ -35,6 +36,7 @@ from jetspec_jax.checkpoint.digest import directory_digest
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.draft import Draft, load_draft_for_config
+from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.target import DTYPES, Target, load_target, load_target_config
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
@@ -137,6 +139,8 @@ def train_adapter(
             not split the batch (checked before the target load).
         FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
             before the target load).
+        NotADirectoryError, PermissionError: `run.dir` cannot be written in (named by the key;
+            checked before the target load).
         CheckpointError: the draft directory is missing or does not fit the target, the draft
             is not a token-input (jetspec++) draft or its taps are not increasing, or
             `adapter.init_from` is no adapter or predicts other taps.
@@ -145,16 +149,18 @@ def train_adapter(
     resuming = has_checkpoint(run_dir)
     init_from = config.adapter.init_from
     check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
+    saved = None  # the config of the adapter the run starts from, when it starts from one
     if init_from is not None and resuming:  # its weights are in the checkpoint
         logger.warning("%s resumes from its checkpoint: adapter.init_from is not read", run_dir)
     elif init_from is not None:
-        _check_saved_adapter(init_from)  # before the target load
+        saved = _saved_adapter_config(init_from)  # before the target load
     check_run_dir_writable(config)
     draft = _draft_or_directory(config, draft)
     if isinstance(draft, Draft):
         check_takes_an_adapter(draft.config)
     else:  # its kind and fit checked before the target's weights load
         draft = trained_draft(config, draft, target)
+    check_adapter_start(config, draft, saved)  # the draft's taps, before the load
     mesh = make_mesh(config.mesh)
     # Its own section's batch size, else the top-level one (`adapter_optim`): refused if the
     # mesh does not split it before the target's weights load.
@@ -348,9 +354,10 @@ def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
     return resolve_steps(dataclasses.replace(config, optim=optim), num_examples, where).optim
 
 
-def _check_saved_adapter(init_from: str) -> None:
-    """Refuses an `adapter.init_from` that is neither a JetSpec++ checkpoint nor an adapter
-    directory (a draft directory, say), before the model load.
+def _saved_adapter_config(init_from: str) -> AdapterConfig:
+    """The config of the adapter `adapter.init_from` names, read before the model load; an
+    `init_from` that is neither a JetSpec++ checkpoint nor an adapter directory (a draft
+    directory, say) is refused.
 
     Raises:
         FileNotFoundError: no `config.json` there.
@@ -367,7 +374,7 @@ def _check_saved_adapter(init_from: str) -> None:
         data = read_json(
             directory, ADAPTER_CONFIG_FILE, "adapter directory", "an adapter needs one"
         )
-        adapter_config_from_dict(data, str(config_file))
+        return adapter_config_from_dict(data, str(config_file))
     except CheckpointError as e:
         raise CheckpointError(
             f"adapter.init_from {init_from} is neither a JetSpec++ checkpoint nor an adapter "
@@ -394,27 +401,57 @@ def initial_adapter(config: TrainConfig, draft: Draft, *, resuming: bool = False
         CheckpointError: the saved adapter is unreadable or predicts other taps or another
             target's states.
     """
+    a = config.adapter
+    architecture = _architecture(config, draft)
+    if a.init_from is None or resuming:
+        optim = config.optim if a.optim is None else a.optim
+        return init_adapter(draft, **architecture, init_std=a.init_std, seed=optim.seed)
+    start = load_adapter(_saved_adapter_dir(a.init_from), draft, dtype="float32")
+    _check_start_fits(config, draft, start.config)
+    return start
+
+
+def check_adapter_start(config: TrainConfig, draft: Draft, saved: AdapterConfig | None) -> None:
+    """`initial_adapter`'s refusals, from the draft and the config of the adapter the run starts
+    from (`saved`, `adapter.init_from`'s; None: a random start): `train_adapter` runs them
+    before the target's weights load (minutes for a large target), where the draft's taps are
+    first known.
+
+    Raises:
+        ValueError, CheckpointError: as `initial_adapter`.
+    """
+    _architecture(config, draft)
+    if saved is None:
+        return
+    try:
+        check_adapter_matches_draft(saved, draft)
+    except CheckpointError as e:  # as `load_adapter` names it
+        raise CheckpointError(f"{_saved_adapter_dir(config.adapter.init_from)}: {e}") from e
+    _check_start_fits(config, draft, saved)
+
+
+def _architecture(config: TrainConfig, draft: Draft) -> dict:
+    """The `init_adapter` keywords of the adapter section for `draft`, after checking that
+    `layers_per_module` has one entry per tap of the draft (ValueError otherwise)."""
     a, taps = config.adapter, tuple(draft.config.target_layer_ids)
     if a.layers_per_module is not None and len(a.layers_per_module) != len(taps):
         raise ValueError(
             f"adapter.layers_per_module {list(a.layers_per_module)} needs one entry per tap "
             f"layer of the draft ({len(taps)}: {list(taps)})"
         )
-    architecture = dict(
-        layers_per_module=a.layers_per_module, intermediate_size=a.intermediate_size
-    )
-    if a.init_from is None or resuming:
-        optim = config.optim if a.optim is None else a.optim
-        return init_adapter(draft, **architecture, init_std=a.init_std, seed=optim.seed)
-    start = load_adapter(_saved_adapter_dir(a.init_from), draft, dtype="float32")
+    return dict(layers_per_module=a.layers_per_module, intermediate_size=a.intermediate_size)
+
+
+def _check_start_fits(config: TrainConfig, draft: Draft, saved) -> None:
+    """Refuses a saved adapter config (`adapter.init_from`'s) of another architecture than the
+    section's for `draft`, naming each differing field."""
     check_start_fits(
-        f"adapter.init_from {a.init_from}",
-        start.config,
-        adapter_config(draft, **architecture),
+        f"adapter.init_from {config.adapter.init_from}",
+        saved,
+        adapter_config(draft, **_architecture(config, draft)),
         "The adapter section sets layers_per_module and intermediate_size; the other layer "
         "settings are the target's",
     )
-    return start
 
 
 def _eval_batches(

@@ -109,6 +109,18 @@ def train(
 
     Returns:
         The `TrainResult` once all `config.optim.steps` are done; None after `stop_after` steps.
+
+    Raises:
+        FileNotFoundError: a data, evaluation or `draft.init_from` file is missing (checked
+            before the target load).
+        NotADirectoryError, PermissionError: `run.dir` cannot be written in (named by the key;
+            checked before the target load).
+        ValueError: `data.max_length` beyond the target's context, a batch the mesh does not
+            split, draft settings that do not fit the target, or a malformed evaluation prompt
+            file (checked before the target load); malformed training data; a `draft.init_from`
+            or a resumed run's draft of another architecture than the `draft` section's.
+        CheckpointError: the target, or the draft `draft.init_from` names, is missing or does not
+            fit.
     """
     run_dir = pathlib.Path(config.run.dir)
     resuming = has_checkpoint(run_dir)
