@@ -332,6 +332,27 @@ def test_a_round_of_hits_and_misses_keeps_the_hit_rows_cached_blocks(target, dra
         assert drafts[1:].tolist() == [[10] * (BLOCK - 1), [20] * (BLOCK - 1)]
 
 
+def test_a_cached_block_is_found_only_under_both_keys_of_its_outcome(target, draft):
+    """An outcome is the pair (k, a): a block cached for (1, 5) is not the next round's when that
+    round accepted another number of drafts, even with the same bonus token 5 (its context
+    differs). The forced hit/miss tests above never vary k, so they cannot tell."""
+    refiner, params = ScaledOracleDraft(draft, 1.0).proposer(target, method="jetspec++")
+    proposer = ForesightProposer(refiner, 2, rule="uncalibrated")
+    state = proposer.empty(params, target.params, 3, 32)
+    # Every row caches block 10 for outcome (k=1, a=5) and block 11 for (k=2, a=5).
+    blocks = np.broadcast_to(10 + np.arange(2)[None, :, None], (3, 2, BLOCK - 1))
+    state = state.replace(
+        blocks=jnp.asarray(blocks, jnp.int32),
+        keys_k=jnp.asarray([[1, 2]] * 3, jnp.int32),
+        keys_a=jnp.asarray([[5, 5]] * 3, jnp.int32),
+        valid=jnp.ones((3, 2), bool),
+        last_k=jnp.asarray([1, 2, 3], jnp.int32),
+    )
+    hit, block = proposer.lookup(state, jnp.full((3,), 5, jnp.int32))
+    assert hit.tolist() == [True, True, False]
+    assert block[:2].tolist() == [[10] * (BLOCK - 1), [11] * (BLOCK - 1)]
+
+
 def test_forced_misses_give_ar_tokens_and_the_plain_outcomes(
     target, draft, prompts, plain_outcomes
 ):

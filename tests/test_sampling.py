@@ -235,6 +235,17 @@ def test_temperature_zero_is_argmax():
     np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
 
 
+def test_a_greedy_row_beside_a_sampled_row_is_still_argmax():
+    """A sampled batch-mate switches the draws on for the whole batch (`select_tokens`' cond):
+    the greedy row must still take its argmax, not a draw from its unscaled softmax. The test
+    above has greedy rows only, so the draws never run there."""
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(2, 64, 40)).astype(np.float32))
+    sampling = RowSampling.from_params([SamplingParams(), SamplingParams(temperature=1.0, seed=9)])
+    tokens = np.asarray(select_tokens(logits, sampling, jnp.zeros((2, 64), jnp.int32)))
+    np.testing.assert_array_equal(tokens[0], np.argmax(logits[0], -1))
+    assert np.any(tokens[1] != np.argmax(logits[1], -1))  # the sampled row does draw
+
+
 def test_parameters_given_as_numpy_or_jax_scalars_are_kept_as_python_numbers():
     """A temperature computed in JAX or a seed read from an array is accepted, and stored as the
     Python number it holds, so that equal parameters compare and hash alike."""

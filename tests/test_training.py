@@ -385,6 +385,19 @@ def test_blocks_supervise_exactly_the_drafts(variant):
     assert np.all(supervised[full] == (offsets[full] >= 1) & (offsets[full] <= 7))
 
 
+@pytest.mark.parametrize("variant", ["dflash", "jetspec"])
+def test_mask_input_blocks_are_the_anchor_then_the_configs_mask_token(variant):
+    """Mask-input drafts decode blocks of [anchor, mask x (K-1)] (`proposers.first_pass`), so they
+    train on the same inputs: the config's mask token (49 here, a token no sequence holds), not
+    some fixed id. The visibility tests above see input positions only, not the tokens."""
+    config = _toy_config(variant, block_size=8)
+    tokens = jnp.tile(jnp.arange(200, dtype=jnp.int32) % 49, (4, 1))
+    blocks = build_blocks(jax.random.key(3), tokens, jnp.ones((4, 200), bool), config, 16)
+    inputs, anchors = np.asarray(blocks.tokens), np.asarray(blocks.anchors)
+    np.testing.assert_array_equal(inputs[..., 0], np.asarray(tokens)[0][anchors])
+    assert np.all(inputs[..., 1:] == config.mask_token_id)
+
+
 def _right_padded_batch():
     """`(tokens [4, 64], loss mask, T)`: responses after prompts of 7 .. 20 tokens, ending at
     30 .. 64 with padding after (mask False)."""
@@ -453,10 +466,12 @@ def test_the_schedule_warms_up_then_decays_to_the_end_ratio_at_the_last_update()
     assert float(schedule(99)) == pytest.approx(1e-4)
 
 
-def test_gradients_are_clipped_to_their_global_norm_before_adam():
+@pytest.mark.parametrize("grad_clip", [1.0, 2.5])
+def test_gradients_are_clipped_to_their_global_norm_before_adam(grad_clip):
     """Adam's first update is about sign(g) whatever g's size, so the clipping is read from its
-    first moment: (1 - b1) * g / |g| for a gradient of norm 50 clipped to 1."""
-    config = OptimConfig(learning_rate=1e-3, warmup_steps=1, steps=10, grad_clip=1.0)
+    first moment: (1 - b1) * clip * g / |g| for a gradient of norm 50 clipped to `grad_clip` (a
+    second value: a clip norm fixed at the default would pass with 1.0 alone)."""
+    config = OptimConfig(learning_rate=1e-3, warmup_steps=1, steps=10, grad_clip=grad_clip)
     optimizer = make_optimizer(config)
     params = {"w": {"kernel": jnp.ones((3,))}}
     gradient = {"w": {"kernel": jnp.asarray([30.0, 40.0, 0.0])}}
@@ -467,7 +482,7 @@ def test_gradients_are_clipped_to_their_global_norm_before_adam():
         if isinstance(s, optax.ScaleByAdamState)
     ]
     (moment,) = [s.mu["w"]["kernel"] for s in adam]
-    np.testing.assert_allclose(moment, 0.1 * np.array([0.6, 0.8, 0.0]), rtol=1e-6)
+    np.testing.assert_allclose(moment, 0.1 * grad_clip * np.array([0.6, 0.8, 0.0]), rtol=1e-6)
 
 
 def _one_step_inputs(target, compute_dtype="float32"):
