@@ -537,6 +537,23 @@ def test_a_batch_the_mesh_does_not_split_is_refused_before_the_model_load(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_with_another_process_count_is_refused_before_the_model_load(
+    target, workdir, monkeypatch
+):
+    """Each process saved its own data position: a run moved to another process count is
+    refused from its recorded setup, before the target's weights load (minutes for a large
+    target)."""
+    monkeypatch.chdir(workdir)
+    config = _tiny_config("runs/tiny/moved")
+    draft = "runs/tiny/run/draft"
+    assert train_adapter(config, target=target, draft=draft, stop_after=1) is None
+    setup = pathlib.Path("runs/tiny/moved/adapter_run/run_setup.json")
+    setup.write_text(json.dumps({**json.loads(setup.read_text()), "process_count": 2}))
+    monkeypatch.setattr(adapter_trainer, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match="written by 2 process\\(es\\), this run has 1"):
+        train_adapter(config, draft=draft)
+
+
 def test_a_bad_evaluation_prompt_file_fails_before_training(target, draft, data_file, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 5}\n')

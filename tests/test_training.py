@@ -263,7 +263,7 @@ def _toy_config(variant, block_size=16):
 
 
 def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
-    target, data_files, tmp_path, caplog
+    checkpoints, target, data_files, tmp_path, caplog, monkeypatch
 ):
     """The restored data position and schedule assume the setup the checkpoints were written
     with; a resume with other data or optimisation settings says what changed. (The changed
@@ -312,6 +312,26 @@ def test_a_resume_with_another_setup_is_warned_about_and_another_state_refused(
     (tmp_path / "run_setup.json").write_text(json.dumps({**recorded, "process_count": 2}))
     with pytest.raises(ValueError, match="written by 2 process\\(es\\), this run has 1"):
         train(config, target=target, stop_after=1)
+    # It needs the recorded setup alone: refused before the target's weights load (minutes for a
+    # large target), as a job moved to other hosts meets it.
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    named = dataclasses.replace(config, target=str(checkpoints.get("qwen3")[0]))
+    with pytest.raises(ValueError, match="written by 2 process\\(es\\), this run has 1"):
+        train(named, stop_after=1)
+
+
+def test_the_mesh_is_part_of_the_recorded_setup(target, data_files, tmp_path, caplog):
+    """Processes given different `mesh` settings would build different meshes and wait in their
+    first collective forever: the resolved mesh is in the setup every process compares
+    (`check_processes_agree`). A job moved to other hardware resumes, told what changed."""
+    config = _config(data_files, tmp_path, evaluate=False, **SHORT)
+    assert train(config, target=target, stop_after=1) is None
+    recorded = json.loads((tmp_path / "run_setup.json").read_text())
+    assert recorded["mesh"] == {"data": 1, "fsdp": 1}
+    moved = dataclasses.replace(config, mesh=MeshConfig(data=1, fsdp=2))
+    with caplog.at_level("WARNING", logger="jetspec_jax.training.run_loop"):
+        assert train(moved, target=target, stop_after=1) is None
+    assert "resuming with mesh.fsdp 2 (the checkpoints': 1)" in caplog.text
 
 
 def test_weight_decay_shrinks_the_kernels_and_leaves_the_norm_scales(target):

@@ -61,6 +61,7 @@ from jetspec_jax.training.run_helpers import (
     with_host_params,
 )
 from jetspec_jax.training.run_loop import (
+    check_process_count,
     has_checkpoint,
     logged,
     opened_run,
@@ -135,8 +136,9 @@ def train_adapter(
 
     Raises:
         ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft,
-            `adapter.init_from` has another architecture than the section's, or the mesh does
-            not split the batch (checked before the target load).
+            `adapter.init_from` has another architecture than the section's, the mesh does
+            not split the batch, or a resume has another process count than its checkpoints'
+            (checked before the target load).
         FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
             before the target load).
         NotADirectoryError, PermissionError: `run.dir` cannot be written in (named by the key;
@@ -155,6 +157,8 @@ def train_adapter(
     elif init_from is not None:
         saved = _saved_adapter_config(init_from)  # before the target load
     check_run_dir_writable(config)
+    if resuming:  # its data positions are per process: before the target load
+        check_process_count(run_dir)
     draft = _draft_or_directory(config, draft)
     if isinstance(draft, Draft):
         check_takes_an_adapter(draft.config)
@@ -217,6 +221,8 @@ def train_adapter(
         adapter=dataclasses.asdict(
             dataclasses.replace(config.adapter, optim=optim, init_from=None)
         ),
+        # Resolved (`data: -1` is the rest): processes must agree on it; a resume may move.
+        mesh=dict(mesh.shape),
     )
     paths = ("target", "data_files", "draft")  # the draft's weights: by `draft_digest`
     opened = opened_run(

@@ -139,10 +139,11 @@ def opened_run(
     run ends.
 
     `setup`: what a resumed run should share with the run that wrote its checkpoints (JSON-ready:
-    the target, the data files and record count, the optimisation and model sections). The first
-    start records it, with the process count, in `<run_dir>/run_setup.json`; a resume whose setup
-    differs logs each difference as a warning (the restored data position and schedule assume the
-    recorded setup), which a deliberate change, e.g. more steps, may ignore. A resume that trains
+    the target, the data files and record count, the optimisation and model sections, the
+    mesh's shape). The first start records it, with the process count, in
+    `<run_dir>/run_setup.json`; a resume whose setup differs logs each difference as a warning
+    (the restored data position and schedule assume the recorded setup), which a deliberate
+    change, e.g. more steps or other devices, may ignore. A resume that trains
     on (its step below `total_steps`) then records its own setup: the checkpoints it writes are
     under it, so a later resume compares with that. A finished run's rerun records nothing (the
     recorded setup is what its last steps and export were made with). Another process count is
@@ -169,7 +170,7 @@ def opened_run(
         record = primary  # the setup, at the first start
         if manager.latest_step() is not None:
             recorded = recorded_setup(run_dir)
-            _check_process_count(run_dir, recorded, setup["process_count"])
+            check_process_count(run_dir, recorded)
             changes = setup_changes(recorded, setup)
             state = restore_latest(manager, state, iterator, changes)
             logger.info("%s: resumed from step %d", run_dir, int(state.step))
@@ -248,7 +249,17 @@ def recorded_setup(run_dir: pathlib.Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def _check_process_count(run_dir: pathlib.Path, recorded: dict, count: int) -> None:
+def check_process_count(run_dir: pathlib.Path, recorded: dict | None = None) -> None:
+    """Refuses to resume `run_dir` with another process count than its checkpoints were written
+    by: each process saved its own data position. Needs only `run_setup.json` (`recorded`, read
+    when None), so the trainers call it before the target's weights load (minutes for a large
+    target); `opened_run` calls it again.
+
+    Raises:
+        ValueError: naming both counts.
+    """
+    recorded = recorded_setup(run_dir) if recorded is None else recorded
+    count = jax.process_count()
     written_by = recorded.get("process_count", count)  # not recorded by older versions
     if written_by != count:
         raise ValueError(

@@ -53,6 +53,7 @@ from jetspec_jax.training.run_helpers import (
     with_host_params,
 )
 from jetspec_jax.training.run_loop import (
+    check_process_count,
     has_checkpoint,
     logged,
     opened_run,
@@ -116,8 +117,9 @@ def train(
         NotADirectoryError, PermissionError: `run.dir` cannot be written in (named by the key;
             checked before the target load).
         ValueError: `data.max_length` beyond the target's context, a batch the mesh does not
-            split, draft settings that do not fit the target, or a malformed evaluation prompt
-            file (checked before the target load); malformed training data; a `draft.init_from`
+            split, draft settings that do not fit the target, a malformed evaluation prompt
+            file, or a resume with another process count than its checkpoints' (checked before
+            the target load); malformed training data; a `draft.init_from`
             or a resumed run's draft of another architecture than the `draft` section's.
         CheckpointError: the target, or the draft `draft.init_from` names, is missing or does not
             fit.
@@ -133,6 +135,8 @@ def train(
         start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
     check_input_files(config, *start_files)
     check_run_dir_writable(config)
+    if resuming:  # its data positions are per process: before the target load
+        check_process_count(run_dir)
     mesh = make_mesh(config.mesh)
     batch_sizes(config.optim.batch_size, mesh)  # a batch the mesh cannot split: before the load
     # The target's architecture alone checks the data's length and the draft section, before
@@ -175,6 +179,8 @@ def train(
         # Without `init_from`: read at the first start only, a resume may drop it.
         draft=dataclasses.asdict(dataclasses.replace(config.draft, init_from=None)),
         optim=dataclasses.asdict(config.optim),
+        # Resolved (`data: -1` is the rest): processes must agree on it; a resume may move.
+        mesh=dict(mesh.shape),
     )
     export_dtype = config.export_dtype or target.dtype
     opened = opened_run(
