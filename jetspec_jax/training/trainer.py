@@ -117,10 +117,10 @@ def train(
         NotADirectoryError, PermissionError: `run.dir` cannot be written in (named by the key;
             checked before the target load).
         ValueError: `data.max_length` beyond the target's context, a batch the mesh does not
-            split, draft settings that do not fit the target, a malformed evaluation prompt
-            file, or a resume with another process count than its checkpoints' (checked before
-            the target load); malformed training data; a `draft.init_from`
-            or a resumed run's draft of another architecture than the `draft` section's.
+            split, draft settings that do not fit the target, an evaluation prompt file the run
+            cannot use, or a resume with another process count than its checkpoints' (checked
+            before the target load); malformed training data; a `draft.init_from` or a resumed
+            run's draft of another architecture than the `draft` section's.
         CheckpointError: the target, or the draft `draft.init_from` names, is missing or does not
             fit.
     """
