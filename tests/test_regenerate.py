@@ -307,6 +307,25 @@ def test_sampled_resume_equals_uninterrupted_run(target, prompt_files, uninterru
     assert len(differing) >= 3, differing
 
 
+def test_each_sampled_record_draws_with_the_seed_of_its_index(target, prompt_files, tmp_path):
+    """Record i samples with `row_seed(base, i)`: its response is its prompt's generated alone
+    with that seed. (One seed shared by every record would still resume identically, which the
+    test above checks.)"""
+    sampling = jetspec_jax.SamplingParams(temperature=1.0, seed=3)
+    out = tmp_path / "out.jsonl"
+    regenerate(
+        target, prompt_files, out, batch_size=BATCH, max_new_tokens=MAX_NEW, sampling=sampling
+    )
+    lines = _read_by_id(out)
+    for index, record in enumerate(RECORDS):
+        line = lines[record["id"]]
+        seed = row_seed(sampling.seed, index)
+        alone = jetspec_jax.generate(
+            target, line["prompt_ids"], max_new_tokens=MAX_NEW, temperature=1.0, seed=seed
+        )
+        assert line["response_ids"] == alone.tokens, record["id"]
+
+
 def test_partial_trailing_line_is_truncated_and_regenerated(
     target, prompt_files, uninterrupted, tmp_path, caplog
 ):

@@ -914,6 +914,18 @@ def test_a_requests_sampling_settings_reach_decoding(target, http):
     assert completion(14)[0] != expected
 
 
+@pytest.mark.parametrize(
+    "seed, folded",
+    [(2**32 - 1, 2**32 - 1), (2**31 + 5, 2**31 + 5), (-1, 2**32 - 1), (2**64 - 1, 2**32 - 1)],
+)
+def test_a_seed_folds_modulo_2_to_the_32(seed, folded):
+    """A seed folds to its 32 low bits, the top one included: a 32-bit seed is used as given and
+    -1 wraps to 2**32 - 1. (A fold into fewer bits would draw two seeds' text alike; the
+    served test above checks 2**32 + 13, which any fold of 32 bits or fewer maps to 13.)"""
+    body = dict(model=MODEL, prompt=[1, 2], max_tokens=2, temperature=1.0, seed=seed)
+    assert parse_completion(body, ModelInfo(MODEL, None, 64)).sampling.seed == folded
+
+
 def test_a_request_its_stop_string_ended_is_answered_though_its_batch_fails_after(
     target, http, monkeypatch
 ):
