@@ -239,6 +239,44 @@ def test_prompt_ids_that_repeat_are_refused(tmp_path):
         load_dataset(path, tokenizer=TEXT_AS_IDS, chat=False)
 
 
+def test_summaries_pool_the_decode_phase_and_divide_by_ar():
+    """Hand-made samples: the prefill's token is in neither tau nor the decode rate (the prefill
+    made it, outside the decode time), the speedup is the method's rate over AR's (> 1: faster),
+    and matches_ar counts the prompts that matched."""
+
+    def sample(method, prompt_id, new_tokens, rounds, decode_seconds, matches_ar, hits=None):
+        return Sample(
+            dataset="d",
+            prompt_id=prompt_id,
+            method=method,
+            temperature=0.0,
+            prompt_tokens=3,
+            new_tokens=new_tokens,
+            rounds=rounds,
+            tau=0.0,  # not pooled from the samples' own
+            prefill_seconds=0.5,
+            decode_seconds=decode_seconds,
+            compile_seconds=0.0,
+            finish_reason="length",
+            matches_ar=matches_ar,
+            foresight_hits=hits,
+        )
+
+    samples = [
+        sample("ar", "a", 9, 8, 2.0, None),
+        sample("ar", "b", 1, 0, 0.0, None),  # stopped at the prefill's token
+        sample("jetspec", "a", 9, 2, 0.5, True, hits=1),
+        sample("jetspec", "b", 1, 0, 0.0, False, hits=0),
+    ]
+    ar, spec = summarize(samples)
+    assert (ar.method, spec.method) == ("ar", "jetspec")
+    assert (ar.tau, ar.decode_tokens_per_second, ar.speedup) == (1.0, 4.0, 1.0)
+    assert (spec.tau, spec.decode_tokens_per_second, spec.speedup) == (4.0, 16.0, 4.0)
+    assert (ar.matches_ar, spec.matches_ar) == (None, 1)
+    assert (spec.new_tokens, spec.prompts, spec.prefill_ms, spec.round_ms) == (10, 2, 500.0, 250.0)
+    assert (ar.foresight_hit_rate, spec.foresight_hit_rate) == (None, 1.0)
+
+
 def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):
     """A JetSpec++ checkpoint (draft + adapter) under foresight in both pipeline forms: the
     hit-rate column is filled, and greedy output is AR's (single-device foresight is the same

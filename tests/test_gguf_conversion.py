@@ -426,10 +426,12 @@ def _write_gguf(
     eot: int | None = None,
     eos: int | None = 2,
     tokenizer_model: str = "llama",
+    pad: int | None = None,
 ) -> Path:
     """A GGUF file; with `vocab`, a SentencePiece ("llama") tokenizer of those tokens (the first
-    three: unk, bos, eos; `eos`: the eos id, None for none; `eot`: an end-of-turn id) and no
-    add_bos_token flag, as older files have (`tokenizer_model`: another type stated instead)."""
+    three: unk, bos, eos; `eos`: the eos id, None for none; `eot`: an end-of-turn id; `pad`: a
+    padding id) and no add_bos_token flag, as older files have (`tokenizer_model`: another type
+    stated instead)."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (fields or {}).items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
@@ -447,6 +449,8 @@ def _write_gguf(
             writer.add_eos_token_id(eos)
         if eot is not None:
             writer.add_eot_token_id(eot)
+        if pad is not None:
+            writer.add_pad_token_id(pad)
     for name, value in tensors.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -468,6 +472,7 @@ def _tiny_llama_gguf(
     vocab_rows: int = 10,
     eos: int | None = 2,
     tokenizer_model: str = "llama",
+    pad: int | None = None,
 ) -> Path:
     """A 1-layer llama GGUF (by default hidden 8, 2 heads, 1 KV head; `fields` override its
     metadata, and the tensors follow) of all-ones weights but `extra_tensors`, with the
@@ -498,7 +503,7 @@ def _tiny_llama_gguf(
     }
     tensors = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
     tensors |= extra_tensors or {}
-    return _write_gguf(path, "llama", tensors, fields, vocab, eot, eos, tokenizer_model)
+    return _write_gguf(path, "llama", tensors, fields, vocab, eot, eos, tokenizer_model, pad)
 
 
 def test_grouped_heads_are_unpermuted_as_transformers_reads_them(tmp_path):
@@ -554,6 +559,23 @@ def test_an_end_of_turn_token_stops_decoding_too(tmp_path):
     no_eos = convert_gguf_to_hf(no_eos, tmp_path / "no_eos", show_progress=False)
     assert json.loads((no_eos / "generation_config.json").read_text())["eos_token_id"] == 4
     assert jetspec_jax.load_target(no_eos).stop_token_ids == (4,)
+
+
+def test_a_padding_token_apart_from_eos_is_the_pad_of_both_configs(tmp_path):
+    """The default model pads with its eos, which would hide reading the pad from another key:
+    a file whose padding token is neither eos nor unk gives it to the tokenizer and to
+    generation_config, as transformers' GGUF loader reads it."""
+    from transformers import AutoTokenizer
+
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf", pad=3)
+    out = convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["pad_token_id"], generation["eos_token_id"]) == (3, 2)
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == 3
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.pad_token, tok.eos_token, tok.unk_token) == ("a", "</s>", "<unk>")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert tok.pad_token == ref.pad_token
 
 
 def test_unsupported_architecture(tmp_path):
