@@ -432,7 +432,12 @@ def _evaluate(args: argparse.Namespace) -> int:
     from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import named_by_flag, require_paths
     from jetspec_jax.target import load_target_config, require_tokenizer
-    from jetspec_jax.training.evaluate import encoded_prompts, eval_prompt_records, prompts_tau
+    from jetspec_jax.training.evaluate import (
+        encoded_prompts,
+        eval_prompt_records,
+        first_text_prompt,
+        prompts_tau,
+    )
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
@@ -455,7 +460,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     with named_by_flag("--draft", args.draft):
         draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     _check_draft_takes_passes(args, draft)
-    if text := next((where for where, r in records if "prompt_ids" not in r), None):
+    if text := first_text_prompt(records):
         require_tokenizer(
             args.target, f"--target {args.target}", f"{text} is a text prompt, which needs one"
         )

@@ -28,13 +28,12 @@ from typing import Any
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
-    TensorReader,
     TensorSpec,
     decoder_layer_specs,
     locate_tensors,
+    read_tree,
     save_tensors,
     tensors_from_tree,
-    tree_from_tensors,
     validate_names_and_shapes,
 )
 from jetspec_jax.checkpoint.json_fields import json_integer, json_number
@@ -192,9 +191,7 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
         validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
     except CheckpointError as e:
         raise CheckpointError(f"adapter {path}: {e}") from e
-    with TensorReader(located) as tensors:
-        params = tree_from_tensors(specs, tensors, DTYPES[dtype])
-    return Adapter(config=config, params=params, dtype=dtype)
+    return Adapter(config=config, params=read_tree(located, specs, DTYPES[dtype]), dtype=dtype)
 
 
 def check_takes_an_adapter(draft_config) -> None:

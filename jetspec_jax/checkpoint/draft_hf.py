@@ -28,15 +28,14 @@ from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
-    TensorReader,
     TensorSpec,
     decoder_layer_specs,
     linear_specs,
     locate_tensors,
     norm_spec,
+    read_tree,
     save_tensors,
     tensors_from_tree,
-    tree_from_tensors,
     validate_names_and_shapes,
 )
 from jetspec_jax.checkpoint.json_fields import json_integer, json_number
@@ -217,8 +216,7 @@ def load_draft_params(checkpoint_dir: str | pathlib.Path, config: DraftConfig, d
         validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
     except CheckpointError as e:  # its message names tensors, not the directory they are in
         raise CheckpointError(f"draft {checkpoint_dir}: {e}") from e
-    with TensorReader(located) as tensors:
-        return tree_from_tensors(specs, tensors, dtype)
+    return read_tree(located, specs, dtype)
 
 
 def save_draft_params(params: Params, config: DraftConfig, out_dir: pathlib.Path) -> None:

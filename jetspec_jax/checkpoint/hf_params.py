@@ -201,8 +201,6 @@ def norm_spec(hf_prefix: str, path: tuple[str | int, ...], dim: int) -> TensorSp
 
 def tree_from_tensors(specs: list[TensorSpec], tensors: Mapping[str, np.ndarray], dtype) -> Params:
     """The pytree of `specs` filled from HF-named arrays (names/shapes already validated)."""
-    if isinstance(tensors, TensorReader):  # a non-float tensor refused before any is read
-        tensors.check_floats(spec.hf_name for spec in specs)
     params: Params = {}
     for spec in specs:
         array = np.asarray(tensors[spec.hf_name])
@@ -255,6 +253,17 @@ def load_hf_params(
     # A model of no layers has no layer tensor to create the list, but the forward reads one.
     params.setdefault("layers", [])
     return params
+
+
+def read_tree(
+    located: Mapping[str, tuple[pathlib.Path, tuple[int, ...]]], specs: list[TensorSpec], dtype
+) -> Params:
+    """The pytree of `specs` read from the safetensors files `located` names (names and shapes
+    already validated), a tensor not stored as a float refused from the headers before any
+    tensor is read."""
+    with TensorReader(located) as tensors:
+        tensors.check_floats(spec.hf_name for spec in specs)
+        return tree_from_tensors(specs, tensors, dtype)
 
 
 class TensorReader(Mapping):

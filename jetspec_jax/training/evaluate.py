@@ -134,6 +134,12 @@ def eval_prompt_records(
     return records
 
 
+def first_text_prompt(records: list[tuple[str, dict]]) -> str | None:
+    """The `file:line` of the first of `eval_prompt_records`' records that is text (its encoding
+    needs the target's tokenizer), or None when all are token ids."""
+    return next((where for where, record in records if "prompt_ids" not in record), None)
+
+
 def encoded_prompts(
     target: Target,
     records: list[tuple[str, dict]],

@@ -25,7 +25,12 @@ from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.target import Target, require_tokenizer
 from jetspec_jax.training.config import OptimConfig, TrainConfig
 from jetspec_jax.training.data import count_training_prompts, training_dataset
-from jetspec_jax.training.evaluate import data_encoding, encoded_prompts, eval_prompt_records
+from jetspec_jax.training.evaluate import (
+    data_encoding,
+    encoded_prompts,
+    eval_prompt_records,
+    first_text_prompt,
+)
 from jetspec_jax.training.sharding import param_shardings
 from jetspec_jax.training.step import TrainState, init_state, make_optimizer
 
@@ -84,7 +89,7 @@ def check_eval_prompts(config: TrainConfig, target_config: TransformerConfig) ->
     for where, record in records:
         if "prompt_ids" in record:
             _check_eval_prompt_fits(config, target_config, where, len(record["prompt_ids"]))
-    if text := next((where for where, r in records if "prompt_ids" not in r), None):
+    if text := first_text_prompt(records):
         need = f"{text} (data.eval_prompts) is a text prompt, which needs one"
         require_tokenizer(config.target, f"target {config.target}", need)
 
