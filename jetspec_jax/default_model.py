@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from jetspec_jax.checkpoint.bundle import is_bundle
@@ -28,6 +29,7 @@ __all__ = [
     "default_draft_dir",
     "default_gguf_path",
     "default_target_dir",
+    "hint_reconversion",
     "served_model_name",
 ]
 
@@ -126,6 +128,20 @@ def default_target_dir(*, show_progress: bool | None = True) -> Path:
     if _is_complete(target):
         return target
     raise CheckpointError(f"{target} exists but is not a complete checkpoint; delete it")
+
+
+@contextlib.contextmanager
+def hint_reconversion(target: Path) -> Iterator[None]:
+    """Adds to a `CheckpointError` raised while reading the default model's conversion `target`
+    that deleting it makes the next run convert it again: conversions land whole, so a damaged
+    one (a truncated file) is outside damage, which the conversion cannot repair in place."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e}\n(this is the default model's conversion: delete {target} and the next run "
+            "converts it again)"
+        ) from e
 
 
 def _writable_cache_root() -> Path:

