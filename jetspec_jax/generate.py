@@ -21,12 +21,10 @@ from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
 from jetspec_jax.decoding.request_checks import (
-    check_budget,
+    check_budgets,
     check_int,
     check_prompts,
     check_token_ids,
-    per_row,
-    prompt_name,
     row_sampling,
 )
 from jetspec_jax.decoding.results import GenerationResult, Timing
@@ -109,21 +107,32 @@ def generate(
             `DecodingOptions` field.
         ValueError: a bad value, naming it.
     """
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    session = _one_prompt_session(
+        target, prompt_ids, draft, max_new_tokens, sampling, stop_token_ids, decoding
+    )
+    (result,) = run_to_the_end(session, show_progress=False)
+    return result
+
+
+def _one_prompt_session(
+    target, prompt_ids, draft, max_new_tokens, sampling: dict, stop_token_ids, decoding: dict
+) -> DecodeSession:
+    """The checked session of `generate` and `stream` (their arguments): one prompt, sampled
+    with the `SamplingParams` fields `sampling`, its seed as given."""
     check_is_target(target)
     # Checked as one prompt here: wrapped first, an int would read as a batch of one id.
     prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # an iterator is read
-    session = DecodeSession(
+    return DecodeSession(
         target,
         [prompt_ids],
         draft=draft,
         options=decoding_options(decoding),
         max_new_tokens=max_new_tokens,
         # One per row: the seed as given (one for all rows would be mixed with the row index).
-        sampling=[SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)],
+        sampling=[SamplingParams(**sampling)],
         stop_token_ids=stop_token_ids,
     )
-    (result,) = run_to_the_end(session, show_progress=False)
-    return result
 
 
 def generate_batch(
@@ -181,12 +190,7 @@ def generate_batch(
 
 def run_to_the_end(session: DecodeSession, show_progress: bool | None) -> list[GenerationResult]:
     """Decodes every row of a new session to its end; see `generate_batch`'s `show_progress`."""
-    bar = tqdm.tqdm(
-        total=sum(session.max_new_tokens),
-        unit="tok",
-        desc="generating",
-        disable=None if show_progress is None else not show_progress,
-    )
+    bar = _progress_bar(sum(session.max_new_tokens), "tok", show_progress)
     if bar.disable:
         session.start()
         session.advance()  # to the end: every forward commits >= 1 token per unfinished row
@@ -196,6 +200,12 @@ def run_to_the_end(session: DecodeSession, show_progress: bool | None) -> list[G
             bar.update(sum(map(len, rows)))
         bar.total = bar.n  # rows that stopped early leave their budget unused
     return session.results()
+
+
+def _progress_bar(total: int, unit: str, show_progress: bool | None) -> tqdm.tqdm:
+    """A tqdm bar, disabled unless `show_progress` (None: shown only on a terminal)."""
+    disable = None if show_progress is None else not show_progress
+    return tqdm.tqdm(total=total, unit=unit, desc="generating", disable=disable)
 
 
 def generate_as_completed(
@@ -253,12 +263,7 @@ def generate_as_completed(
     chunk_steps = check_int("chunk_steps", chunk_steps, 1)
     config = target.config
     prompts = check_prompts(prompts, config.vocab_size)
-    budgets = [
-        check_budget(config, len(p), n, prompt_name(i, len(prompts)))
-        for i, (p, n) in enumerate(
-            zip(prompts, per_row(max_new_tokens, len(prompts), "max_new_tokens"), strict=True)
-        )
-    ]
+    budgets = check_budgets(config, prompts, max_new_tokens)
     sampling = row_sampling(sampling, len(prompts))
     session_args = dict(draft=draft, options=options, stop_token_ids=stop_token_ids)
     # One row alone validates the pairing of draft and options and the stop ids now; its stop
@@ -269,13 +274,7 @@ def generate_as_completed(
     longest_first = sorted(range(len(prompts)), key=lambda i: -sum(sizes[i]))
 
     def decode() -> Iterator[tuple[int, GenerationResult]]:
-        bar = tqdm.tqdm(
-            total=len(prompts),
-            unit="prompt",
-            desc="generating",
-            disable=None if show_progress is None else not show_progress,
-        )
-        with bar:
+        with _progress_bar(len(prompts), "prompt", show_progress) as bar:
             for finished in decode_all():
                 bar.update(1)
                 yield finished
@@ -301,10 +300,11 @@ def generate_as_completed(
                     i = waiting.popleft()
                     batch.admit(i, prompts[i], max_new_tokens=budgets[i], sampling=sampling[i])
                     joined = True
-                if batch.done and not joined:
+                if joined:
+                    continue  # polled before decoding on: a budget of 1 is done at its prefill
+                if batch.done:
                     break
-                if not joined:
-                    batch.advance(chunk_steps)
+                batch.advance(chunk_steps)
 
     return decode()
 
@@ -392,16 +392,8 @@ def stream(
             the first token.
     """
     chunk_steps = check_int("chunk_steps", chunk_steps, 1)  # a 0-d array as a plain int
-    check_is_target(target)
-    prompt_ids = check_token_ids(prompt_ids, target.config.vocab_size)  # as in `generate`
-    sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)]
-    session = DecodeSession(
-        target,
-        [prompt_ids],
-        draft=draft,
-        options=decoding_options(decoding),
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        stop_token_ids=stop_token_ids,
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    session = _one_prompt_session(
+        target, prompt_ids, draft, max_new_tokens, sampling, stop_token_ids, decoding
     )
     return TokenStream(session, chunk_steps)

@@ -85,7 +85,7 @@ class DecodingOptions:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; available: {', '.join(METHODS)}")
         for name in ("refine_passes", "refreshes", "foresight"):
-            # NumPy integers become plain ints downstream (the options are a static jit arg).
+            # As plain ints: the counts reach the proposer, a static jit argument.
             object.__setattr__(self, name, check_int(name, getattr(self, name), 0))
         if self.prefill_chunk is not None:
             chunk = check_int("prefill_chunk", self.prefill_chunk, 1)

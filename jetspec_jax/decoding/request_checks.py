@@ -30,6 +30,16 @@ def check_budget(config, prompt_length: int, max_new_tokens, what: str = "prompt
     return budget
 
 
+def check_budgets(config, prompts: list[list[int]], max_new_tokens) -> list[int]:
+    """One budget per prompt of a checked batch (`max_new_tokens` as `per_row` takes it), each
+    as `check_budget` returns it, naming the prompt by its index."""
+    budgets = per_row(max_new_tokens, len(prompts), "max_new_tokens")
+    return [
+        check_budget(config, len(p), n, prompt_name(i, len(prompts)))
+        for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+
+
 def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
     """`prompts` (a non-empty sequence of prompts, each as `check_token_ids` takes it) as lists
     of ints, or a ValueError saying what is wrong."""
@@ -124,7 +134,7 @@ def check_reserve(config, prompt_tokens, new_tokens) -> tuple[int, int]:
 
 def per_row(value, rows: int, name: str) -> list:
     """`value` per row: its items when it is a sequence (or 1-D NumPy/JAX array), else `value`
-    repeated."""
+    repeated; a ValueError naming `name` when the items are not one per row."""
     is_array = getattr(value, "ndim", None) == 1
     if is_array or (isinstance(value, Sequence) and not isinstance(value, str)):
         if len(value) != rows:

@@ -14,7 +14,7 @@ The host side of decoding, shared by `generate`, streaming and the server:
     .result(row) / .results()             one request's / every request's `GenerationResult`
 
 With `pipeline="mpmd"` the prefill and the loop are `pipeline_mpmd.TwoProgramPipeline`'s (one
-program per device, rounds dispatched from the host); every other method runs one compiled loop.
+program per device, rounds dispatched from the host); otherwise each is one compiled program.
 
 Everything per token stays on the device: a caller that never polls (`generate_batch`) makes no
 host round trip until `results()`. Shapes are bucketed (decoding/buckets.py: batch and output
@@ -49,12 +49,12 @@ from jetspec_jax.decoding.pipeline_mpmd import TwoProgramPipeline
 from jetspec_jax.decoding.prefill import prefill
 from jetspec_jax.decoding.request_checks import (
     check_budget,
+    check_budgets,
     check_int,
     check_prompts,
     check_reserve,
     check_token_ids,
     per_row,
-    prompt_name,
     row_sampling,
 )
 from jetspec_jax.decoding.results import GenerationResult, Timing, row_outputs, row_result
@@ -128,11 +128,7 @@ class DecodeSession:
         self._prefill_chunk = options.prefill_chunk
         self._two_programs = None  # the MPMD pipeline's stage placement, built at start
         prompts = check_prompts(prompts, config.vocab_size)
-        budgets = per_row(max_new_tokens, len(prompts), "max_new_tokens")
-        budgets = [
-            check_budget(config, len(p), n, prompt_name(i, len(prompts)))
-            for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))
-        ]
+        budgets = check_budgets(config, prompts, max_new_tokens)
         sampling = row_sampling(sampling, len(prompts))
         stops = target.stop_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_token_ids = tuple(
@@ -239,11 +235,12 @@ class DecodeSession:
         self._state, self._prefill_seconds = state, seconds
 
     def _prefill(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
-        """`(loop state, prefill seconds)` of `prompts` `[R, T]` prefilled with this session's
-        static sizes (cache capacity, output buffer); compilation is added to the session's."""
-        target, proposer = self._target, self._proposer
+        """`(loop state, prefill seconds)` of `prompts` `[R, T]` (`prompt_lengths` `[R]`)
+        prefilled with this session's static sizes (cache capacity, output buffer); compilation
+        is added to the session's."""
         if self._pipeline == "mpmd":
             return self._prefill_two_programs(prompts, prompt_lengths, requests)
+        target, proposer = self._target, self._proposer
         sizes = dict(
             config=target.config,
             capacity=self._capacity,
@@ -408,8 +405,7 @@ class DecodeSession:
         """Each row is a finished one, or the next unused padding row, and none comes twice."""
         unused = self.num_rows  # the next padding row to join
         for row in rows:
-            if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-                raise ValueError(f"row must be an integer, got {row!r}")
+            _check_row_type(row)
             if row == unused < self._batch:
                 unused += 1
                 continue
@@ -432,9 +428,7 @@ class DecodeSession:
             ValueError: `max_steps` is neither None nor an integer >= 1.
         """
         self._live_state("before advancing it")
-        if max_steps is not None and (
-            isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer))
-        ):
+        if max_steps is not None and not _is_integer(max_steps):
             raise ValueError(f"max_steps must be an integer or None, got {max_steps!r}")
         steps = self._max_budget if max_steps is None else int(max_steps)
         if steps < 1:
@@ -443,10 +437,10 @@ class DecodeSession:
         steps = min(steps, self._max_budget)
         if self._max_budget == 1:
             return  # every row committed its one token at the prefill: nothing to compile or run
-        target, proposer = self._target, self._proposer
         if self._pipeline == "mpmd":
             self._advance_two_programs(steps)
             return
+        target, proposer = self._target, self._proposer
         if proposer is None:
             fn, params, static = decode_autoregressive, (target.params,), {}
         else:
@@ -581,6 +575,7 @@ class DecodeSession:
         ]
 
     def _result(self, row: int, outputs: dict) -> GenerationResult:
+        """Request `row`'s result from its `outputs` fetched to the host (`row_outputs`)."""
         stops, cancelled = self.stop_token_ids, row in self._cancelled
         return row_result(outputs, self.prompt_lengths[row], stops, self._timing(row), cancelled)
 
@@ -597,8 +592,8 @@ class DecodeSession:
         )
 
     def _check_row(self, row) -> None:
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-            raise ValueError(f"row must be an integer, got {row!r}")
+        """ValueError unless `row` is the row of one of the session's requests."""
+        _check_row_type(row)
         if not 0 <= row < self.num_rows:
             raise ValueError(f"row {row} is outside the batch of {self.num_rows}")
 
@@ -630,8 +625,8 @@ class DecodeSession:
 def resolve_proposer(target, draft, options: DecodingOptions):
     """`(proposer, params)` of `options`' speculative method with `draft` (wrapped for foresight),
     `(None, None)` for "ar"; a pipeline is refused here with fewer than two devices."""
-    # First: a checkpoint path where the loaded draft belongs (the usual slip) is no draft to
-    # pass another method for.
+    # Checked first: a checkpoint path passed where the loaded draft belongs (the usual slip)
+    # must not be answered with advice about the method.
     if draft is not None and not hasattr(draft, "proposer"):
         raise ValueError(
             f"draft must be a Draft (load_draft(path, target) or init_draft), got "
@@ -664,6 +659,16 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     return foresight_proposer(
         draft, proposer, params, options.foresight, rule=options.foresight_rule
     )
+
+
+def _is_integer(value) -> bool:
+    """A Python or NumPy integer, not a bool (which Python counts as one)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_row_type(row) -> None:
+    if not _is_integer(row):
+        raise ValueError(f"row must be an integer, got {row!r}")
 
 
 def _committed(tree):
