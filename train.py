@@ -92,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Trains (or resumes) the run a config describes."""
-    from jetspec_jax.training.config import load_train_config
-
-    config = load_train_config(args.config, args.overrides)  # validated before JAX starts
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
-    _join_hosts(args)
+    config = _train_config(args)
     from jetspec_jax.training.trainer import train
 
     result = train(config, stop_after=args.stop_after)
@@ -117,6 +112,19 @@ def _train(args: argparse.Namespace) -> int:
         f"trained {result.steps} steps; {loss}eval tau {tau}; draft exported to {result.export_dir}"
     )
     return 0
+
+
+def _train_config(args: argparse.Namespace):
+    """The `draft` and `adapter` commands' config and `--stop-after`, checked before JAX starts;
+    then the run's processes joined (before anything loads: JAX's first use must find the hosts
+    joined)."""
+    from jetspec_jax.training.config import load_train_config
+
+    config = load_train_config(args.config, args.overrides)
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
+    _join_hosts(args)
+    return config
 
 
 def _join_hosts(args: argparse.Namespace) -> None:
@@ -140,12 +148,7 @@ def _join_hosts(args: argparse.Namespace) -> None:
 
 def _train_adapter(args: argparse.Namespace) -> int:
     """Trains (or resumes) the adapter of the run a config describes, for its trained draft."""
-    from jetspec_jax.training.config import load_train_config
-
-    config = load_train_config(args.config, args.overrides)  # validated before JAX starts
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError(f"--stop-after must be >= 1, got {args.stop_after}")
-    _join_hosts(args)  # before the draft loads: JAX's first use must find the hosts joined
+    config = _train_config(args)
     from jetspec_jax.training.adapter_trainer import train_adapter, trained_draft
 
     draft = args.draft  # None: <run.dir>/draft, checked by train_adapter alike

@@ -37,7 +37,7 @@ from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.draft import Draft, load_draft_for_config
 from jetspec_jax.models.adapter import AdapterConfig
-from jetspec_jax.target import DTYPES, Target, load_target, load_target_config
+from jetspec_jax.target import Target, load_target, load_target_config
 from jetspec_jax.training.adapter_evaluate import adapter_state_metrics, evaluate_refinement_tau
 from jetspec_jax.training.adapter_step import AdapterStepConfig, adapter_train_step
 from jetspec_jax.training.config import OptimConfig, TrainConfig, resolve_steps
@@ -54,11 +54,12 @@ from jetspec_jax.training.run_helpers import (
     check_input_files,
     check_run_dir_writable,
     export_holds,
-    host_params,
     place_step_inputs,
     read_eval_prompts,
+    run_setup,
     with_device_params,
     with_host_params,
+    with_trained_params,
 )
 from jetspec_jax.training.run_loop import (
     check_process_count,
@@ -137,8 +138,10 @@ def train_adapter(
     Raises:
         ValueError: `adapter.layers_per_module` does not have one entry per tap of the draft,
             `adapter.init_from` has another architecture than the section's, the mesh does
-            not split the batch, or a resume has another process count than its checkpoints'
-            (checked before the target load).
+            not split the batch, a resume has another process count than its checkpoints',
+            `data.max_length` is beyond the target's context, or (with `adapter.eval_tau`) an
+            evaluation prompt file the run cannot use (checked before the target load);
+            malformed training or `adapter.eval_files` data, or too few records for a batch.
         FileNotFoundError: a data, evaluation or `adapter.init_from` file is missing (checked
             before the target load).
         NotADirectoryError, PermissionError: `run.dir` cannot be written in (named by the key;
@@ -159,17 +162,12 @@ def train_adapter(
     check_run_dir_writable(config)
     if resuming:  # its data positions are per process: before the target load
         check_process_count(run_dir)
-    draft = _draft_or_directory(config, draft)
-    if isinstance(draft, Draft):
-        check_takes_an_adapter(draft.config)
-    else:  # its kind and fit checked before the target's weights load
-        draft = trained_draft(config, draft, target)
+    draft = _checked_draft(config, draft, target)
     check_adapter_start(config, draft, saved)  # the draft's taps, before the load
     mesh = make_mesh(config.mesh)
-    # Its own section's batch size, else the top-level one (`adapter_optim`): refused if the
-    # mesh does not split it before the target's weights load.
-    section = "adapter.optim" if config.adapter.optim is not None else "optim"
-    batch_sizes((config.adapter.optim or config.optim).batch_size, mesh, section)
+    # Refused if the mesh does not split the batch before the target's weights load.
+    section, unresolved = _optim_section(config)
+    batch_sizes(unresolved.batch_size, mesh, section)
     # The target this run loads (a given Draft may be another's), before its weights load.
     target_config = load_target_config(config.target) if target is None else target.config
     check_fits_context(config, target_config)
@@ -209,20 +207,16 @@ def train_adapter(
     # Once the draft and the data (training and evaluation records enough for a batch) proved
     # usable.
     run_dir.mkdir(parents=True, exist_ok=True)
-    setup = dict(
-        target=config.target,
-        target_dtype=config.target_dtype,
-        data_files=config.data.files,
-        records=len(records),
-        max_length=config.data.max_length,
+    setup = run_setup(
+        config,
+        len(records),
+        mesh,
         draft=str(draft.path) if draft.path else None,
         draft_digest=directory_digest(draft.path) if draft.path else None,
         # Without `init_from`: read at the first start only, a resume may drop it.
         adapter=dataclasses.asdict(
             dataclasses.replace(config.adapter, optim=optim, init_from=None)
         ),
-        # Resolved (`data: -1` is the rest): processes must agree on it; a resume may move.
-        mesh=dict(mesh.shape),
     )
     paths = ("target", "data_files", "draft")  # the draft's weights: by `draft_digest`
     opened = opened_run(
@@ -240,7 +234,7 @@ def train_adapter(
                     evaluate_refinement_tau(
                         with_device_params(target),
                         with_device_params(draft),
-                        _as_adapter(adapter, state, draft.dtype),
+                        with_trained_params(adapter, state, draft.dtype),
                         eval_prompts,
                         max_new_tokens=config.data.eval_max_new_tokens,
                     )
@@ -270,8 +264,10 @@ def train_adapter(
         )
         if int(state.step) < optim.steps:
             return None
-        trained = _as_adapter(adapter, state, draft.dtype)
+        trained = with_trained_params(adapter, state, draft.dtype)
         export_dir = adapter_export_dir(config)
+        # An export of another adapter is an earlier end's (the run extended, then killed while
+        # exporting): exported anew below.
         exported = functools.partial(_exported_params, export_dir, draft)
         if finished_before and export_holds(exported, trained.params):
             # A rerun of a finished run: exporting again would drop the calibration that
@@ -294,14 +290,16 @@ def train_adapter(
     return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
 
 
-def _draft_or_directory(config: TrainConfig, draft) -> Draft | pathlib.Path:
-    """`train_adapter`'s `draft` as given, or its directory (None: `<run.dir>/draft`), which
-    must exist.
+def _checked_draft(config: TrainConfig, draft, target: Target | None) -> Draft:
+    """`train_adapter`'s `draft` as given, or read by `trained_draft` from its directory (None:
+    `<run.dir>/draft`), which must exist; either way one that takes an adapter. A directory's
+    draft is checked against the target's config alone, before the target's weights load.
 
     Raises:
-        CheckpointError: no such directory.
+        CheckpointError: no such directory, or as `trained_draft`.
     """
     if isinstance(draft, Draft):
+        check_takes_an_adapter(draft.config)
         return draft
     directory = pathlib.Path(config.run.dir) / "draft" if draft is None else pathlib.Path(draft)
     if not directory.is_dir():
@@ -309,7 +307,7 @@ def _draft_or_directory(config: TrainConfig, draft) -> Draft | pathlib.Path:
             f"draft {directory} does not exist: train the draft first (train.py draft) or give "
             "its directory"
         )
-    return directory
+    return trained_draft(config, directory, target)
 
 
 def trained_draft(
@@ -354,10 +352,16 @@ def _warn_if_draft_rewritten(run_dir, export_dir, draft: Draft, digest: str | No
 
 def adapter_optim(config: TrainConfig, num_examples: int) -> OptimConfig:
     """The adapter's optimisation settings (its own, else the draft's), epochs resolved."""
-    own = config.adapter.optim is not None
-    optim = config.adapter.optim if own else config.optim
-    where = "adapter.optim" if own else "optim"
+    where, optim = _optim_section(config)
     return resolve_steps(dataclasses.replace(config, optim=optim), num_examples, where).optim
+
+
+def _optim_section(config: TrainConfig) -> tuple[str, OptimConfig]:
+    """The adapter's optimisation section as the config names it, and its settings as written
+    (epochs unresolved): `adapter.optim`, else the top-level `optim`."""
+    if config.adapter.optim is not None:
+        return "adapter.optim", config.adapter.optim
+    return "optim", config.optim
 
 
 def _saved_adapter_config(init_from: str) -> AdapterConfig:
@@ -410,7 +414,7 @@ def initial_adapter(config: TrainConfig, draft: Draft, *, resuming: bool = False
     a = config.adapter
     architecture = _architecture(config, draft)
     if a.init_from is None or resuming:
-        optim = config.optim if a.optim is None else a.optim
+        _, optim = _optim_section(config)
         return init_adapter(draft, **architecture, init_std=a.init_std, seed=optim.seed)
     start = load_adapter(_saved_adapter_dir(a.init_from), draft, dtype="float32")
     _check_start_fits(config, draft, start.config)
@@ -465,7 +469,16 @@ def _eval_batches(
 ) -> list[dict]:
     """`adapter.eval_batches` fixed batches: a seeded sample of this process's share of the
     records of `adapter.eval_files` (else of `train_records`; then the figures are not held out).
-    Held-out records whose prompt is also a training prompt are counted in a warning."""
+    Held-out records whose prompt is also a training prompt are counted in a warning.
+
+    Returns:
+        Batches `{"tokens": int32, "loss_mask": bool}`, each global array `[global batch,
+        max_length]` assembled by `sharding` from this process's `[local_batch, max_length]`.
+
+    Raises:
+        ValueError: malformed `adapter.eval_files`, or some process's share of the records
+            holds less than one batch.
+    """
     files = config.adapter.eval_files
     if files:
         records = read_regenerated(files, vocab_size=vocab_size, max_length=config.data.max_length)
@@ -517,15 +530,7 @@ def _eval_batches(
 
 def _exported_params(export_dir: pathlib.Path, draft: Draft) -> dict | None:
     """The params of the adapter exported to `export_dir` (a JetSpec++ checkpoint) for `draft`,
-    in the draft's dtype (None: no such checkpoint there). One of other weights is an earlier
-    end's (the run extended, then killed while exporting), exported anew."""
+    in the draft's dtype (None: no such checkpoint there)."""
     if not is_bundle(export_dir):
         return None
     return load_adapter(export_dir / ADAPTER_DIR, draft, dtype=draft.dtype).params
-
-
-def _as_adapter(adapter: Adapter, state, dtype: str) -> Adapter:
-    """The trained weights as an `Adapter` in `dtype`, the draft's (on the host's default
-    device). Every process must call it (gathers fsdp shards held by other processes)."""
-    params = host_params(state.params, DTYPES[dtype])
-    return dataclasses.replace(adapter, params=params, dtype=dtype)

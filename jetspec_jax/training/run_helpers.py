@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from jetspec_jax.checkpoint.atomic import check_takes_new_files
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.target import Target, require_tokenizer
+from jetspec_jax.target import DTYPES, Target, require_tokenizer
 from jetspec_jax.training.config import OptimConfig, TrainConfig
 from jetspec_jax.training.data import count_training_prompts, training_dataset
 from jetspec_jax.training.evaluate import (
@@ -155,8 +155,9 @@ class StepInputs(NamedTuple):
         state: step 0's train state (float32 master weights, optimizer state), sharded over the
             mesh as `param_shardings` says.
         target_params: the frozen target's params, sharded likewise.
-        iterator: this process's endless batches (`local_batch` sequences each); checkpointed
-            with the state, so a resume continues the data order.
+        iterator: this process's endless batches, `{"tokens": int32, "loss_mask": bool}`, each
+            `[local_batch, max_length]`; checkpointed with the state, so a resume continues the
+            data order.
         local_batch, global_batch: sequences per step on this process, and on all of them.
     """
 
@@ -182,7 +183,8 @@ def place_step_inputs(
     `section`: the config section `optim` came from, named in the refusal.
 
     Raises:
-        ValueError: `<section>.batch_size` does not split evenly over the mesh and the processes.
+        ValueError: `<section>.batch_size` does not split evenly over the mesh and the processes,
+            or some process's share of `records` holds less than one batch.
     """
     local_batch, global_batch = batch_sizes(optim.batch_size, mesh, section)
     dataset = training_dataset(
@@ -204,8 +206,9 @@ def place_step_inputs(
 
 
 def batch_sizes(global_batch: int, mesh, section: str = "optim") -> tuple[int, int]:
-    """(per-process batch, global batch); the global batch must split evenly over processes.
-    `section`: the config section holding the batch size (`optim` or `adapter.optim`)."""
+    """(per-process batch, global batch); the global batch must split evenly over the mesh's
+    devices and over the processes. `section`: the config section holding the batch size
+    (`optim` or `adapter.optim`)."""
     processes = jax.process_count()
     if global_batch % processes or global_batch % mesh.size:
         raise ValueError(
@@ -213,6 +216,21 @@ def batch_sizes(global_batch: int, mesh, section: str = "optim") -> tuple[int, i
             f"({mesh.size}) and of the process count ({processes})"
         )
     return global_batch // processes, global_batch
+
+
+def run_setup(config: TrainConfig, num_records: int, mesh, **sections) -> dict:
+    """The setup `opened_run` records and compares for a run: the target, the data and the mesh
+    both runs share, with the run's own `sections` (JSON-ready) between the data and the mesh."""
+    return dict(
+        target=config.target,
+        target_dtype=config.target_dtype,
+        data_files=config.data.files,
+        records=num_records,
+        max_length=config.data.max_length,
+        **sections,
+        # Resolved (`data: -1` is the rest): processes must agree on it; a resume may move.
+        mesh=dict(mesh.shape),
+    )
 
 
 def host_params(tree, dtype):
@@ -229,6 +247,14 @@ def host_params(tree, dtype):
         return jnp.asarray(np.asarray(x), dtype)
 
     return jax.tree.map(leaf, tree)
+
+
+def with_trained_params(model, state, dtype: str, **changes):
+    """`model` (a `Draft` or `Adapter`) with `state`'s trained params, whole, in `dtype`
+    ("float32" / "bfloat16") on this process's default device, and any further field `changes`.
+    Every process must call it (gathers fsdp shards held by other processes)."""
+    params = host_params(state.params, DTYPES[dtype])
+    return dataclasses.replace(model, params=params, dtype=dtype, **changes)
 
 
 def export_holds(read_saved: Callable[[], dict | None], params) -> bool:

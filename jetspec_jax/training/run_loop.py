@@ -2,7 +2,7 @@
 and its metrics log.
 
     run_steps: next batch -> sharded global array -> jitted step -> metrics (every `log_every`)
-               / checkpoint (every `checkpoint_every`, and the last step) / evaluation (every
+               / checkpoint (every `checkpoint_every`, and the call's last step) / evaluation (every
                `eval_every`, except the last step: the run evaluates once more after export).
 
 Checkpoints (orbax `CheckpointManager`) hold the train state and the grain iterator's position, so
@@ -62,7 +62,8 @@ def run_steps(
 
     Args:
         state: the train state (a `TrainState`: `.step` counts the steps done), sharded.
-        step_fn: `(state, target_params, batch) -> (state, metrics)`, jitted.
+        step_fn: `(state, target_params, batch) -> (state, metrics)`, jitted; `batch` holds
+            global `[global batch, max_length]` arrays, `metrics` scalars or per-tap `[taps]`.
         target_params: the frozen target's params, sharded.
         iterator: the grain iterator of per-process batches (checkpointed with the state).
         sharding: how a per-process batch is assembled into the global batch.

@@ -1,8 +1,10 @@
 """The draft-training run: mesh, data, steps, checkpoints, metrics, evaluation and export.
 
     train(config) ->
-        load the frozen target; check the evaluation prompts; init (or restore) the draft,
-        optimizer and data iterator;
+        check the inputs, `run.dir`, the batch split and, from the target's config alone, the
+        data length, the draft section and the evaluation prompts; load the frozen target; read
+        the data and the evaluation prompts; init (or restore) the draft, optimizer and data
+        iterator;
         `run_loop.run_steps`: next batch -> sharded global array -> jitted `train_step` ->
         metrics / checkpoint / evaluation;
         export the draft in the DFlash/JetSpec HF layout; the final evaluation.
@@ -22,7 +24,6 @@ import os
 import pathlib
 
 import jax
-import jax.numpy as jnp
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
 from jetspec_jax.checkpoint.errors import CheckpointError
@@ -46,13 +47,15 @@ from jetspec_jax.training.run_helpers import (
     check_input_files,
     check_run_dir_writable,
     export_holds,
-    host_params,
     place_step_inputs,
     read_eval_prompts,
+    run_setup,
     with_device_params,
     with_host_params,
+    with_trained_params,
 )
 from jetspec_jax.training.run_loop import (
+    MetricsLog,
     check_process_count,
     has_checkpoint,
     logged,
@@ -170,17 +173,13 @@ def train(
     target, draft = with_host_params(target), with_host_params(draft)
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
-    setup = dict(
-        target=config.target,
-        target_dtype=config.target_dtype,
-        data_files=config.data.files,
-        records=len(records),
-        max_length=config.data.max_length,
+    setup = run_setup(
+        config,
+        len(records),
+        mesh,
         # Without `init_from`: read at the first start only, a resume may drop it.
         draft=dataclasses.asdict(dataclasses.replace(config.draft, init_from=None)),
         optim=dataclasses.asdict(config.optim),
-        # Resolved (`data: -1` is the rest): processes must agree on it; a resume may move.
-        mesh=dict(mesh.shape),
     )
     export_dtype = config.export_dtype or target.dtype
     opened = opened_run(
@@ -196,7 +195,7 @@ def train(
         finished_before = int(state.step) >= config.optim.steps
 
         def evaluate(step: int, state) -> float | None:
-            trained = _as_draft(draft, state, export_dtype)
+            trained = with_trained_params(draft, state, export_dtype, path=None)
             return _evaluate(config, target, trained, eval_prompts, log, step)
 
         state, metrics = run_steps(
@@ -218,7 +217,7 @@ def train(
         )
         if int(state.step) < config.optim.steps:
             return None
-        trained = _as_draft(draft, state, export_dtype)
+        trained = with_trained_params(draft, state, export_dtype, path=None)
         export_dir = run_dir / "draft"
         # An export of other weights is an earlier end's (the run extended, then killed while
         # exporting): exported anew below.
@@ -310,14 +309,14 @@ def _exported_params(export_dir: pathlib.Path, trained: Draft) -> dict | None:
     return load_draft_for_config(export_dir, trained.target_config, dtype=trained.dtype).params
 
 
-def _as_draft(draft: Draft, state, dtype: str) -> Draft:
-    """The trained weights as a `Draft` in `dtype` ("float32" / "bfloat16"; on the host's default
-    device). Every process must call it (gathers fsdp shards held by other processes)."""
-    params = host_params(state.params, jnp.dtype(dtype))
-    return dataclasses.replace(draft, params=params, dtype=dtype, path=None)
-
-
-def _evaluate(config, target, trained: Draft, prompts, metrics_log, step) -> float | None:
+def _evaluate(
+    config: TrainConfig,
+    target: Target,
+    trained: Draft,
+    prompts: list[list[int]] | None,
+    metrics_log: MetricsLog,
+    step: int,
+) -> float | None:
     """Mean tau of the inference code path on the held-out `prompts` (None when there are none);
     `target` may hold host params (`with_host_params`)."""
     if prompts is None:
