@@ -399,6 +399,13 @@ def _configured(
         # DFlash's rule, kept as it is: for very shallow targets it can repeat a tap or
         # go down (e.g. (1, 0) for 3 target layers and 2 draft layers).
         taps = default_target_layer_ids(target_config.num_layers, num_layers)
+        if not all(0 <= i < target_config.num_layers for i in taps):
+            # Said here, not as a bad `target_layer_ids` the caller never gave.
+            raise CheckpointError(
+                f"the default target_layer_ids for num_layers={num_layers} over a "
+                f"{target_config.num_layers}-layer target ({list(taps)}, DFlash's rule) leave "
+                f"its layers [0, {target_config.num_layers}); pass target_layer_ids"
+            )
     else:
         try:
             taps = tuple(as_int(i) for i in target_layer_ids)

@@ -523,6 +523,19 @@ def test_default_taps_follow_the_reference_rule():
             assert default_target_layer_ids(num_target, num_draft) == tuple(expected)
 
 
+def test_default_taps_beyond_a_shallow_target_are_refused_as_the_default(target):
+    """DFlash's rule gives (1, -1) for two draft layers over two target layers: the error names
+    the default taps and asks for target_layer_ids, rather than blaming taps never given."""
+    shallow = dataclasses.replace(target, config=dataclasses.replace(target.config, num_layers=2))
+    with pytest.raises(
+        CheckpointError,
+        match=r"default target_layer_ids for num_layers=2 over a 2-layer target \(\[1, -1\], "
+        r"DFlash's rule\) leave its layers \[0, 2\); pass target_layer_ids",
+    ):
+        draft_config(shallow, num_layers=2)
+    assert draft_config(shallow, num_layers=2, target_layer_ids=(0, 1)).target_layer_ids == (0, 1)
+
+
 def test_init_defaults_follow_the_target(target):
     draft = init_draft(target, num_layers=2)
     c, t = draft.config, target.config
