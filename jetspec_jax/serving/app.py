@@ -72,9 +72,10 @@ _ROUTES = (
     "/health",
     "/metrics",
 )
-# The status of an error a stream sent as an event after its 200 headers, for `_count` (a
-# context variable: the handler runs in the middleware's task, and aiohttp runs each request of a
-# keep-alive connection in a task of its own, so no request sees another's value).
+# The status a stream ended with after its 200 headers (an error event's, or 499 when its client
+# hung up), for `_count` (a context variable: the handler runs in the middleware's task, and
+# aiohttp runs each request of a keep-alive connection in a task of its own, so no request sees
+# another's value).
 _STREAM_ERROR_STATUS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "jetspec_stream_error_status", default=None
 )
@@ -300,13 +301,11 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    arrived = time.perf_counter()
-    return await _generate(request, await _parsed(request, parse_completion), arrived)
+    return await _generate(request, parse_completion)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    arrived = time.perf_counter()
-    return await _generate(request, await _parsed(request, parse_chat), arrived)
+    return await _generate(request, parse_chat)
 
 
 async def _parsed(request: web.Request, parse) -> GenerationRequest:
@@ -338,6 +337,11 @@ class _Output:
         self.tokens = 0  # fed so far, up to the one that completes a stop string
         self.result = None  # the `GenerationResult`, once `_decoded` has seen it finish
 
+    @classmethod
+    def of(cls, req: GenerationRequest, tokenizer) -> _Output:
+        """`req`'s output: a completion continues its prompt; a chat answer starts afresh."""
+        return cls(tokenizer, req.stop, () if req.chat else req.prompt_ids)
+
     def add(self, tokens: list[int]) -> str:
         """The text `tokens` add; fed one by one so that the count stops at a stop string (the
         rows decode a few tokens past it before their cancellation lands)."""
@@ -350,6 +354,7 @@ class _Output:
         return "".join(text)
 
     def finish(self) -> str:
+        """The text held back until the end (an incomplete character, a stop string's start)."""
         return self.stops.feed(self.detokenizer.flush()) + self.stops.flush()
 
     def finish_reason(self, result) -> str:
@@ -360,11 +365,11 @@ class _Output:
         return self.tokens if self.stops.hit else len(result.tokens)
 
 
-async def _generate(
-    request: web.Request, req: GenerationRequest, arrived: float
-) -> web.StreamResponse:
-    """Decodes `req`; `arrived` (perf_counter) is when its body started being read, so that the
-    latency metrics include the wait for the tokenizing thread."""
+async def _generate(request: web.Request, parse) -> web.StreamResponse:
+    """Answers the request whose body `parse` validates. Its latency metrics count from before
+    the body is read, so that they include the wait for the tokenizing thread."""
+    arrived = time.perf_counter()
+    req = await _parsed(request, parse)
     scheduler, model = request.app[SCHEDULER], request.app[MODEL]
     try:  # the token ids against the vocabulary (the budget was checked by the parser)
         prompt_ids = scheduler.check(req.prompt_ids, req.max_tokens)
@@ -397,7 +402,8 @@ async def _generate(
 
 
 async def _collect(req, job, events, model: ModelInfo, metrics, prompt_tokens: int, arrived):
-    output = _Output(model.tokenizer, req.stop, () if req.chat else req.prompt_ids)
+    """The non-streamed answer, once the job is done."""
+    output = _Output.of(req, model.tokenizer)
     text = "".join([piece async for piece in _decoded(job, events, output, metrics, arrived)])
     body = responses.full_response(
         chat=req.chat,
@@ -420,14 +426,15 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
     event. Every write happens here, on the handler's task: no second writer to race."""
     model: ModelInfo = request.app[MODEL]
     metrics = request.app[SCHEDULER].metrics
-    output = _Output(model.tokenizer, req.stop, () if req.chat else req.prompt_ids)
-    ids = dict(
+    output = _Output.of(req, model.tokenizer)
+    # What every chunk of the stream repeats.
+    fields = dict(
         chat=req.chat,
         request_id=responses.new_id(req.chat),
         model=model.name,
         created=int(time.time()),
     )
-    chunk_ids = dict(ids, include_usage=req.include_usage)
+    chunk_fields = dict(fields, include_usage=req.include_usage)
     response: web.StreamResponse | None = None
 
     async def prepared() -> web.StreamResponse:
@@ -438,7 +445,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
             )
             await response.prepare(request)
             if req.chat:  # the first chat chunk announces the role
-                await _sse(response, responses.chunk(**chunk_ids, text="", role=True))
+                await _sse(response, responses.chunk(**chunk_fields, text="", role=True))
         return response
 
     async def send(payload: dict | str) -> None:
@@ -451,7 +458,7 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
                 if piece is _KEEPALIVE:
                     await _keep_alive(await prepared())
                 else:
-                    await send(responses.chunk(**chunk_ids, text=piece))
+                    await send(responses.chunk(**chunk_fields, text=piece))
         except RequestError as error:
             if response is None:  # nothing sent yet: an ordinary error answer
                 raise
@@ -469,11 +476,11 @@ async def _stream(request, req, job, events, prompt_tokens: int, arrived: float)
             await send(RequestError(500, "internal server error", type="server_error").body())
         else:
             result = output.result
-            await send(responses.chunk(**chunk_ids, finish_reason=output.finish_reason(result)))
+            await send(responses.chunk(**chunk_fields, finish_reason=output.finish_reason(result)))
             if req.include_usage:
                 await send(
                     responses.usage_chunk(
-                        **ids,
+                        **fields,
                         prompt_tokens=prompt_tokens,
                         completion_tokens=output.completion_tokens(result),
                         result=result,

@@ -85,13 +85,11 @@ class RequestError(Exception):
         type: str = "invalid_request_error",
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type,
-        )
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
 
     def body(self) -> dict[str, Any]:
         """The error's JSON response body, in OpenAI's shape."""
@@ -272,7 +270,7 @@ def _is_one(value: Any) -> bool:
     return value is None or (type(value) is int and value == 1)
 
 
-def _is_zero(value) -> bool:
+def _is_zero(value: Any) -> bool:
     """Absent, null or a numeric 0 (not `False`, which equals 0): a neutral penalty or bias."""
     return value is None or (
         not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
@@ -292,6 +290,20 @@ def _check_neutral(body: dict, extensions: dict[str, tuple]) -> None:
 
 
 def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> GenerationRequest:
+    stream, include_usage = _streaming(body)
+    return GenerationRequest(
+        chat=chat,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """`stream`, and `stream_options.include_usage` (allowed only when streaming)."""
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -318,15 +330,7 @@ def _request(body: dict, chat: bool, prompt_ids: list[int], max_tokens: int) -> 
             "chunk: include_usage)",
             param="stream_options",
         )
-    return GenerationRequest(
-        chat=chat,
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampling=_sampling(body),
-        stop=_stop(body.get("stop")),
-        stream=stream,
-        include_usage=include_usage,
-    )
+    return stream, include_usage
 
 
 def _sampling(body: dict) -> SamplingParams:
@@ -376,7 +380,9 @@ def _default_budget(default: int, prompt_ids: list[int], model: ModelInfo) -> in
     return max(1, min(default, model.context_length - len(prompt_ids)))
 
 
-def _max_tokens(body: dict, name: str, default: int, prompt_ids: list[int], model: ModelInfo):
+def _max_tokens(
+    body: dict, name: str, default: int, prompt_ids: list[int], model: ModelInfo
+) -> int:
     value = body.get(name)
     given = value is not None
     if not given:

@@ -39,6 +39,23 @@ def stats(result: GenerationResult | None) -> dict[str, Any]:
     }
 
 
+def _envelope(
+    object_type: str, request_id: str, model: str, created: int, choices: list
+) -> dict[str, Any]:
+    """The fields every answer and chunk begins with."""
+    return {
+        "id": request_id,
+        "object": object_type,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+
+
+def _chunk_object(chat: bool) -> str:
+    return "chat.completion.chunk" if chat else "text_completion"
+
+
 def full_response(
     *,
     chat: bool,
@@ -60,12 +77,9 @@ def full_response(
         }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    object_type = "chat.completion" if chat else "text_completion"
     return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
+        **_envelope(object_type, request_id, model, int(time.time()), [choice]),
         "usage": usage(prompt_tokens, completion_tokens),
         **stats(result),
     }
@@ -96,11 +110,7 @@ def chunk(
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
     return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
+        **_envelope(_chunk_object(chat), request_id, model, created, [choice]),
         **({"usage": None} if include_usage else {}),
     }
 
@@ -117,11 +127,7 @@ def usage_chunk(
 ) -> dict[str, Any]:
     """The last streamed chunk when `stream_options.include_usage` is set: no choices."""
     return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
+        **_envelope(_chunk_object(chat), request_id, model, created, []),
         "usage": usage(prompt_tokens, completion_tokens),
         **stats(result),
     }

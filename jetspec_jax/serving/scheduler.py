@@ -112,6 +112,7 @@ class Job:
         max_new_tokens: the token budget.
         sampling: the request's sampling parameters.
         deliver: called on the worker thread with each `Event`; must not block or raise.
+        submitted_at: when it was made (`time.perf_counter`), for the queue-wait metric.
     """
 
     prompt_ids: list[int]
@@ -188,11 +189,9 @@ class Scheduler:
         DecodeSession(
             target, [[0]], draft=draft, options=self.options, max_new_tokens=1, **self._reserve
         )
-        self.max_batch_size, self.queue_size, self.chunk_steps = (
-            max_batch_size,
-            queue_size,
-            chunk_steps,
-        )
+        self.max_batch_size = max_batch_size
+        self.queue_size = queue_size
+        self.chunk_steps = chunk_steps
         self._pad_to = max_batch_size if pad_batch else 1
         if warm_up:
             warmup.check_warm_up_reserve(*reserve)
@@ -242,7 +241,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         """Jobs waiting (not counting cancelled ones)."""
         with self._cond:  # the worker pops from the queue meanwhile
-            return sum(not job.cancelled for job in self._waiting)
+            return self._live_waiting()
+
+    def _live_waiting(self) -> int:
+        """Waiting jobs not cancelled; the caller holds `_cond`."""
+        return sum(not job.cancelled for job in self._waiting)
 
     @property
     def running(self) -> int:
@@ -368,8 +371,8 @@ class Scheduler:
         batch fails, each unfinished job that nothing was delivered to yet is decoded again
         alone, in order, so that one job that cannot be served (the batch's cache is sized by its
         largest request) fails alone. A job's own failure is final (500). The retries finish
-        the running batch: `hold` does not delay them, but none starts once `stop` was called
-        (the job is answered 503, as a row `stop` cancels)."""
+        the running batch: `hold` does not delay them, but none starts once `cancel_running` (or
+        `stop`) was called (the job is answered 503, as a cancelled row is)."""
         untouched, served = self._attempt(batch, first=True)
         if served == 1:  # it failed alone: a retry would fail again
             for job in untouched:
@@ -501,8 +504,7 @@ class Scheduler:
         with self._cond:
             if self._stopping or not self._accepting or self._held:
                 return False
-            waiting = sum(not job.cancelled for job in self._waiting)
-            if holds < self.max_batch_size and waiting > free:
+            if holds < self.max_batch_size and self._live_waiting() > free:
                 return False
             while len(taken) < free and self._waiting:
                 job = self._waiting[0]

@@ -109,10 +109,8 @@ class ServerConfig:
             max_batch_size=self.max_batch_size,
             queue_size=self.queue_size,
             chunk_steps=self.chunk_steps,
+            default_max_tokens=self.default_max_tokens,
         )
-        value = self.default_max_tokens
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"default_max_tokens must be an integer >= 1, got {value!r}")
         for name in ("reserve_prompt_tokens", "reserve_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
