@@ -208,6 +208,11 @@ def test_harness_refuses_bad_input_with_status_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "taken" / "results.md").mkdir(parents=True)
     assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "taken")]) == 2
     assert "results.md would be written over directories" in capsys.readouterr().err
+    # The partial log too: else the first measured sample's append would fail, after the load.
+    (tmp_path / "taken" / "results.md").rmdir()
+    (tmp_path / "taken" / "samples.partial.jsonl").mkdir()
+    assert main(["--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "taken")]) == 2
+    assert "samples.partial.jsonl would be written over directories" in capsys.readouterr().err
     read_only = tmp_path / "read_only"
     read_only.mkdir(mode=0o555)
     with monkeypatch.context() as m:
@@ -275,6 +280,38 @@ def test_summaries_pool_the_decode_phase_and_divide_by_ar():
     assert (ar.matches_ar, spec.matches_ar) == (None, 1)
     assert (spec.new_tokens, spec.prompts, spec.prefill_ms, spec.round_ms) == (10, 2, 500.0, 250.0)
     assert (ar.foresight_hit_rate, spec.foresight_hit_rate) == (None, 1.0)
+
+
+def test_the_markdown_table_puts_each_figure_in_its_column():
+    """Every figure under its own header (values chosen all different, so a column showing
+    another's figure shows), blank check and hit cells for AR and for a method without
+    foresight."""
+    from jetspec_jax.bench.report import markdown_table
+
+    figures = dict(prompts=3, new_tokens=45, tau=2.5, decode_tokens_per_second=123.45)
+    figures.update(speedup=1.75, prefill_ms=12.34, round_ms=6.789, compile_seconds=9.0)
+    spec = Summary("gsm8k", 0.7, "jetspec", **figures, matches_ar=2, foresight_hit_rate=0.5)
+    ar = dataclasses.replace(spec, method="ar", matches_ar=None, foresight_hit_rate=None)
+    header, _, *rows = markdown_table([spec, ar]).splitlines()
+
+    def cells(line):
+        return [cell.strip() for cell in line.strip("|").split("|")]
+
+    assert dict(zip(cells(header), cells(rows[0]), strict=True)) == {
+        "dataset": "gsm8k",
+        "T": "0.7",
+        "method": "jetspec",
+        "prompts": "3",
+        "tokens": "45",
+        "tau": "2.50",
+        "decode tok/s": "123.5",
+        "speedup vs AR": "1.75x",
+        "prefill ms": "12.3",
+        "ms / round": "6.79",
+        "foresight hits": "0.50",
+        "= AR": "2/3",
+    }
+    assert cells(rows[1])[-2:] == ["", ""]
 
 
 def test_harness_foresight_and_pipeline_specs(checkpoints, tmp_path):

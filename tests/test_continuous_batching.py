@@ -320,6 +320,26 @@ def test_a_job_cancelled_while_waiting_neither_joins_nor_counts_as_waiting(targe
     _assert_as_alone(target, client, "short", [8, 9], 6)
 
 
+def test_a_job_cancelled_while_waiting_is_not_taken_into_a_new_batch(target):
+    """Cancelled after it was queued, before the worker takes a batch: dropped there, not
+    prefilled and then cancelled (no event; the batch holds the other job alone)."""
+    scheduler = Scheduler(target, max_batch_size=4, chunk_steps=2)
+    client = Client(scheduler)
+    scheduler.start()
+    try:
+        with scheduler.hold():
+            client.submit("gone", [8, 10], 6)
+            client.submit("kept", [5, 6, 7], 6)
+            client.jobs["gone"].cancel()
+        client.wait(1)
+        wait_for_batches_to_end(scheduler, 1)
+    finally:
+        scheduler.stop()
+    assert client.events["gone"] == []
+    assert _count(scheduler, "jetspec_batch_size_sum") == 1
+    _assert_as_alone(target, client, "kept", [5, 6, 7], 6)
+
+
 def test_each_delivery_after_the_prefill_is_one_chunk_of_tokens(target):
     """AR commits one token per forward: the prefill delivers 1, each chunk `chunk_steps`."""
     client, _ = _serve(target, [("job", [5, 6, 7], 10)], {}, chunk_steps=3)
@@ -367,3 +387,11 @@ def test_a_pipelined_batch_takes_joiners_and_cancels(target, form):
     *_, last = client.events["cancelled"]
     assert isinstance(last, Finished) and last.result.finish_reason == "cancelled"
     assert len(last.result.tokens) < cancelled[1]
+
+
+def test_tau_is_observed_for_requests_with_a_verification_round_only(target):
+    """A one-token answer is its prefill's token alone, no round: left out of the tau histogram
+    (its tau of 1.0 would pull the served mean toward AR's)."""
+    client, scheduler = _serve(target, [("one", [5, 6, 7], 1), ("more", [8, 9], 5)], {})
+    assert _count(scheduler, "jetspec_tau_count") == 1
+    assert _count(scheduler, "jetspec_tau_sum") == client.result("more").tau

