@@ -108,28 +108,25 @@ class Draft:
         """This draft, and its adapter if any, with the refinement attention on `impl` (one of
         `jetspec_jax.kernels.IMPLS`; a runtime choice, not part of the checkpoint): the two run
         the same attention, so they switch together."""
-        adapter = self.adapter
-        if adapter is not None:
-            adapter = dataclasses.replace(
-                adapter, config=dataclasses.replace(adapter.config, attention_impl=impl)
-            )
-        config = dataclasses.replace(self.config, attention_impl=impl)
-        return dataclasses.replace(self, config=config, adapter=adapter)
+        return self._reconfigured(lambda config: dataclasses.replace(config, attention_impl=impl))
 
     def with_cache_chunk(self, chunk: int) -> Draft:
         """This draft, and its adapter if any, attending a decode cache of more than `chunk`
         slots over its filled span only, `chunk` slots at a time (`TransformerConfig.cache_chunk`,
         default 1024; a runtime choice, not part of the checkpoint)."""
-
-        def rechunked(config):
-            return dataclasses.replace(
+        return self._reconfigured(
+            lambda config: dataclasses.replace(
                 config, layers=dataclasses.replace(config.layers, cache_chunk=chunk)
             )
+        )
 
+    def _reconfigured(self, change: Callable[[Any], Any]) -> Draft:
+        """This draft with `change` applied to its config and its adapter's, if any (a
+        `DraftConfig` and an `AdapterConfig`: runtime settings they share)."""
         adapter = self.adapter
         if adapter is not None:
-            adapter = dataclasses.replace(adapter, config=rechunked(adapter.config))
-        return dataclasses.replace(self, config=rechunked(self.config), adapter=adapter)
+            adapter = dataclasses.replace(adapter, config=change(adapter.config))
+        return dataclasses.replace(self, config=change(self.config), adapter=adapter)
 
     def save(self, out_dir: str | pathlib.Path, *, overwrite: bool = False) -> pathlib.Path:
         """Exports the draft in the DFlash/JetSpec HF layout (`config.json`, `model.safetensors`),

@@ -433,6 +433,7 @@ def _set(**changes):
         (_set_dflash(prediction="shifted"), "none of the published variants"),
         (_set_dflash(output_multiplier="2"), "output_multiplier must be a number, got '2'"),
         (_set(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel drafts .* not supported"),
+        (_set(architectures=5), None),  # malformed: read as absent, as is_draft_config reads it
     ],
 )
 def test_mismatched_or_unsupported_draft_config_is_refused(

@@ -30,13 +30,11 @@ from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
     TensorSpec,
     decoder_layer_specs,
-    locate_tensors,
-    read_tree,
+    load_tree,
     save_tensors,
     tensors_from_tree,
-    validate_names_and_shapes,
 )
-from jetspec_jax.checkpoint.json_fields import json_integer, json_number
+from jetspec_jax.checkpoint.json_fields import checked_keys, json_integer, json_number
 from jetspec_jax.checkpoint.json_files import read_json
 from jetspec_jax.models.adapter import AdapterConfig, check_chained_taps
 from jetspec_jax.models.config import RopeConfig, TransformerConfig
@@ -108,9 +106,9 @@ def adapter_config_from_dict(data: Any, where: str = "adapter config") -> Adapte
             f"{where}: architecture must be {ARCHITECTURE!r}, got {data.get('architecture')!r} "
             "(not an adapter's config)"
         )
-    top = _checked_keys(data, _TOP_KEYS, where)
-    layers = _checked_keys(top["layers"], tuple(_LAYER_FIELDS), f"{where}: layers")
-    rope = _checked_keys(layers["rope"], _ROPE_FIELDS, f"{where}: layers.rope")
+    top = checked_keys(data, _TOP_KEYS, where)
+    layers = checked_keys(top["layers"], tuple(_LAYER_FIELDS), f"{where}: layers")
+    rope = checked_keys(layers["rope"], _ROPE_FIELDS, f"{where}: layers.rope")
     try:
         rope_config = RopeConfig(
             theta=json_number(rope["theta"], f"{where}: layers.rope.theta"),
@@ -166,8 +164,10 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
 
     Raises:
         CheckpointError: a missing or malformed `config.json` or weights (every missing,
-            unexpected and mis-shaped tensor named), or an adapter that does not fit the draft:
-            other tap layers than the draft reads, or another hidden size than the target's.
+            unexpected and mis-shaped tensor named), or an adapter that does not fit the draft
+            (`check_adapter_matches_draft`: a draft no adapter serves, other tap layers than
+            the draft reads, or another hidden size, vocabulary, context or RoPE than the
+            target's).
         ValueError: `dtype` is neither "float32" nor "bfloat16" (before anything is read).
     """
     from jetspec_jax.adapter import Adapter  # jetspec_jax.adapter imports this module
@@ -185,13 +185,8 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
         check_adapter_matches_draft(config, draft)
     except CheckpointError as e:  # its message names fields, not the directory
         raise CheckpointError(f"{path}: {e}") from e
-    located = locate_tensors(path)
-    specs = adapter_tensor_specs(config)
-    try:
-        validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
-    except CheckpointError as e:
-        raise CheckpointError(f"adapter {path}: {e}") from e
-    return Adapter(config=config, params=read_tree(located, specs, DTYPES[dtype]), dtype=dtype)
+    params = load_tree(path, adapter_tensor_specs(config), DTYPES[dtype], what="adapter")
+    return Adapter(config=config, params=params, dtype=dtype)
 
 
 def check_takes_an_adapter(draft_config) -> None:
@@ -221,8 +216,8 @@ def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
     predicted states would be off).
 
     Raises:
-        CheckpointError: a mask-input draft (refreshes and foresight feed the draft tokens), or
-            a field that differs, named with both values.
+        CheckpointError: a draft `check_takes_an_adapter` refuses (mask inputs, or taps not
+            strictly increasing), or a field that differs, named with both values.
     """
     check_takes_an_adapter(draft.config)
     taps = tuple(draft.config.target_layer_ids)
@@ -238,21 +233,6 @@ def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
                 f"adapter {field} {mine} != target {field} {target}: an adapter made for "
                 "another target"
             )
-
-
-def _checked_keys(data: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{where} must be a JSON object, got {type(data).__name__}")
-    missing = [k for k in keys if k not in data]
-    unknown = sorted(str(k) for k in data if k not in keys)
-    problems = []
-    if missing:
-        problems.append(f"missing key(s) {', '.join(missing)}")
-    if unknown:
-        problems.append(f"unknown key(s) {', '.join(unknown)}")
-    if problems:
-        raise CheckpointError(f"{where}: {'; '.join(problems)} (expected {', '.join(keys)})")
-    return data
 
 
 def _integers(value: Any, name: str, where: str) -> tuple[int, ...]:

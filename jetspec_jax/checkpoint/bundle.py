@@ -29,6 +29,7 @@ from typing import Any
 from jetspec_jax.checkpoint.adapter_files import load_adapter, save_adapter
 from jetspec_jax.checkpoint.atomic import atomic_directory
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.json_fields import checked_keys
 from jetspec_jax.checkpoint.json_files import read_json
 
 MANIFEST = "jetspec_pp.json"
@@ -144,12 +145,7 @@ def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
             f"{file}: format_version {version!r} is not supported (this version of jetspec_jax "
             f"reads version {FORMAT_VERSION})"
         )
-    missing = [k for k in _KEYS if k not in data]
-    unknown = sorted(str(k) for k in data if k not in _KEYS)
-    if missing or unknown:
-        problems = [f"missing key(s) {', '.join(missing)}"] if missing else []
-        problems += [f"unknown key(s) {', '.join(unknown)}"] if unknown else []
-        raise CheckpointError(f"{file}: {'; '.join(problems)} (expected {', '.join(_KEYS)})")
+    checked_keys(data, _KEYS, str(file))
     if data["dtype"] not in ("float32", "bfloat16"):
         raise CheckpointError(f"{file}: dtype must be float32 or bfloat16, got {data['dtype']!r}")
     contents = data["contents"]

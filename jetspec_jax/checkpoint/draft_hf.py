@@ -7,7 +7,9 @@ layers) plus the draft fields, and unprefixed weights (`model.safetensors` or sh
                   is_causal (the causal switch the reference reads),
                   dflash_config{mask_token_id, target_layer_ids, causal_head,  (published format)
                                 input_mode: "mask" | "tokens",       (ours; default "mask")
-                                prediction: "in_place" | "shifted"}  (ours; default "in_place")
+                                prediction: "in_place" | "shifted",  (ours; default "in_place")
+                                input_embedding_scale, output_multiplier,
+                                final_logit_softcapping}             (optional; as the reference)
     fc.weight                     [H, n_taps * H]   -> fc.kernel [n_taps * H, H]
     hidden_norm.weight            [H]               -> hidden_norm.scale
     layers.{i}.*                  one Qwen3 decoder layer each (as the target's layers)
@@ -22,8 +24,6 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import numpy as np
-
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
 from jetspec_jax.checkpoint.hf_params import (
@@ -31,12 +31,10 @@ from jetspec_jax.checkpoint.hf_params import (
     TensorSpec,
     decoder_layer_specs,
     linear_specs,
-    locate_tensors,
+    load_tree,
     norm_spec,
-    read_tree,
     save_tensors,
     tensors_from_tree,
-    validate_names_and_shapes,
 )
 from jetspec_jax.checkpoint.json_fields import json_integer, json_number
 from jetspec_jax.models.config import TransformerConfig
@@ -48,7 +46,8 @@ ARCHITECTURE = "DFlashDraftModel"
 INPUT_MODES = ("mask", "tokens")
 PREDICTIONS = ("in_place", "shifted")
 _DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # the reference's other draft class (extra modules)
-# Fields the reference reads from `dflash_config` first and the top level second (`_draft_value`).
+# Fields a draft config must set, looked up as the reference's `_draft_value` does:
+# `dflash_config` first, the top level second (`_draft_field`).
 _REQUIRED_DRAFT_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
 
 
@@ -70,7 +69,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     One draft layer taps the middle target layer; otherwise the taps are spread evenly over
     layers `1 .. num_target_layers - 3` (Python's `round`, as the reference), e.g.
     `(1, 9, 17, 25, 33)` for 36 target layers and 5 draft layers. The rule can leave the target's
-    range for very shallow targets; `check_draft_matches_target` refuses such taps.
+    range for very shallow targets; `draft_config` refuses such defaults (pass `target_layer_ids`).
     """
     if num_draft_layers < 1:
         raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
@@ -109,12 +108,15 @@ def check_draft_matches_target(
 
 def is_draft_config(hf: dict[str, Any]) -> bool:
     """Whether an HF `config.json` describes a DFlash/JetSpec draft (not a target)."""
-    architectures = hf.get("architectures")
-    if not isinstance(architectures, list):  # absent, or malformed (a number is not iterable)
-        architectures = []
     return "dflash_config" in hf or any(
-        a in (ARCHITECTURE, _DFLASH2_ARCHITECTURE) for a in architectures
+        a in (ARCHITECTURE, _DFLASH2_ARCHITECTURE) for a in _architectures(hf)
     )
+
+
+def _architectures(hf: dict[str, Any]) -> list:
+    """`architectures` as a list: absent or malformed (a number, a string) reads as none."""
+    architectures = hf.get("architectures")
+    return architectures if isinstance(architectures, list) else []
 
 
 def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -> DraftConfig:
@@ -128,7 +130,7 @@ def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -
         raise CheckpointError(
             f"a draft config.json must have model_type 'qwen3', got {hf.get('model_type')!r}"
         )
-    if _DFLASH2_ARCHITECTURE in (hf.get("architectures") or []):
+    if _DFLASH2_ARCHITECTURE in _architectures(hf):
         raise CheckpointError(
             f"{_DFLASH2_ARCHITECTURE} drafts (dynamic convolutions, candidate selector) are not "
             f"supported; only {ARCHITECTURE}"
@@ -207,27 +209,24 @@ def load_draft_params(checkpoint_dir: str | pathlib.Path, config: DraftConfig, d
     Names and shapes are validated from the file headers before any tensor is read.
 
     Raises:
-        CheckpointError: listing every missing, unexpected and mis-shaped tensor by name, after
-            the draft directory (a bundle's draft is its `draft/` subdirectory).
+        CheckpointError: as `load_tree`: a missing or malformed weights file, every missing,
+            unexpected and mis-shaped tensor by name, after the draft directory (a bundle's draft
+            is its `draft/` subdirectory), or a tensor not stored as a float.
     """
-    located = locate_tensors(pathlib.Path(checkpoint_dir))
-    specs = draft_tensor_specs(config)
-    try:
-        validate_names_and_shapes(specs, {name: shape for name, (_, shape) in located.items()})
-    except CheckpointError as e:  # its message names tensors, not the directory they are in
-        raise CheckpointError(f"draft {checkpoint_dir}: {e}") from e
-    return read_tree(located, specs, dtype)
+    return load_tree(checkpoint_dir, draft_tensor_specs(config), dtype, what="draft")
 
 
 def save_draft_params(params: Params, config: DraftConfig, out_dir: pathlib.Path) -> None:
     """Writes the draft's `model.safetensors` with HF names into an existing directory."""
-    tensors: dict[str, np.ndarray] = tensors_from_tree(draft_tensor_specs(config), params)
+    tensors = tensors_from_tree(draft_tensor_specs(config), params)
     save_tensors(tensors, out_dir / SINGLE_FILE)
 
 
 def _check_layers_match_target(
     layers: TransformerConfig, target_config: TransformerConfig, num_target_layers: int | None
 ) -> None:
+    """Refuses draft layers that are not Qwen3's, or whose hidden size, vocabulary or recorded
+    target depth differ from the target's."""
     c, t = layers, target_config
     if c.model_type != "qwen3":
         raise CheckpointError(f"draft layers must be Qwen3 layers, got {c.model_type!r}")
@@ -246,6 +245,7 @@ def _check_layers_match_target(
 
 
 def _check_taps(target_layer_ids: tuple[int, ...], target_config: TransformerConfig) -> None:
+    """Refuses tap layers outside the target's `[0, num_layers)`."""
     num_layers = target_config.num_layers
     outside = [i for i in target_layer_ids if not 0 <= i < num_layers]
     if outside:
@@ -320,8 +320,7 @@ def _causal_from_hf(hf: dict[str, Any], dflash: dict[str, Any]) -> bool:
             f"draft dflash_config.causal_head={head} contradicts is_causal={top} "
             "(the reference reads is_causal)"
         )
-    value = head if head is not None else top
-    return bool(value) if value is not None else False
+    return bool(head if head is not None else top)  # both None: bidirectional
 
 
 def _choice(dflash: dict[str, Any], name: str, allowed: tuple[str, ...]) -> str:

@@ -90,9 +90,7 @@ def config_from_hf(hf: dict[str, Any]) -> TransformerConfig:
     try:
         hidden, heads = _integer(hf, "hidden_size"), _integer(hf, "num_attention_heads")
         if heads < 1:  # else a ZeroDivisionError below, or in TransformerConfig
-            raise CheckpointError(
-                f"config.json field 'num_attention_heads' must be positive, got {heads}"
-            )
+            raise CheckpointError(f"{_field('num_attention_heads')} must be positive, got {heads}")
         head_dim = hf.get("head_dim")  # a 0 is kept, for TransformerConfig to refuse
         if head_dim is None:
             head_dim = _DEFAULT_HEAD_DIM[model_type] or hidden // heads
@@ -224,7 +222,7 @@ def _hybrid_fields(hf: dict[str, Any]) -> dict[str, Any]:
         )
         if interval < 1:
             raise CheckpointError(
-                f"config.json field 'full_attention_interval' must be positive, got {interval}"
+                f"{_field('full_attention_interval')} must be positive, got {interval}"
             )
         layer_types = [
             "linear_attention" if (i + 1) % interval else "full_attention"

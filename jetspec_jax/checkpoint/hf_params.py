@@ -60,6 +60,8 @@ _MULTIMODAL_SKIPPED = ("model.visual.", "mtp.")
 # safetensors dtypes a weight may be stored in (cast to the model's dtype as read). Others are
 # quantized or packed data (float8 cannot even be read with numpy), not weights of this model.
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+# What `locate_tensors` returns: each tensor name -> (its file, its shape).
+Located = Mapping[str, tuple[pathlib.Path, tuple[int, ...]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,6 @@ def decoder_layer_specs(
     c = config
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     attn, attn_path = f"{hf_prefix}.self_attn", (*path, "self_attn")
-    mlp, mlp_path = f"{hf_prefix}.mlp", (*path, "mlp")
     specs = [norm_spec(f"{hf_prefix}.input_layernorm", (*path, "input_layernorm"), c.hidden_size)]
     for name, out_dim, in_dim in [
         ("q_proj", q_dim, c.hidden_size),
@@ -120,20 +121,7 @@ def decoder_layer_specs(
     if c.qk_norm:
         specs.append(norm_spec(f"{attn}.q_norm", (*attn_path, "q_norm"), c.head_dim))
         specs.append(norm_spec(f"{attn}.k_norm", (*attn_path, "k_norm"), c.head_dim))
-    specs.append(
-        norm_spec(
-            f"{hf_prefix}.post_attention_layernorm",
-            (*path, "post_attention_layernorm"),
-            c.hidden_size,
-        )
-    )
-    for name, out_dim, in_dim in [
-        ("gate_proj", c.intermediate_size, c.hidden_size),
-        ("up_proj", c.intermediate_size, c.hidden_size),
-        ("down_proj", c.hidden_size, c.intermediate_size),
-    ]:
-        specs += linear_specs(f"{mlp}.{name}", (*mlp_path, name), out_dim, in_dim, c.mlp_bias)
-    return specs
+    return specs + _post_attention_specs(c, hf_prefix, path, c.mlp_bias)
 
 
 def hybrid_layer_specs(config: TransformerConfig, index: int) -> list[TensorSpec]:
@@ -171,16 +159,31 @@ def hybrid_layer_specs(config: TransformerConfig, index: int) -> list[TensorSpec
         TensorSpec(f"{lin}.dt_bias", (*lin_path, "dt_bias"), (hv,)),
         TensorSpec(f"{lin}.A_log", (*lin_path, "A_log"), (hv,)),
         norm_spec(f"{lin}.norm", (*lin_path, "norm"), c.linear_value_head_dim),
+    ]
+    return specs + _post_attention_specs(c, prefix, path, bias=False)
+
+
+def _post_attention_specs(
+    config: TransformerConfig, hf_prefix: str, path: tuple[str | int, ...], bias: bool
+) -> list[TensorSpec]:
+    """A layer's second half, shared by every layer kind: `post_attention_layernorm` `[H]`, then
+    the MLP's `gate_proj` / `up_proj` `[F, H]` and `down_proj` `[H, F]` (HF shapes)."""
+    c = config
+    specs = [
         norm_spec(
-            f"{prefix}.post_attention_layernorm", (*path, "post_attention_layernorm"), c.hidden_size
-        ),
+            f"{hf_prefix}.post_attention_layernorm",
+            (*path, "post_attention_layernorm"),
+            c.hidden_size,
+        )
     ]
     for name, out_dim, in_dim in [
         ("gate_proj", c.intermediate_size, c.hidden_size),
         ("up_proj", c.intermediate_size, c.hidden_size),
         ("down_proj", c.hidden_size, c.intermediate_size),
     ]:
-        specs += linear_specs(f"{prefix}.mlp.{name}", (*path, "mlp", name), out_dim, in_dim, False)
+        specs += linear_specs(
+            f"{hf_prefix}.mlp.{name}", (*path, "mlp", name), out_dim, in_dim, bias
+        )
     return specs
 
 
@@ -230,14 +233,12 @@ def load_hf_params(
             `config`, or one not stored as a float (the message names `checkpoint_dir` or the
             file at fault).
     """
-    files_by_name = locate_tensors(pathlib.Path(checkpoint_dir))
+    located = locate_tensors(pathlib.Path(checkpoint_dir))
     specs = tensor_specs(config)
     try:
         if config.is_hybrid:
-            files_by_name = _text_model_tensors(files_by_name)
-        validate_names_and_shapes(
-            specs, {n: s for n, (_, s) in files_by_name.items()}, _ignorable(config)
-        )
+            located = _text_model_tensors(located)
+        validate_names_and_shapes(specs, _shapes(located), _ignorable(config))
     except CheckpointError as e:  # its message names tensors, not the directory they are in
         raise CheckpointError(f"{checkpoint_dir}: {e}") from e
     progress = tqdm.tqdm(
@@ -246,7 +247,7 @@ def load_hf_params(
         unit="tensor",
         disable=None if show_progress is None else not show_progress,  # None: only on a terminal
     )
-    with progress, TensorReader(files_by_name, on_read=progress.update) as tensors:
+    with progress, TensorReader(located, on_read=progress.update) as tensors:
         tensors.check_floats(spec.hf_name for spec in specs)  # before the tied head is read
         _check_tied_head(tensors, config, checkpoint_dir)
         params = tree_from_tensors(specs, tensors, dtype)
@@ -255,9 +256,27 @@ def load_hf_params(
     return params
 
 
-def read_tree(
-    located: Mapping[str, tuple[pathlib.Path, tuple[int, ...]]], specs: list[TensorSpec], dtype
+def load_tree(
+    checkpoint_dir: str | pathlib.Path, specs: list[TensorSpec], dtype, *, what: str
 ) -> Params:
+    """The pytree of `specs` read from a checkpoint directory's safetensors (single file or
+    shards), for the draft and adapter loaders: names and shapes are validated from the file
+    headers first, then `read_tree` reads it.
+
+    Raises:
+        CheckpointError: a missing or malformed weights file, every missing, unexpected and
+            mis-shaped tensor (named, after `what` and the directory: "draft <dir>: ..."), or a
+            tensor not stored as a float.
+    """
+    located = locate_tensors(pathlib.Path(checkpoint_dir))
+    try:
+        validate_names_and_shapes(specs, _shapes(located))
+    except CheckpointError as e:  # its message names tensors, not the directory they are in
+        raise CheckpointError(f"{what} {checkpoint_dir}: {e}") from e
+    return read_tree(located, specs, dtype)
+
+
+def read_tree(located: Located, specs: list[TensorSpec], dtype) -> Params:
     """The pytree of `specs` read from the safetensors files `located` names (names and shapes
     already validated), a tensor not stored as a float refused from the headers before any
     tensor is read."""
@@ -276,7 +295,7 @@ class TensorReader(Mapping):
     (`check_floats` checks the tensors a model needs from the headers, before any is read).
     """
 
-    def __init__(self, located: Mapping[str, tuple[pathlib.Path, tuple[int, ...]]], on_read=None):
+    def __init__(self, located: Located, on_read=None):
         self._located = located
         self._on_read = on_read
         self._handles: dict[pathlib.Path, tuple[Any, set[str]]] = {}
@@ -444,9 +463,7 @@ def _hf_array(spec: TensorSpec, params: Params) -> np.ndarray:
     return np.ascontiguousarray(array.T if spec.is_kernel else array)
 
 
-def locate_tensors(
-    checkpoint_dir: pathlib.Path,
-) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
+def locate_tensors(checkpoint_dir: pathlib.Path) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
     """Maps every tensor name in the checkpoint to (file, shape), reading headers only.
 
     A directory holding both files is read from `model.safetensors`, as transformers reads it
@@ -503,7 +520,7 @@ def locate_tensors(
     return located
 
 
-def _text_model_tensors(located: dict) -> dict:
+def _text_model_tensors(located: Located) -> dict[str, tuple[pathlib.Path, tuple[int, ...]]]:
     """A multimodal Qwen3.5 checkpoint's tensors renamed to the text-only layout.
 
     `model.language_model.X` -> `model.X`; the vision tower and the MTP head are dropped.
@@ -522,6 +539,11 @@ def _text_model_tensors(located: dict) -> dict:
                 )
         out[name] = where
     return out
+
+
+def _shapes(located: Located) -> dict[str, tuple[int, ...]]:
+    """Each located tensor's shape, by name (what `validate_names_and_shapes` compares)."""
+    return {name: shape for name, (_, shape) in located.items()}
 
 
 def _stored_name(name: str, stored) -> str:
@@ -593,6 +615,7 @@ def _set(tree: dict, path: tuple, value) -> None:
 
 
 def _get(tree, path: tuple):
+    """`tree[path]`, the leaf `_set` put there."""
     for key in path:
         tree = tree[key]
     return tree

@@ -1,11 +1,28 @@
-"""Typed reads of checkpoint JSON fields: a value of the wrong type is a `CheckpointError` that
-names the field (JSON `true` is not the number 1)."""
+"""Typed reads of checkpoint JSON fields: a value of the wrong type, or an object with missing or
+unknown keys, is a `CheckpointError` that names the field (JSON `true` is not the number 1)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from jetspec_jax.checkpoint.errors import CheckpointError
+
+
+def checked_keys(data: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
+    """`data`, after checking it is a JSON object holding exactly `keys`: the error names every
+    missing and unknown key, and the expected ones, after `where` (the file, or its section)."""
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where} must be a JSON object, got {type(data).__name__}")
+    missing = [k for k in keys if k not in data]
+    unknown = sorted(str(k) for k in data if k not in keys)
+    problems = []
+    if missing:
+        problems.append(f"missing key(s) {', '.join(missing)}")
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(unknown)}")
+    if problems:
+        raise CheckpointError(f"{where}: {'; '.join(problems)} (expected {', '.join(keys)})")
+    return data
 
 
 def json_number(value: Any, what: str) -> float:
