@@ -89,13 +89,14 @@ class ForesightState:
 
 @dataclasses.dataclass(frozen=True)
 class ForesightProposer:
-    """Drafts ahead for the top-`num_candidates` outcomes (params: the refiner's
-    `{"draft": ..., "proxy": ...}`).
+    """Drafts ahead for the top-`num_candidates` outcomes (params: the refiner's,
+    `{"draft": ..., "proxy": ..., "replacement_confidence": ...}`).
 
     Attributes:
         refiner: the fallback drafting (`Jj-Rr`; r may be 0) and the proxy whose `predict` gives
             the block's predicted tap states and `p̂` logits.
-        num_candidates: B, candidate next blocks drafted per round (the cache size).
+        num_candidates: foresight's B, candidate next blocks drafted per round (the cache size;
+            C in array shapes, where B is the batch).
         rule: outcome selection rule (`outcomes.SELECTION_RULES`).
         calibration: the outcome-score calibration rule "calibrated" scores with (required by that
             rule, unused by the others).
@@ -213,7 +214,8 @@ class ForesightProposer:
         return drafts, hit, state.replace(refiner=refiner)
 
     def select(self, logits_hat, drafts, sampling):
-        """`(k, a, valid)` `[B, C]` each: the candidate outcomes of a block under `self.rule`.
+        """`(k, a, valid)` `[B, C]` each: the candidate outcomes of a block under `self.rule`,
+        from the proxy's logits `logits_hat` `[B, K, V]` over it and its drafts `[B, K-1]`.
 
         Sampled rows score `p̂` shaped as their tokens are drawn (temperature, top-k, top-p);
         greedy rows score the raw logits, whose softmax stands for the uncertainty of the
@@ -261,13 +263,12 @@ class ForesightProposer:
         cache = extend_context(
             draft_params, config, state.refiner.draft, taps, jnp.zeros_like(anchor_pos)
         )
-        cand_anchor = anchor_pos[:, None] + k_sel + 1  # [B, C]
-        noise = _candidate_noise(sequence, block, anchor_pos, cand_anchor, a_sel)
-        drafts = noise
+        cand_pos = anchor_pos[:, None] + k_sel + 1  # [B, C] each candidate's anchor position
+        drafts = _candidate_noise(sequence, block, anchor_pos, cand_pos, a_sel)
         for _ in range(1 + drafter.refine_passes):
             candidates = with_anchor(a_sel, drafts)
             drafts = drafter.candidates_pass(
-                draft_params, target_params, cache, candidates, cand_anchor
+                draft_params, target_params, cache, candidates, cand_pos
             )
         return state.replace(
             refiner=state.refiner.replace(draft=cache, proxy=proxy_state),
@@ -278,7 +279,7 @@ class ForesightProposer:
         )
 
     def record(self, state: ForesightState, hit, active) -> ForesightState:
-        """Logs the round's hit and cache occupancy for the active rows."""
+        """Logs the round's `hit` `[B]` and cache occupancy for the `active` `[B]` rows."""
         rows = jnp.arange(hit.shape[0])
         slot = jnp.where(active, state.num_rounds, state.hits.shape[1])  # inactive: dropped
         return state.replace(
@@ -290,21 +291,22 @@ class ForesightProposer:
         )
 
 
-def _candidate_noise(sequence, block, anchor_pos, cand_anchor, cand_token):
+def _candidate_noise(sequence, block, anchor_pos, cand_pos, cand_token):
     """`[B, C, K-1]` first-pass noise of the candidates: what `proposers._first_pass_noise` draws
-    for a row whose committed tokens are the verified ones, the block's first k+1 and the
-    candidate's anchor a (at `cand_anchor` = anchor_pos + k + 1)."""
+    for a row whose committed tokens are the verified ones (`sequence` `[B, S]`), the block's
+    (`[B, K]`, anchored at `anchor_pos` `[B]`) first k+1 and the candidate's anchor token a
+    (`cand_token` `[B, C]`, at `cand_pos` `[B, C]` = anchor_pos + k + 1)."""
     count = block.shape[1] - 1
 
-    def one(tokens, block_row, start, anchor, a):
-        idx = noise_positions(anchor, count)
+    def one(tokens, block_row, start, pos, a):
+        idx = noise_positions(pos, count)
         picked = tokens[idx]
-        in_block = (idx >= start) & (idx < anchor)
+        in_block = (idx >= start) & (idx < pos)
         picked = jnp.where(in_block, block_row[jnp.clip(idx - start, 0, count)], picked)
-        return jnp.where(idx == anchor, a, picked)
+        return jnp.where(idx == pos, a, picked)
 
     per_candidate = jax.vmap(one, in_axes=(None, None, None, 0, 0))
-    return jax.vmap(per_candidate)(sequence, block, anchor_pos, cand_anchor, cand_token)
+    return jax.vmap(per_candidate)(sequence, block, anchor_pos, cand_pos, cand_token)
 
 
 def foresight_proposer(
@@ -318,11 +320,12 @@ def foresight_proposer(
         base, base_params: `draft.proposer(...)`'s result: a `RefiningProposer` (its proxy is
             used) or a `DraftProposer` (then the draft's adapter is needed).
         num_candidates: B >= 1 candidate blocks per round.
-        rule: the outcome selection rule.
+        rule: the outcome selection rule (`outcomes.SELECTION_RULES`).
 
     Raises:
-        ValueError: a mask-input draft, no proxy (a draft without an adapter), or rule
-            "calibrated" with a draft that has no calibration.
+        ValueError: a mask-input draft, no proxy (a draft without an adapter), rule
+            "calibrated" with a draft that has no calibration, an unknown rule, or
+            `num_candidates` not an integer in [1, the round's possible outcomes].
     """
     if isinstance(base, RefiningProposer):
         refiner, params = base, base_params
@@ -373,13 +376,14 @@ def foresight_round(
     d = s.decode
     active = ~d.done
     anchor, anchor_pos = d.last_token, d.cache.lengths
-    pp = proposer_params
     drafts, hit, proposed = proposer.propose_with_hits(
-        pp, params, s.proposer, anchor, anchor_pos, s.sequence, active
+        proposer_params, params, s.proposer, anchor, anchor_pos, s.sequence, active
     )
     block = with_anchor(anchor, drafts)
     ahead = proposer.record(proposed, hit, active)
-    ahead = proposer.draft_ahead(pp, params, ahead, block, s.sequence, requests.sampling)
+    ahead = proposer.draft_ahead(
+        proposer_params, params, ahead, block, s.sequence, requests.sampling
+    )
     verified = verify_block(params, config, proposer.tap_layers, d, drafts, requests)
     s = commit_round(s, requests, verified)
     return s.replace(proposer=ahead), Observation(block, verified.taps, verified.num_committed)

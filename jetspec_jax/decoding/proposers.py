@@ -135,7 +135,8 @@ class DraftProposer:
         return drafts, cache
 
     def first_pass(self, params, target_params, cache, anchor, sequence):
-        """`[B, K-1]` drafts of one pass over noise (token inputs) or mask tokens."""
+        """`[B, K-1]` drafts of one pass over noise (token inputs, copied from `sequence`
+        `[B, S]`) or mask tokens, after `anchor` `[B]` at each row's `cache.lengths`."""
         config = self.config
         if config.token_inputs:
             inputs = _first_pass_noise(sequence, cache.lengths, config.block_size - 1)
@@ -173,8 +174,8 @@ class DraftProposer:
         return extend_context(params, self.config, cache, block_taps, num_committed)
 
     def extend(self, params, target_params, cache, tokens, taps, num_new):
-        """Extends the draft's context with more prompt positions (the projected prompt: the
-        anchor is the first new token)."""
+        """Extends the draft's context with more prompt positions (their tap states only: the
+        first generated token is the first block's anchor, not context)."""
         return extend_context(params, self.config, cache, taps, num_new)
 
 
@@ -193,7 +194,8 @@ def with_anchor(anchor: jax.Array, drafts: jax.Array) -> jax.Array:
 
 
 def _first_pass_noise(sequence, anchor_positions, count):
-    """`[B, count]` tokens copied from uniformly random positions `<= anchor` of each row.
+    """`[B, count]` tokens copied from uniformly random positions `<= anchor_positions` `[B]` of
+    each row of `sequence` `[B, S]`.
 
     This is the fully-noised block of draft training; a deterministic function of the anchor
     position, so greedy decoding stays reproducible.

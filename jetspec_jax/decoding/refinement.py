@@ -116,35 +116,46 @@ class RefiningProposer:
     def propose(self, params, target_params, state, anchor, anchor_positions, sequence):
         """`([B, K-1] drafts, state)` after `Jj-Rr` refinement of the block after `anchor`; the
         state's caches hold the refreshes' predicted rows past the verified length."""
-        config, draft_params = self.drafter.config, params["draft"]
+        draft_params = params["draft"]
         drafts = self.drafter.first_pass(draft_params, target_params, state.draft, anchor, sequence)
         fixed = jnp.zeros(anchor.shape, jnp.int32)
-        verified = state.draft.lengths
+        verified_length = state.draft.lengths
         cache, proxy_state = state.draft, state.proxy
         for p in range(self.drafter.refine_passes):
             if p < self.refreshes:
-                block = with_anchor(anchor, drafts)
-                taps, logits, proxy_state = self.proxy.predict(
-                    params["proxy"], target_params, proxy_state, block
-                )
-                logits = logits[:, :-1].astype(jnp.float32)
-                guess = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-                # log(c = 0) = -inf: every position trusted, the paper's rule.
-                top = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
-                trusted = top > jnp.log(params["replacement_confidence"])
-                drafts, fixed = replace_first_disagreement(drafts, guess, fixed, trusted)
-                # Predicted rows of block positions 0 .. fixed-1 become context (from the true
-                # anchor position; rows past `fixed` are written but stay past the length).
-                cache = extend_context(
-                    draft_params, config, cache.replace(lengths=verified), taps, fixed
+                verified_context = cache.replace(lengths=verified_length)
+                drafts, fixed, cache, proxy_state = self._refresh(
+                    params, target_params, verified_context, proxy_state, anchor, drafts, fixed
                 )
             drafts = self._redraft(draft_params, target_params, cache, anchor, drafts, fixed)
         # The predicted rows are past the verified length again: stale, overwritten by `observe`.
-        return drafts, RefinerState(draft=cache.replace(lengths=verified), proxy=proxy_state)
+        return drafts, RefinerState(draft=cache.replace(lengths=verified_length), proxy=proxy_state)
+
+    def _refresh(self, params, target_params, cache, proxy_state, anchor, drafts, fixed):
+        """Proxy verify, anchor replacement and context refresh (module docstring) of the block
+        `[anchor, drafts]` (`anchor` `[B]`, `drafts` `[B, K-1]` int32, `fixed` `[B]` int32).
+
+        Returns `(drafts, fixed, cache, proxy_state)`: `cache` (whose lengths are the verified
+        length) extended by the predicted rows of block positions 0 .. fixed-1.
+        """
+        block = with_anchor(anchor, drafts)
+        taps, logits, proxy_state = self.proxy.predict(
+            params["proxy"], target_params, proxy_state, block
+        )
+        logits = logits[:, :-1].astype(jnp.float32)
+        guess = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        # log(c = 0) = -inf: every position trusted, the paper's rule.
+        top = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+        trusted = top > jnp.log(params["replacement_confidence"])
+        drafts, fixed = replace_first_disagreement(drafts, guess, fixed, trusted)
+        # From the true anchor position; rows past `fixed` are written but stay past the length.
+        cache = extend_context(params["draft"], self.drafter.config, cache, taps, fixed)
+        return drafts, fixed, cache, proxy_state
 
     def _redraft(self, draft_params, target_params, cache, anchor, drafts, fixed):
-        """One pass from block position `fixed` (the cache's lengths are the anchor + `fixed`);
-        drafts at indices < `fixed` are kept, the rest replaced by the pass's predictions."""
+        """`[B, K-1]` drafts of one pass from block position `fixed` `[B]` (the cache's lengths
+        are the anchor's position + `fixed`): drafts at indices < `fixed` are kept, the rest
+        replaced by the pass's predictions."""
         k_len = self.block_size
         # Block positions fixed .. fixed+K-1; past K-1 the inputs do not matter (causal draft).
         padded = jnp.concatenate([anchor[:, None], drafts, jnp.repeat(drafts[:, -1:], k_len, 1)], 1)

@@ -57,7 +57,8 @@ class Verified(NamedTuple):
 
     Attributes:
         cache: the target cache rolled back to `anchor_pos + num_committed`.
-        taps: `[n, B, K, H]` the target's tap states over the block (the proposer's true states).
+        taps: `[n_taps, B, K, H]` the target's tap states over the block (the proposer's true
+            states).
         accepted: `[B]` int32 drafts accepted per row.
         tokens: `[B, K]` int32 the target's token at each block position (the first `accepted`
             equal the drafts; `tokens[b, accepted[b]]` is the bonus token).
@@ -132,7 +133,6 @@ def decode_speculative(
     Returns:
         The advanced carry.
     """
-
     return run_rounds(
         lambda s: _round(params, proposer_params, s, requests, config, proposer), state, max_rounds
     )
@@ -174,7 +174,8 @@ def _round(params, proposer_params, s: SpecState, requests, config, proposer) ->
 
 
 def verify_block(params, config, tap_layers, decode, drafts, requests) -> Verified:
-    """The target side of a round: one forward over `[anchor, drafts]` (`drafts` `[B, K-1]`),
+    """The target side of a round: one forward over `[anchor, drafts]` (`drafts` `[B, K-1]`
+    int32; the anchor and its position are `decode`'s `last_token` and `cache.lengths`),
     acceptance, and the cache rolled back to `anchor_pos + accepted + 1` for active rows (the
     anchor and the accepted drafts; finished rows keep their length). When a stop token or the
     budget cuts the round, fewer tokens are committed than that: the row is then done and its
@@ -199,21 +200,24 @@ def commit_round(s: SpecState, requests, verified: Verified) -> SpecState:
         verified: the round's verification (`verify_block`'s). Its cache is longer than the
             committed length only in a row's final round, when a stop token or the budget cuts
             the `accepted + 1` tokens.
+
+    Returns:
+        The carry after the round; its proposer state is `s.proposer` (the caller's to update).
     """
     cache, accepted, tokens = verified.cache, verified.accepted, verified.tokens
     d = s.decode
     active = ~d.done
     anchor_pos = d.cache.lengths
     decode = commit(d.replace(cache=cache), tokens, accepted + 1, requests)
-    rows = jnp.arange(tokens.shape[0])[:, None]
+    rows = jnp.arange(tokens.shape[0])
     sequence = write_round_tokens(s.sequence, anchor_pos, tokens)
     slot = jnp.where(active, s.num_verify_rounds, s.accepted.shape[1])  # inactive: dropped
     bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
     return s.replace(
         decode=decode,
         sequence=sequence,
-        accepted=s.accepted.at[rows[:, 0], slot].set(accepted, mode="drop"),
-        bonus=s.bonus.at[rows[:, 0], slot].set(bonus, mode="drop"),
+        accepted=s.accepted.at[rows, slot].set(accepted, mode="drop"),
+        bonus=s.bonus.at[rows, slot].set(bonus, mode="drop"),
         num_verify_rounds=s.num_verify_rounds + active.astype(jnp.int32),
     )
 

@@ -37,10 +37,10 @@ class DecodeState:
     """Everything a decode loop carries from one round to the next.
 
     Attributes:
-        cache: the target's KV cache; for an unfinished row b, `cache.lengths[b]` = committed
-            tokens minus one (the last committed token is fed to the next forward, not yet in the
-            cache). A row's final round, cut at a stop token or its budget, may leave it longer:
-            the row is done and its cache no longer read.
+        cache: the target's KV cache; for an unfinished row b, `cache.lengths[b]` = its prompt
+            and committed tokens minus one (the last committed token is fed to the next forward,
+            not yet in the cache). A row's final round, cut at a stop token or its budget, may
+            leave it longer: the row is done and its cache no longer read.
         last_token: `[B]` int32 the last committed token of each row.
         output: `[B, N]` int32 generated tokens (valid up to `num_generated`).
         num_generated: `[B]` int32.

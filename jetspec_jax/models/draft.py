@@ -2,7 +2,7 @@
 
 The draft drafts a block of `K = block_size` positions in one forward, conditioned on the target:
 
-    context rows:  tap states of the verified context, concat over taps [C, n*H]
+    context rows:  tap states of the verified context, concat over taps [T, n_taps*H]
                    -> fc -> hidden_norm -> in EVERY draft layer, that layer's k/v projections
                    (+ k_norm, RoPE at the rows' absolute positions): extra keys/values
     block rows:    target embedding of the K block tokens -> draft decoder layers (queries, and
@@ -303,7 +303,7 @@ def _block_stack(params, config, embedding, block_tokens, positions, context_len
     return layers.rms_norm(params["norm"], x, config.layers.rms_norm_eps)
 
 
-# --- Candidate blocks: every draft pass (C = 1) and foresight's candidates (C = B) --------------
+# --- Candidate blocks: every draft pass (C = 1) and foresight's candidates (C = its B) -----------
 
 
 def draft_hidden_candidates(
