@@ -70,6 +70,9 @@ GENERATE_FLAGS = (
     "compare_ar",
 )
 
+# What a bad flag, file or checkpoint raises (CheckpointError is a ValueError): `error: ...`, 2.
+USAGE_ERRORS = (ValueError, ImportError, OSError)
+
 logger = logging.getLogger("serve")
 
 
@@ -83,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             f'(serve.py generate "PROMPT" {misplaced[0]} ...); the server takes none of them'
         )
     args, unknown = parser.parse_known_args(argv)
-    server_flags = {"--" + name.replace("_", "-") for name in SERVER_FLAGS}
+    server_flags = {_flag(name) for name in SERVER_FLAGS}
     if args.command == "generate":
         # Given after `generate`, they are not even parsed: name them as flags of the server too.
         after = [a.split("=")[0] for a in unknown if a.split("=")[0] in server_flags]
         ignored = [name for name in SERVER_FLAGS if getattr(args, name) != parser.get_default(name)]
-        flags = ", ".join(["--" + name.replace("_", "-") for name in ignored] + after)
+        flags = ", ".join([_flag(name) for name in ignored] + after)
         if flags:
             parser.error(f"{flags}: flags of the server, which `generate` does not use")
     if unknown:
@@ -119,8 +122,13 @@ def _flags_of_generate_before_it(argv: list[str]) -> list[str]:
     """The flags of `generate` alone given before it (or with no command), which argparse would
     not name: it takes the flag's value for the command ("invalid choice: '4'")."""
     end = argv.index("generate") if "generate" in argv else len(argv)
-    names = {"--" + name.replace("_", "-") for name in GENERATE_FLAGS} | {"--no-chat"}
+    names = {_flag(name) for name in GENERATE_FLAGS} | {"--no-chat"}
     return [a.split("=")[0] for a in argv[:end] if a.split("=")[0] in names]
+
+
+def _flag(name: str) -> str:
+    """The flag of an argparse destination: `max_new_tokens` -> `--max-new-tokens`."""
+    return "--" + name.replace("_", "-")
 
 
 def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] | None = None):
@@ -271,6 +279,7 @@ def _decoding_options(args, draft, *, method: str | None = None):
 
 
 def _serve(args) -> int:
+    """The server, until SIGINT/SIGTERM shuts it down."""
     from jetspec_jax.serving import serve  # deferred: --help answers at once
 
     try:
@@ -279,7 +288,7 @@ def _serve(args) -> int:
             args, check=lambda config, draft: _server_config(args, draft).check_fits(config)
         )
         serve(target, draft, _server_config(args, draft), host=args.host, port=args.port)
-    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+    except USAGE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -376,6 +385,7 @@ def _server_config(args, draft, *, method: str | None = None):
 
 
 def _generate(args) -> int:
+    """`generate`: streams the prompt's completion to stdout, then its statistics to stderr."""
     import jetspec_jax
     from jetspec_jax.flag_paths import keywords_named_by_flag
     from jetspec_jax.prompting import (
@@ -404,20 +414,7 @@ def _generate(args) -> int:
             )
         if sys.stdout is None:  # `>&-`: Python gives no stdout at all
             raise ValueError("stdout is closed: generate writes the completion there")
-        if args.prompt == "-" and sys.stdin is None:  # `<&-`: Python gives no stdin at all
-            raise ValueError(
-                "'-' reads the prompt from stdin, which is closed: give the prompt as an argument"
-            )
-        try:
-            prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        except UnicodeDecodeError as e:  # a UTF-8 locale's stdin is strict (C's gives surrogates)
-            raise ValueError(
-                f"the prompt read from stdin is not UTF-8 text ({e.reason} at byte {e.start})"
-            ) from e
-        if not prompt.strip():
-            raise ValueError("the prompt is empty")
-        # Bytes that are not UTF-8 (argv, stdin) arrive as surrogates, which no tokenizer takes.
-        require_unicode(prompt, "the prompt" + (" read from stdin" if args.prompt == "-" else ""))
+        prompt = _read_prompt(args.prompt)
         if args.system is not None:
             require_unicode(args.system, "--system")
         _check_before_loading(args, server=False)
@@ -451,7 +448,7 @@ def _generate(args) -> int:
             **dataclasses.asdict(options),
             **request,
         )
-    except (ValueError, FileNotFoundError, ImportError, OSError) as e:
+    except USAGE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -464,21 +461,47 @@ def _generate(args) -> int:
     sys.stdout.write(detokenizer.flush() + "\n")
     sys.stdout.flush()
     result = stream.result
+    print(_statistics_line(options, result), file=sys.stderr)
+    print(_speedup_line(args, options, target, prompt_ids, request, result), file=sys.stderr)
+    return 0
+
+
+def _read_prompt(arg: str) -> str:
+    """The prompt argument's text, or stdin's for `-`, checked as text a tokenizer takes.
+
+    Raises:
+        ValueError: stdin closed or not UTF-8, an empty prompt, or one with surrogates.
+    """
+    from jetspec_jax.prompting import require_unicode
+
+    if arg == "-" and sys.stdin is None:  # `<&-`: Python gives no stdin at all
+        raise ValueError(
+            "'-' reads the prompt from stdin, which is closed: give the prompt as an argument"
+        )
+    try:
+        prompt = sys.stdin.read() if arg == "-" else arg
+    except UnicodeDecodeError as e:  # a UTF-8 locale's stdin is strict (C's gives surrogates)
+        raise ValueError(
+            f"the prompt read from stdin is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from e
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    # Bytes that are not UTF-8 (argv, stdin) arrive as surrogates, which no tokenizer takes.
+    require_unicode(prompt, "the prompt" + (" read from stdin" if arg == "-" else ""))
+    return prompt
+
+
+def _statistics_line(options, result) -> str:
+    """The line after the completion: tokens, decode rate, tau, prefill and compile times."""
     t = result.timing
     # The prefill makes the first token: a decode rate needs a second one.
     rate = result.decode_tokens_per_second if len(result.tokens) > 1 else None
-    print(
+    return (
         f"[{_label(options)}] {len(result.tokens)} tokens ({result.finish_reason}) | "
         f"{'n/a' if rate is None else f'{rate:.1f}'} tokens/s decode | tau {result.tau:.2f} | "
         f"prefill {result.prompt_length} tokens in {t.prefill_seconds:.3f} s | "
-        f"compile {t.compile_seconds:.1f} s",
-        file=sys.stderr,
+        f"compile {t.compile_seconds:.1f} s"
     )
-    print(
-        _speedup_line(args, options, target, prompt_ids, request, result),
-        file=sys.stderr,
-    )
-    return 0
 
 
 def _label(options) -> str:

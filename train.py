@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    from jetspec_jax.checkpoint.errors import CheckpointError  # deferred: --help answers at once
-    from jetspec_jax.compile_cache import enable_compile_cache
+    from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
     from jetspec_jax.console import (
         discard_stdout,
         escape_what_stdout_cannot_encode,
@@ -82,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         # as a process SIGPIPE ended would (Python ignores SIGPIPE, so the write raised instead)
         discard_stdout()
         return 141  # 128 + SIGPIPE
-    except (ValueError, OSError, ImportError, CheckpointError) as e:  # OSError: paths, permissions
+    # ValueError: arguments, configs, checkpoints (CheckpointError); OSError: paths, permissions
+    except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # training and regenerate resume from where they were saved
@@ -97,8 +97,7 @@ def _train(args: argparse.Namespace) -> int:
 
     result = train(config, stop_after=args.stop_after)
     if result is None:
-        print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
-        return 0
+        return _stopped(args.stop_after)
     if result.already_finished:
         late = (
             "" if result.eval_tau is None else f"; its final evaluation: tau {result.eval_tau:.2f}"
@@ -111,6 +110,12 @@ def _train(args: argparse.Namespace) -> int:
     print(
         f"trained {result.steps} steps; {loss}eval tau {tau}; draft exported to {result.export_dir}"
     )
+    return 0
+
+
+def _stopped(steps: int) -> int:
+    """What `--stop-after` ends a training run with."""
+    print(f"stopped after {steps} steps; rerun the same command to resume")
     return 0
 
 
@@ -160,8 +165,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
             draft = trained_draft(config, draft)
     result = train_adapter(config, draft=draft, stop_after=args.stop_after)
     if result is None:
-        print(f"stopped after {args.stop_after} steps; rerun the same command to resume")
-        return 0
+        return _stopped(args.stop_after)
     e = result.evaluation
     if result.already_finished and not e:  # its export, calibration included, is left as it is
         print(
@@ -190,9 +194,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     temperatures) and stores it in the checkpoint."""
     from jetspec_jax.flag_paths import require_paths
 
-    for name in ("num_rounds", "anchors_per_sequence", "max_length"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _require_at_least_one(args, "num_rounds", "anchors_per_sequence", "max_length")
     _check_refreshes(args)
     require_paths("--draft", [args.draft], directory=True)
     require_paths("--data", args.data)
@@ -212,7 +214,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         confidence_grid=args.confidence_grid,
         refreshes=args.refreshes,
         holdout_fraction=args.holdout_fraction,
-        names={name: "--" + name.replace("_", "-") for name in SETTING_NAMES},
+        names={name: _flag(name) for name in SETTING_NAMES},
     )
     if not is_bundle(args.draft):
         raise ValueError(
@@ -434,6 +436,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from jetspec_jax.data.regenerate import check_room_for_a_prompt
     from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.flag_paths import named_by_flag, require_paths
+    from jetspec_jax.prompting import PromptEncoding
     from jetspec_jax.target import load_target_config, require_tokenizer
     from jetspec_jax.training.evaluate import (
         encoded_prompts,
@@ -446,7 +449,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
     _check_refreshes(args)
     encoding = _prompt_encoding(args)
-    if encoding == type(encoding)():  # no flag: the template if the tokenizer has one, else raw
+    if encoding == PromptEncoding():  # no flag: the template if the tokenizer has one, else raw
         encoding = None
     require_paths("--draft", [args.draft], directory=True)
     require_paths("--prompts", [args.prompts])
@@ -558,10 +561,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     # Validate everything cheap (arguments, prompt files) before the slow model load.
     with keywords_named_by_flag():
         sampling = jetspec_jax.SamplingParams(temperature=args.temperature, seed=args.seed)
-    for name in ("batch_size", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} must be >= 1, got {getattr(args, name)}")
+    _require_at_least_one(args, "batch_size", "max_new_tokens")
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
     encoding = _prompt_encoding(args)
@@ -602,6 +602,19 @@ def _with_default_command(argv: list[str]) -> list[str]:
     return argv
 
 
+def _flag(name: str) -> str:
+    """The flag of an argparse destination: `max_new_tokens` -> `--max-new-tokens`."""
+    return "--" + name.replace("_", "-")
+
+
+def _require_at_least_one(args: argparse.Namespace, *names: str) -> None:
+    """Refuses a count flag below 1, by flag; one not given (None) passes."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{_flag(name)} must be >= 1, got {value}")
+
+
 def _float_list(text: str) -> list[float]:
     """`--flag 0,0.5,1` -> [0.0, 0.5, 1.0] (argparse reports the errors as usage errors)."""
     values = [float(part) for part in text.split(",") if part.strip()]
@@ -616,6 +629,19 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _add_config_args(parser: argparse.ArgumentParser, config_help: str, example: str) -> None:
+    """`--config` and its `--set` overrides (`draft`, `adapter`; `_train_config` reads them)."""
+    parser.add_argument("--config", required=True, help=config_help)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
+        help=f"override a config value (repeatable), e.g. --set {example}",
+    )
 
 
 def _add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -699,15 +725,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_verbose(regen)
 
     draft = commands.add_parser("draft", help="train a draft from a YAML config (resumable)")
-    draft.add_argument("--config", required=True, help="training config (see configs/)")
-    draft.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="overrides",
-        help="override a config value (repeatable), e.g. --set draft.variant=dflash",
-    )
+    _add_config_args(draft, "training config (see configs/)", "draft.variant=dflash")
     draft.add_argument("--stop-after", type=int, default=None, help="run at most N steps now")
     _add_multihost_args(draft)
     _add_verbose(draft)
@@ -715,15 +733,7 @@ def _parser() -> argparse.ArgumentParser:
     adapter = commands.add_parser(
         "adapter", help="train the adapter for a trained draft from a YAML config (resumable)"
     )
-    adapter.add_argument("--config", required=True, help="training config (its adapter section)")
-    adapter.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        dest="overrides",
-        help="override a config value (repeatable), e.g. --set adapter.optim.steps=200",
-    )
+    _add_config_args(adapter, "training config (its adapter section)", "adapter.optim.steps=200")
     adapter.add_argument(
         "--draft", default=None, help="the trained draft's directory (default: <run.dir>/draft)"
     )

@@ -111,10 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 130
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
-    # In float32 an output unlike AR's is a bug: the run fails (its report kept for the diff).
-    # In bfloat16 a block forward and a one-token step may round a near-tie apart: a warning.
+    return _report_mismatches(summaries, args.dtype)
+
+
+def _report_mismatches(summaries, dtype: str) -> int:
+    """Names the rows whose outputs differ from AR's; the exit status. In float32 such an output
+    is a bug: the run fails (its report kept for the diff). In bfloat16 a block forward and a
+    one-token step may round a near-tie apart: a warning."""
     mismatches = [s for s in summaries if s.matches_ar not in (None, s.prompts)]
-    level = "error" if args.dtype == "float32" else "warning"
+    level = "error" if dtype == "float32" else "warning"
     for s in mismatches:
         print(
             f"{level}: {s.method} on {s.dataset} at T={s.temperature:g}: the output differs from "

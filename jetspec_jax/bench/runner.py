@@ -95,10 +95,10 @@ def run_benchmark(
         target: the loaded target.
         datasets: encoded prompt sets.
         methods: what to compare; must include "ar" (the baseline).
-        drafts: draft per speculative method name (`MethodSpec.method`).
+        drafts: draft per variant (`MethodSpec.method`), which serves that variant's methods.
         temperatures: 0 = greedy.
         max_new_tokens: budget per prompt.
-        warmup: untimed runs of the first prompt per method and temperature.
+        warmup: untimed runs of each dataset's first prompt per method and temperature.
         show_progress: a tqdm bar over the timed runs; None: only on a terminal.
         on_sample: called with each sample as it is measured (to keep what an interrupted run
             finished).
