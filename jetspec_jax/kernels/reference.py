@@ -50,12 +50,9 @@ def refinement_attention_reference(
     f32 = dict(precision=precision, preferred_element_type=jnp.float32)
     # The context part is contracted once for all candidates (never broadcast over C).
     ctx = jnp.einsum("bckhgd,bshd->bchgks", qg, context_k, **f32) * scale
-    blk = jnp.einsum("bckhgd,bcjhd->bchgkj", qg, block_k, **f32) * scale
-    neg = jnp.finfo(jnp.float32).min
+    blk = _own_block_scores(qg, block_k, causal, scale, precision)
     visible = jnp.arange(s_len)[None, None, :] < context_lengths[:, :, None]  # [B, C, S]
-    ctx = jnp.where(visible[:, :, None, None, None, :], ctx, neg)
-    if causal:
-        blk = jnp.where(jnp.tril(jnp.ones((k_len, k_len), bool)), blk, neg)
+    ctx = jnp.where(visible[:, :, None, None, None, :], ctx, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(jnp.concatenate([ctx, blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., :s_len], probs[..., s_len:]
     out = jnp.einsum("bchgks,bshd->bckhgd", p_ctx.astype(context_v.dtype), context_v, **f32)
@@ -105,13 +102,10 @@ def refinement_attention_over_span(
     qg = q.reshape(batch, cands, k_len, num_kv, num_heads // num_kv, head_dim)
     precision = matmul_precision(q, cache_k, cache_v, block_k, block_v)
     f32 = dict(precision=precision, preferred_element_type=jnp.float32)
-    lowest = jnp.finfo(jnp.float32).min
 
     # The block's own keys first: every row sees at least itself, so the running maximum starts
     # finite and fully masked chunks add exactly nothing.
-    blk = jnp.einsum("bckhgd,bcjhd->bchgkj", qg, block_k, **f32) * scale
-    if causal:
-        blk = jnp.where(jnp.tril(jnp.ones((k_len, k_len), bool)), blk, lowest)
+    blk = _own_block_scores(qg, block_k, causal, scale, precision)
     m = jnp.max(blk, axis=-1)  # [B, C, N_kv, G, K]
     p = jnp.exp(blk - m[..., None])
     acc = jnp.einsum("bchgkj,bcjhd->bchgkd", p.astype(block_v.dtype), block_v, **f32)
@@ -132,8 +126,30 @@ def refinement_attention_over_span(
         chunk,
         chunk_scores,
         "bchgks,bshd->bchgkd",
-        f32["precision"],
+        precision,
     )
     out = acc / total[..., None]  # [B, C, N_kv, G, K, D]
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(batch, cands, k_len, num_heads, head_dim)
     return out.astype(q.dtype)
+
+
+def _own_block_scores(
+    qg: jax.Array,
+    block_k: jax.Array,
+    causal: bool,
+    scale: float,
+    precision: jax.lax.Precision | None,
+) -> jax.Array:
+    """Scaled float32 scores `[B, C, N_kv, G, K, K]` of grouped queries `qg` `[B, C, K, N_kv, G, D]`
+    against their own block's keys `block_k` `[B, C, K, N_kv, D]`; with `causal`, a row's scores
+    of later keys are the float32 minimum (masked)."""
+    scores = jnp.einsum(
+        "bckhgd,bcjhd->bchgkj", qg, block_k, precision=precision, preferred_element_type=jnp.float32
+    )
+    scores = scores * scale
+    if causal:
+        k_len = block_k.shape[2]
+        scores = jnp.where(
+            jnp.tril(jnp.ones((k_len, k_len), bool)), scores, jnp.finfo(jnp.float32).min
+        )
+    return scores

@@ -82,6 +82,7 @@ class AdapterConfig:
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers over all modules (the layers of `params["layers"]` and the cache)."""
         return sum(self.layers_per_module)
 
     def module_layers(self, module: int) -> range:
@@ -121,7 +122,7 @@ def extend_context(
         The extended cache (lengths advanced by `num_new`).
     """
     c = config.layers
-    positions = cache.lengths[:, None] + jnp.arange(levels.shape[2], dtype=jnp.int32)[None]
+    positions = layers.appended_positions(cache.lengths, levels.shape[2])
     for m in range(len(config.target_layer_ids)):
         for i in config.module_layers(m):
             layer = params["layers"][i]
@@ -150,7 +151,7 @@ def predict_states(
     Returns:
         `[n, B, K, H]` predicted states at every tap layer, in tap order.
     """
-    positions = cache.lengths[:, None] + jnp.arange(block_tokens.shape[1], dtype=jnp.int32)[None]
+    positions = layers.appended_positions(cache.lengths, block_tokens.shape[1])
     x = jnp.take(embedding, block_tokens, axis=0).astype(cache.k.dtype)[:, None]
 
     def cached(m):

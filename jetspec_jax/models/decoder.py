@@ -72,11 +72,16 @@ def extend_context(
         cache: row b's new rows go to positions `cache.lengths[b] + arange(T)`.
         states: `[B, T, H]` the target's true deepest-tap states of those positions.
         num_new: `[B]` real rows among the T (the rest never reach the cache's state).
+
+    Returns:
+        The extended cache (lengths advanced by `num_new`).
     """
     if first_layer == config.num_layers:
         return cache.replace(lengths=cache.lengths + num_new)
     sub_params, sub_config = upper_model(params, config, first_layer)
-    out = forward(sub_params, sub_config, None, cache, num_new=num_new, inputs=_cast(states, cache))
+    out = forward(
+        sub_params, sub_config, None, cache, num_new=num_new, inputs=_in_cache_dtype(states, cache)
+    )
     return out.cache
 
 
@@ -102,9 +107,10 @@ def decoder_logits(
     if first_layer == config.num_layers:  # the deepest tap is the final-normed output
         return unembed(params, config, states), cache
     sub_params, sub_config = upper_model(params, config, first_layer)
-    out = forward(sub_params, sub_config, None, cache, inputs=_cast(states, cache))
+    out = forward(sub_params, sub_config, None, cache, inputs=_in_cache_dtype(states, cache))
     return unembed(params, config, out.hidden), uncommitted(cache, out.cache)
 
 
-def _cast(states: jax.Array, cache) -> jax.Array:
+def _in_cache_dtype(states: jax.Array, cache: KVCache | HybridCache) -> jax.Array:
+    """`states` in the target's dtype (its cache's): an adapter may predict them in another."""
     return states.astype(cache.k.dtype)

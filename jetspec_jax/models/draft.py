@@ -183,7 +183,7 @@ def extend_context(
         The extended cache (lengths advanced by `num_new`).
     """
     rows = fuse_taps(params, config, taps)
-    positions = cache.lengths[:, None] + jnp.arange(rows.shape[1], dtype=jnp.int32)[None]
+    positions = layers.appended_positions(cache.lengths, rows.shape[1])
     for i, layer in enumerate(params["layers"]):
         k, v = keys_values(layer["self_attn"], config.layers, rows, positions)
         cache = cache.write(i, k, v, positions)

@@ -44,7 +44,7 @@ def forward(
     x = layers.embed_inputs(params, tokens, inputs)
     batch, length = x.shape[:2]
     offsets = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
-    positions = offsets[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    positions = layers.appended_positions(offsets, length)
     real = jnp.full((batch,), length, jnp.int32) if num_new is None else num_new.astype(jnp.int32)
     inv_freq = inverse_frequencies(config.rope, config.rotary_dim)
     attn_slot = {layer: j for j, layer in enumerate(config.attention_layers)}
@@ -74,13 +74,10 @@ def forward(
         if i in tap_layers:
             taps[i] = x
     hidden = offset_rms_norm(params["norm"], x, eps)
-    if config.num_layers - 1 in taps:  # HF's hidden_states[L] is the final-normed output
-        taps[config.num_layers - 1] = hidden
 
     if cache is not None:
         cache = cache.appended(kv[0], kv[1], convs, states, block_inputs, real)
-    stacked = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None
-    return hidden, stacked, cache
+    return hidden, layers.stacked_taps(taps, tap_layers, hidden, config.num_layers), cache
 
 
 def offset_rms_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:

@@ -88,9 +88,9 @@ class HybridCache:
         kv = (n_attn, b, capacity, c.num_kv_heads, c.head_dim)
         hv, hk = c.linear_num_value_heads, c.linear_num_key_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        conv = jnp.zeros((n_lin, b, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), dtype)
-        state = jnp.zeros((n_lin, b, hv, dk, dv), jnp.float32)
         f32 = jnp.float32
+        conv = jnp.zeros((n_lin, b, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), dtype)
+        state = jnp.zeros((n_lin, b, hv, dk, dv), f32)
         return cls(
             k=jnp.zeros(kv, dtype),
             v=jnp.zeros(kv, dtype),

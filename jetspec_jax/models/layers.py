@@ -27,6 +27,23 @@ def embed_inputs(params: Params, tokens: jax.Array | None, inputs: jax.Array | N
     return jnp.take(params["embed_tokens"]["embedding"], tokens, axis=0)
 
 
+def appended_positions(lengths: jax.Array, length: int) -> jax.Array:
+    """`[B, T]` int32 absolute positions of `length` tokens appended to rows of `lengths` `[B]`
+    (slot = position in every cache): `lengths[b] + arange(T)`."""
+    return lengths[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+
+
+def stacked_taps(
+    taps: dict[int, jax.Array], tap_layers: tuple[int, ...], hidden: jax.Array, num_layers: int
+) -> jax.Array | None:
+    """`[n_taps, B, T, H]` the outputs `taps[i]` `[B, T, H]` of the tap layers, in `tap_layers`
+    order (None for none); the last layer's is the final-normed `hidden`, as HF's
+    `hidden_states[L]`."""
+    if not tap_layers:
+        return None
+    return jnp.stack([hidden if i == num_layers - 1 else taps[i] for i in tap_layers])
+
+
 def wider_float(a, b) -> jnp.dtype:
     """The wider of two float dtypes (float32 for float32 and bfloat16), as standard promotion
     picks it; `jnp.promote_types` refuses the pair under `jax_numpy_dtype_promotion="strict"`."""
@@ -97,7 +114,8 @@ def value_heads(proj: Params, x: jax.Array, num_heads: int, head_dim: int) -> ja
 
 
 def causal_mask(q_positions: jax.Array, k_positions: jax.Array) -> jax.Array:
-    """`[B, T, S]`: key j is visible to query i iff `k_positions[j] <= q_positions[i]`.
+    """`[B, T, S]` from `q_positions` `[B, T]` and `k_positions` `[B, S]`: key j is visible to
+    query i iff `k_positions[j] <= q_positions[i]`.
 
     Masking by absolute position covers the target's cases: plain causal attention over the input
     (both position sets are `arange(T)`) and attention over a cache whose slots past a row's length
@@ -212,7 +230,8 @@ def cached_attention(
         jnp.zeros(stats, f32),
         jnp.zeros((*stats, head_dim), f32),
     )
-    span = jnp.max(positions) + 1  # slot 0 is in every query's view
+    # Slots up to the latest query's position; every query sees slot 0, so no total stays 0.
+    span = jnp.max(positions) + 1
     _, total, acc = fold_cache_span(
         state, k_cache, v_cache, layer, span, chunk, chunk_scores, "bkgts,bskd->bkgtd", precision
     )

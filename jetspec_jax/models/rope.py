@@ -12,7 +12,7 @@ from jetspec_jax.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """The `head_dim // 2` inverse frequencies, float32, computed as transformers does.
+    """The `[head_dim // 2]` float32 inverse frequencies, as transformers computes them.
 
     Computed on the host in float32 (not float64), as transformers does; numpy's float32 power can
     still differ from torch's by one ulp in a few entries.

@@ -89,7 +89,7 @@ def forward(
     x = layers.embed_inputs(params, tokens, inputs)
     batch, length = x.shape[:2]
     offsets = jnp.zeros((batch,), jnp.int32) if cache is None else cache.lengths
-    positions = offsets[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    positions = layers.appended_positions(offsets, length)
     inv_freq = inverse_frequencies(config.rope, config.head_dim)
 
     kv_cache = None if cache is None else (cache.k, cache.v)
@@ -99,15 +99,13 @@ def forward(
         if i in tap_layers:
             taps[i] = x
     hidden = layers.rms_norm(params["norm"], x, config.rms_norm_eps)
-    if config.num_layers - 1 in taps:  # HF's hidden_states[L] is the final-normed output
-        taps[config.num_layers - 1] = hidden
 
     if cache is not None:
         advance = jnp.full((batch,), length, jnp.int32) if num_new is None else num_new
         cache = KVCache(k=kv_cache[0], v=kv_cache[1], lengths=cache.lengths + advance)
     return ForwardOutput(
         hidden=hidden,
-        taps=jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None,
+        taps=layers.stacked_taps(taps, tap_layers, hidden, config.num_layers),
         cache=cache,
     )
 
@@ -155,6 +153,8 @@ def _decoder_layer(params, config, index, x, positions, inv_freq, kv_cache):
 
 
 def _self_attention(params, config, index, h, positions, inv_freq, kv_cache):
+    """GQA self-attention of the normed stream `h` `[B, T, H]` at `positions` `[B, T]` -> the
+    `o_proj` output `[B, T, H]` and the caches (as `_decoder_layer`'s)."""
     c = config
     q_norm, k_norm = (params["q_norm"], params["k_norm"]) if c.qk_norm else (None, None)
     q = layers.rotary_heads(
