@@ -5,10 +5,9 @@ Pipelined, single-device foresight and autoregressive decoding give the same tok
 sampled, and greedy foresight rounds the same outcomes and hit statistics, with forced hits, forced
 misses and both interleaved (the scaled oracle proxy of test_foresight.py). As there, the target is
 near-bigram and the draft's blocks are accepted now and then, so the outcomes exchanged between the
-devices vary from round to round. The MPMD form is
-also run with the learned proxy (adapter + decoder), whose placement leaves the target's lower
-layers off the draft device. On CPU the two virtual devices share the cores: correctness, not
-overlap.
+devices vary from round to round. The MPMD form is also run with the learned proxy (adapter +
+decoder), whose placement leaves the target's lower layers off the draft device. On CPU the two
+virtual devices share the cores: correctness, not overlap.
 
 The sessions of the two prompts all forecast B = 2 candidates, and the J3-R3 in-place tests run
 the three rows of the per-row sampling test: tests with the same sizes share their compiled

@@ -122,7 +122,7 @@ def convert_gguf_to_hf(
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         _check_tokenizer_metadata(reader)
-        _tokenizer_builders()
+        _tokenizer_builders()  # an old transformers: refused before any tensor is dequantized
         config = _llama_config(reader)
         _check_tensors(reader, config)
         with atomic_directory(out) as tmp:
@@ -152,17 +152,23 @@ def _write_checkpoint(
     with tqdm(total=len(reader.tensors), desc="Converting GGUF tensors", disable=disable) as bar:
         tensors = _lazy_tensors(reader, config, on_load=bar.update)
         _write_json(out / "config.json", config)
-        generation = {
-            k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
-        }
-        # A chat model's end of turn, when not its eos: decoding stops there too (as llama.cpp).
-        eot = _field(reader, "tokenizer.ggml.eot_token_id", default=None)
-        eos = generation.get("eos_token_id")
-        if eot is not None and eot != eos:
-            generation["eos_token_id"] = eot if eos is None else [eos, eot]
-        _write_json(out / "generation_config.json", generation)
+        _write_json(out / "generation_config.json", _generation_config(reader, config))
         write_safetensors(tensors, out, max_shard_bytes=max_shard_bytes)
     _save_tokenizer(reader, out)
+
+
+def _generation_config(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, Any]:
+    """``generation_config.json``: the special-token ids of ``config``, with the end-of-turn
+    token among the eos ids."""
+    generation = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
+    }
+    # A chat model's end of turn, when not its eos: decoding stops there too (as llama.cpp).
+    eot = _field(reader, "tokenizer.ggml.eot_token_id", default=None)
+    eos = generation.get("eos_token_id")
+    if eot is not None and eot != eos:
+        generation["eos_token_id"] = eot if eos is None else [eos, eot]
+    return generation
 
 
 def _llama_config(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -251,7 +257,7 @@ def _check_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> None:
 
 
 def _hf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
-    """GGUF lists dimensions fastest-first; numpy/PyTorch is row-major."""
+    """The tensor's shape in HF's row-major order (GGUF lists dimensions fastest-first)."""
     return tuple(int(d) for d in reversed(tensor.shape))
 
 
@@ -420,21 +426,24 @@ def _save_tokenizer(reader: gguf.GGUFReader, out: pathlib.Path) -> None:
     save_tokenizer(tokenizer, out)
 
 
-def _field(reader: gguf.GGUFReader, key: str, **kw: Any) -> Any:
+_REQUIRED = object()  # `_field`'s default: a missing key is an error
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     """Return a metadata value; without ``default`` a missing key is an error."""
     field = reader.get_field(key)
     if field is None:
-        if "default" in kw:
-            return kw["default"]
+        if default is not _REQUIRED:
+            return default
         raise CheckpointError(f"GGUF metadata lacks required key {key!r}")
     return field.contents()
 
 
-def _count(reader: gguf.GGUFReader, key: str, **kw: Any) -> int:
+def _count(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> int:
     """A size or count of the metadata (`_field`): an integer >= 1, named by its GGUF key when
     not (a zero would divide by zero; a per-layer array, which llama.cpp also reads, would reach
     the config as a list)."""
-    value = _field(reader, key, **kw)
+    value = _field(reader, key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         per_layer = " (per-layer values are not supported)" if isinstance(value, list) else ""
         raise CheckpointError(

@@ -12,11 +12,10 @@ once, each finished row taking the next prompt, longest first), not in the promp
 Runs are resumable: ids already in the output file are skipped, and each response's line is
 appended and flushed to disk as it finishes, so a kill loses only the responses in flight. A
 partial last line (a kill mid-write) is truncated before appending; complete lines are never
-rewritten. The settings
-that shape a response (target architecture and dtype, a digest of its checkpoint directory's files:
-weights, tokenizer and chat template; its stop ids, budget, prompt encoding, sampling) are kept
-beside the output in `<out>.settings.json`; resuming with other settings is refused, since the
-file would mix two data sets.
+rewritten. The settings that shape a response (target architecture and dtype, a digest of its
+checkpoint directory's files: weights, tokenizer and chat template; its stop ids, budget, prompt
+encoding, sampling) are kept beside the output in `<out>.settings.json`; resuming with other
+settings is refused, since the file would mix two data sets.
 
 Sampled runs stay reproducible across resumes: record i (its position in the prompt files, read in
 the order given, before `limit`) is sampled with a seed derived from (base seed, i) alone, and a
@@ -232,18 +231,7 @@ def regenerate(
     # Before any file is made: a prompt the chat template refuses fails with nothing written.
     encoding = PromptEncoding(chat=chat, system=system, thinking=thinking)
     encoded = _encode(target, records, max_new_tokens, encoding)
-    settings = dict(
-        target=dict(config=_json_ready(target.config), dtype=target.dtype),
-        # The weights, tokenizer and chat template (a target built in memory: None, unchecked).
-        target_files=directory_digest(target.path) if target.path is not None else None,
-        stop_token_ids=list(target.stop_token_ids),
-        max_new_tokens=max_new_tokens,
-        chat=chat,
-        system=system,
-        thinking=thinking,
-        math_suffix_sources=sorted(math_suffix_sources),
-        sampling=_json_ready(sampling),
-    )
+    settings = _settings(target, max_new_tokens, encoding, math_suffix_sources, sampling)
     busy = (
         f"{out_path} is being written by another regenerate run; wait for it, or give another "
         "output file"
@@ -281,6 +269,28 @@ def regenerate(
     )
 
 
+def _settings(
+    target: Target,
+    max_new_tokens: int,
+    encoding: PromptEncoding,
+    math_suffix_sources: Sequence[str],
+    sampling: SamplingParams,
+) -> dict:
+    """The settings that shape a response, as `record_settings` keeps them (JSON-ready)."""
+    return dict(
+        target=dict(config=_json_ready(target.config), dtype=target.dtype),
+        # The weights, tokenizer and chat template (a target built in memory: None, unchecked).
+        target_files=directory_digest(target.path) if target.path is not None else None,
+        stop_token_ids=list(target.stop_token_ids),
+        max_new_tokens=max_new_tokens,
+        chat=encoding.chat,
+        system=encoding.system,
+        thinking=encoding.thinking,
+        math_suffix_sources=sorted(math_suffix_sources),
+        sampling=_json_ready(sampling),
+    )
+
+
 def _generate_into(
     target: Target,
     encoded: list[tuple[PromptRecord, list[int]]],
@@ -300,7 +310,7 @@ def _generate_into(
     )
     cut = 0
     # Unbuffered: a write that fails leaves no buffer for `close` to flush again (its error,
-    # naming no file, would replace `_append_lines`').
+    # naming no file, would replace `_append_line`'s).
     with out_path.open("ab", buffering=0) as out, progress:
         if not encoded:
             return 0, 0
@@ -316,7 +326,7 @@ def _generate_into(
         )
         for i, result in results:
             line = _line(target, *encoded[i], result)
-            _append_lines(out, [line])
+            _append_line(out, line)
             cut += line["finish_reason"] == "length"
             progress.update(1)
     return len(encoded), cut
@@ -360,15 +370,14 @@ def _line(target: Target, record: PromptRecord, ids: list[int], result) -> dict:
     }
 
 
-def _append_lines(out, objects: list[dict]) -> None:
-    """Appends the objects as JSONL to the unbuffered binary file `out`, then flushes them to
-    disk.
+def _append_line(out, obj: dict) -> None:
+    """Appends `obj` as a JSONL line to the unbuffered binary file `out`, then flushes it to disk.
 
     Raises:
         OSError: the write failed (a full disk, say), naming the file (a failed write names
             none); a partial line it left is cut when the run resumes.
     """
-    data = memoryview("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objects).encode())
+    data = memoryview((json.dumps(obj, ensure_ascii=False) + "\n").encode())
     try:
         while data:  # an unbuffered write may take part of it
             data = data[out.write(data) :]
@@ -469,8 +478,9 @@ def record_settings(path: pathlib.Path, settings: dict, *, resuming: bool) -> No
 
 
 def _json_ready(value) -> dict:
-    """A frozen config as it reads back from JSON (tuples as lists); runtime-only choices of
-    how to compute (`recurrence_impl`, `cache_chunk`) are left out."""
+    """A frozen dataclass (the target's config, the sampling) as it reads back from JSON (tuples
+    as lists); the config's runtime-only choices of how to compute (`recurrence_impl`,
+    `cache_chunk`) are left out."""
     fields = dataclasses.asdict(value)
     fields.pop("recurrence_impl", None)
     fields.pop("cache_chunk", None)
@@ -520,8 +530,13 @@ def _existing_prompts(out_path: pathlib.Path) -> dict[str, list[int]]:
     return prompts
 
 
+def _is_integer(value) -> bool:
+    """An int or numpy integer, not a bool (an int subclass)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not _is_integer(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
@@ -530,7 +545,7 @@ def _check_positive(name: str, value) -> None:
 def _check_limit(limit) -> None:
     if limit is None:
         return
-    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)):
+    if not _is_integer(limit):
         raise ValueError(f"limit must be an integer or None, got {limit!r}")
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")

@@ -2,11 +2,11 @@
 
 A loop carry (`DecodeState`, `SpecState` with any proposer state, their caches, `Requests`) is a
 pytree whose every leaf holds one slice per batch row, along an axis that differs from leaf to
-leaf (`[B, N]` outputs, `[L, B, S, N_kv, D]` caches). Prefilling n new requests together, with the
-running batch's static sizes (cache capacity, output buffer), gives the same pytree with n rows
-(n < B, or n = B = 1); the batch axis of each leaf is the one axis where the two shapes differ.
-Every leaf must have exactly one such axis: a leaf shared by all rows would have no row to write,
-and is refused rather than silently kept.
+leaf (`[B, max_output]` outputs, `[L, B, S, N_kv, D]` caches). Prefilling n new requests
+together, with the running batch's static sizes (cache capacity, output buffer), gives the same
+pytree with n rows (n < B, or n = B = 1); the batch axis of each leaf is the one axis where the
+two shapes differ. Every leaf must have exactly one such axis: a leaf shared by all rows would
+have no row to write, and is refused rather than silently kept.
 
 Each leaf is written by its own small program on the devices that hold it, so the same code serves
 a state on one device, replicated over the SPMD pipeline's mesh, or split between the MPMD
@@ -61,7 +61,8 @@ def write_rows(full, part, rows: Sequence[int], batch_size: int):
     if not all(0 <= r < batch_size for r in rows):
         raise ValueError(f"rows {rows}: each must be in [0, {batch_size})")
     # Padding rows target row `batch_size`: out of bounds, so the scatter drops them.
-    index = np.asarray(rows + [batch_size] * (n - len(rows)), np.int32)  # placed as jit places
+    # A host array: each `_write` places it where that call's leaf lies.
+    index = np.asarray(rows + [batch_size] * (n - len(rows)), np.int32)
     written = []
     for (_, leaf), new, axis in zip(full_leaves, part_leaves, axes, strict=True):
         # Both committed where `leaf` lies (no copy where they lie already): jit keys its
@@ -100,5 +101,7 @@ def batch_axis(
 
 @functools.partial(jax.jit, static_argnames="axis", donate_argnums=0)
 def _write(full: jax.Array, part: jax.Array, index: jax.Array, *, axis: int) -> jax.Array:
+    """`full` (donated) with `part`'s row j written at row `index[j]` along `axis`: `index` `[n]`
+    int32, `part` as `full` but of n rows along `axis`; rows past `full`'s are dropped."""
     at = (slice(None),) * axis + (index,)
     return full.at[at].set(part.astype(full.dtype), mode="drop")

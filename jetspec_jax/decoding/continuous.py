@@ -3,7 +3,7 @@
 The bookkeeping of continuous batching, shared by the server's scheduler and
 `generate_as_completed`: which request (key) each row holds, which finished requests have been
 answered (their rows are free), and admission into the free rows: first the rows answered
-requests left, then the batch's unused padding rows, in order (`DecodeSession.admit`).
+requests left, then the batch's unused padding rows, in order (`DecodeSession.admit_many`).
 
     batch = ContinuousBatch(DecodeSession(...), keys)   keys: one per request of the session
     batch.start()
@@ -56,7 +56,11 @@ class ContinuousBatch:
         return [(self._keys[row], tokens) for row, tokens in enumerate(new) if tokens]
 
     def cancel(self, key: Hashable) -> None:
-        """Stops `key`'s request at the next chunk boundary (if it still runs)."""
+        """Stops `key`'s request at the next chunk boundary (if it still runs).
+
+        Raises:
+            ValueError: `key` holds no row (never admitted, or its result was taken).
+        """
         row = self._row(key)
         if not self.session.row_done[row]:
             self.session.cancel(row)
@@ -150,6 +154,7 @@ class ContinuousBatch:
         return self.session.timing
 
     def _row(self, key: Hashable) -> int:
+        """The row holding `key`'s request; ValueError if none does."""
         rows = self._rows_of(key)
         if not rows:
             raise ValueError(f"{key!r} holds no row")

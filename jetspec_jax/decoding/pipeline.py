@@ -122,7 +122,9 @@ def _permute_packed(tree, pairs):
 
 
 def _pipelined_loop(params, proposer_params, state, requests, max_rounds, config, proposer):
-    """The per-device program (inside `shard_map`); returns this device's carry as `[1, ...]`."""
+    """The per-device program (inside `shard_map`): `decode_pipelined`'s loop, this device's
+    stage picked by `axis_index`. Returns this device's carry, each leaf with a leading axis of 1
+    (`out_specs=P(STAGE)` stacks the two into `[2, ...]`)."""
     stage = jax.lax.axis_index(STAGE)
     is_draft = stage == DRAFT_STAGE
     pp = proposer_params
@@ -201,8 +203,9 @@ def decode_pipelined(
 ) -> SpecState:
     """`decode_foresight` with the verify and draft sides on the two stages of `stage_mesh()`.
 
-    Arguments must be placed on the mesh (`replicate`); the result is the gathered carry, placed
-    as `state` was, which is donated: the loop updates its caches in place, copying none.
+    Arguments must be placed on the mesh (`replicate`); `max_rounds` is an int32 scalar. The
+    result is the gathered carry, placed as `state` was, which is donated: the loop updates its
+    caches in place, copying none.
     """
     loop = functools.partial(_pipelined_loop, config=config, proposer=proposer)
     stacked = jax.shard_map(

@@ -37,9 +37,9 @@ chunk for prompts no wider than the session's prefill chunk): device 0 runs the 
 chunk, its tap states go to device 1, which extends the proposer with them while device 0 runs the
 next. Neither device holds the whole prompt's tap states. The round's computation is
 `foresight.foresight_round`'s, split between the devices: the tokens, outcomes and hit statistics
-are the single-device round's. Between calls the session holds a plain
-`SpecState` (its decode side on device 0, its proposer state on device 1); each call rebuilds the
-mirror from the decode side, so a row cancelled between calls is inactive on both devices.
+are the single-device round's. Between calls the session holds a plain `SpecState` (its decode
+side on device 0, its proposer state on device 1); each call rebuilds the mirror from the decode
+side, so a row cancelled between calls is inactive on both devices.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Outcome:
     """What the target device sends after verifying a block.
 
     Attributes:
-        taps: `[n, B, K, H]` the true tap states of the block.
+        taps: `[n_taps, B, K, H]` the true tap states of the block.
         accepted: `[B]` int32 drafts accepted.
         tokens: `[B, K]` int32 the target's tokens (accepted drafts, then the bonus).
         anchor, anchor_pos, done: `[B]` the rows' `DraftSide` values after the commit.
@@ -147,7 +147,8 @@ def propose_block(draft_params, target_params, side: DraftSide, *, proposer: For
 
 @functools.partial(jax.jit, static_argnames=("proposer",), donate_argnames=("side",))
 def draft_ahead(draft_params, target_params, side: DraftSide, block, sampling, *, proposer):
-    """Device 1, while block t is verified: the candidate blocks t+1 of its likely outcomes."""
+    """Device 1, while block t (`block` `[B, K]`) is verified: the candidate blocks t+1 of its
+    likely outcomes; skipped once no row is active."""
     state = jax.lax.cond(
         jnp.any(~side.done),
         lambda: proposer.draft_ahead(
@@ -185,7 +186,8 @@ def verify_and_commit(
 def observe_outcome(
     draft_params, target_params, side: DraftSide, block, outcome: Outcome, *, proposer
 ):
-    """Device 1: the contexts extended with the true states of block t; the commit mirrored."""
+    """Device 1: the contexts extended with the true states of block t (`block` `[B, K]`); the
+    commit mirrored; skipped once no row is active."""
 
     def observe():
         num_committed = round_commits(outcome.accepted, ~side.done)
@@ -314,8 +316,10 @@ class TwoProgramPipeline:
         max_output: int,
         chunk: int | None = None,
     ) -> tuple[SpecState, float]:
-        """`(state, compile seconds)`: `prefill_speculative`'s carry with each side built on its
-        device, `chunk` positions at a time (one chunk for prompts no wider; None: one chunk).
+        """`(state, compile seconds)`: `prefill_speculative`'s carry for `prompts` `[B, T]`
+        (right-padded, real lengths `prompt_lengths` `[B]`) with each side built on its device,
+        at most `chunk` positions at a time, the width split evenly (`even_chunk`; one chunk for
+        prompts no wider; None: one chunk).
 
         The host dispatches the chunks ahead: while device 1 extends the proposer with chunk i's
         tap states, device 0 runs the target over chunk i + 1. It waits only where device 1

@@ -127,7 +127,7 @@ def forward_chunk(
     """
     tokens, num_new = chunk_inputs(padded, prompt_lengths, index, chunk)
     out = forward(params, config, tokens, cache, num_new=num_new, tap_layers=tap_layers)
-    place = prompt_lengths - 1 - index * chunk  # each row's last prompt token in the chunk
+    place = prompt_lengths - 1 - index * chunk  # each row's last prompt token, offset in the chunk
     picked = jnp.take_along_axis(out.hidden, jnp.clip(place, 0, chunk - 1)[:, None, None], 1)
     here = (place >= 0) & (place < chunk)
     return out.cache, jnp.where(here[:, None, None], picked, last), out.taps
@@ -148,7 +148,8 @@ def even_chunk(width: int, chunk: int) -> int:
 
 
 def chunk_count(prompt_lengths: jax.Array, chunk: int) -> jax.Array:
-    """The chunks the longest row needs: the loops' dynamic trip count."""
+    """The chunks the longest row needs (`prompt_lengths` `[B]`): an int32 scalar, the loops'
+    dynamic trip count."""
     return (jnp.max(prompt_lengths) + chunk - 1) // chunk
 
 

@@ -457,10 +457,6 @@ def evaluate_rounds(
         part = [jnp.asarray(x[start : start + chunk]) for x in rounds.fit_arrays]
         found = _hit_counts(*part, rules=rules, budgets=budgets, calibration=calibration)
         counts += np.asarray(found)
-    hits = {
-        rule: {num: int(counts[r, b]) for b, num in enumerate(budgets)}
-        for r, rule in enumerate(rules)
-    }
     return {
         "rounds": len(rounds),
         "log_likelihood": {
@@ -468,7 +464,7 @@ def evaluate_rounds(
             "calibrated": outcome_log_likelihood(*rounds.fit_arrays, calibration),
         },
         "hit_rate": {
-            rule: {num: count / len(rounds) for num, count in per.items()}
-            for rule, per in hits.items()
+            rule: {num: int(counts[r, b]) / len(rounds) for b, num in enumerate(budgets)}
+            for r, rule in enumerate(rules)
         },
     }

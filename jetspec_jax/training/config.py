@@ -21,6 +21,10 @@ import yaml
 
 logger = logging.getLogger(__name__)
 
+# An optimisation section's one budget, given two ways (`steps = ceil(epochs * examples /
+# batch_size)`): a section holds one of them.
+_BUDGET_KEYS = ("steps", "epochs")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -147,8 +151,7 @@ class TrainConfig:
     run: RunConfig = RunConfig()
 
     def __post_init__(self):
-        # Named with the choices: "float16" reads like a dtype the run could take, and "DFlash"
-        # (the baseline as the docs write it) like a variant.
+        # Named with the choices: "float16" reads like a dtype the run could take.
         _check(
             self.target_dtype in ("float32", "bfloat16"),
             "target_dtype (float32 or bfloat16)",
@@ -159,33 +162,7 @@ class TrainConfig:
             "export_dtype (float32, bfloat16, or null for the target's)",
             self.export_dtype,
         )
-        _check(
-            self.draft.variant in ("dflash", "jetspec", "jetspec++"),
-            "draft.variant (dflash, jetspec or jetspec++)",
-            self.draft.variant,
-        )
-        _check(self.draft.num_layers >= 1, "draft.num_layers", self.draft.num_layers)
-        _check(self.draft.block_size >= 2, "draft.block_size", self.draft.block_size)
-        taps = self.draft.target_layer_ids
-        if taps is not None:
-            # Shallow to deep, as the default rule picks them and the adapter chains them: a
-            # draft trained on other taps could never get an adapter.
-            _check(
-                len(taps) >= 1 and taps[0] >= 0 and list(taps) == sorted(set(taps)),
-                "draft.target_layer_ids (distinct layers >= 0, in increasing order)",
-                taps,
-            )
-        _check(
-            math.isfinite(self.draft.init_std) and self.draft.init_std >= 0,
-            "draft.init_std",
-            self.draft.init_std,
-        )
-        for name in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self.draft, name)
-            _check(value is None or value >= 1, f"draft.{name}", value)
-        mask = self.draft.mask_token_id
-        _check(mask is None or mask >= 0, "draft.mask_token_id", mask)
-        _check(self.draft.init_from != "", "draft.init_from (a path, or null)", "")
+        _check_draft(self.draft)
         _check_optim(self.optim, "optim")
         _check_adapter(self.adapter, self.draft)
         # Named with the bound: an override of the block size alone fails here.
@@ -216,7 +193,37 @@ class TrainConfig:
                 )
 
 
+def _check_draft(draft: DraftArchConfig) -> None:
+    """The draft section's own checks."""
+    # Named with the choices: "DFlash" (the baseline as the docs write it) reads like a variant.
+    _check(
+        draft.variant in ("dflash", "jetspec", "jetspec++"),
+        "draft.variant (dflash, jetspec or jetspec++)",
+        draft.variant,
+    )
+    _check(draft.num_layers >= 1, "draft.num_layers", draft.num_layers)
+    _check(draft.block_size >= 2, "draft.block_size", draft.block_size)
+    taps = draft.target_layer_ids
+    if taps is not None:
+        # Shallow to deep, as the default rule picks them and the adapter chains them: a
+        # draft trained on other taps could never get an adapter.
+        _check(
+            len(taps) >= 1 and taps[0] >= 0 and list(taps) == sorted(set(taps)),
+            "draft.target_layer_ids (distinct layers >= 0, in increasing order)",
+            taps,
+        )
+    _check(math.isfinite(draft.init_std) and draft.init_std >= 0, "draft.init_std", draft.init_std)
+    for name in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+        value = getattr(draft, name)
+        _check(value is None or value >= 1, f"draft.{name}", value)
+    mask = draft.mask_token_id
+    _check(mask is None or mask >= 0, "draft.mask_token_id", mask)
+    _check(draft.init_from != "", "draft.init_from (a path, or null)", "")
+
+
 def _check_optim(optim: OptimConfig, where: str) -> None:
+    """An optimisation section's own checks (`where`: its dotted path, `optim` or
+    `adapter.optim`)."""
     for name in ("batch_size", "anchors_per_sequence", "anchors_per_loss_chunk", "steps"):
         _check(getattr(optim, name) >= 1, f"{where}.{name}", getattr(optim, name))
     if optim.epochs is None:
@@ -381,9 +388,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_BUDGET_KEYS = ("steps", "epochs")
-
-
 def _inherit_optim(data: dict) -> None:
     """An `adapter.optim` made by overrides alone changes the optim the adapter ran with (the
     top-level one, overrides applied), not the built-in defaults: only its given keys differ.
@@ -399,6 +403,7 @@ def _inherit_optim(data: dict) -> None:
 
 
 def _adapter_optim(data: dict) -> Any:
+    """The raw `adapter.optim` section of the YAML data (None when absent or null)."""
     adapter = data.get("adapter")
     return adapter.get("optim") if isinstance(adapter, dict) else None
 
@@ -462,6 +467,8 @@ def from_dict(cls, data: Any, where: str):
 
 
 def _convert(hint, value, where: str):
+    """`value` as the field type `hint` (a dataclass, optional, tuple or scalar), or a ValueError
+    naming `where`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
