@@ -434,6 +434,7 @@ def _set(**changes):
         (_set_dflash(output_multiplier="2"), "output_multiplier must be a number, got '2'"),
         (_set(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel drafts .* not supported"),
         (_set(architectures=5), None),  # malformed: read as absent, as is_draft_config reads it
+        (_set(architectures="DFlash2DraftModel"), "DFlash2DraftModel drafts .* not supported"),
     ],
 )
 def test_mismatched_or_unsupported_draft_config_is_refused(

@@ -114,8 +114,11 @@ def is_draft_config(hf: dict[str, Any]) -> bool:
 
 
 def _architectures(hf: dict[str, Any]) -> list:
-    """`architectures` as a list: absent or malformed (a number, a string) reads as none."""
+    """`architectures` as a list: a lone name (a string) as one entry; absent or malformed (a
+    number) reads as none."""
     architectures = hf.get("architectures")
+    if isinstance(architectures, str):
+        return [architectures]
     return architectures if isinstance(architectures, list) else []
 
 
