@@ -11,6 +11,8 @@ state would show.
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -318,14 +320,24 @@ def test_new_rows_are_written_into_their_rows_and_padding_is_dropped():
     np.testing.assert_array_equal(written["b"], [0, 0, 1, 0])
     batch = full()
     refused = [([1, 1], "distinct"), ([], "1 to 2"), ([0, 1, 2], "1 to 2"), ([4], r"\[0, 4\)")]
+    # A negative row would wrap around in the scatter and overwrite the batch's last row.
+    refused.append(([-1], r"\[0, 4\)"))
     for rows, message in refused:
         with pytest.raises(ValueError, match=message):
             write_rows(batch, part, rows, 4)
+    # As many leaves of the same shapes, under other keys: not the batch's state.
+    with pytest.raises(ValueError, match="structure"):
+        write_rows(batch, {"a": part["a"], "c": part["b"]}, [0], 4)
     with pytest.raises(ValueError, match=r"\['b'\]"):
         write_rows(batch, {"a": part["a"], "b": jnp.ones((5,))}, [0], 4)
     with pytest.raises(ValueError, match="one count"):
         write_rows(batch, {"a": part["a"], "b": jnp.ones((1,))}, [0], 4)
     assert float(batch["a"].sum()) == 0  # refused before any leaf was written (donated)
+    # A part of another dtype is cast to the batch's: JAX deprecates a scatter's implicit cast.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cast = write_rows(jnp.zeros((4, 2), jnp.bfloat16), jnp.ones((1, 2), jnp.float32), [1], 4)
+    assert cast.dtype == jnp.bfloat16 and float(cast.sum()) == 2
 
 
 @pytest.mark.parametrize("method", ["ar", "jetspec++"])

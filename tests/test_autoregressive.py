@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import sys
 import types
 
 import jax
@@ -15,6 +17,7 @@ from jetspec_jax import SamplingParams
 from jetspec_jax.decoding.request_checks import check_budget, check_prompts, check_token_ids
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.decoding.state import DecodeState, Requests, commit
+from jetspec_jax.generate import _progress_bar
 from tests.text_fixtures import EOS_ID, char_tokenizer, with_tokenizer
 
 
@@ -317,6 +320,25 @@ def test_generate_takes_no_batch_arguments(target):
     """`generate` decodes one prompt in one call: `generate_batch`'s progress bar is not its."""
     with pytest.raises(TypeError, match="'show_progress'"):
         jetspec_jax.generate(target, [1, 2], show_progress=True)
+
+
+def test_show_progress_none_shows_the_bar_on_a_terminal_only(monkeypatch):
+    """`show_progress=None` leaves the choice to tqdm's check of stderr: shown on a terminal,
+    hidden in a pipe; False hides it even on a terminal."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stderr, show, hidden in (
+        (Terminal(), None, False),
+        (Terminal(), False, True),
+        (io.StringIO(), None, True),
+        (io.StringIO(), True, False),
+    ):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        with _progress_bar(2, "prompt", show) as bar:
+            assert bool(bar.disable) is hidden, (stderr, show)
 
 
 def test_prompt_longer_than_the_context_is_refused(target):

@@ -72,6 +72,8 @@ def test_output_layout(converted_dir):
         49152,
     )
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    # The file's float32 epsilon as its shortest decimal, as transformers' GGUF loader gives it.
+    assert config["rms_norm_eps"] == 1e-05
     generation = json.loads((converted_dir / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
@@ -774,6 +776,19 @@ def test_unusable_tokenizer_metadata_is_refused_before_any_tensor(
     assert list(tmp_path.iterdir()) == [path]
 
 
+def test_an_unknown_token_id_outside_the_tokens_is_refused_before_any_tensor(tmp_path, monkeypatch):
+    """The unknown token's id is checked like the other special ids: the tokenizer rebuild
+    looks it up, an IndexError after every tensor otherwise."""
+    add_unk = gguf.GGUFWriter.add_unk_token_id
+    monkeypatch.setattr(gguf.GGUFWriter, "add_unk_token_id", lambda self, _: add_unk(self, 7))
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(gguf_to_hf, "_lazy_tensors", lambda *a, **k: pytest.fail("tensors read"))
+    message = f"{path}: tokenizer.ggml.unknown_token_id 7 is outside its 5 tokens"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        convert_gguf_to_hf(path, tmp_path / "out", show_progress=False)
+    assert list(tmp_path.iterdir()) == [path]
+
+
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_a_vocabulary_without_merges_or_scores_is_refused_before_any_tensor(
     tmp_path, monkeypatch, model
@@ -790,16 +805,20 @@ def test_a_vocabulary_without_merges_or_scores_is_refused_before_any_tensor(
 
 
 @pytest.mark.parametrize(
-    "value, shown", [(0, "got 0"), ([2], "got [2] (per-layer values are not supported)")]
+    "value, shown",
+    [(0, "got 0"), ([2], "got [2] (per-layer values are not supported)"), (True, "got True")],
 )
 def test_a_count_that_is_zero_or_per_layer_is_named_by_its_key(tmp_path, monkeypatch, value, shown):
     """A zero head count divided by zero, and a per-layer array (which llama.cpp reads) reached
-    the arithmetic as a list: both were a bare ZeroDivisionError / TypeError naming no file."""
+    the arithmetic as a list: both were a bare ZeroDivisionError / TypeError naming no file. A
+    bool, which Python counts as an int, would reach the config as `true`."""
     add_uint32 = gguf.GGUFWriter.add_uint32
 
     def add(self, key, given):
         if key != "llama.attention.head_count":
             return add_uint32(self, key, given)
+        if isinstance(value, bool):
+            return self.add_bool(key, value)
         return (
             self.add_array(key, value) if isinstance(value, list) else add_uint32(self, key, value)
         )

@@ -436,11 +436,13 @@ def test_a_body_over_the_limit_gets_413_naming_it(http):
 
 def test_every_chunk_of_a_stream_carries_the_streams_created_time(http, monkeypatch):
     """OpenAI's chunks share one `created`; a clock read per chunk would give each its own."""
-    from jetspec_jax.serving import openai_responses
+    from jetspec_jax.serving import app, openai_responses
 
     ticks = iter(range(1_000, 2_000))
-    clock = type("Clock", (), {"time": staticmethod(lambda: next(ticks))})
-    monkeypatch.setattr(openai_responses, "time", clock)
+    clock = types.SimpleNamespace(time=lambda: next(ticks), perf_counter=time.perf_counter)
+    # The stream reads the clock in the app (the latency metrics read perf_counter there too).
+    for module in (app, openai_responses):
+        monkeypatch.setattr(module, "time", clock)
     body = dict(model=MODEL, max_tokens=12, temperature=0, stream=True)
     for path, extra in (
         ("/v1/completions", dict(prompt="Hello", stream_options={"include_usage": True})),
@@ -448,7 +450,9 @@ def test_every_chunk_of_a_stream_carries_the_streams_created_time(http, monkeypa
     ):
         raw = http.post(path, json={**body, **extra})
         events = [json.loads(x[6:]) for x in raw.text.splitlines() if x.startswith("data: {")]
-        assert len(events) > 2 and len({e["created"] for e in events}) == 1, events
+        created = {e["created"] for e in events}
+        assert len(events) > 2 and len(created) == 1, events
+        assert created <= set(range(1_000, 2_000))  # the clock's, read once
 
 
 def test_serve_cancels_the_handlers_of_disconnected_clients(target, monkeypatch, caplog):
@@ -777,6 +781,7 @@ def test_extensions_at_their_neutral_values_are_accepted(http):
         presence_penalty=0.0,
         top_logprobs=0,
         logit_bias={"5": 0},
+        stream=None,  # null: the default, not streamed
     )
     plain = _complete(http, prompt="The sky", max_tokens=4).json()
     same = _complete(http, prompt="The sky", max_tokens=4, add_special_tokens=True, **neutral)
@@ -1368,6 +1373,20 @@ def test_serve_py_generate_refuses_text_that_is_not_utf8_before_loading(monkeypa
         monkeypatch.setattr(sys, "stdin", io.StringIO("Hi \udcff"))
         assert serve_py.main(argv) == 2
         assert f"error: {named} holds an unpaired UTF-16 surrogate" in capsys.readouterr().err
+
+
+def test_serve_py_generate_refuses_a_blank_prompt_before_loading(monkeypatch, capsys):
+    """An empty or whitespace-only prompt (argument or stdin) is named, not decoded from
+    nothing after the load."""
+    monkeypatch.setattr(jetspec_jax, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    for argv, stdin in (
+        (["generate", ""], ""),
+        (["generate", " \n"], ""),
+        (["generate", "-"], "\t\n"),
+    ):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        assert serve_py.main(argv) == 2
+        assert "error: the prompt is empty" in capsys.readouterr().err
 
 
 def test_serve_py_generate_refuses_the_flags_of_the_server(capsys):

@@ -668,9 +668,11 @@ def test_bad_configs_are_refused_by_key(tmp_path):
     for text, field in {
         "run: {log_every: 0}": "run.log_every",
         "draft: {init_std: .nan}": "draft.init_std",
+        "draft: {init_std: .inf}": "draft.init_std",
         "draft: {block_size: 1}": "draft.block_size",
         "draft: {num_layers: 0}": "draft.num_layers",
         "draft: {num_heads: 0}": "draft.num_heads",
+        "draft: {num_kv_heads: 0}": "draft.num_kv_heads",
         "draft: {mask_token_id: -1}": "draft.mask_token_id",
         # Taps an adapter could never chain (it would fail only after the draft trained).
         "draft: {target_layer_ids: [9, 1]}": r"draft.target_layer_ids \(distinct",
