@@ -25,8 +25,8 @@ def adapter_state_metrics(
 ) -> dict:
     """Mean over `batches` (dicts of `tokens`, `loss_mask`) of `adapter_eval_metrics`.
 
-    Blocks of batch i are drawn from `fold_in(key(seed), i)`: the same blocks at every evaluation
-    of a run, so successive evaluations are comparable.
+    Blocks of batch i are drawn from `fold_in(stream(seed, EVAL_BATCH), i)`: the same blocks at
+    every evaluation of a run, so successive evaluations are comparable.
 
     Returns:
         `{"eval_loss", "eval_nmse" [n], "eval_stale_nmse" [n], "eval_gap_closed" [n],

@@ -87,6 +87,9 @@ def sample_blocks(
         loss_mask: `[B, T]` bool, True at response positions (the sequence ends at its last one).
         block_size: K.
         num_anchors: A.
+
+    Returns:
+        `AdapterBlocks` (rows past the sequence's last response token are not `valid`).
     """
     length = tokens.shape[1]
     anchors, anchor_valid = sample_anchors(key, loss_mask, num_anchors)  # [B, A]

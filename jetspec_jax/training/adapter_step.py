@@ -8,8 +8,8 @@ The adapter's inputs, the target's states, keep the target's dtype, as in decodi
 target promotes a bfloat16 adapter's matmuls to float32.
 
 `TrainState`, the optimizer and the schedule are the draft's (`training/step.py`); only the loss
-differs. Blocks are drawn from `fold_in(key(seed), step)`, so a resumed run draws exactly the
-blocks an uninterrupted one would.
+differs. Blocks are drawn from `fold_in(stream(seed, TRAIN_STEP), step)`, so a resumed run draws
+exactly the blocks an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class AdapterStepConfig:
     Attributes:
         target: the frozen target.
         adapter: the adapter (its taps are the draft's).
-        optim: optimisation (`anchors_per_sequence` anchors per sequence; `p_full_noise` unused).
+        optim: optimisation (`anchors_per_sequence` anchors per sequence; `p_full_noise`,
+            `anchors_per_loss_chunk` unused).
         block_size: K, the draft's block size.
         kappa: the per-position reach probability of the loss weights.
     """
@@ -48,6 +49,8 @@ class AdapterStepConfig:
 
 
 def _loss_and_metrics(params, target_params, batch, key, config: AdapterStepConfig):
+    """`adapter_loss` of the fp32 `params` (cast to the compute dtype) on `batch`, blocks drawn
+    from `key`: the train step's and the evaluation's."""
     levels, taps = teacher_levels(
         target_params, config.target, config.adapter.target_layer_ids, batch["tokens"]
     )

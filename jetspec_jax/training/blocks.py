@@ -100,6 +100,8 @@ def sample_anchors(
 
 
 def _sequence_blocks(key, tokens, loss_mask, config: DraftConfig, num_anchors, p_full_noise):
+    """The blocks of one sequence (`tokens` `[T]` int32, `loss_mask` `[T]` bool): a `Blocks`
+    without the batch axis (`build_blocks` vmaps it)."""
     length, k_len = tokens.shape[0], config.block_size
     anchor_key, clean_key, noise_key = jax.random.split(key, 3)
 
@@ -117,7 +119,7 @@ def _sequence_blocks(key, tokens, loss_mask, config: DraftConfig, num_anchors, p
         )  # uniform on [0, a]
         is_clean = rows[None, :] <= clean[:, None]  # row 0 (the anchor) is always real
         src = jnp.where(is_clean, anchors[:, None] + rows[None, :], noise_src)
-        src = jnp.minimum(src, length - 1)
+        src = jnp.minimum(src, length - 1)  # clean rows past the end (never supervised)
         block_tokens = tokens[src]
         predicted = anchors[:, None] + rows[None, :] + 1
         supervised_rows = rows < k_len - 1
@@ -129,7 +131,7 @@ def _sequence_blocks(key, tokens, loss_mask, config: DraftConfig, num_anchors, p
         supervised_rows = rows > 0
 
     in_range = predicted < length
-    predicted = jnp.minimum(predicted, length - 1)
+    predicted = jnp.minimum(predicted, length - 1)  # a valid index; `in_range` zeroes the weight
     weights = supervised_rows[None, :] & in_range & loss_mask[predicted] & anchor_valid[:, None]
     return Blocks(
         tokens=block_tokens.astype(jnp.int32),

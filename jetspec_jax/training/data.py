@@ -115,6 +115,7 @@ def count_training_prompts(prompts, records: list[dict[str, np.ndarray]]) -> int
 
 
 def _key(ids) -> bytes:
+    """A token-id sequence as a hashable set member (int32 bytes, whatever its container)."""
     return np.asarray(ids, np.int32).tobytes()
 
 
@@ -145,7 +146,8 @@ def training_dataset(
     it, and a global batch is as random as one process's would be. Slicing before shuffling
     would give every process the same permutation of its slice, so that each global batch were
     runs of `process_count` neighbouring records (`regenerate` writes them roughly by length).
-    Batches are of `batch_size` (the local batch).
+    Batches are of `batch_size` (the local batch): `tokens` `[batch_size, max_length]` int32 and
+    `loss_mask` `[batch_size, max_length]` bool (`to_example`).
     """
     # The smallest share decides, so that every process refuses alike (one refusing alone
     # would leave the others waiting in their first collective).

@@ -80,6 +80,7 @@ def draft_loss(
         """Weighted KL sum and per-row correct counts `[K]` of one anchor chunk."""
         h, predicted, weights = chunk  # [B, c, K, H], [B, c, K], [B, c, K]
         batch_idx = jnp.arange(predicted.shape[0])[:, None, None]
+        # Supervised rows predict positions >= 1; an unsupervised row may read index -1 (weight 0).
         teacher_hidden = teacher.hidden[batch_idx, predicted - 1]  # [B, c, K, H]
         teacher_logits = unembed(target_params, target_config, teacher_hidden)
         logits = draft_logits(draft_config, lm_head, h)  # [B, c, K, V]
@@ -93,7 +94,7 @@ def draft_loss(
     if chunks[0].shape[0] > 1:  # the backward pass recomputes a chunk's logits, not keeps them
         chunk_sums = jax.checkpoint(chunk_sums)
     kl_sums, correct_sums = jax.lax.map(chunk_sums, chunks)
-    total = jnp.maximum(jnp.sum(w), 1.0)
+    total = jnp.maximum(jnp.sum(w), 1.0)  # a batch without a supervised row: loss 0, not NaN
     loss = jnp.sum(kl_sums) / total
     correct_by_row = jnp.sum(correct_sums, axis=0)  # [K]
     metrics = {

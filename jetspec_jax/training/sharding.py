@@ -2,8 +2,8 @@
 
 Batches are split over both axes (every device gets different examples). Parameters are fully
 sharded over `fsdp`: each leaf is split along its largest dimension that the axis size divides,
-and replicated when none does (norm scales, small vectors). XLA inserts the all-gathers and
-reduce-scatters; with `fsdp=1` this is plain data parallelism.
+and replicated when none does (scalars, vectors of sizes it does not divide). XLA inserts the
+all-gathers and reduce-scatters; with `fsdp=1` this is plain data parallelism.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def param_shardings(params, mesh: Mesh):
-    """A pytree of `NamedSharding`s matching `params` (fsdp over the largest divisible axis)."""
+    """A pytree of `NamedSharding`s matching `params`, any pytree of arrays (a whole `TrainState`,
+    say): each leaf split over `fsdp` along its largest axis the size divides (the first of equal
+    ones), else replicated."""
     size = mesh.shape["fsdp"]
 
     def leaf(x):

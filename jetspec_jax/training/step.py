@@ -4,8 +4,8 @@
     forward in the compute dtype -> forward KL (by anchor chunks) -> grads (fp32 master weights)
     -> clip -> AdamW
 
-Blocks are drawn from `fold_in(key(seed), step)`, so a resumed run draws exactly the blocks an
-uninterrupted one would.
+Blocks are drawn from `fold_in(stream(seed, TRAIN_STEP), step)`, so a resumed run draws exactly
+the blocks an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jetspec_jax.training.config import OptimConfig
 from jetspec_jax.training.loss import draft_loss, teacher_forward
 from jetspec_jax.training.sharding import param_shardings
 
+# `OptimConfig.compute_dtype` -> the dtype the weights are cast to for the forward and backward.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -36,7 +37,7 @@ class TrainState:
 
     Attributes:
         step: scalar int32, optimisation steps taken.
-        params: the draft's fp32 master weights.
+        params: the trained model's (draft's or adapter's) fp32 master weights.
         opt_state: the optimizer's state.
     """
 
@@ -104,8 +105,9 @@ def train_step(
 ) -> tuple[TrainState, dict]:
     """One step on `batch` (`tokens` `[B, T]` int32, `loss_mask` `[B, T]` bool).
 
-    With a `mesh`, the new state is constrained to the fsdp layout of `param_shardings`, so every
-    step's output has its input's layout (donation reuses the buffers; nothing recompiles).
+    `state` is donated (unusable after the call); `target_params` stay frozen. With a `mesh`, the
+    new state is constrained to the fsdp layout of `param_shardings`, so every step's output has
+    its input's layout (donation reuses the buffers; nothing recompiles).
 
     Returns:
         The new state and metrics (loss, accuracy, accuracy_by_row, grad_norm, learning_rate,
