@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def as_int(value) -> int | None:
@@ -19,6 +20,12 @@ def as_int(value) -> int | None:
     if isinstance(value, int) or _array_scalar_of(value, jnp.integer):
         return int(value)
     return None
+
+
+def is_integer(value) -> bool:
+    """Whether `value` is a Python or NumPy integer: stricter than `as_int`, for indices and counts
+    given one by one (a row, a step count, a record limit), where an array is refused."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def as_real(value) -> float | None:

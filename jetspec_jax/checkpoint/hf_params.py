@@ -260,8 +260,8 @@ def load_tree(
     checkpoint_dir: str | pathlib.Path, specs: list[TensorSpec], dtype, *, what: str
 ) -> Params:
     """The pytree of `specs` read from a checkpoint directory's safetensors (single file or
-    shards), for the draft and adapter loaders: names and shapes are validated from the file
-    headers first, then `read_tree` reads it.
+    shards), for the draft and adapter loaders: names, shapes and float storage are checked from
+    the file headers before any tensor is read.
 
     Raises:
         CheckpointError: a missing or malformed weights file, every missing, unexpected and
@@ -273,13 +273,6 @@ def load_tree(
         validate_names_and_shapes(specs, _shapes(located))
     except CheckpointError as e:  # its message names tensors, not the directory they are in
         raise CheckpointError(f"{what} {checkpoint_dir}: {e}") from e
-    return read_tree(located, specs, dtype)
-
-
-def read_tree(located: Located, specs: list[TensorSpec], dtype) -> Params:
-    """The pytree of `specs` read from the safetensors files `located` names (names and shapes
-    already validated), a tensor not stored as a float refused from the headers before any
-    tensor is read."""
     with TensorReader(located) as tensors:
         tensors.check_floats(spec.hf_name for spec in specs)
         return tree_from_tensors(specs, tensors, dtype)

@@ -34,7 +34,6 @@ import pathlib
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import tqdm
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
@@ -45,6 +44,7 @@ from jetspec_jax.file_lock import exclusively
 from jetspec_jax.generate import generate_as_completed
 from jetspec_jax.prompting import PromptEncoding
 from jetspec_jax.sampling import SamplingParams, row_seed
+from jetspec_jax.scalars import is_integer
 from jetspec_jax.target import Target
 
 logger = logging.getLogger(__name__)
@@ -530,13 +530,8 @@ def _existing_prompts(out_path: pathlib.Path) -> dict[str, list[int]]:
     return prompts
 
 
-def _is_integer(value) -> bool:
-    """An int or numpy integer, not a bool (an int subclass)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_positive(name: str, value) -> None:
-    if not _is_integer(value):
+    if not is_integer(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
@@ -545,7 +540,7 @@ def _check_positive(name: str, value) -> None:
 def _check_limit(limit) -> None:
     if limit is None:
         return
-    if not _is_integer(limit):
+    if not is_integer(limit):
         raise ValueError(f"limit must be an integer or None, got {limit!r}")
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")

@@ -61,6 +61,7 @@ from jetspec_jax.decoding.results import GenerationResult, Timing, row_outputs, 
 from jetspec_jax.decoding.speculative import SpecState, prefill_speculative
 from jetspec_jax.decoding.state import Requests
 from jetspec_jax.sampling import RowSampling, SamplingParams
+from jetspec_jax.scalars import is_integer
 
 GREEDY = SamplingParams()
 # One process-wide cache: every session (and every server batch) of a bucket reuses its executables.
@@ -428,7 +429,7 @@ class DecodeSession:
             ValueError: `max_steps` is neither None nor an integer >= 1.
         """
         self._live_state("before advancing it")
-        if max_steps is not None and not _is_integer(max_steps):
+        if max_steps is not None and not is_integer(max_steps):
             raise ValueError(f"max_steps must be an integer or None, got {max_steps!r}")
         steps = self._max_budget if max_steps is None else int(max_steps)
         if steps < 1:
@@ -661,13 +662,8 @@ def resolve_proposer(target, draft, options: DecodingOptions):
     )
 
 
-def _is_integer(value) -> bool:
-    """A Python or NumPy integer, not a bool (which Python counts as one)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _check_row_type(row) -> None:
-    if not _is_integer(row):
+    if not is_integer(row):
         raise ValueError(f"row must be an integer, got {row!r}")
 
 
