@@ -40,7 +40,8 @@ def enable_compile_cache() -> pathlib.Path | None:
         try:
             # Created here, not by JAX at the first compilation: JAX's warning for a directory it
             # cannot create reads "Error reading persistent compilation cache entry", the one
-            # the README says a cut entry gives (delete it), and names neither cause nor remedy.
+            # docs/SERVING.md says a cut entry gives (delete it), and names neither cause nor
+            # remedy.
             xla.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             logger.warning(

@@ -22,8 +22,7 @@ from jetspec_jax.training.config import load_train_config
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = [
     "README.md",
-    "docs/ARCHITECTURE.md",
-    "docs/BENCHMARKS.md",
+    *sorted(str(path.relative_to(ROOT)) for path in (ROOT / "docs").glob("*.md")),
     "jetspec_jax/assets/README.md",
 ]
 SCRIPT = re.compile(

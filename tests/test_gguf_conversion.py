@@ -442,7 +442,7 @@ def test_a_compilation_cache_that_cannot_be_created_is_named_with_what_to_set(
     """A cache root holding a file (or on a read-only mount): `<cache>/xla` cannot be created.
     The programs compile without the persistent cache, warned about by name with the variables
     that choose another, not left to JAX's "Error reading persistent compilation cache entry",
-    the warning the README says a cut entry gives."""
+    the warning docs/SERVING.md says a cut entry gives."""
     import jax
 
     from jetspec_jax.compile_cache import enable_compile_cache

@@ -121,7 +121,7 @@ def test_chunked_cache_attention_reads_only_the_filled_span(last):
 def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target, monkeypatch):
     """AR and JetSpec++ over caches attended in chunks of 16 give the tokens of AR over whole
     caches, and the model did attend in chunks of 16. The caches hold 16 + 64 slots: the prompt's
-    length bucket plus the budget's (README, "Long budgets"), no block beyond them."""
+    length bucket plus the budget's (docs/DECODING.md, "Long budgets"), no block beyond them."""
     chunks = []
     cached_attention = layers.cached_attention
 
