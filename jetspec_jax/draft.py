@@ -240,6 +240,24 @@ def load_draft_for_config(
     path = pathlib.Path(path)
     if is_bundle(path):
         return load_bundle(path, target_config, dtype=dtype)
+    config = read_draft_config(path, target_config)
+    params = load_draft_params(path, config, DTYPES[dtype])
+    return Draft(config=config, params=params, dtype=dtype, target_config=target_config, path=path)
+
+
+def read_draft_config(path: str | pathlib.Path, target_config: TransformerConfig) -> DraftConfig:
+    """The architecture of the draft saved at `path` (a DFlash/JetSpec directory, or the draft of
+    a JetSpec++ checkpoint), checked against `target_config` as `load_draft` checks it, without
+    reading its weights: for checks that should not wait for a model load.
+
+    Raises:
+        CheckpointError: as `load_draft`, for the config alone.
+    """
+    from jetspec_jax.checkpoint.bundle import DRAFT_DIR, is_bundle  # imports this module
+
+    path = pathlib.Path(path)
+    if is_bundle(path):
+        path = path / DRAFT_DIR
     hf = read_hf_config(path)
     if hf.get("architecture") == ADAPTER_ARCHITECTURE:
         raise CheckpointError(
@@ -252,11 +270,9 @@ def load_draft_for_config(
             "a draft: pass it as the target; a draft's config.json names DFlashDraftModel"
         )
     try:
-        config = draft_config_from_hf(hf, target_config)
+        return draft_config_from_hf(hf, target_config)
     except CheckpointError as e:  # its messages name fields, not the directory (a bundle's draft/)
         raise CheckpointError(f"{path}: {e}") from e
-    params = load_draft_params(path, config, DTYPES[dtype])
-    return Draft(config=config, params=params, dtype=dtype, target_config=target_config, path=path)
 
 
 def init_draft(target: Target, *, init_std: float = 0.02, seed: int = 0, **architecture) -> Draft:
@@ -363,7 +379,19 @@ def check_draft_fits(target_config: TransformerConfig, **settings) -> None:
         target_config: the target's architecture (`load_target_config`).
         **settings: every keyword of `draft_config` (`DraftArchConfig.architecture()`).
     """
-    _configured(target_config, lambda: target_config.vocab_size - 1, **settings)
+    draft_config_for(target_config, target_config.vocab_size - 1, **settings)
+
+
+def draft_config_for(
+    target_config: TransformerConfig, default_mask_token_id: int, **settings
+) -> DraftConfig:
+    """`draft_config` for a target known by its config alone: `default_mask_token_id` stands in
+    for the tokenizer's mask-token rule where `settings` leave `mask_token_id` None.
+
+    Raises:
+        ValueError, CheckpointError: as `draft_config`.
+    """
+    return _configured(target_config, lambda: default_mask_token_id, **settings)
 
 
 def _configured(

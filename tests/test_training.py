@@ -1197,6 +1197,36 @@ def test_init_from_is_checked_before_the_model_load(target, tmp_path):
         train(config)
 
 
+def test_an_init_from_of_another_architecture_is_refused_before_the_model_load(
+    target, tmp_path, monkeypatch
+):
+    """The saved draft's config against the section's, from the target's `config.json` alone:
+    not after minutes of loading a large target. A draft directory and a JetSpec++ checkpoint's
+    draft alike."""
+    from jetspec_jax.training.config import TrainConfig, from_dict
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    saved = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    bundle = saved.with_adapter(init_adapter(saved)).save(tmp_path / "pp")
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    for start in (saved.save(tmp_path / "plain"), bundle):
+        section = dict(variant="jetspec++", block_size=8, init_from=str(start))
+        config = from_dict(
+            TrainConfig,
+            dict(
+                target=str(target.path),
+                data=dict(files=[str(data)]),
+                draft=section,
+                run=dict(dir=str(tmp_path / "run")),
+            ),
+            "",
+        )
+        with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):
+            train(config)
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_run_resumes_without_its_deleted_start_draft(target, data_files, tmp_path, caplog):
     """A resumed run's weights are in its checkpoint: the `draft.init_from` it started from is
     neither checked nor read (it may be gone), and dropping it from the config is no change of

@@ -31,9 +31,11 @@ from jetspec_jax.draft import (
     Draft,
     check_draft_fits,
     draft_config,
+    draft_config_for,
     init_draft,
     load_draft,
     load_draft_for_config,
+    read_draft_config,
 )
 from jetspec_jax.target import Target, load_target, load_target_config
 from jetspec_jax.training.config import TrainConfig, resolve_steps
@@ -121,9 +123,10 @@ def train(
             checked before the target load).
         ValueError: `data.max_length` beyond the target's context, a batch the mesh does not
             split, draft settings that do not fit the target, an evaluation prompt file the run
-            cannot use, or a resume with another process count than its checkpoints' (checked
-            before the target load); malformed training data; a `draft.init_from` or a resumed
-            run's draft of another architecture than the `draft` section's.
+            cannot use, a resume with another process count than its checkpoints', or a
+            `draft.init_from` of another architecture than the `draft` section's (checked before
+            the target load; a mask token left to the tokenizer's rule, after it); malformed
+            training data; a resumed run's draft of another architecture than the section's.
         CheckpointError: the target, or the draft `draft.init_from` names, is missing or does not
             fit.
     """
@@ -147,6 +150,8 @@ def train(
     target_config = load_target_config(config.target) if target is None else target.config
     check_fits_context(config, target_config)
     check_draft_fits(target_config, **config.draft.architecture())
+    if init_from is not None and not resuming:
+        check_draft_start(config, target_config)
     if target is None:
         check_eval_prompts(config, target_config)
         target = load_target(config.target, dtype=config.target_dtype)
@@ -248,16 +253,38 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
         return init_draft(target, **architecture, init_std=d.init_std, seed=config.optim.seed)
     start = load_draft(d.init_from, target, dtype="float32")
     configured = draft_config(target, **architecture)
-    check_start_fits(
-        f"draft.init_from {d.init_from}",
-        start.config,
-        configured,
-        "The draft section sets the variant, layers, taps, block size, mask token and the "
-        "layers' sizes; the other layer settings are the target's",
-    )
+    _check_start_fits(config, start.config, configured)
     # A new Draft, not `start`: its adapter and calibration would not fit the retrained draft.
     return Draft(
         config=configured, params=start.params, dtype=start.dtype, target_config=target.config
+    )
+
+
+def check_draft_start(config: TrainConfig, target_config) -> None:
+    """`initial_draft`'s refusal of a `draft.init_from` of another architecture, from the
+    saved draft's config and the target's alone: `train` runs it before the target's weights
+    load (minutes for a large target). A mask token the section leaves to the tokenizer's rule
+    is compared by `initial_draft`, once the tokenizer is loaded.
+
+    Raises:
+        ValueError, CheckpointError: as `initial_draft`.
+    """
+    saved = read_draft_config(config.draft.init_from, target_config)
+    architecture = config.draft.architecture()
+    _check_start_fits(
+        config, saved, draft_config_for(target_config, saved.mask_token_id, **architecture)
+    )
+
+
+def _check_start_fits(config: TrainConfig, saved, configured) -> None:
+    """Refuses a saved draft config (`draft.init_from`'s) other than `configured`, naming each
+    differing field."""
+    check_start_fits(
+        f"draft.init_from {config.draft.init_from}",
+        saved,
+        configured,
+        "The draft section sets the variant, layers, taps, block size, mask token and the "
+        "layers' sizes; the other layer settings are the target's",
     )
 
 
