@@ -247,6 +247,27 @@ def test_results_read_mid_decode_name_unfinished_rows_and_bad_calls_are_refused(
         DecodeSession(target, prompts, sampling=None)
 
 
+def test_one_rows_result_is_read_by_one_program_not_an_eager_slice_per_array(
+    target, prompts, monkeypatch
+):
+    """`ContinuousBatch.take_finished` reads each finished row with `result(row)`: the row of
+    its outputs (eight arrays of a speculative state) is picked by one compiled program, not by
+    an eager slice of each array (a dispatch each: 4-12x the time of the one program)."""
+    session = _oracle_session(target, prompts, np.zeros((4, 64), np.int32), N_NEW)
+    session.start()
+    session.advance()
+    session.poll()
+    session.result(0)  # compiles the pick
+    sliced = []
+    array_type = type(session._state.decode.output)
+    getitem = array_type.__getitem__
+    monkeypatch.setattr(array_type, "__getitem__", lambda x, i: sliced.append(i) or getitem(x, i))
+    rows = [session.result(row) for row in range(3)]
+    assert sliced == []
+    monkeypatch.undo()
+    assert rows == session.results()
+
+
 def test_per_row_budgets_with_a_progress_bar_and_a_generator_of_prompts(target, prompts, capsys):
     budgets = [3, N_NEW, 1]
     results = jetspec_jax.generate_batch(

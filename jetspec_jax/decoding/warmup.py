@@ -95,7 +95,7 @@ def warm_up(
             prefilled_groups.add(group)
         session.admit(0, [0], max_new_tokens=2)  # a budget of 2: the decode loop runs
         session.advance(1)
-        session.result(0)  # the reads of one finished row's outputs (eager slices per shape)
+        session.result(0)  # the pick of one finished row's outputs (`row_outputs`)
         session.cancel(0)
     return compile_seconds + session.timing.compile_seconds
 
