@@ -1,4 +1,5 @@
-"""Standard output for the command-line programs: text its encoding lacks, and a reader gone."""
+"""Standard output for the command-line programs: text its encoding lacks, a reader gone, and
+progress bars."""
 
 from __future__ import annotations
 
@@ -53,3 +54,9 @@ def log_lines_clear_of_bars() -> Iterator[None]:
         return
     with logging_redirect_tqdm():
         yield
+
+
+def bar_disabled(show_progress: bool | None) -> bool | None:
+    """tqdm's `disable` for a `show_progress` argument: None for None (tqdm's own check, a bar
+    only on a terminal), else `not show_progress`."""
+    return None if show_progress is None else not show_progress

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import tqdm
 
+from jetspec_jax.console import bar_disabled
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.continuous import ContinuousBatch
 from jetspec_jax.decoding.options import METHODS, DecodingOptions
@@ -204,8 +205,7 @@ def run_to_the_end(session: DecodeSession, show_progress: bool | None) -> list[G
 
 def _progress_bar(total: int, unit: str, show_progress: bool | None) -> tqdm.tqdm:
     """A tqdm bar, disabled unless `show_progress` (None: shown only on a terminal)."""
-    disable = None if show_progress is None else not show_progress
-    return tqdm.tqdm(total=total, unit=unit, desc="generating", disable=disable)
+    return tqdm.tqdm(total=total, unit=unit, desc="generating", disable=bar_disabled(show_progress))
 
 
 def generate_as_completed(

@@ -30,6 +30,7 @@ from jetspec_jax.models.transformer import forward, unembed
 
 logger = logging.getLogger(__name__)
 
+# The dtype names models load and run in (`dtype=`), and train in (`OptimConfig.compute_dtype`).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

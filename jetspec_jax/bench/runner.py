@@ -18,6 +18,7 @@ import tqdm
 
 from jetspec_jax.bench.datasets import Dataset
 from jetspec_jax.bench.methods import MethodSpec
+from jetspec_jax.console import bar_disabled
 from jetspec_jax.decoding.request_checks import check_budget
 from jetspec_jax.decoding.session import resolve_proposer
 from jetspec_jax.generate import generate
@@ -148,7 +149,7 @@ def run_benchmark(
         total=runs,
         desc="bench",
         unit="run",  # a method on a prompt at a temperature
-        disable=None if show_progress is None else not show_progress,
+        disable=bar_disabled(show_progress),
     )
     with progress:
         for temperature in temperatures:

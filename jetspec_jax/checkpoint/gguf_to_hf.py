@@ -34,6 +34,7 @@ from jetspec_jax.checkpoint.hf_params import (
     tensor_specs,
     write_safetensors,
 )
+from jetspec_jax.console import bar_disabled
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "convert_gguf_to_hf"]
 
@@ -148,7 +149,7 @@ def _write_checkpoint(
 ) -> None:
     """Write ``config`` (checked by `_check_tensors`), generation config, weights and tokenizer
     into ``out``."""
-    disable = None if show_progress is None else not show_progress  # None: tqdm's TTY check
+    disable = bar_disabled(show_progress)
     with tqdm(total=len(reader.tensors), desc="Converting GGUF tensors", disable=disable) as bar:
         tensors = _lazy_tensors(reader, config, on_load=bar.update)
         _write_json(out / "config.json", config)

@@ -48,6 +48,7 @@ import safetensors.numpy
 import tqdm
 
 from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.console import bar_disabled
 from jetspec_jax.models.config import TransformerConfig
 
 Params = dict
@@ -245,7 +246,7 @@ def load_hf_params(
         total=len(specs),
         desc="loading weights",
         unit="tensor",
-        disable=None if show_progress is None else not show_progress,  # None: only on a terminal
+        disable=bar_disabled(show_progress),
     )
     with progress, TensorReader(located, on_read=progress.update) as tensors:
         tensors.check_floats(spec.hf_name for spec in specs)  # before the tied head is read

@@ -38,6 +38,7 @@ import tqdm
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
 from jetspec_jax.checkpoint.digest import directory_digest
+from jetspec_jax.console import bar_disabled
 from jetspec_jax.data.jsonl import read_jsonl, trim_partial_last_line
 from jetspec_jax.data.prompts import MATH_SOURCES, located_prompts, prompt_text
 from jetspec_jax.file_lock import exclusively
@@ -306,7 +307,7 @@ def _generate_into(
         total=len(encoded),
         desc="regenerating",
         unit="prompt",
-        disable=None if show_progress is None else not show_progress,  # None: only on a terminal
+        disable=bar_disabled(show_progress),
     )
     cut = 0
     # Unbuffered: a write that fails leaves no buffer for `close` to flush again (its error,

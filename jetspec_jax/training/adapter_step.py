@@ -23,9 +23,10 @@ from jax.sharding import Mesh
 from jetspec_jax.models.adapter import AdapterConfig
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.random_streams import TRAIN_STEP, stream
+from jetspec_jax.target import DTYPES
 from jetspec_jax.training.adapter_loss import adapter_loss, sample_blocks, teacher_levels
 from jetspec_jax.training.config import OptimConfig
-from jetspec_jax.training.step import DTYPES, TrainState, apply_gradients
+from jetspec_jax.training.step import TrainState, apply_gradients
 
 
 @dataclasses.dataclass(frozen=True)

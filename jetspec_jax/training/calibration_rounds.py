@@ -46,6 +46,7 @@ import numpy as np
 import tqdm
 
 from jetspec_jax.calibration import Calibration
+from jetspec_jax.console import bar_disabled
 from jetspec_jax.decoding.buckets import bucket
 from jetspec_jax.decoding.outcomes import SELECTION_RULES, hit, select_for_rule
 from jetspec_jax.decoding.proposers import prompt_state
@@ -276,7 +277,7 @@ def collect_rounds(
         total=num_rounds,
         desc=f"calibration rounds ({setting})",
         unit="round",
-        disable=None if show_progress is None else not show_progress,
+        disable=bar_disabled(show_progress),
     )
     with progress:
         for index in order:

@@ -29,6 +29,7 @@ import tqdm
 from jax.experimental import multihost_utils
 
 from jetspec_jax.checkpoint.atomic import write_text_atomically
+from jetspec_jax.console import bar_disabled
 from jetspec_jax.file_lock import exclusively
 from jetspec_jax.training.config import RunConfig
 from jetspec_jax.training.differences import leaf_differences
@@ -91,7 +92,7 @@ def run_steps(
         initial=start_step,
         total=total_steps,
         desc=desc,
-        disable=None if show_progress is None else not show_progress,
+        disable=bar_disabled(show_progress),
     )
     throughput = Throughput(start_step, tokens_per_step)
     for step in progress:

@@ -22,13 +22,11 @@ from jax.sharding import Mesh
 from jetspec_jax.models.config import TransformerConfig
 from jetspec_jax.models.draft import DraftConfig
 from jetspec_jax.random_streams import TRAIN_STEP, stream
+from jetspec_jax.target import DTYPES
 from jetspec_jax.training.blocks import build_blocks
 from jetspec_jax.training.config import OptimConfig
 from jetspec_jax.training.loss import draft_loss, teacher_forward
 from jetspec_jax.training.sharding import param_shardings
-
-# `OptimConfig.compute_dtype` -> the dtype the weights are cast to for the forward and backward.
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @flax.struct.dataclass
