@@ -278,20 +278,21 @@ def test_the_confidence_is_chosen_on_the_fit_sequences_not_the_held_out(monkeypa
 
     monkeypatch.setattr(replacement_fit, "collect_rounds", made_up)
     fit = fit_replacement_confidence(None, None, [], grid=(0.0, 0.5))
-    assert fit.tau[0.0] > fit.tau[0.5] and fit.held_out_tau[0.5] > fit.held_out_tau[0.0]
+    assert fit.tau == {0.0: 3.0, 0.5: 2.0} and fit.held_out_tau == {0.0: 1.0, 0.5: 3.0}
     assert fit.best == 0.0
 
 
 def test_the_confidence_fit_returns_the_winners_rounds_and_the_smallest_fit_count(monkeypatch):
     """c = 0.5 wins, drafted after another grid point: its own rounds are returned for the
-    temperatures' fit, and `rounds` is the smallest fit-side count over the grid."""
+    temperatures' fit, and `rounds` (`held_out_rounds`) is the smallest fit-side (held-out)
+    count over the grid."""
     records = [0, 1, 2, 3, 4]
     (held,) = held_out_sequences(_rounds([0] * 5, records), 0.2, 0)
     extra = next(r for r in records if r != held)  # c = 0.5 has one more fit round
     made = {
         0.0: _rounds([0] * 5, records),
         0.5: _rounds([2] * 6, records + [extra]),
-        1.0: _rounds([1] * 5, records),
+        1.0: _rounds([1] * 6, records + [held]),  # one more held-out round
     }
 
     def made_up(target, draft, sequences, *, replacement_confidence, **kwargs):

@@ -145,12 +145,26 @@ def test_fit_refuses_bad_input():
         fit_calibration(logits, drafts, k_true, a_true[:5])
     with pytest.raises(ValueError, match="k_true has values outside"):
         fit_calibration(logits, drafts, k_true + 4, a_true)
+    # Below the range too: a negative index would wrap to a row's last position, not fail.
+    for name, value in (("k_true", -1), ("drafts", -1), ("a_true", -1), ("a_true", 16)):
+        arrays = dict(drafts=drafts.copy(), k_true=k_true.copy(), a_true=a_true.copy())
+        arrays[name][0] = value
+        with pytest.raises(ValueError, match=f"{name} has .*outside"):
+            fit_calibration(logits, **arrays)
     with pytest.raises(ValueError, match="k_true must be integers"):
         fit_calibration(logits, drafts, k_true.astype(np.float32), a_true)
     bad = logits.copy()
     bad[0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="non-finite"):
         fit_calibration(bad, drafts, k_true, a_true)
+    for settings in (dict(grid_size=2), dict(steps=-1)):
+        with pytest.raises(ValueError, match="need grid_size >= 3 and steps >= 0"):
+            fit_calibration(logits, drafts, k_true, a_true, **settings)
+    for low, high in ((0.0, 20.0), (2.0, 2.0), (0.05, np.inf)):
+        with pytest.raises(ValueError, match="need 0 < min_temperature < max_temperature"):
+            fit_calibration(
+                logits, drafts, k_true, a_true, min_temperature=low, max_temperature=high
+            )
     impossible = a_true.copy()
     row = int(np.argmax(k_true < 3))
     impossible[row] = drafts[row, k_true[row]]

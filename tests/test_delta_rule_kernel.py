@@ -88,6 +88,10 @@ def test_operands_of_other_shapes_are_refused_and_an_empty_sequence_changes_noth
     out, final = chunked_delta_rule(*(x[:, :0] for x in (q, k, v, g, beta)), state, impl=impl)
     assert out.shape == (1, 0, 2, 8)
     np.testing.assert_array_equal(final, state)
+    # float32 as documented, as a non-empty sequence's state, whatever the state came in.
+    empty = (x[:, :0] for x in (q, k, v, g, beta))
+    _, final = chunked_delta_rule(*empty, state.astype(jnp.bfloat16), impl=impl)
+    assert final.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("strong_decay", [False, True])

@@ -127,6 +127,20 @@ def test_kernel_matches_reference_fp32(case, impl):
         assert _max_abs(got, want) <= 1e-5, causal
 
 
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_context_lengths_outside_0_to_s_read_as_the_nearest_bound(impl):
+    """A length past S sees the S slots, not the padding the kernel adds up to its tile; a
+    negative one sees none: as the reference, which compares slots with the length."""
+    shape, tiling = CASES["gqa1-c1-context-below-a-tile"]
+    q, ck, cv, lengths, bk, bv = _operands(shape)
+    s_len = ck.shape[1]
+    outside = jnp.where(lengths == s_len, s_len + 7, jnp.where(lengths == 0, -3, lengths))
+    assert bool(jnp.any(outside > s_len)) and bool(jnp.any(outside < 0))
+    want = _attention(q, ck, cv, lengths, bk, bv, causal=True, impl="reference")
+    got = _attention(q, ck, cv, outside, bk, bv, causal=True, impl=impl, tiling=tiling)
+    assert _max_abs(got, want) <= 1e-5
+
+
 def test_tpu_launch_matches_reference_in_the_tpu_interpreter():
     """The Mosaic launch (scalar-prefetched tile lengths, SMEM) under the TPU interpreter, which
     also raises on any out-of-bounds read."""

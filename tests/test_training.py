@@ -41,6 +41,7 @@ from jetspec_jax.training.sharding import batch_sharding, make_mesh, param_shard
 from jetspec_jax.training.step import (
     StepConfig,
     apply_gradients,
+    decayed_leaves,
     init_state,
     learning_rate_schedule,
     make_optimizer,
@@ -334,6 +335,14 @@ def test_the_mesh_is_part_of_the_recorded_setup(target, data_files, tmp_path, ca
     assert "resuming with mesh.fsdp 2 (the checkpoints': 1)" in caplog.text
 
 
+def test_weight_decay_takes_the_kernels_only_and_not_biases():
+    """The decay mask is True on linear kernels alone: biases (a draft with attention biases has
+    them) are left undecayed like the norm scales, the matrices-only convention."""
+    params = {"q_proj": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "norm": {"scale": 1}}
+    mask = decayed_leaves(params)
+    assert mask == {"q_proj": {"kernel": True, "bias": False}, "norm": {"scale": False}}
+
+
 def test_weight_decay_shrinks_the_kernels_and_leaves_the_norm_scales(target):
     draft = jetspec_jax.init_draft(target, block_size=4, seed=0)
     optim = OptimConfig(learning_rate=0.1, warmup_steps=1, steps=10, weight_decay=0.5)
@@ -503,6 +512,17 @@ def test_gradients_are_clipped_to_their_global_norm_before_adam(grad_clip):
     ]
     (moment,) = [s.mu["w"]["kernel"] for s in adam]
     np.testing.assert_allclose(moment, 0.1 * grad_clip * np.array([0.6, 0.8, 0.0]), rtol=1e-6)
+
+
+def test_the_reported_gradient_norm_is_the_gradients_before_clipping():
+    """`grad_norm` is the global norm of the loss's gradient as it came (50 here), not of the
+    clipped gradient (1) nor of the update Adam made of it."""
+    config = OptimConfig(learning_rate=1e-3, warmup_steps=1, steps=10, grad_clip=1.0)
+    params = {"w": {"kernel": jnp.ones((3,))}}
+    gradient = {"w": {"kernel": jnp.asarray([30.0, 40.0, 0.0])}}
+    state = init_state(params, make_optimizer(config))
+    _, metrics = apply_gradients(state, gradient, {}, config, None)
+    assert float(metrics["grad_norm"]) == pytest.approx(50.0)
 
 
 def _one_step_inputs(target, compute_dtype="float32"):
@@ -1027,6 +1047,39 @@ def test_the_loss_and_its_gradient_do_not_depend_on_the_anchor_chunking(target):
         accuracies.append(np.asarray(metrics["accuracy_by_row"]))
     for by_row in accuracies[1:]:
         np.testing.assert_allclose(by_row, accuracies[0], rtol=1e-6)
+
+
+def test_a_batch_with_one_supervised_row_has_that_rows_kl_as_its_loss(target):
+    """The loss divides by the supervised row count, floored at 1 only so that a batch without
+    one gives 0: a single supervised row's loss is its KL, whole."""
+    from jetspec_jax.training.loss import draft_loss, teacher_forward
+
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, num_layers=1)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 97, (2, 24)), jnp.int32)
+    loss_mask = jnp.arange(24)[None, :] >= jnp.asarray([[6], [9]])
+    blocks = build_blocks(jax.random.key(0), tokens, loss_mask, draft.config, num_anchors=8)
+    teacher = teacher_forward(target.params, target.config, draft.config, tokens)
+
+    def loss(weights):
+        return draft_loss(
+            draft.params,
+            draft.config,
+            target.params,
+            target.config,
+            teacher,
+            blocks.replace(weights=jnp.asarray(weights, jnp.float32)),
+            anchors_per_chunk=8,
+        )[0]
+
+    rows = np.argwhere(np.asarray(blocks.weights) > 0)[:2]
+    one_hots = [np.zeros(blocks.weights.shape) for _ in rows]
+    for one_hot, row in zip(one_hots, rows, strict=True):
+        one_hot[tuple(row)] = 1
+    kl = [float(loss(one_hot)) for one_hot in one_hots]
+    assert min(kl) > 0
+    # Two rows weigh alike: their mean, which no floor touches, pins each row's KL.
+    assert float(loss(one_hots[0] + one_hots[1])) == pytest.approx(np.mean(kl), rel=1e-5)
+    assert float(loss(np.zeros(blocks.weights.shape))) == 0
 
 
 def test_the_accuracy_is_pooled_over_the_supervised_rows_only(target, monkeypatch):
