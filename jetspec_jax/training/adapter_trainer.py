@@ -1,12 +1,15 @@
 """The adapter-training run (`train.py adapter`): the draft's run machinery, the adapter's step.
 
     train_adapter(config) ->
-        load the frozen target and the trained draft (default `<run.dir>/draft`); check the
-        evaluation prompts; init (or restore) the adapter for the draft's taps, the optimizer and
-        the data iterator;
-        `run_loop.run_steps` with the jitted `adapter_train_step`; export draft + adapter as a
-        JetSpec++ checkpoint to `<run.dir>/jetspec_pp` (`checkpoint/bundle.py`); the final
-        evaluation.
+        `_check_before_load`: the inputs, `run.dir`, the trained draft (default
+        `<run.dir>/draft`) and the adapter section and start for its taps, the batch split and,
+        from the target's config alone, the data length and the evaluation prompts;
+        load the frozen target; read the data and the evaluation prompts (`read_run_data`);
+        init (or restore) the adapter, the optimizer and the data iterator, placed on the mesh
+        (`place_step_inputs`);
+        `run_loop.run_steps` with the jitted `adapter_train_step`;
+        `_export`: draft + adapter as a JetSpec++ checkpoint to `<run.dir>/jetspec_pp`
+        (`checkpoint/bundle.py`); the final evaluation.
 
 The run lives in `<run.dir>/adapter_run` (orbax checkpoints of train state + grain iterator,
 `metrics.jsonl`, TensorBoard), apart from the draft's run, so both resume independently. The data
@@ -19,9 +22,11 @@ import dataclasses
 import functools
 import logging
 import pathlib
+from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jetspec_jax.adapter import Adapter, adapter_config, init_adapter
 from jetspec_jax.checkpoint.adapter_files import CONFIG_FILE as ADAPTER_CONFIG_FILE
@@ -50,12 +55,12 @@ from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.run_helpers import (
     batch_sizes,
     check_eval_prompts,
-    check_fits_context,
     check_input_files,
     check_run_dir_writable,
+    checked_target_config,
     export_holds,
     place_step_inputs,
-    read_eval_prompts,
+    read_run_data,
     run_setup,
     with_device_params,
     with_host_params,
@@ -153,32 +158,10 @@ def train_adapter(
     run_dir = adapter_run_dir(config)
     resuming = has_checkpoint(run_dir)
     init_from = config.adapter.init_from
-    check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
-    saved = None  # the config of the adapter the run starts from, when it starts from one
-    if init_from is not None and resuming:  # its weights are in the checkpoint
-        logger.warning("%s resumes from its checkpoint: adapter.init_from is not read", run_dir)
-    elif init_from is not None:
-        saved = _saved_adapter_config(init_from)  # before the target load
-    check_run_dir_writable(config)
-    if resuming:  # its data positions are per process: before the target load
-        check_process_count(run_dir)
-    draft = _checked_draft(config, draft, target)
-    check_adapter_start(config, draft, saved)  # the draft's taps, before the load
-    mesh = make_mesh(config.mesh)
-    # Refused if the mesh does not split the batch before the target's weights load.
-    section, unresolved = _optim_section(config)
-    batch_sizes(unresolved.batch_size, mesh, section)
-    # The target this run loads (a given Draft may be another's), before its weights load.
-    target_config = load_target_config(config.target) if target is None else target.config
-    check_fits_context(config, target_config)
+    draft, mesh, section = _check_before_load(config, draft, target, resuming=resuming)
     if target is None:
-        if config.adapter.eval_tau:
-            check_eval_prompts(config, target_config)
         target = load_target(config.target, dtype=config.target_dtype)
-    records = read_regenerated(
-        config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
-    )
-    eval_prompts = read_eval_prompts(config, target, records) if config.adapter.eval_tau else None
+    records, eval_prompts = read_run_data(config, target, eval_tau=config.adapter.eval_tau)
     optim = adapter_optim(config, len(records))
     adapter = initial_adapter(config, draft, resuming=resuming)
     state, target_params, iterator, local_batch, global_batch = place_step_inputs(
@@ -207,17 +190,7 @@ def train_adapter(
     # Once the draft and the data (training and evaluation records enough for a batch) proved
     # usable.
     run_dir.mkdir(parents=True, exist_ok=True)
-    setup = run_setup(
-        config,
-        len(records),
-        mesh,
-        draft=str(draft.path) if draft.path else None,
-        draft_digest=directory_digest(draft.path) if draft.path else None,
-        # Without `init_from`: read at the first start only, a resume may drop it.
-        adapter=dataclasses.asdict(
-            dataclasses.replace(config.adapter, optim=optim, init_from=None)
-        ),
-    )
+    setup = _run_setup(config, len(records), mesh, draft, optim)
     paths = ("target", "data_files", "draft")  # the draft's weights: by `draft_digest`
     opened = opened_run(
         run_dir, config.run, state, iterator, setup=setup, paths=paths, total_steps=optim.steps
@@ -265,29 +238,112 @@ def train_adapter(
         if int(state.step) < optim.steps:
             return None
         trained = with_trained_params(adapter, state, draft.dtype)
-        export_dir = adapter_export_dir(config)
-        # An export of another adapter is an earlier end's (the run extended, then killed while
-        # exporting): exported anew below.
-        exported = functools.partial(_exported_params, export_dir, draft)
-        if finished_before and export_holds(exported, trained.params):
-            # A rerun of a finished run: exporting again would drop the calibration that
-            # `train.py calibrate` may have fitted into the export since.
-            draft_rewritten = _warn_if_draft_rewritten(
-                run_dir, export_dir, draft, setup["draft_digest"]
-            )
-            evaluation = {}
-            if not draft_rewritten and not logged(run_dir, int(state.step), "eval_loss"):
-                # Killed, or the evaluation failed, between the export and its evaluation.
-                evaluation = evaluate(int(state.step), state)
-            return AdapterTrainResult(
-                trained, int(state.step), metrics, evaluation, export_dir, True
-            )
-        # Export before the final evaluation: a failing evaluation must not cost the adapter.
-        with refused_alike(f"{export_dir}: process 0 could not export the draft + adapter"):
-            if jax.process_index() == 0:
-                save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
-        evaluation = evaluate(int(state.step), state)
-    return AdapterTrainResult(trained, int(state.step), metrics, evaluation, export_dir)
+        return _export(
+            config,
+            draft,
+            trained,
+            int(state.step),
+            metrics,
+            functools.partial(evaluate, int(state.step), state),
+            draft_digest=setup["draft_digest"],
+            finished_before=finished_before,
+        )
+
+
+def _check_before_load(
+    config: TrainConfig,
+    draft: Draft | str | pathlib.Path | None,
+    target: Target | None,
+    *,
+    resuming: bool,
+) -> tuple[Draft, Mesh, str]:
+    """`train_adapter`'s refusals before the target's weights load (minutes for a large target),
+    in this order: missing input files, an `adapter.init_from` that is no adapter (unless
+    `resuming`), an unwritable `run.dir`, a resume with another process count, a draft that
+    takes no adapter or does not fit the adapter section or start, a batch the mesh does not
+    split; then, from the target's architecture alone, the data's length and (with
+    `adapter.eval_tau`, for a target still to load) the evaluation prompts.
+
+    Returns:
+        The draft (`_checked_draft`), the run's mesh, and the optimisation section's name.
+    """
+    run_dir = adapter_run_dir(config)
+    init_from = config.adapter.init_from
+    check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
+    saved = None  # the config of the adapter the run starts from, when it starts from one
+    if init_from is not None and resuming:  # its weights are in the checkpoint
+        logger.warning("%s resumes from its checkpoint: adapter.init_from is not read", run_dir)
+    elif init_from is not None:
+        saved = _saved_adapter_config(init_from)
+    check_run_dir_writable(config)
+    if resuming:  # its data positions are per process
+        check_process_count(run_dir)
+    draft = _checked_draft(config, draft, target)
+    check_adapter_start(config, draft, saved)  # the draft's taps are first known here
+    mesh = make_mesh(config.mesh)
+    section, unresolved = _optim_section(config)
+    batch_sizes(unresolved.batch_size, mesh, section)
+    # The target this run loads (a given Draft may be another's).
+    target_config = checked_target_config(config, target)
+    if target is None and config.adapter.eval_tau:
+        check_eval_prompts(config, target_config)
+    return draft, mesh, section
+
+
+def _run_setup(
+    config: TrainConfig, num_records: int, mesh: Mesh, draft: Draft, optim: OptimConfig
+) -> dict:
+    """The adapter run's setup (`run_setup`): the draft (its directory and digest) and the
+    `adapter` section with its resolved `optim`, besides the shared target, data and mesh."""
+    return run_setup(
+        config,
+        num_records,
+        mesh,
+        draft=str(draft.path) if draft.path else None,
+        draft_digest=directory_digest(draft.path) if draft.path else None,
+        # Without `init_from`: read at the first start only, a resume may drop it.
+        adapter=dataclasses.asdict(
+            dataclasses.replace(config.adapter, optim=optim, init_from=None)
+        ),
+    )
+
+
+def _export(
+    config: TrainConfig,
+    draft: Draft,
+    trained: Adapter,
+    step: int,
+    metrics: dict,
+    evaluate: Callable[[], dict],
+    *,
+    draft_digest: str | None,
+    finished_before: bool,
+) -> AdapterTrainResult:
+    """The finished run's end: `draft` with the `trained` adapter exported to
+    `<run.dir>/jetspec_pp`, then the final evaluation (`evaluate`). A run that had finished
+    before this call (`finished_before`) and whose export holds `trained`'s weights keeps it as
+    it is, and evaluates only if its final evaluation is missing from the metrics log and the
+    draft was not rewritten since (`draft_digest`: the draft directory's, now)."""
+    run_dir = adapter_run_dir(config)
+    export_dir = adapter_export_dir(config)
+    # An export of another adapter is an earlier end's (the run extended, then killed while
+    # exporting): exported anew below.
+    exported = functools.partial(_exported_params, export_dir, draft)
+    if finished_before and export_holds(exported, trained.params):
+        # A rerun of a finished run: exporting again would drop the calibration that
+        # `train.py calibrate` may have fitted into the export since.
+        draft_rewritten = _warn_if_draft_rewritten(run_dir, export_dir, draft, draft_digest)
+        evaluation = {}
+        if not draft_rewritten and not logged(run_dir, step, "eval_loss"):
+            # Killed, or the evaluation failed, between the export and its evaluation.
+            evaluation = evaluate()
+        return AdapterTrainResult(trained, step, metrics, evaluation, export_dir, True)
+    # Export before the final evaluation: a failing evaluation must not cost the adapter.
+    with refused_alike(f"{export_dir}: process 0 could not export the draft + adapter"):
+        if jax.process_index() == 0:
+            save_bundle(draft.with_adapter(trained), export_dir, overwrite=True)
+    evaluation = evaluate()
+    return AdapterTrainResult(trained, step, metrics, evaluation, export_dir)
 
 
 def _checked_draft(config: TrainConfig, draft, target: Target | None) -> Draft:

@@ -22,9 +22,9 @@ from jax.experimental import multihost_utils
 from jetspec_jax.checkpoint.atomic import check_takes_new_files
 from jetspec_jax.checkpoint.errors import CheckpointError
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.target import DTYPES, Target, require_tokenizer
+from jetspec_jax.target import DTYPES, Target, load_target_config, require_tokenizer
 from jetspec_jax.training.config import OptimConfig, TrainConfig
-from jetspec_jax.training.data import count_training_prompts, training_dataset
+from jetspec_jax.training.data import count_training_prompts, read_regenerated, training_dataset
 from jetspec_jax.training.evaluate import (
     data_encoding,
     encoded_prompts,
@@ -68,6 +68,19 @@ def check_fits_context(config: TrainConfig, target_config: TransformerConfig) ->
         )
 
 
+def checked_target_config(config: TrainConfig, target: Target | None) -> TransformerConfig:
+    """The architecture of the target the run trains for: `target`'s, or (None) read from
+    `config.target`'s directory alone, before its weights load (minutes for a large target).
+
+    Raises:
+        ValueError: `data.max_length` beyond its context (`check_fits_context`).
+        CheckpointError: as `load_target_config`.
+    """
+    target_config = load_target_config(config.target) if target is None else target.config
+    check_fits_context(config, target_config)
+    return target_config
+
+
 def check_eval_prompts(config: TrainConfig, target_config: TransformerConfig) -> None:
     """Refuses, from the target's config and directory alone (before its weights load, minutes
     for a large target), an evaluation prompt file `read_eval_prompts` would refuse after it: a
@@ -92,6 +105,22 @@ def check_eval_prompts(config: TrainConfig, target_config: TransformerConfig) ->
     if text := first_text_prompt(records):
         need = f"{text} (data.eval_prompts) is a text prompt, which needs one"
         require_tokenizer(config.target, f"target {config.target}", need)
+
+
+def read_run_data(
+    config: TrainConfig, target: Target, *, eval_tau: bool = True
+) -> tuple[list[dict], list[list[int]] | None]:
+    """The run's training records (`data.files`) and, when `eval_tau`, its evaluation prompts
+    (`read_eval_prompts`; None when `eval_tau` is False or `data` names none).
+
+    Raises:
+        FileNotFoundError, ValueError: as `read_regenerated` and `read_eval_prompts`.
+    """
+    records = read_regenerated(
+        config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
+    )
+    eval_prompts = read_eval_prompts(config, target, records) if eval_tau else None
+    return records, eval_prompts
 
 
 def read_eval_prompts(

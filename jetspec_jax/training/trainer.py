@@ -1,13 +1,14 @@
 """The draft-training run: mesh, data, steps, checkpoints, metrics, evaluation and export.
 
     train(config) ->
-        check the inputs, `run.dir`, the batch split and, from the target's config alone, the
-        data length, the draft section and the evaluation prompts; load the frozen target; read
-        the data and the evaluation prompts; init (or restore) the draft, optimizer and data
-        iterator;
+        `_check_before_load`: the inputs, `run.dir`, the batch split and, from the target's
+        config alone, the data length, the draft section and the evaluation prompts;
+        load the frozen target; read the data and the evaluation prompts (`read_run_data`);
+        init (or restore) the draft, optimizer and data iterator, placed on the mesh
+        (`place_step_inputs`);
         `run_loop.run_steps`: next batch -> sharded global array -> jitted `train_step` ->
         metrics / checkpoint / evaluation;
-        export the draft in the DFlash/JetSpec HF layout; the final evaluation.
+        `_export`: the draft in the DFlash/JetSpec HF layout; the final evaluation.
 
 Checkpoints (orbax `CheckpointManager` under `<run.dir>/checkpoints`) hold the train state and the
 grain iterator state; a restarted run resumes at the latest one and continues exactly as an
@@ -24,6 +25,7 @@ import os
 import pathlib
 
 import jax
+from jax.sharding import Mesh
 
 from jetspec_jax.checkpoint.bundle import MANIFEST, is_bundle
 from jetspec_jax.checkpoint.errors import CheckpointError
@@ -37,20 +39,20 @@ from jetspec_jax.draft import (
     load_draft_for_config,
     read_draft_config,
 )
-from jetspec_jax.target import Target, load_target, load_target_config
+from jetspec_jax.models.config import TransformerConfig
+from jetspec_jax.target import Target, load_target
 from jetspec_jax.training.config import TrainConfig, resolve_steps
-from jetspec_jax.training.data import read_regenerated
 from jetspec_jax.training.differences import check_start_fits
 from jetspec_jax.training.evaluate import prompts_tau
 from jetspec_jax.training.run_helpers import (
     batch_sizes,
     check_eval_prompts,
-    check_fits_context,
     check_input_files,
     check_run_dir_writable,
+    checked_target_config,
     export_holds,
     place_step_inputs,
-    read_eval_prompts,
+    read_run_data,
     run_setup,
     with_device_params,
     with_host_params,
@@ -132,35 +134,12 @@ def train(
     """
     run_dir = pathlib.Path(config.run.dir)
     resuming = has_checkpoint(run_dir)
-    init_from = config.draft.init_from
-    # A resumed run's weights are in its checkpoint: its start draft is no longer read.
-    start_files = []
-    if init_from is not None and resuming:
-        logger.warning("%s resumes from its checkpoint: draft.init_from is not read", run_dir)
-    elif init_from is not None:  # a draft directory, or a JetSpec++ checkpoint holding one
-        start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
-    check_input_files(config, *start_files)
-    check_run_dir_writable(config)
-    if resuming:  # its data positions are per process: before the target load
-        check_process_count(run_dir)
-    mesh = make_mesh(config.mesh)
-    batch_sizes(config.optim.batch_size, mesh)  # a batch the mesh cannot split: before the load
-    # The target's architecture alone checks the data's length and the draft section, before
-    # its weights load (minutes for a large target).
-    target_config = load_target_config(config.target) if target is None else target.config
-    check_fits_context(config, target_config)
-    check_draft_fits(target_config, **config.draft.architecture())
-    if init_from is not None and not resuming:
-        check_draft_start(config, target_config)
+    mesh = _check_before_load(config, target, resuming=resuming)
     if target is None:
-        check_eval_prompts(config, target_config)
         target = load_target(config.target, dtype=config.target_dtype)
     if resuming:
         check_resumes_architecture(config, target)
-    records = read_regenerated(
-        config.data.files, vocab_size=target.config.vocab_size, max_length=config.data.max_length
-    )
-    eval_prompts = read_eval_prompts(config, target, records)
+    records, eval_prompts = read_run_data(config, target)
     config = resolve_steps(config, len(records))
     draft = initial_draft(config, target, resuming=resuming)
     state, target_params, iterator, _, global_batch = place_step_inputs(
@@ -178,21 +157,13 @@ def train(
     target, draft = with_host_params(target), with_host_params(draft)
 
     step_config = StepConfig(target=target.config, draft=draft.config, optim=config.optim)
-    setup = run_setup(
-        config,
-        len(records),
-        mesh,
-        # Without `init_from`: read at the first start only, a resume may drop it.
-        draft=dataclasses.asdict(dataclasses.replace(config.draft, init_from=None)),
-        optim=dataclasses.asdict(config.optim),
-    )
     export_dtype = config.export_dtype or target.dtype
     opened = opened_run(
         run_dir,
         config.run,
         state,
         iterator,
-        setup=setup,
+        setup=_run_setup(config, len(records), mesh),
         paths=("target", "data_files"),
         total_steps=config.optim.steps,
     )
@@ -223,22 +194,96 @@ def train(
         if int(state.step) < config.optim.steps:
             return None
         trained = with_trained_params(draft, state, export_dtype, path=None)
-        export_dir = run_dir / "draft"
-        # An export of other weights is an earlier end's (the run extended, then killed while
-        # exporting): exported anew below.
-        exported = functools.partial(_exported_params, export_dir, trained)
-        if finished_before and export_holds(exported, trained.params):
-            eval_tau = None
-            if eval_prompts is not None and not logged(run_dir, int(state.step), "eval_tau"):
-                # Killed, or the evaluation failed, between the export and its evaluation.
-                eval_tau = _evaluate(config, target, trained, eval_prompts, log, int(state.step))
-            return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir, True)
-        # Export before the final evaluation: a failing evaluation must not cost the draft.
-        with refused_alike(f"{export_dir}: process 0 could not export the draft"):
-            if jax.process_index() == 0:
-                trained.save(export_dir, overwrite=True)
-        eval_tau = _evaluate(config, target, trained, eval_prompts, log, int(state.step))
-    return TrainResult(trained, int(state.step), metrics, eval_tau, export_dir)
+        return _export(
+            config,
+            target,
+            trained,
+            int(state.step),
+            metrics,
+            eval_prompts,
+            log,
+            finished_before=finished_before,
+        )
+
+
+def _check_before_load(config: TrainConfig, target: Target | None, *, resuming: bool) -> Mesh:
+    """`train`'s refusals before the target's weights load (minutes for a large target), in this
+    order: missing input files (`draft.init_from`'s included, unless `resuming`), an unwritable
+    `run.dir`, a resume with another process count, a batch the mesh does not split; then, from
+    the target's architecture alone, the data's length, the draft section, the start draft and
+    (for a target still to load) the evaluation prompts.
+
+    Returns:
+        The run's mesh.
+    """
+    run_dir = pathlib.Path(config.run.dir)
+    init_from = config.draft.init_from
+    # A resumed run's weights are in its checkpoint: its start draft is no longer read.
+    start_files = []
+    if init_from is not None and resuming:
+        logger.warning("%s resumes from its checkpoint: draft.init_from is not read", run_dir)
+    elif init_from is not None:  # a draft directory, or a JetSpec++ checkpoint holding one
+        start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
+    check_input_files(config, *start_files)
+    check_run_dir_writable(config)
+    if resuming:  # its data positions are per process
+        check_process_count(run_dir)
+    mesh = make_mesh(config.mesh)
+    batch_sizes(config.optim.batch_size, mesh)
+    target_config = checked_target_config(config, target)
+    check_draft_fits(target_config, **config.draft.architecture())
+    if init_from is not None and not resuming:
+        check_draft_start(config, target_config)
+    if target is None:
+        check_eval_prompts(config, target_config)
+    return mesh
+
+
+def _run_setup(config: TrainConfig, num_records: int, mesh: Mesh) -> dict:
+    """The draft run's setup (`run_setup`): the `draft` and `optim` sections besides the shared
+    target, data and mesh."""
+    return run_setup(
+        config,
+        num_records,
+        mesh,
+        # Without `init_from`: read at the first start only, a resume may drop it.
+        draft=dataclasses.asdict(dataclasses.replace(config.draft, init_from=None)),
+        optim=dataclasses.asdict(config.optim),
+    )
+
+
+def _export(
+    config: TrainConfig,
+    target: Target,
+    trained: Draft,
+    step: int,
+    metrics: dict,
+    eval_prompts: list[list[int]] | None,
+    metrics_log: MetricsLog,
+    *,
+    finished_before: bool,
+) -> TrainResult:
+    """The finished run's end: `trained` exported to `<run.dir>/draft`, then the final
+    evaluation. A run that had finished before this call (`finished_before`) and whose export
+    holds `trained`'s weights keeps it as it is, and evaluates only if its final evaluation is
+    missing from the metrics log."""
+    run_dir = pathlib.Path(config.run.dir)
+    export_dir = run_dir / "draft"
+    # An export of other weights is an earlier end's (the run extended, then killed while
+    # exporting): exported anew below.
+    exported = functools.partial(_exported_params, export_dir, trained)
+    if finished_before and export_holds(exported, trained.params):
+        eval_tau = None
+        if eval_prompts is not None and not logged(run_dir, step, "eval_tau"):
+            # Killed, or the evaluation failed, between the export and its evaluation.
+            eval_tau = _evaluate(config, target, trained, eval_prompts, metrics_log, step)
+        return TrainResult(trained, step, metrics, eval_tau, export_dir, True)
+    # Export before the final evaluation: a failing evaluation must not cost the draft.
+    with refused_alike(f"{export_dir}: process 0 could not export the draft"):
+        if jax.process_index() == 0:
+            trained.save(export_dir, overwrite=True)
+    eval_tau = _evaluate(config, target, trained, eval_prompts, metrics_log, step)
+    return TrainResult(trained, step, metrics, eval_tau, export_dir)
 
 
 def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False) -> Draft:
@@ -260,7 +305,7 @@ def initial_draft(config: TrainConfig, target: Target, *, resuming: bool = False
     )
 
 
-def check_draft_start(config: TrainConfig, target_config) -> None:
+def check_draft_start(config: TrainConfig, target_config: TransformerConfig) -> None:
     """`initial_draft`'s refusal of a `draft.init_from` of another architecture, from the
     saved draft's config and the target's alone: `train` runs it before the target's weights
     load (minutes for a large target). A mask token the section leaves to the tokenizer's rule
