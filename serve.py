@@ -162,7 +162,11 @@ def _load_models(args, check: Callable[[TransformerConfig, Draft | None], None] 
     if draft_dir:
         start = time.perf_counter()
         # The shipped draft's errors are the installation's, not a flag's.
-        named = named_by_flag("--draft", draft_dir) if args.draft else contextlib.nullcontext()
+        named = (
+            named_by_flag("--draft", draft_dir, default_target=args.target is None)
+            if args.draft
+            else contextlib.nullcontext()
+        )
         with named:
             draft = load_draft_for_config(draft_dir, target_config, dtype=args.dtype)
         parts = "draft" + (" + adapter" if draft.adapter is not None else "")

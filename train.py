@@ -192,7 +192,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     """Fits the calibration of a JetSpec++ checkpoint (replacement confidence, outcome-score
     temperatures) and stores it in the checkpoint."""
-    from jetspec_jax.flag_paths import require_paths
+    from jetspec_jax.flag_paths import named_by_flag, require_paths
 
     _require_at_least_one(args, "num_rounds", "anchors_per_sequence", "max_length")
     _check_refreshes(args)
@@ -203,6 +203,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from jetspec_jax.checkpoint.atomic import check_can_write
     from jetspec_jax.checkpoint.bundle import is_bundle, read_manifest
     from jetspec_jax.checkpoint.roles import replaces_only
+    from jetspec_jax.draft import load_draft_for_config
     from jetspec_jax.target import load_target_config
     from jetspec_jax.training.calibrate import SETTING_NAMES, calibrate, check_settings
     from jetspec_jax.training.calibration_rounds import check_dense_target, distinct_sequences
@@ -239,6 +240,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         check_dense_target(target_config)
     except ValueError as e:
         raise ValueError(f"--target {args.target}: {e}") from None  # never the default: it is dense
+    # The draft is read against the target's config, not after its weights load (minutes for a
+    # large target); served in the target's dtype, as `load_draft(args.draft, target)` gives it.
+    with named_by_flag("--draft", args.draft, default_target=args.target is None):
+        draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     target = jetspec_jax.load_target(args.target, dtype=args.dtype)
     records, repeats = distinct_sequences(
         read_regenerated(args.data, vocab_size=target.config.vocab_size)
@@ -249,7 +254,6 @@ def _calibrate(args: argparse.Namespace) -> int:
             "each side of the held-out split would flatter the held-out figures)",
             repeats,
         )
-    draft = jetspec_jax.load_draft(args.draft, target)  # served in the target's dtype
     result = calibrate(
         target,
         draft,
@@ -389,14 +393,14 @@ def _export(args: argparse.Namespace) -> int:
     _check_can_write("--out", out)
     # The target's architecture checks the drafts; its weights are not needed to re-save them.
     target_config = load_target_config(args.target)
-    with named_by_flag("--draft", args.draft):
+    with named_by_flag("--draft", args.draft, default_target=args.target is None):
         draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     if args.adapter_from is not None:
         if draft.adapter is not None:
             raise ValueError(f"--draft {args.draft} already has an adapter")
         with named_by_flag("--draft", args.draft):
             check_takes_an_adapter(draft.config)
-        with named_by_flag("--adapter-from", args.adapter_from):
+        with named_by_flag("--adapter-from", args.adapter_from, default_target=args.target is None):
             donor = load_draft_for_config(args.adapter_from, target_config, dtype=args.dtype)
             # Without its calibration: that was fitted to the donor's draft (train.py calibrate).
             draft = draft.with_adapter(donor.adapter)
@@ -463,7 +467,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     )
     ids = [(where, r["prompt_ids"]) for where, r in records if "prompt_ids" in r]
     _check_prompts_fit(ids, args.max_new_tokens, context)  # text prompts: once encoded
-    with named_by_flag("--draft", args.draft):
+    with named_by_flag("--draft", args.draft, default_target=args.target is None):
         draft = load_draft_for_config(args.draft, target_config, dtype=args.dtype)
     _check_draft_takes_passes(args, draft)
     if text := first_text_prompt(records):

@@ -272,7 +272,7 @@ def read_draft_config(path: str | pathlib.Path, target_config: TransformerConfig
     try:
         return draft_config_from_hf(hf, target_config)
     except CheckpointError as e:  # its messages name fields, not the directory (a bundle's draft/)
-        raise CheckpointError(f"{path}: {e}") from e
+        raise type(e)(f"{path}: {e}") from e  # a target mismatch stays one
 
 
 def init_draft(target: Target, *, init_std: float = 0.02, seed: int = 0, **architecture) -> Draft:

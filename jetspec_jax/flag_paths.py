@@ -9,7 +9,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 
-from jetspec_jax.checkpoint.errors import CheckpointError, gguf_hint
+from jetspec_jax.checkpoint.errors import CheckpointError, TargetMismatchError, gguf_hint
 
 
 def require_paths(
@@ -35,20 +35,28 @@ def require_paths(
 
 
 @contextlib.contextmanager
-def named_by_flag(flag: str, path: str | os.PathLike) -> Iterator[None]:
+def named_by_flag(
+    flag: str, path: str | os.PathLike, *, default_target: bool = False
+) -> Iterator[None]:
     """Names a `CheckpointError` raised in its block, about the checkpoint at `path`, by the
     `flag` that gave it: "--draft DIR is a target model checkpoint ..." (the loaders' messages
-    mostly start with the path), else "--draft DIR: <message>".
+    mostly start with the path), else "--draft DIR: <message>". With `default_target` (no
+    `--target` given), a checkpoint made for another target also says that the default model
+    was the one it was read against, and how to name its own.
 
     Raises:
-        CheckpointError: the block's, so named.
+        CheckpointError: the block's, so named, of the same class.
     """
     try:
         yield
     except CheckpointError as e:
         message, path = str(e), os.fspath(path)
         named = f"{flag} {message}" if message.startswith(path) else f"{flag} {path}: {message}"
-        raise CheckpointError(named) from e
+        if default_target and isinstance(e, TargetMismatchError):
+            named += (
+                " (read against the default model: pass --target DIR, the model it was made for)"
+            )
+        raise type(e)(named) from e
 
 
 @contextlib.contextmanager

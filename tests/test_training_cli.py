@@ -660,6 +660,58 @@ def test_a_wrong_draft_is_refused_by_flag_before_the_target_loads(
     assert not (tmp_path / "run").exists()
 
 
+def test_calibrate_refuses_a_draft_for_another_target_by_flag_before_it_loads(
+    checkpoints, tmp_path, no_target_load, capsys
+):
+    """`calibrate` reads its `--draft` against the target's config before the target's weights
+    load (minutes for a large target), as `evaluate` does: a JetSpec++ checkpoint made for another
+    target is named by the flag, not found after the load."""
+    import train
+    from jetspec_jax.adapter import init_adapter
+    from jetspec_jax.target import load_target
+
+    made_for = load_target(checkpoints.get("qwen3")[0])  # a vocabulary of 97
+    draft = jetspec_jax.init_draft(made_for, variant="jetspec++", block_size=4)
+    draft = draft.with_adapter(init_adapter(draft)).save(tmp_path / "jetspec_pp")
+    data = tmp_path / "held_out.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    other = checkpoints.get("qwen3_vocab8")[0]
+    argv = ["calibrate", "--target", str(other), "--draft", str(draft), "--data", str(data)]
+    capsys.readouterr()  # the save's progress bar
+    assert train.main(argv) == 2
+    message = f"error: --draft {draft}"
+    err = capsys.readouterr().err
+    assert message in err and "draft vocab_size 97 != target vocab_size 8" in err, err
+
+
+def test_a_draft_for_another_target_without_target_says_to_pass_it(
+    checkpoints, tmp_path, monkeypatch, capsys
+):
+    """With no `--target`, a draft is read against the default model: one made for another target
+    is refused saying so and naming `--target`, not with bare sizes the user must place (here the
+    default model's config is a tiny vocabulary-8 target's); given `--target`, no such hint."""
+    import train
+    from jetspec_jax import target as target_module
+
+    made_for = target_module.load_target(checkpoints.get("qwen3")[0])
+    draft = jetspec_jax.init_draft(made_for, variant="jetspec++", block_size=4)
+    draft = draft.save(tmp_path / "draft")
+    other = checkpoints.get("qwen3_vocab8")[0]
+    read_config = target_module.load_target_config
+    monkeypatch.setattr(
+        target_module, "load_target_config", lambda path=None, **kw: read_config(path or other)
+    )
+    capsys.readouterr()  # the save's progress bar
+    hint = "(read against the default model: pass --target DIR, the model it was made for)"
+    export = ["export", "--draft", str(draft), "--out", str(tmp_path / "out")]
+    assert train.main(export) == 2
+    err = capsys.readouterr().err
+    assert f"error: --draft {draft}: draft vocab_size 97 != target vocab_size 8 {hint}" in err
+    assert train.main([*export, "--target", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "draft vocab_size 97 != target vocab_size 8" in err and hint not in err
+
+
 def test_calibrate_refuses_a_hybrid_target_before_it_loads(
     checkpoints, tmp_path, no_target_load, capsys
 ):

@@ -25,7 +25,7 @@ import json
 import pathlib
 from typing import Any
 
-from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.errors import CheckpointError, TargetMismatchError
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
     TensorSpec,
@@ -184,7 +184,7 @@ def load_adapter(path: str | pathlib.Path, draft, *, dtype: str | None = None):
     try:
         check_adapter_matches_draft(config, draft)
     except CheckpointError as e:  # its message names fields, not the directory
-        raise CheckpointError(f"{path}: {e}") from e
+        raise type(e)(f"{path}: {e}") from e
     params = load_tree(path, adapter_tensor_specs(config), DTYPES[dtype], what="adapter")
     return Adapter(config=config, params=params, dtype=dtype)
 
@@ -229,7 +229,7 @@ def check_adapter_matches_draft(config: AdapterConfig, draft) -> None:
     for field in ("hidden_size", "vocab_size", "max_position_embeddings", "rope"):
         mine, target = getattr(config.layers, field), getattr(draft.target_config, field)
         if mine != target:
-            raise CheckpointError(
+            raise TargetMismatchError(
                 f"adapter {field} {mine} != target {field} {target}: an adapter made for "
                 "another target"
             )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from jetspec_jax.checkpoint.errors import CheckpointError
+from jetspec_jax.checkpoint.errors import CheckpointError, TargetMismatchError
 from jetspec_jax.checkpoint.hf_config import config_from_hf, config_to_hf
 from jetspec_jax.checkpoint.hf_params import (
     SINGLE_FILE,
@@ -155,7 +155,7 @@ def draft_config_from_hf(hf: dict[str, Any], target_config: TransformerConfig) -
     _check_layers_match_target(layers, target_config, num_target_layers)
     mask_token_id = json_integer(values["mask_token_id"], "draft mask_token_id")
     if not 0 <= mask_token_id < target_config.vocab_size:
-        raise CheckpointError(
+        raise TargetMismatchError(
             f"draft mask_token_id {mask_token_id} is outside the target's vocabulary "
             f"[0, {target_config.vocab_size})"
         )
@@ -234,15 +234,15 @@ def _check_layers_match_target(
     if c.model_type != "qwen3":
         raise CheckpointError(f"draft layers must be Qwen3 layers, got {c.model_type!r}")
     if c.hidden_size != t.hidden_size:
-        raise CheckpointError(
+        raise TargetMismatchError(
             f"draft hidden_size {c.hidden_size} != target hidden_size {t.hidden_size}"
         )
     if c.vocab_size != t.vocab_size:
-        raise CheckpointError(
+        raise TargetMismatchError(
             f"draft vocab_size {c.vocab_size} != target vocab_size {t.vocab_size}"
         )
     if num_target_layers is not None and num_target_layers != t.num_layers:
-        raise CheckpointError(
+        raise TargetMismatchError(
             f"draft num_target_layers {num_target_layers} != the target's {t.num_layers} layers"
         )
 
@@ -252,7 +252,7 @@ def _check_taps(target_layer_ids: tuple[int, ...], target_config: TransformerCon
     num_layers = target_config.num_layers
     outside = [i for i in target_layer_ids if not 0 <= i < num_layers]
     if outside:
-        raise CheckpointError(
+        raise TargetMismatchError(
             f"draft target_layer_ids {list(target_layer_ids)}: {outside} outside the "
             f"target's layers [0, {num_layers})"
         )

@@ -1,4 +1,5 @@
-"""The one error type for checkpoints that cannot be loaded as asked, and `gguf_hint`."""
+"""The error type for checkpoints that cannot be loaded as asked (with its case for one made
+for another target), and `gguf_hint`."""
 
 import os
 
@@ -8,6 +9,12 @@ class CheckpointError(ValueError):
 
     Messages name the offending file, field or tensor, so the user can fix the checkpoint.
     """
+
+
+class TargetMismatchError(CheckpointError):
+    """A draft or adapter that is well formed but made for another target: its hidden size,
+    vocabulary, target depth, taps, mask token or the adapter's context and RoPE do not fit the
+    target it is loaded for (a command line given no `--target` may name the flag)."""
 
 
 def gguf_hint(path: str | os.PathLike) -> str:
