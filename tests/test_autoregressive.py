@@ -256,6 +256,14 @@ def test_a_mapping_or_set_where_ids_belong_is_refused_not_read_as_its_keys(targe
     assert check_token_ids({2}, 97, "stop_token_ids", allow_empty=True, ordered=False) == [2]
 
 
+def test_errors_name_a_prompt_by_its_index_only_in_a_batch():
+    """One prompt is "prompt"; a batch's are "prompt i", so the bad one can be found."""
+    with pytest.raises(ValueError, match="^prompt holds token id 99,"):
+        check_prompts([[1, 99]], 97)
+    with pytest.raises(ValueError, match="^prompt 1 holds token id 99,"):
+        check_prompts([[1], [1, 99]], 97)
+
+
 def test_numpy_and_jax_integers_are_accepted(target, prompts):
     """Token ids and budgets as NumPy or JAX integer arrays and scalars decode as Python ints."""
     ids = [1, 2, 3]

@@ -201,6 +201,32 @@ def test_top_p_zero_keeps_only_the_most_likely_token():
     np.testing.assert_array_equal(tokens, np.argmax(row0, -1))
 
 
+def test_top_p_stops_at_the_token_whose_mass_reaches_it_exactly():
+    """Top-p keeps the smallest set whose mass reaches top_p: a token after a set whose mass
+    equals top_p exactly is left out (as transformers' warper does), whether the cut-off is
+    found among the candidates or in the sorted vocabulary. Dyadic probabilities sum exactly."""
+    probs = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625], np.float32)
+    logits = jnp.asarray(np.log(probs)[None, None])
+    for top_p, kept in ((0.5, 1), (0.75, 2), (0.875, 3)):
+        want = np.isfinite(_hf_filtered(np.asarray(logits[0]), 1.0, 0, top_p))
+        assert want.sum() == kept
+        for candidates in (8, 2):
+            filtered = filter_logits(
+                logits, jnp.ones(1), jnp.zeros(1, int), jnp.full(1, top_p), candidates=candidates
+            )
+            np.testing.assert_array_equal(np.isfinite(filtered[0]), want)
+
+
+def test_top_k_without_top_p_keeps_k_tokens_whose_mass_rounds_away():
+    """With top_p = 1, top-k keeps its k tokens even where the float32 mass before them already
+    rounds to 1 (a peaked distribution): top-p's running sum never cuts a row without top-p."""
+    logits = np.array([[[0.0, -30.0, -31.0, -40.0, -50.0]]], np.float32)
+    want = np.isfinite(_hf_filtered(logits[0], 1.0, 3, 1.0))
+    assert want.sum() == 3
+    kept = filter_logits(jnp.asarray(logits), jnp.ones(1), jnp.full(1, 3), jnp.ones(1))
+    np.testing.assert_array_equal(np.isfinite(kept[0]), want)
+
+
 def test_greedy_rows_filter_nothing_whatever_their_top_k_and_top_p(monkeypatch):
     """A greedy row's top-k / top-p (OpenAI clients send `top_p` with temperature 0) leave its
     logits unfiltered and do not turn on the filter (a vocabulary sort) for a batch where no row

@@ -39,11 +39,11 @@ from jetspec_jax import DecodingOptions
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.bench.load import markdown, run_load
 from jetspec_jax.decoding import warmup
-from jetspec_jax.decoding.results import Timing, row_result
+from jetspec_jax.decoding.results import GenerationResult, Timing, row_result
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.prompting import encode_prompt
 from jetspec_jax.sampling import SamplingParams
-from jetspec_jax.serving import BackgroundServer, ServerConfig, serve
+from jetspec_jax.serving import BackgroundServer, ServerConfig, openai_responses, serve
 from jetspec_jax.serving import app as app_module
 from jetspec_jax.serving import server as server_module
 from jetspec_jax.serving.app import SCHEDULER
@@ -890,6 +890,65 @@ def test_a_messages_name_reaches_the_template():
     named = [{"role": "user", "content": "Hi", "name": "ada"}, {"role": "user", "content": "Yo"}]
     parse_chat(dict(model=MODEL, messages=named), model)
     assert model.tokenizer.messages == [named]
+
+
+def test_a_developer_message_reaches_the_template_as_a_system_message():
+    """OpenAI's "developer" role is the newer name of "system": chat templates know only the
+    latter, so the turn is renamed before rendering."""
+
+    class Recording:
+        chat_template = "{{ messages }}"
+        messages = []
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.messages.append(messages)
+            return "Hi"
+
+        def encode(self, text, add_special_tokens):
+            return [1, 2]
+
+    model = ModelInfo(name=MODEL, tokenizer=Recording(), context_length=64)
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    parse_chat(dict(model=MODEL, messages=turns), model)
+    assert model.tokenizer.messages == [[{"role": "system", "content": "Be brief."}, turns[1]]]
+
+
+def test_the_jetspec_statistics_read_the_results_rounds_and_phases():
+    """`target_forwards` counts verification rounds (the prefill's included), not tokens, and
+    each phase's seconds are its own: a speculative result tells them apart."""
+    timing = Timing(prefill_seconds=0.25, decode_seconds=1.5, compile_seconds=3.0)
+    result = GenerationResult(
+        tokens=[5, 6, 7, 8, 9, 10],
+        acceptance_lengths=[1, 3, 2],
+        finish_reason="length",
+        prompt_length=4,
+        timing=timing,
+    )
+    assert openai_responses.stats(result) == {
+        "jetspec": {
+            "tau": 2.5,
+            "target_forwards": 3,
+            "prefill_seconds": 0.25,
+            "decode_seconds": 1.5,
+            "compile_seconds": 3.0,
+        }
+    }
+    assert openai_responses.stats(None) == {}
+
+
+def test_a_result_with_no_token_after_the_first_decodes_at_zero_tokens_per_second():
+    """Decode speed counts the tokens after the first: a row that has none (cancelled or read
+    before its prefill, or done at its first token) reads 0, never a negative speed."""
+    timing = Timing(prefill_seconds=0.5, decode_seconds=2.0, compile_seconds=0.0)
+    for tokens, speed in (([], 0.0), ([5], 0.0), ([5, 6, 7], 1.0)):
+        result = GenerationResult(
+            tokens=tokens,
+            acceptance_lengths=[1] * len(tokens),
+            finish_reason=None,
+            prompt_length=4,
+            timing=timing,
+        )
+        assert result.decode_tokens_per_second == speed
 
 
 def test_top_p_zero_is_greedy_and_a_seed_is_any_64_bit_integer(http):

@@ -420,6 +420,38 @@ def test_a_continuation_keeps_the_leading_space_its_context_gives_it():
     assert detok.push(coffee[1:] + byte_level.encode("!")) + detok.flush() == "\ufffd\ufffd!"
 
 
+def _byte_fallback_tokenizer():
+    """SentencePiece with byte fallback (Llama's): a character outside the pieces is its UTF-8
+    bytes, one `<0xNN>` token each, and the text's leading space is stripped."""
+    pieces = (
+        ["<unk>", "▁"] + [f"<0x{b:02X}>" for b in range(256)] + [chr(c) for c in range(33, 127)]
+    )
+    vocab = {p: i for i, p in enumerate(pieces)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
+def test_a_context_ending_in_a_four_byte_character_still_gives_the_leading_space():
+    """The context read from the prompt's end is long enough to hold its last character whole
+    (4 byte tokens at most): shorter, it would end mid-character, be dropped, and the
+    continuation's first word would lose its leading space."""
+    tokenizer = _byte_fallback_tokenizer()
+    prompt, completion = tokenizer.encode("Hi 😀"), tokenizer.encode(" there")
+    assert tokenizer.convert_ids_to_tokens(prompt)[-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    assert tokenizer.decode(prompt + completion) == "Hi 😀 there"
+    detok = IncrementalDetokenizer(tokenizer, context=prompt)
+    assert detok.push(completion) + detok.flush() == " there"
+
+
 def test_a_run_of_invalid_bytes_streams_on_and_characters_stay_whole():
     """A lone continuation byte decodes as U+FFFD for good: only the last 3 tokens (an incomplete
     character's most) are held, so a degenerate loop of them streams instead of waiting for the
