@@ -97,11 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = logging.INFO if args.verbose or args.command is None else logging.WARNING
-    logging.basicConfig(level=level, format="%(name)s: %(message)s")
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
-    from jetspec_jax.console import discard_stdout, escape_what_stdout_cannot_encode
+    from jetspec_jax.console import (
+        configure_logging,
+        discard_stdout,
+        escape_what_stdout_cannot_encode,
+    )
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
+    configure_logging(level)
     escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost

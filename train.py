@@ -56,17 +56,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(COMMANDS)})"
         )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
-    )
     from jetspec_jax.compile_cache import enable_compile_cache  # deferred: --help answers at once
     from jetspec_jax.console import (
+        configure_logging,
         discard_stdout,
         escape_what_stdout_cannot_encode,
         log_lines_clear_of_bars,
     )
     from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
 
+    configure_logging(logging.INFO if args.verbose else logging.WARNING)
     escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost

@@ -1,5 +1,5 @@
-"""Standard output for the command-line programs: text its encoding lacks, a reader gone, and
-progress bars."""
+"""Standard output for the command-line programs: their log lines, text its encoding lacks, a
+reader gone, and progress bars."""
 
 from __future__ import annotations
 
@@ -8,6 +8,20 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+
+
+def configure_logging(level: int) -> None:
+    """The programs' logging: `level` for every logger, one `name: message` line each. JAX's
+    notice that no TPU runtime is installed ("Unable to initialize backend 'tpu': ... Failed to
+    open libtpu.so"), logged at INFO on every CPU and GPU host, where it reads as an error, is
+    left out; any other backend failure still shows."""
+    logging.basicConfig(level=level, format="%(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").addFilter(_not_the_absent_libtpu_notice)
+
+
+def _not_the_absent_libtpu_notice(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("initialize backend 'tpu'" in message and "libtpu.so" in message)
 
 
 def escape_what_stdout_cannot_encode() -> None:

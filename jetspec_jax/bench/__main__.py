@@ -20,9 +20,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
-    )
     import jetspec_jax  # deferred so that --help answers at once
     from jetspec_jax.bench.datasets import load_dataset
     from jetspec_jax.bench.methods import parse_methods
@@ -36,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.bench.runner import run_benchmark
     from jetspec_jax.compile_cache import enable_compile_cache
     from jetspec_jax.console import (
+        configure_logging,
         escape_what_stdout_cannot_encode,
         log_lines_clear_of_bars,
         reader_may_leave,
@@ -45,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from jetspec_jax.prompting import has_chat_template, require_chat_template
     from jetspec_jax.target import require_tokenizer
 
+    configure_logging(logging.INFO if args.verbose else logging.WARNING)
     escape_what_stdout_cannot_encode()  # not a UnicodeEncodeError mid-output
     enable_compile_cache()
     raise_interrupts_outside_gc_callbacks()  # else a Ctrl-C in JAX's gc callback is lost
