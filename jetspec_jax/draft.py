@@ -253,11 +253,16 @@ def read_draft_config(path: str | pathlib.Path, target_config: TransformerConfig
     Raises:
         CheckpointError: as `load_draft`, for the config alone.
     """
-    from jetspec_jax.checkpoint.bundle import DRAFT_DIR, is_bundle  # imports this module
+    from jetspec_jax.checkpoint.bundle import (  # imports this module
+        bundle_draft_dir,
+        is_bundle,
+        read_manifest,
+    )
 
     path = pathlib.Path(path)
-    if is_bundle(path):
-        path = path / DRAFT_DIR
+    if is_bundle(path):  # its manifest and layout as `load_bundle` checks them, first
+        read_manifest(path)
+        path = bundle_draft_dir(path)
     hf = read_hf_config(path)
     if hf.get("architecture") == ADAPTER_ARCHITECTURE:
         raise CheckpointError(

@@ -1280,6 +1280,49 @@ def test_an_init_from_of_another_architecture_is_refused_before_the_model_load(
         assert not (tmp_path / "run").exists()
 
 
+def test_a_malformed_jetspec_pp_init_from_is_refused_as_load_draft_would(
+    target, tmp_path, monkeypatch
+):
+    """A JetSpec++ checkpoint given as `draft.init_from` is checked before the model load as
+    `load_bundle` checks it, with its messages: a missing `draft/` or one that is itself a
+    bundle is said so (not as a config.json the draft directory lacks), and an unsupported
+    manifest is refused then too."""
+    from jetspec_jax.training.config import TrainConfig, from_dict
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    saved = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    bundle = saved.with_adapter(init_adapter(saved)).save(tmp_path / "pp")
+    no_draft, nested, version = (tmp_path / name for name in ("no_draft", "nested", "version"))
+    for copy in (no_draft, nested, version):
+        shutil.copytree(bundle, copy)
+    shutil.rmtree(no_draft / "draft")
+    shutil.rmtree(nested / "draft")
+    shutil.copytree(bundle, nested / "draft")
+    manifest = json.loads((version / "jetspec_pp.json").read_text())
+    (version / "jetspec_pp.json").write_text(json.dumps(manifest | {"format_version": 99}))
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    for start, message in (
+        (no_draft, f"JetSpec++ checkpoint {no_draft} lacks its draft/ directory"),
+        (nested, f"{nested / 'draft'} must be a plain draft directory, not another bundle"),
+        (version, "format_version 99 is not supported"),
+    ):
+        config = from_dict(
+            TrainConfig,
+            dict(
+                target=str(target.path),
+                data=dict(files=[str(data)]),
+                draft=dict(variant="jetspec++", block_size=4, init_from=str(start)),
+                run=dict(dir=str(tmp_path / "run")),
+            ),
+            "",
+        )
+        with pytest.raises(CheckpointError) as refused:
+            train(config)
+        assert message in str(refused.value)
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_run_resumes_without_its_deleted_start_draft(target, data_files, tmp_path, caplog):
     """A resumed run's weights are in its checkpoint: the `draft.init_from` it started from is
     neither checked nor read (it may be gone), and dropping it from the config is no change of

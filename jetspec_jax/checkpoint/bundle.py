@@ -99,12 +99,7 @@ def load_bundle(path: str | pathlib.Path, target_config, dtype: str):
 
     path = pathlib.Path(path)
     manifest = read_manifest(path)
-    draft_dir = path / DRAFT_DIR
-    if not draft_dir.is_dir():
-        raise CheckpointError(f"JetSpec++ checkpoint {path} lacks its {DRAFT_DIR}/ directory")
-    if is_bundle(draft_dir):
-        raise CheckpointError(f"{draft_dir} must be a plain draft directory, not another bundle")
-    draft = load_draft_for_config(draft_dir, target_config, dtype=dtype)
+    draft = load_draft_for_config(bundle_draft_dir(path), target_config, dtype=dtype)
     adapter = load_adapter(path / ADAPTER_DIR, draft)
     calibration_file = path / CALIBRATION_FILE
     listed = "calibration" in manifest["contents"]
@@ -126,6 +121,23 @@ def load_bundle(path: str | pathlib.Path, target_config, dtype: str):
             raise CheckpointError(f"{calibration_file}: {e}") from e
     loaded = draft.with_adapter(adapter, calibration)
     return dataclasses.replace(loaded, path=path)
+
+
+def bundle_draft_dir(path: str | pathlib.Path) -> pathlib.Path:
+    """The plain draft directory of the bundle at `path`, checked to be there and no bundle
+    itself (after `read_manifest`: the checks `load_bundle` makes before the draft's, shared
+    with `read_draft_config`).
+
+    Raises:
+        CheckpointError: a missing `draft/`, or a `draft/` that is a bundle.
+    """
+    path = pathlib.Path(path)
+    draft_dir = path / DRAFT_DIR
+    if not draft_dir.is_dir():
+        raise CheckpointError(f"JetSpec++ checkpoint {path} lacks its {DRAFT_DIR}/ directory")
+    if is_bundle(draft_dir):
+        raise CheckpointError(f"{draft_dir} must be a plain draft directory, not another bundle")
+    return draft_dir
 
 
 def read_manifest(path: str | pathlib.Path) -> dict[str, Any]:
