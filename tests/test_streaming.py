@@ -4,6 +4,7 @@ incremental detokenization across chunk boundaries."""
 from __future__ import annotations
 
 import gc
+import types
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 import jetspec_jax
 from jetspec_jax import DecodingOptions
+from jetspec_jax.decoding.compiled import CompiledCache
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
 from tests.oracles import OracleDraft
@@ -366,6 +368,57 @@ def test_a_session_whose_state_a_failed_step_consumed_says_so(target, prompts, m
     for call in calls:
         with pytest.raises(RuntimeError, match="state was lost.*in a new session"):
             call()
+
+
+def test_a_chunked_decode_passes_one_step_count_array(target, prompts, monkeypatch):
+    """Every chunk of a count passes the same device scalar for it (made once per session and
+    count): a new `jnp.int32` per chunk is a transfer and an eager dispatch at each boundary."""
+    session = DecodeSession(target, prompts, max_new_tokens=N_NEW, stop_token_ids=[])
+    session.start()
+    get, counts = COMPILED.get, []
+
+    def recording(fn, *args, **static):
+        counts.append(args[-1])  # the loop's `max_steps`
+        return get(fn, *args, **static)
+
+    monkeypatch.setattr(COMPILED, "get", recording)
+    for steps in (2, 2, 3, 2):
+        session.advance(steps)
+    assert [int(c) for c in counts] == [2, 2, 3, 2]
+    assert counts[0] is counts[1] is counts[3] and counts[2] is not counts[0]
+    monkeypatch.setattr(COMPILED, "get", get)
+    session.advance()  # to the end: the tokens are those of one uninterrupted decode
+    expected = DecodeSession(target, prompts, max_new_tokens=N_NEW, stop_token_ids=[])
+    expected.start()
+    expected.advance()
+    assert [r.tokens for r in session.results()] == [r.tokens for r in expected.results()]
+
+
+def test_a_compiled_cache_hit_hashes_its_key_once():
+    """A hit looks the key up once: hashing it walks every argument's shape, dtype and sharding
+    (dozens of leaves, at every chunk boundary)."""
+
+    class Sharding:
+        hashes = 0
+
+        def __hash__(self):
+            Sharding.hashes += 1
+            return 0
+
+    class Leaf:
+        shape, dtype, sharding = (2,), np.dtype(np.int32), Sharding()
+
+    class Fn:
+        __name__ = "fn"
+
+        def lower(self, *args, **static):
+            return types.SimpleNamespace(compile=lambda: "executable")
+
+    cache, fn, leaf = CompiledCache(), Fn(), Leaf()
+    assert cache.get(fn, leaf, size=1)[0] == "executable"  # compiled: a miss
+    Sharding.hashes = 0
+    assert cache.get(fn, leaf, size=1) == ("executable", 0.0)
+    assert Sharding.hashes == 1
 
 
 def _byte_level_tokenizer():

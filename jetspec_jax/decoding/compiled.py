@@ -35,8 +35,9 @@ class CompiledCache:
         # The placement is part of the key: an executable runs where its arguments were placed.
         avals = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
         key = (fn, tree, avals, tuple(sorted(static.items())))
-        if key in self._executables:
-            return self._executables[key], 0.0
+        executable = self._executables.get(key)  # one lookup: hashing the key walks every leaf
+        if executable is not None:
+            return executable, 0.0
         start = time.perf_counter()
         executable = fn.lower(*args, **static).compile()
         seconds = time.perf_counter() - start

@@ -169,6 +169,7 @@ class DecodeSession:
         self._joined: list[tuple[float, float, float] | None] = [None] * len(prompts)
         self._prefill_seconds = self._decode_seconds = self._compile_seconds = 0.0
         self._admission_prefill_seconds = 0.0
+        self._steps_arrays: dict[int, jax.Array] = {}  # `_steps_array`'s
 
     def _prompt_width(self, longest: int) -> int:
         """The padded width of a prefill whose longest prompt has `longest` tokens."""
@@ -448,7 +449,7 @@ class DecodeSession:
             fn = decode_loop(proposer, pipelined=self._pipeline == "spmd")
             params = (target.params, self._proposer_params)
             static = dict(proposer=proposer)
-        args = (*params, self._state, self._requests, jnp.int32(steps))
+        args = (*params, self._state, self._requests, self._steps_array(steps))
         if self._pipeline == "spmd":
             # The loop's arguments live on the stage mesh (the state and the requests since
             # `start`: placing them again copies nothing). The weights are placed apart, so that
@@ -464,6 +465,14 @@ class DecodeSession:
         self._state = run(*args)
         jax.block_until_ready(self._state)
         self._decode_seconds += time.perf_counter() - start
+
+    def _steps_array(self, steps: int) -> jax.Array:
+        """`jnp.int32(steps)`, made once per value: a chunked decode passes the same count at
+        every chunk, and each new scalar is a device transfer and an eager dispatch."""
+        array = self._steps_arrays.get(steps)
+        if array is None:
+            array = self._steps_arrays[steps] = jnp.int32(steps)
+        return array
 
     def _prefill_two_programs(self, prompts, prompt_lengths, requests) -> tuple[object, float]:
         """`_prefill` for the MPMD pipeline: each side's prefill on its device."""
