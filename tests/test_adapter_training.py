@@ -582,6 +582,28 @@ def test_the_eval_prompt_file_is_needed_only_when_tau_is_evaluated(
         train_adapter(evaluated, target=target, draft=draft)
 
 
+def test_without_tau_the_eval_prompts_are_not_checked_before_the_target_load(
+    target, draft, data_file, tmp_path, monkeypatch
+):
+    """`adapter.eval_tau: false` reads no evaluation prompts: a file `data.eval_prompts` names
+    that the run could not use is no refusal before the target load either."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 5}\n')
+    config = _config(data_file, tmp_path / "run", eval_tau=False)
+    config = dataclasses.replace(
+        config,
+        target=str(target.path),
+        data=dataclasses.replace(config.data, eval_prompts=str(bad)),
+    )
+
+    def load_target(*args, **kwargs):
+        raise RuntimeError("the target load")
+
+    monkeypatch.setattr(adapter_trainer, "load_target", load_target)
+    with pytest.raises(RuntimeError, match="the target load"):
+        train_adapter(config, draft=draft)
+
+
 def test_the_adapter_stage_reads_the_draft_in_the_export_dtype(target, draft, data_file, tmp_path):
     """With `export_dtype: float32` and a bfloat16 target, the draft stage's float32 export is
     read back in float32, and the adapter trained for it is exported in float32 too."""

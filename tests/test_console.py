@@ -17,7 +17,8 @@ def test_the_absent_tpu_runtime_notice_is_left_out_and_other_backend_failures_ke
 ):
     """JAX logs at INFO, on every CPU and GPU host, that it found no TPU runtime: a line that
     reads as an error in every `-v` run and every server start. Only that notice is dropped."""
-    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)  # the suite's handlers stay
+    configured = []  # the suite's handlers stay
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: configured.append(kwargs))
     jax_logger = logging.getLogger("jax._src.xla_bridge")
     try:
         console.configure_logging(logging.INFO)
@@ -29,6 +30,7 @@ def test_the_absent_tpu_runtime_notice_is_left_out_and_other_backend_failures_ke
             "Unable to initialize backend 'cuda': no CUDA devices",
             "Unable to initialize backend 'tpu': TPU is already in use",
         ]
+        assert [kwargs["level"] for kwargs in configured] == [logging.INFO]  # `-v`'s level
     finally:
         jax_logger.filters.clear()
 

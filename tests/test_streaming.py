@@ -421,6 +421,26 @@ def test_a_compiled_cache_hit_hashes_its_key_once():
     assert Sharding.hashes == 1
 
 
+def test_a_compiled_cache_keys_on_the_static_arguments_and_the_arguments_tree():
+    """One executable per static-argument value and per argument structure: leaves of the same
+    shapes under another tree (a dict for a tuple) or another static value are another program,
+    not a hit on the first one's."""
+    lowered = []
+
+    class Fn:
+        __name__ = "fn"
+
+        def lower(self, *args, **static):
+            lowered.append((jax.tree.structure(args), static))
+            return types.SimpleNamespace(compile=lambda: len(lowered))
+
+    cache, fn, x = CompiledCache(), Fn(), np.zeros(2, np.int32)
+    assert cache.get(fn, (x, x), size=1)[0] == 1
+    assert cache.get(fn, (x, x), size=2)[0] == 2
+    assert cache.get(fn, {"a": x, "b": x}, size=1)[0] == 3
+    assert cache.get(fn, (x, x), size=2) == (2, 0.0)  # a hit
+
+
 def _byte_level_tokenizer():
     """Byte-level BPE over the 256 byte symbols, no merges: a non-ASCII character spans tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()

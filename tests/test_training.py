@@ -1280,6 +1280,49 @@ def test_an_init_from_of_another_architecture_is_refused_before_the_model_load(
         assert not (tmp_path / "run").exists()
 
 
+def test_a_start_drafts_mask_token_is_left_to_the_tokenizers_rule_before_the_load(target, tmp_path):
+    """`check_draft_start` runs before the tokenizer loads: a saved draft's mask token, where the
+    section leaves it to the tokenizer's rule, is not compared there (`initial_draft` compares
+    it with the rule's once loaded); one the section sets is."""
+    from jetspec_jax.training.config import TrainConfig, from_dict
+
+    saved = jetspec_jax.init_draft(target, variant="jetspec", block_size=4, mask_token_id=5)
+    start = saved.save(tmp_path / "start")
+
+    def config(**section):
+        section = dict(variant="jetspec", block_size=4, init_from=str(start), **section)
+        return from_dict(
+            TrainConfig,
+            dict(target=str(target.path), data=dict(files=["d.jsonl"]), draft=section),
+            "",
+        )
+
+    trainer.check_draft_start(config(), target.config)  # the rule's token: not known yet
+    trainer.check_draft_start(config(mask_token_id=5), target.config)
+    with pytest.raises(ValueError, match="mask_token_id 5 \\(configured 7\\)"):
+        trainer.check_draft_start(config(mask_token_id=7), target.config)
+
+
+def test_missing_input_files_are_refused_before_an_unwritable_run_dir(data_files, tmp_path):
+    """`_check_before_load`'s order: a missing input file is named first, even where run.dir
+    cannot be written in either (a typo in a path is the likelier mistake to say)."""
+    from jetspec_jax.training.config import TrainConfig, from_dict
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    data = [str(data_files["train"]), str(tmp_path / "gone.jsonl")]
+    config = from_dict(
+        TrainConfig,
+        dict(target="no/such/target", data=dict(files=data), run=dict(dir=str(blocked / "run"))),
+        "",
+    )
+    with pytest.raises(FileNotFoundError, match="missing input file\\(s\\): .*gone.jsonl"):
+        train(config)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, files=data[:1]))
+    with pytest.raises(NotADirectoryError, match="run.dir"):
+        train(config)
+
+
 def test_a_malformed_jetspec_pp_init_from_is_refused_as_load_draft_would(
     target, tmp_path, monkeypatch
 ):
@@ -1541,6 +1584,23 @@ def test_a_run_dir_another_process_trains_is_refused(target, data_files, tmp_pat
     # Released: the run trains (a step and its checkpoint).
     assert train(_config(data_files, tmp_path, **SHORT), target=target, stop_after=1) is None
     assert has_checkpoint(tmp_path)
+
+
+def test_a_resume_with_another_process_count_is_refused_before_the_model_load(
+    target, data_files, tmp_path, monkeypatch
+):
+    """Each process saved its own data position: a draft run moved to another process count is
+    refused from its recorded setup, before the target's weights load (minutes for a large
+    target)."""
+    config = dataclasses.replace(
+        _config(data_files, tmp_path, evaluate=False, **SHORT), target=str(target.path)
+    )
+    assert train(config, target=target, stop_after=1) is None
+    setup = tmp_path / "run_setup.json"
+    setup.write_text(json.dumps({**json.loads(setup.read_text()), "process_count": 2}))
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ValueError, match="written by 2 process\\(es\\), this run has 1"):
+        train(config)
 
 
 def test_processes_given_different_settings_are_refused_by_name(tmp_path, monkeypatch):

@@ -689,7 +689,8 @@ def test_a_draft_for_another_target_without_target_says_to_pass_it(
 ):
     """With no `--target`, a draft is read against the default model: one made for another target
     is refused saying so and naming `--target`, not with bare sizes the user must place (here the
-    default model's config is a tiny vocabulary-8 target's); given `--target`, no such hint."""
+    default model's config is a tiny vocabulary-8 target's); given `--target`, or for another
+    refusal than a mismatch, no such hint."""
     import train
     from jetspec_jax import target as target_module
 
@@ -710,6 +711,51 @@ def test_a_draft_for_another_target_without_target_says_to_pass_it(
     assert train.main([*export, "--target", str(other)]) == 2
     err = capsys.readouterr().err
     assert "draft vocab_size 97 != target vocab_size 8" in err and hint not in err
+    # `calibrate`'s draft and `export`'s adapter donor alike (JetSpec++ checkpoints of it).
+    from jetspec_jax.adapter import init_adapter
+
+    made = jetspec_jax.init_draft(made_for, variant="jetspec++", block_size=4)
+    bundle = made.with_adapter(init_adapter(made)).save(tmp_path / "pp")
+    data = tmp_path / "held_out.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4]}) + "\n")
+    own = jetspec_jax.init_draft(target_module.load_target(other), block_size=4)
+    own = own.save(tmp_path / "own")
+    capsys.readouterr()
+    for argv, flag, path in (
+        (["calibrate", "--draft", str(bundle), "--data", str(data)], "--draft", bundle),
+        (
+            [
+                "export",
+                "--draft",
+                str(own),
+                "--adapter-from",
+                str(bundle),
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "--adapter-from",
+            bundle,
+        ),
+    ):
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} {path}" in err and hint in err, err
+    # Only a mismatch gets it: a draft directory's other refusals are about the directory.
+    assert train.main(["export", "--draft", str(other), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --draft {other} is a target model checkpoint" in err and hint not in err
+
+
+def test_an_error_named_by_its_flag_keeps_its_class():
+    """`named_by_flag` rewords a loader's error, keeping its class: a caller that tells a draft
+    made for another target (`TargetMismatchError`) from other checkpoint errors still can."""
+    from jetspec_jax.checkpoint.errors import TargetMismatchError
+    from jetspec_jax.flag_paths import named_by_flag
+
+    message = "^--draft /d: draft vocab_size 97 != target vocab_size 8$"
+    with pytest.raises(TargetMismatchError, match=message):
+        with named_by_flag("--draft", "/d"):
+            raise TargetMismatchError("draft vocab_size 97 != target vocab_size 8")
 
 
 def test_calibrate_refuses_a_hybrid_target_before_it_loads(
