@@ -711,7 +711,8 @@ def test_a_draft_for_another_target_without_target_says_to_pass_it(
     assert train.main([*export, "--target", str(other)]) == 2
     err = capsys.readouterr().err
     assert "draft vocab_size 97 != target vocab_size 8" in err and hint not in err
-    # `calibrate`'s draft and `export`'s adapter donor alike (JetSpec++ checkpoints of it).
+    # `calibrate`'s and `evaluate`'s draft and `export`'s adapter donor alike (JetSpec++
+    # checkpoints of it).
     from jetspec_jax.adapter import init_adapter
 
     made = jetspec_jax.init_draft(made_for, variant="jetspec++", block_size=4)
@@ -723,6 +724,7 @@ def test_a_draft_for_another_target_without_target_says_to_pass_it(
     capsys.readouterr()
     for argv, flag, path in (
         (["calibrate", "--draft", str(bundle), "--data", str(data)], "--draft", bundle),
+        (["evaluate", "--draft", str(bundle), "--prompts", str(data)], "--draft", bundle),
         (
             [
                 "export",
