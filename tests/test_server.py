@@ -853,19 +853,26 @@ def test_chat_text_parts_are_joined_by_newlines(http):
     assert refused.status_code == 400 and "only text parts" in refused.json()["error"]["message"]
 
 
+class _RecordingTokenizer:
+    """A chat tokenizer that records what each template rendering gets: the messages and
+    `enable_thinking`."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self):
+        self.messages, self.thinking = [], []
+
+    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, **kwargs):
+        self.messages.append(messages)
+        self.thinking.append(kwargs["enable_thinking"])
+        return "Hi"
+
+    def encode(self, text, add_special_tokens):
+        return [1, 2]
+
+
 def test_chat_template_kwargs_pass_enable_thinking_to_the_template():
-    class Recording:
-        chat_template = "{{ messages }}"
-        thinking = []
-
-        def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, **kwargs):
-            self.thinking.append(kwargs["enable_thinking"])
-            return "Hi"
-
-        def encode(self, text, add_special_tokens):
-            return [1, 2]
-
-    model = ModelInfo(name=MODEL, tokenizer=Recording(), context_length=64)
+    model = ModelInfo(name=MODEL, tokenizer=_RecordingTokenizer(), context_length=64)
     body = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     for kwargs in (None, {"enable_thinking": True}, {"enable_thinking": False}, {}):
         parse_chat({**body, "chat_template_kwargs": kwargs}, model)
@@ -875,18 +882,7 @@ def test_chat_template_kwargs_pass_enable_thinking_to_the_template():
 
 
 def test_a_messages_name_reaches_the_template():
-    class Recording:
-        chat_template = "{{ messages }}"
-        messages = []
-
-        def apply_chat_template(self, messages, **kwargs):
-            self.messages.append(messages)
-            return "Hi"
-
-        def encode(self, text, add_special_tokens):
-            return [1, 2]
-
-    model = ModelInfo(name=MODEL, tokenizer=Recording(), context_length=64)
+    model = ModelInfo(name=MODEL, tokenizer=_RecordingTokenizer(), context_length=64)
     named = [{"role": "user", "content": "Hi", "name": "ada"}, {"role": "user", "content": "Yo"}]
     parse_chat(dict(model=MODEL, messages=named), model)
     assert model.tokenizer.messages == [named]
@@ -896,18 +892,7 @@ def test_a_developer_message_reaches_the_template_as_a_system_message():
     """OpenAI's "developer" role is the newer name of "system": chat templates know only the
     latter, so the turn is renamed before rendering."""
 
-    class Recording:
-        chat_template = "{{ messages }}"
-        messages = []
-
-        def apply_chat_template(self, messages, **kwargs):
-            self.messages.append(messages)
-            return "Hi"
-
-        def encode(self, text, add_special_tokens):
-            return [1, 2]
-
-    model = ModelInfo(name=MODEL, tokenizer=Recording(), context_length=64)
+    model = ModelInfo(name=MODEL, tokenizer=_RecordingTokenizer(), context_length=64)
     turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     parse_chat(dict(model=MODEL, messages=turns), model)
     assert model.tokenizer.messages == [[{"role": "system", "content": "Be brief."}, turns[1]]]
