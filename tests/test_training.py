@@ -1250,30 +1250,33 @@ def test_init_from_is_checked_before_the_model_load(target, tmp_path):
         train(config)
 
 
+def _warm_start_config(target, tmp_path, **draft) -> TrainConfig:
+    """A run of `target` (read from its directory) with this draft section, over an empty data
+    file and a run dir not made yet: the checks before the target load have all they need."""
+    from jetspec_jax.training.config import from_dict
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    run = dict(dir=str(tmp_path / "run"))
+    return from_dict(
+        TrainConfig,
+        dict(target=str(target.path), data=dict(files=[str(data)]), draft=draft, run=run),
+        "",
+    )
+
+
 def test_an_init_from_of_another_architecture_is_refused_before_the_model_load(
     target, tmp_path, monkeypatch
 ):
     """The saved draft's config against the section's, from the target's `config.json` alone:
     not after minutes of loading a large target. A draft directory and a JetSpec++ checkpoint's
     draft alike."""
-    from jetspec_jax.training.config import TrainConfig, from_dict
-
-    data = tmp_path / "d.jsonl"
-    data.write_text("")
     saved = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
     bundle = saved.with_adapter(init_adapter(saved)).save(tmp_path / "pp")
     monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
     for start in (saved.save(tmp_path / "plain"), bundle):
-        section = dict(variant="jetspec++", block_size=8, init_from=str(start))
-        config = from_dict(
-            TrainConfig,
-            dict(
-                target=str(target.path),
-                data=dict(files=[str(data)]),
-                draft=section,
-                run=dict(dir=str(tmp_path / "run")),
-            ),
-            "",
+        config = _warm_start_config(
+            target, tmp_path, variant="jetspec++", block_size=8, init_from=str(start)
         )
         with pytest.raises(ValueError, match="block_size 4 \\(configured 8\\)"):
             train(config)
@@ -1330,10 +1333,6 @@ def test_a_malformed_jetspec_pp_init_from_is_refused_as_load_draft_would(
     `load_bundle` checks it, with its messages: a missing `draft/` or one that is itself a
     bundle is said so (not as a config.json the draft directory lacks), and an unsupported
     manifest is refused then too."""
-    from jetspec_jax.training.config import TrainConfig, from_dict
-
-    data = tmp_path / "d.jsonl"
-    data.write_text("")
     saved = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
     bundle = saved.with_adapter(init_adapter(saved)).save(tmp_path / "pp")
     no_draft, nested, version = (tmp_path / name for name in ("no_draft", "nested", "version"))
@@ -1350,15 +1349,8 @@ def test_a_malformed_jetspec_pp_init_from_is_refused_as_load_draft_would(
         (nested, f"{nested / 'draft'} must be a plain draft directory, not another bundle"),
         (version, "format_version 99 is not supported"),
     ):
-        config = from_dict(
-            TrainConfig,
-            dict(
-                target=str(target.path),
-                data=dict(files=[str(data)]),
-                draft=dict(variant="jetspec++", block_size=4, init_from=str(start)),
-                run=dict(dir=str(tmp_path / "run")),
-            ),
-            "",
+        config = _warm_start_config(
+            target, tmp_path, variant="jetspec++", block_size=4, init_from=str(start)
         )
         with pytest.raises(CheckpointError) as refused:
             train(config)
