@@ -29,7 +29,7 @@ import jetspec_jax
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.decoding import pipeline, pipeline_mpmd
 from jetspec_jax.decoding import session as session_module
-from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding.compiled import CompiledCache, signature
 from jetspec_jax.decoding.options import PIPELINES
 from jetspec_jax.decoding.pipeline_mpmd import draft_stage_target_params
 from jetspec_jax.decoding.placement import PLACED
@@ -319,7 +319,8 @@ def test_the_spmd_loop_writes_every_cache_in_place(target, draft, prompts, passe
 def test_spmd_chunks_place_only_their_step_count(target, draft, prompts, monkeypatch):
     """The state and the requests are placed on the stage mesh once, after the prefill, and the
     loop gives the carry back there: a chunk places nothing anew but its step count (before,
-    each copied the requests from device 0 to the mesh)."""
+    each copied the requests from device 0 to the mesh). The weights are placed at the first
+    chunk, for every chunk."""
     moved = []
 
     def buffers(leaf):  # a key array's data: `device_put` wraps it anew without copying it
@@ -333,14 +334,42 @@ def test_spmd_chunks_place_only_their_step_count(target, draft, prompts, monkeyp
         moved.extend(new.shape for old, new in pairs if buffers(new) != buffers(old))
         return placed
 
-    session = mixed_session(target, draft, prompts, pipeline="spmd")
+    def placing_weights(tree):
+        placed_weights.append(tree)
+        return pipeline.replicated_weights(tree)
+
+    session, placed_weights = mixed_session(target, draft, prompts, pipeline="spmd"), []
     monkeypatch.setattr(session_module, "replicate", recording)
+    monkeypatch.setattr(session_module, "replicated_weights", placing_weights)
     session.start()
     assert moved  # the prefilled state and the requests
     moved.clear()
     session.advance(2)
     session.advance(2)
     assert moved == [(), ()]  # the step count of each
+    # The target's and the proposer's weights, looked up once for every chunk (`PLACED`).
+    assert len(placed_weights) == 2 and placed_weights[0] is target.params
+    assert all(session.poll())  # every row decoded
+
+
+def test_mpmd_stage_programs_sign_the_placed_weights_once(target, draft, prompts, monkeypatch):
+    """The stage programs' cache lookups take the placed weights' signatures from the pipeline,
+    made when it placed them: an advance signs only its carry (each of its first stage calls
+    walked every weight before)."""
+    signed = []
+
+    def recording(tree):
+        signed.append(tree)
+        return signature(tree)
+
+    monkeypatch.setattr(pipeline_mpmd, "signature", recording)
+    session = mixed_session(target, draft, prompts)
+    session.start()
+    session.advance(2)
+    session.advance(2)
+    two = session._two_programs
+    weights = (two.target_params, two.draft_target_params, two.draft_params)
+    assert [sum(tree is w for tree in signed) for w in weights] == [1, 1, 1]
     assert all(session.poll())  # every row decoded
 
 

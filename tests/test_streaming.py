@@ -14,7 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 import jetspec_jax
 from jetspec_jax import DecodingOptions
-from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding import session as session_module
+from jetspec_jax.decoding.compiled import CompiledCache, signature
 from jetspec_jax.decoding.session import COMPILED, DecodeSession
 from jetspec_jax.serving.detokenize import IncrementalDetokenizer, StopStrings
 from tests.oracles import OracleDraft
@@ -439,6 +440,70 @@ def test_a_compiled_cache_keys_on_the_static_arguments_and_the_arguments_tree():
     assert cache.get(fn, (x, x), size=2)[0] == 2
     assert cache.get(fn, {"a": x, "b": x}, size=1)[0] == 3
     assert cache.get(fn, (x, x), size=2) == (2, 0.0)  # a hit
+
+
+def test_a_compiled_cache_keys_on_the_signatures_a_caller_gives():
+    """Signatures a caller keeps are the key as given: nothing is read from the arguments (the
+    weights' hundreds of leaves, at every chunk), and the same key computed here is a hit."""
+
+    class Leaf:
+        reads = 0
+        dtype, sharding = np.dtype(np.int32), None
+
+        @property
+        def shape(self):
+            Leaf.reads += 1
+            return (2,)
+
+    class Fn:
+        __name__ = "fn"
+        compiled = 0
+
+        def lower(self, *args, **static):
+            Fn.compiled += 1
+            return types.SimpleNamespace(compile=lambda: Fn.compiled)
+
+    cache, fn, leaf = CompiledCache(), Fn(), Leaf()
+    signed = signature(leaf)
+    Leaf.reads = 0
+    assert cache.get(fn, leaf, signatures=[signed], size=1)[0] == 1
+    assert Leaf.reads == 0
+    assert cache.get(fn, leaf, size=1) == (1, 0.0)  # computed here: the same key
+    assert cache.get(fn, leaf, signatures=[signature(np.zeros(3))], size=1)[0] == 2
+
+
+@pytest.mark.parametrize("method", ["ar", "jetspec++"])
+def test_a_session_signs_its_weights_once(target, prompts, method, monkeypatch):
+    """The weights' signatures are computed at the session's first program and kept: every later
+    chunk and admission computes only its own inputs' (for a real model, the weights' hundreds of
+    leaves were most of the compiled-program lookup's host time at each chunk boundary)."""
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4, seed=5)
+    settings = dict(options=DecodingOptions(method), max_new_tokens=N_NEW, stop_token_ids=[])
+    if method != "ar":
+        settings["draft"] = draft
+    signed = []
+
+    def recording(tree):
+        signed.append(tree)
+        return signature(tree)
+
+    monkeypatch.setattr(session_module, "signature", recording)
+    session = DecodeSession(target, prompts, **settings)
+    session.start()
+    for _ in range(3):
+        session.advance(2)
+    session.admit(3, prompts[0], max_new_tokens=2)  # the padding row
+    session.advance()
+    assert sum(tree is target.params for tree in signed) == 1
+    weights = 1 if method == "ar" else 2  # the target's, the proposer's
+    assert len(signed) == weights + 3 + 4 * 3 + 3  # then the inputs of 2 prefills, 4 chunks
+    monkeypatch.undo()
+    expected = DecodeSession(target, prompts, **settings)
+    expected.start()
+    expected.advance(6)
+    expected.admit(3, prompts[0], max_new_tokens=2)
+    expected.advance()
+    assert [r.tokens for r in session.results()] == [r.tokens for r in expected.results()]
 
 
 def _byte_level_tokenizer():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -16,25 +16,37 @@ import jax
 logger = logging.getLogger(__name__)
 
 
+def signature(tree) -> tuple:
+    """What an executable is specialised to in `tree`: its structure, and each array's shape, dtype
+    and placement (an executable runs where its arguments were placed)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+
 class CompiledCache:
-    """Executables keyed by function, static arguments and the array inputs' shapes, dtypes and
-    placements."""
+    """Executables keyed by function, static arguments and the array inputs' `signature`s."""
 
     def __init__(self):
         self._executables: dict[tuple, Any] = {}
 
-    def get(self, fn: Callable, *args, **static) -> tuple[Any, float]:
+    def get(
+        self, fn: Callable, *args, signatures: Sequence | None = None, **static
+    ) -> tuple[Any, float]:
         """`(executable, seconds spent compiling in this call)` for `fn(*args, **static)`.
 
         Args:
             fn: a `jax.jit` function whose static arguments are keyword-only.
             *args: its array arguments (pytrees), in order; call the executable with exactly these.
+            signatures: `signature(arg)` for each of `args`, where the caller keeps them; None:
+                computed here. A caller passing the same weights at every call computes theirs
+                once: over a model's hundreds of arrays, they are most of a hit's host time.
+                (Signatures that are not the arguments' give an executable that refuses them: a
+                TypeError for a shape or dtype, a ValueError for a placement.)
             **static: its static arguments (hashable).
         """
-        leaves, tree = jax.tree.flatten(args)
-        # The placement is part of the key: an executable runs where its arguments were placed.
-        avals = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
-        key = (fn, tree, avals, tuple(sorted(static.items())))
+        if signatures is None:
+            signatures = tuple(map(signature, args))
+        key = (fn, tuple(signatures), tuple(sorted(static.items())))
         executable = self._executables.get(key)  # one lookup: hashing the key walks every leaf
         if executable is not None:
             return executable, 0.0

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jetspec_jax.decoding.buckets import uses_chunks
-from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding.compiled import CompiledCache, signature
 from jetspec_jax.decoding.foresight import ForesightProposer
 from jetspec_jax.decoding.pipeline import pipeline_devices
 from jetspec_jax.decoding.placement import PLACED
@@ -303,8 +303,12 @@ class TwoProgramPipeline:
             self.draft_device,
         )
         self.draft_params = PLACED.put(proposer_params, self.draft_device)
+        weights = (self.target_params, self.draft_target_params, self.draft_params)
         # The transfers complete here, not inside the first session's timed prefill.
-        jax.block_until_ready((self.target_params, self.draft_target_params, self.draft_params))
+        jax.block_until_ready(weights)
+        # By identity (held here, so no other tree takes their ids): an advance's first call of
+        # each stage program would otherwise walk every weight for its `CompiledCache` key.
+        self._signatures = {id(tree): signature(tree) for tree in weights}
 
     def prefill(
         self,
@@ -335,7 +339,7 @@ class TwoProgramPipeline:
         padded1, lengths1 = jax.device_put((padded, prompt_lengths), self.draft_device)
         target_static = dict(config=self.config, chunk=chunk)
         params1, target_params1 = self.draft_params, self.draft_target_params
-        call = _StagePrograms(self._compiled)
+        call = _StagePrograms(self._compiled, self._signatures)
 
         cache, last = call(
             start_target_prefill, self.target_params, padded0, **target_static, capacity=capacity
@@ -396,7 +400,7 @@ class TwoProgramPipeline:
     def advance(self, state: SpecState, requests, max_rounds: int) -> tuple[SpecState, float]:
         """`(state, compile seconds)` after at most `max_rounds` rounds, stopping once every row
         is done. `state` (from `prefill`, or an earlier call) is consumed."""
-        call = _StagePrograms(self._compiled)
+        call = _StagePrograms(self._compiled, self._signatures)
         decode_side = jax.device_put(state.replace(proposer=None), self.target_device)
         d = decode_side.decode
         side = jax.device_put(
@@ -436,13 +440,18 @@ class _StagePrograms:
     """Calls stage programs for one host loop: each compiled (or found in the `CompiledCache`) at
     its first call, whose arguments' shapes every later call keeps; the compile time summed."""
 
-    def __init__(self, compiled: CompiledCache):
-        self._compiled = compiled
+    def __init__(self, compiled: CompiledCache, signatures: dict[int, tuple]):
+        """`signatures`: the `signature` of each weight tree held by the caller, by `id`."""
+        self._compiled, self._signatures = compiled, signatures
         self._executables = {}
         self.compile_seconds = 0.0
 
     def __call__(self, fn, *args, **static):
         if fn not in self._executables:
-            self._executables[fn], seconds = self._compiled.get(fn, *args, **static)
+            known = self._signatures
+            signatures = [known[id(x)] if id(x) in known else signature(x) for x in args]
+            self._executables[fn], seconds = self._compiled.get(
+                fn, *args, signatures=signatures, **static
+            )
             self.compile_seconds += seconds
         return self._executables[fn](*args)

@@ -36,7 +36,7 @@ import numpy as np
 from jetspec_jax.decoding.admission import write_rows
 from jetspec_jax.decoding.autoregressive import decode_autoregressive
 from jetspec_jax.decoding.buckets import bucket, length_bucket, prefill_width
-from jetspec_jax.decoding.compiled import CompiledCache
+from jetspec_jax.decoding.compiled import CompiledCache, signature
 from jetspec_jax.decoding.foresight import foresight_proposer
 from jetspec_jax.decoding.options import DecodingOptions
 from jetspec_jax.decoding.pipeline import (
@@ -170,6 +170,7 @@ class DecodeSession:
         self._prefill_seconds = self._decode_seconds = self._compile_seconds = 0.0
         self._admission_prefill_seconds = 0.0
         self._steps_arrays: dict[int, jax.Array] = {}  # `_steps_array`'s
+        self._signed: dict[bool, tuple[tuple, tuple]] = {}  # `_signed_weights`, by `placed`
 
     def _prompt_width(self, longest: int) -> int:
         """The padded width of a prefill whose longest prompt has `longest` tokens."""
@@ -242,24 +243,26 @@ class DecodeSession:
         is added to the session's."""
         if self._pipeline == "mpmd":
             return self._prefill_two_programs(prompts, prompt_lengths, requests)
-        target, proposer = self._target, self._proposer
-        sizes = dict(
-            config=target.config,
-            capacity=self._capacity,
-            max_output=self._max_output,
-            chunk=self._prefill_chunk,
+        fn, sizes = (
+            prefill,
+            dict(
+                config=self._target.config,
+                capacity=self._capacity,
+                max_output=self._max_output,
+                chunk=self._prefill_chunk,
+            ),
         )
-        if proposer is None:
-            fn, args = prefill, (target.params, prompts, prompt_lengths, requests)
-        else:
-            fn = prefill_speculative
-            args = (target.params, self._proposer_params, prompts, prompt_lengths, requests)
-            sizes["proposer"] = proposer
-        run, compile_seconds = COMPILED.get(fn, *args, **sizes)
+        if self._proposer is not None:
+            fn, sizes["proposer"] = prefill_speculative, self._proposer
+        weights, signatures = self._signed_weights(placed=False)
+        inputs = (prompts, prompt_lengths, requests)
+        args = (*weights, *inputs)
+        signatures = (*signatures, *map(signature, inputs))
+        run, compile_seconds = COMPILED.get(fn, *args, signatures=signatures, **sizes)
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
         state = jax.block_until_ready(run(*args))
-        state = state[0] if proposer is None else state  # AR needs no tap states
+        state = state[0] if self._proposer is None else state  # AR needs no tap states
         return state, time.perf_counter() - start
 
     def fits(self, prompt_length: int, max_new_tokens: int) -> bool:
@@ -442,22 +445,22 @@ class DecodeSession:
         if self._pipeline == "mpmd":
             self._advance_two_programs(steps)
             return
-        target, proposer = self._target, self._proposer
+        proposer, spmd = self._proposer, self._pipeline == "spmd"
         if proposer is None:
-            fn, params, static = decode_autoregressive, (target.params,), {}
+            fn, static = decode_autoregressive, {}
         else:
-            fn = decode_loop(proposer, pipelined=self._pipeline == "spmd")
-            params = (target.params, self._proposer_params)
-            static = dict(proposer=proposer)
-        args = (*params, self._state, self._requests, self._steps_array(steps))
-        if self._pipeline == "spmd":
+            fn, static = decode_loop(proposer, pipelined=spmd), dict(proposer=proposer)
+        weights, signatures = self._signed_weights(placed=spmd)
+        carry = (self._state, self._requests, self._steps_array(steps))
+        if spmd:
             # The loop's arguments live on the stage mesh (the state and the requests since
-            # `start`: placing them again copies nothing). The weights are placed apart, so that
-            # sessions of one target with other drafts share its copy; waited for, so that the
-            # first session's decode time does not include the transfer.
-            weights = jax.block_until_ready(tuple(map(replicated_weights, params)))
-            args = (*weights, *replicate(args[len(params) :]))
-        run, compile_seconds = COMPILED.get(fn, *args, config=target.config, **static)
+            # `start`: placing them again copies nothing).
+            carry = replicate(carry)
+        args = (*weights, *carry)
+        signatures = (*signatures, *map(signature, carry))
+        run, compile_seconds = COMPILED.get(
+            fn, *args, signatures=signatures, config=self._target.config, **static
+        )
         self._compile_seconds += compile_seconds
         start = time.perf_counter()
         # The old state is donated: never reuse it. The new one is kept before it is waited for,
@@ -465,6 +468,25 @@ class DecodeSession:
         self._state = run(*args)
         jax.block_until_ready(self._state)
         self._decode_seconds += time.perf_counter() - start
+
+    def _signed_weights(self, placed: bool) -> tuple[tuple, tuple]:
+        """`(weights, their signatures)`: the target's weights, then the proposer's (speculative
+        methods), as the prefill and the decode loop take them; `placed`: the SPMD pipeline's
+        loop's, replicated on the stage mesh. Made once per session: they are the same at every
+        chunk, and over a model's hundreds of arrays their signatures would be most of the
+        compiled-program lookup's host time (`CompiledCache.get`)."""
+        signed = self._signed.get(placed)
+        if signed is None:
+            weights = (self._target.params,)
+            if self._proposer is not None:
+                weights += (self._proposer_params,)
+            if placed:
+                # Placed apart from the carry, so that sessions of one target with other drafts
+                # share its copy (`PLACED`); waited for, so that the first chunk's decode time
+                # does not include the transfer.
+                weights = jax.block_until_ready(tuple(map(replicated_weights, weights)))
+            signed = self._signed[placed] = weights, tuple(map(signature, weights))
+        return signed
 
     def _steps_array(self, steps: int) -> jax.Array:
         """`jnp.int32(steps)`, made once per value: a chunked decode passes the same count at
