@@ -190,7 +190,8 @@ def _cutoff(parts, full_log_norm, k, p):
     """
     ranks, offset = [], 0
     for part in parts:
-        ranks.append(offset + jnp.arange(part.shape[-1]))
+        # In top-k's dtype: x64's default int64 against int32 `k` is refused under strict promotion.
+        ranks.append(offset + jnp.arange(part.shape[-1], dtype=k.dtype))
         offset += part.shape[-1]
     # Top-k keeps every token tied with the k-th largest logit (as transformers' warper does).
     kth = functools.reduce(

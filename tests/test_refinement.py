@@ -108,6 +108,26 @@ def test_a_float32_draft_refreshes_on_a_bfloat16_target_under_strict_promotion(
     assert [r.tokens for r in got] == [r.tokens for r in _generate(bf16, prompts)]
 
 
+def test_sampled_refinement_and_foresight_run_under_x64_and_strict_promotion(
+    target, draft, prompts
+):
+    """docs/DECODING.md: the library runs, with the same tokens, under a process's
+    `jax_enable_x64` and strict dtype promotion, both at once (index ranges counted in x64's
+    int64 met int32 positions and top-k, and strict promotion refused them: TypePromotionError)."""
+    sampling = jetspec_jax.SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=5)
+    want = [r.tokens for r in _generate(target, prompts, sampling=sampling)]
+    options = dict(refine_passes=1, refreshes=1, foresight=2, foresight_rule="uncalibrated")
+    COMPILED.clear()  # its programs are keyed without the JAX config: trace them under both
+    try:
+        with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+            ar = _generate(target, prompts, sampling=sampling)
+            got = _generate(target, prompts, draft, sampling=sampling, **options)
+    finally:
+        COMPILED.clear()  # the other tests' programs: traced without them
+    assert [r.tokens for r in ar] == want
+    assert [r.tokens for r in got] == want
+
+
 # J1-R0: test_speculative. Confidence None: the paper's rule (this draft has no calibration).
 @pytest.mark.parametrize("passes,refreshes,confidence", [(1, 1, None), (3, 2, None), (3, 3, 0.1)])
 def test_every_setting_is_token_identical_to_greedy(

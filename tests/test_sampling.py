@@ -142,6 +142,19 @@ def test_rows_keep_their_own_parameters():
         np.testing.assert_allclose(ours[row][kept], ref[kept], rtol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [50, 300])  # within the candidates, and past them (the sort)
+def test_filter_runs_alike_under_x64_and_strict_promotion(vocab):
+    """A process with `jax_enable_x64` and `jax_numpy_dtype_promotion="strict"` (docs/DECODING.md
+    says the library runs under both) filters as the default one: ranks are counted in top-k's
+    int32, not x64's default int64, which strict promotion refuses to compare with it."""
+    logits = np.random.default_rng(2).normal(size=(2, vocab)).astype(np.float32) * 3
+    args = (jnp.asarray([0.7, 1.0]), jnp.asarray([5, 0], jnp.int32), jnp.asarray([0.9, 0.8]))
+    expected = np.asarray(filter_logits(jnp.asarray(logits), *args, candidates=16))
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        ours = np.asarray(filter_logits(jnp.asarray(logits), *args, candidates=16))
+    np.testing.assert_array_equal(ours, expected)
+
+
 def test_draws_follow_the_filtered_distribution():
     """Empirical frequencies of 20k draws (distinct positions) vs the exact probabilities."""
     vocab, draws = 8, 20000

@@ -280,7 +280,7 @@ class ForesightProposer:
 
     def record(self, state: ForesightState, hit, active) -> ForesightState:
         """Logs the round's `hit` `[B]` and cache occupancy for the `active` `[B]` rows."""
-        rows = jnp.arange(hit.shape[0])
+        rows = jnp.arange(hit.shape[0], dtype=jnp.int32)
         slot = jnp.where(active, state.num_rounds, state.hits.shape[1])  # inactive: dropped
         return state.replace(
             hits=state.hits.at[rows, slot].set(hit, mode="drop"),

@@ -95,7 +95,7 @@ def start_speculative(
     """
     batch, max_output = decode.output.shape
     sequence = jnp.zeros((batch, capacity), jnp.int32).at[:, : prompts.shape[1]].set(prompts)
-    rows = jnp.arange(batch)
+    rows = jnp.arange(batch, dtype=jnp.int32)
     sequence = sequence.at[rows, prompt_lengths].set(decode.last_token, mode="drop")
     return SpecState(
         decode=decode,
@@ -209,7 +209,7 @@ def commit_round(s: SpecState, requests, verified: Verified) -> SpecState:
     active = ~d.done
     anchor_pos = d.cache.lengths
     decode = commit(d.replace(cache=cache), tokens, accepted + 1, requests)
-    rows = jnp.arange(tokens.shape[0])
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     sequence = write_round_tokens(s.sequence, anchor_pos, tokens)
     slot = jnp.where(active, s.num_verify_rounds, s.accepted.shape[1])  # inactive: dropped
     bonus = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
@@ -225,8 +225,8 @@ def commit_round(s: SpecState, requests, verified: Verified) -> SpecState:
 def write_round_tokens(sequence: jax.Array, anchor_pos: jax.Array, tokens: jax.Array) -> jax.Array:
     """`sequence` `[B, S]` with a round's target tokens `[B, K]` at positions `anchor_pos + 1 ..`
     (all K: those past the committed length are overwritten by later rounds)."""
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    positions = anchor_pos[:, None] + 1 + jnp.arange(tokens.shape[1])
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
+    positions = anchor_pos[:, None] + 1 + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     return sequence.at[rows, positions].set(tokens, mode="drop")
 
 

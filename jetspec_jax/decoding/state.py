@@ -90,7 +90,7 @@ def commit(
         The new state; `last_token` is the last token committed for rows that committed any.
     """
     k = tokens.shape[1]
-    j = jnp.arange(k)[None, :]
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
     is_stop = jnp.any(tokens[:, :, None] == requests.stop_token_ids[:, None, :], axis=-1)
     # Bools cast explicitly here and below: a process may set strict dtype promotion.
     stops = is_stop.astype(jnp.int32)
@@ -99,7 +99,7 @@ def commit(
     take = (j < counts[:, None]) & (j < budget[:, None]) & (stop_before == 0) & ~state.done[:, None]
     n = jnp.sum(take, axis=1).astype(jnp.int32)
 
-    rows = jnp.arange(tokens.shape[0])[:, None]
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)[:, None]
     slots = jnp.where(take, state.num_generated[:, None] + j, state.output.shape[1])  # OOB: dropped
     output = state.output.at[rows, slots].set(tokens, mode="drop")
     committed_any = n > 0

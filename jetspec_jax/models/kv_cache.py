@@ -66,5 +66,5 @@ def write_layer(cache: jax.Array, layer: int, new: jax.Array, positions: jax.Arr
     drafts that can never commit; and the verify forwards a finished row keeps running while
     other rows decode, from its frozen length. None is ever read for a committed token.
     """
-    rows = jnp.arange(cache.shape[1])[:, None]
+    rows = jnp.arange(cache.shape[1], dtype=jnp.int32)[:, None]
     return cache.at[layer, rows, positions].set(new.astype(cache.dtype), mode="drop")

@@ -80,7 +80,9 @@ def gated_deltanet_mixer(
     out = _gated_output(params, c, h, out)
 
     # The conv inputs of the K-1 positions before each row's next token.
-    rows = num_new[:, None] + jnp.arange(width - 1)[None, :]  # [B, K-1] into the window
+    rows = (
+        num_new[:, None] + jnp.arange(width - 1, dtype=jnp.int32)[None, :]
+    )  # [B, K-1] into the window
     new_conv = jnp.take_along_axis(window, rows[:, :, None], axis=1)
     k_normed = k_rep[:, :, :: hv // c.linear_num_key_heads]  # undo the repeat
     inputs = BlockInputs(conv_inputs=mixed, k=k_normed, v=v, g=g, beta=beta)
@@ -115,7 +117,7 @@ def _decay_and_strength(
     and write strengths `sigmoid(in_proj_b h)`, both zero at padding (which then changes no
     state)."""
     length = h.shape[1]
-    real = jnp.arange(length)[None, :, None] < num_new[:, None, None]  # [B, T, 1]
+    real = jnp.arange(length, dtype=jnp.int32)[None, :, None] < num_new[:, None, None]  # [B, T, 1]
     beta = jax.nn.sigmoid(linear(params["in_proj_b"], h)).astype(jnp.float32)
     a = linear(params["in_proj_a"], h).astype(jnp.float32)
     g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(
