@@ -237,6 +237,15 @@ def _check_draft_serves_flags(args, draft) -> None:
                 f"--block-size must be at most {trained}, the block the draft at {draft_dir} was "
                 f"trained on; got {args.block_size}"
             )
+    # Known from the draft's config: refused here, not after the target's (minutes-long) load.
+    # (Other methods refuse any refinement pass, once the options are built with the draft.)
+    most = (args.block_size or trained) - 1
+    if method == "jetspec++" and args.refine_passes > most:
+        raise ValueError(
+            f"--refine-passes must be at most {most} (the block size - 1: each pass fixes at "
+            f"least one more of the block's drafts, so later passes change nothing); got "
+            f"{args.refine_passes}"
+        )
     needing = [f"--{name}" for name in ("refreshes", "foresight") if getattr(args, name)]
     if needing and draft.adapter is None:
         raise ValueError(

@@ -17,7 +17,10 @@ from jetspec_jax import DecodingOptions
         (dict(method="jetspec++", foresight=True), "foresight must be an integer >= 0"),
         (dict(method="jetspec++", foresight=2, pipeline=True), "pipeline must be None or one"),
         (dict(method="jetspec++", foresight=2, pipeline="ring"), "'spmd', 'mpmd', got 'ring'"),
-        (dict(method="jetspec++", foresight_rule="best"), "unknown selection rule 'best'"),
+        (
+            dict(method="jetspec++", foresight_rule="best"),
+            "foresight_rule must be one of calibrated, uncalibrated, geometric, got 'best'",
+        ),
         (dict(method="jetspec", refine_passes=1, foresight=2), "refine_passes, foresight apply"),
         (dict(method="ar", pipeline="spmd"), "pipeline apply to method 'jetspec\\+\\+' only"),
         (dict(method="jetspec++", refine_passes=1, refreshes=2), "refine_passes=1\\]"),

@@ -500,7 +500,9 @@ def test_foresight_requests_are_validated(target, draft):
         DecodingOptions("jetspec++", pipeline="spmd")
     with pytest.raises(ValueError, match="foresight must be an integer >= 0"):
         DecodingOptions("jetspec++", foresight=-1)
-    with pytest.raises(ValueError, match="unknown selection rule"):
+    with pytest.raises(
+        ValueError, match="foresight_rule must be one of calibrated, uncalibrated, geometric"
+    ):
         jetspec_jax.generate(
             target, [1], draft=with_adapter, method="jetspec++", foresight=2, foresight_rule="x"
         )

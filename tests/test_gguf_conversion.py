@@ -464,6 +464,31 @@ def test_a_compilation_cache_that_cannot_be_created_is_named_with_what_to_set(
         jax.config.update("jax_compilation_cache_dir", previous)
 
 
+def test_a_chosen_compilation_cache_that_cannot_be_created_is_named_and_left_off(tmp_path, caplog):
+    """`JAX_COMPILATION_CACHE_DIR` naming a path that cannot be a directory (a file in its place)
+    is warned about by name and the cache is turned off, as for the default `<cache>/xla`: JAX
+    itself would warn "Error reading persistent compilation cache entry" at every first
+    compilation, the warning docs/SERVING.md says a cut entry gives."""
+    import jax
+
+    from jetspec_jax.compile_cache import enable_compile_cache
+
+    (tmp_path / "file").write_text("not a directory")
+    chosen = tmp_path / "file" / "xla"
+    previous = jax.config.jax_compilation_cache_dir  # the session's (conftest)
+    jax.config.update("jax_compilation_cache_dir", str(chosen))
+    try:
+        with caplog.at_level("WARNING", logger="jetspec_jax.compile_cache"):
+            assert enable_compile_cache() is None
+        assert f"cannot create the compilation cache {chosen}" in caplog.text
+        assert jax.config.jax_compilation_cache_dir is None
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "new" / "xla"))
+        assert enable_compile_cache() == tmp_path / "new" / "xla"
+        assert (tmp_path / "new" / "xla").is_dir()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
 def _write_gguf(
     path: Path,
     arch: str,

@@ -1920,13 +1920,20 @@ def test_compare_ar_measures_the_speedup_and_checks_the_tokens(
         ("jetspec++", "adapter", ["--foresight", "4"], "pass --foresight-rule uncalibrated"),
         (None, None, ["--method", "jetspec"], "--method jetspec needs a draft of that variant"),
         ("jetspec", "plain", ["--block-size", "8"], "--block-size must be at most 4"),
+        ("jetspec++", "plain", ["--refine-passes", "4"], "--refine-passes must be at most 3"),
+        (
+            "jetspec++",
+            "plain",
+            ["--block-size", "3", "--refine-passes", "3"],
+            "--refine-passes must be at most 2",
+        ),
         ("dflash", "plain", ["--block-size", "2"], "drafts only the 4 positions it was trained"),
         ("jetspec", "plain", ["--method", "ar"], "--method ar decodes without a draft: drop"),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "server"])
 def test_serve_py_names_its_flags_when_the_draft_cannot_serve_them(
-    target, target_dir, tmp_path, capsys, command, variant, parts, flags, message
+    target, target_dir, tmp_path, capsys, monkeypatch, command, variant, parts, flags, message
 ):
     """A flag the loaded draft cannot serve is refused in the command line's terms, not the
     Python API's (`Draft.with_adapter`, `load_draft`), for `generate` and the server alike."""
@@ -1937,10 +1944,16 @@ def test_serve_py_names_its_flags_when_the_draft_cannot_serve_them(
             draft = draft.with_adapter(init_adapter(draft))
         argv += ["--draft", str(draft.save(tmp_path / "draft"))]
     argv = ["generate", "P", *argv] if command == "generate" else ["--port", "0", *argv]
+    # Everything here is known from the draft and the target's config.json: no weights load.
+    monkeypatch.setattr(jetspec_jax, "load_target", _no_weight_load)
     assert serve_py.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Draft." not in err and "load_draft" not in err and "=" not in err
+
+
+def _no_weight_load(*args, **kwargs):
+    raise AssertionError("the target's weights were loaded before the flags were checked")
 
 
 @pytest.mark.parametrize("parts", ["plain", "adapter"])

@@ -104,8 +104,8 @@ class DecodingOptions:
             )
         if self.foresight_rule not in SELECTION_RULES:
             raise ValueError(
-                f"unknown selection rule {self.foresight_rule!r}; expected one of "
-                f"{', '.join(SELECTION_RULES)}"
+                f"foresight_rule must be one of {', '.join(SELECTION_RULES)}, got "
+                f"{self.foresight_rule!r}"
             )
         used = [name for name in _JETSPEC_PP_ONLY if getattr(self, name) not in (0, None)]
         if used and self.method != "jetspec++":
