@@ -129,6 +129,18 @@ def test_plain_save_without_adapter(target, draft, tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
+def test_the_adapter_config_names_each_layer_size_by_its_hf_key(draft, saved):
+    """A key mapped to another field (query and key/value heads swapped, say) would survive a
+    round trip through our own reader; the file must say what the layers are."""
+    layers = draft.adapter.config.layers
+    assert layers.num_heads != layers.num_kv_heads  # else a swap could not show
+    data = json.loads((saved / "adapter" / "config.json").read_text())["layers"]
+    assert data["num_attention_heads"] == layers.num_heads
+    assert data["num_key_value_heads"] == layers.num_kv_heads
+    assert data["intermediate_size"] == layers.intermediate_size
+    assert data["head_dim"] == layers.head_dim
+
+
 def test_adapter_config_dict_round_trip_and_strictness(draft):
     config = draft.adapter.config
     data = adapter_files.adapter_config_to_dict(config)

@@ -265,6 +265,28 @@ def test_the_held_out_likelihood_is_that_of_the_calibration_scored():
     assert scores["calibrated"] > scores["uncalibrated"] + 0.01  # drawn at T_TRUE
 
 
+def test_hit_rates_are_the_fraction_of_all_rounds_each_rule_selects():
+    """Counted chunk by chunk, divided by every round: the same as selecting over all at once."""
+    from jetspec_jax.decoding.outcomes import SELECTION_RULES, hit, select_for_rule
+
+    logits, drafts, k_true, a_true = drawn_rounds(8, 300)
+    rounds = Rounds(
+        logits_hat=logits,
+        drafts=drafts,
+        k_true=k_true,
+        a_true=a_true,
+        anchors=np.zeros(300, np.int32),
+        records=np.arange(300, dtype=np.int32),
+    )
+    rates = evaluate_rounds(rounds, T_TRUE, budgets=(1, 4), chunk=128)["hit_rate"]
+    for rule in SELECTION_RULES:
+        for num in (1, 4):
+            k, a, _ = select_for_rule(rule, jnp.asarray(logits), jnp.asarray(drafts), num, T_TRUE)
+            hits = np.asarray(hit(k, a, jnp.asarray(k_true), jnp.asarray(a_true)))
+            assert 0 < hits.sum() < 300
+            assert rates[rule][num] == hits.sum() / 300, (rule, num)
+
+
 def test_the_confidence_is_chosen_on_the_fit_sequences_not_the_held_out(monkeypatch):
     """Rounds made up so that c = 0 wins on the fit sequences and c = 0.5 on the held-out one:
     the held-out figures are reported, never chosen on (they would flatter the choice)."""

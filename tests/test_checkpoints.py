@@ -215,6 +215,22 @@ def test_an_export_past_the_shard_size_is_sharded_as_transformers_shards(checkpo
     np.testing.assert_array_equal(np.asarray(again.logits(IDS)), np.asarray(target.logits(IDS)))
 
 
+def test_a_shard_is_filled_up_to_exactly_the_shard_size(tmp_path):
+    """As huggingface_hub splits: a tensor starts a new shard only when it would take the current
+    one past `max_shard_bytes`; one that fills it exactly stays in it."""
+    arrays = {f"t{i}": np.full(25, i, np.float32) for i in range(4)}  # 100 bytes each
+    tensors = [hf_params.LazyTensor(name, a.nbytes, lambda a=a: a) for name, a in arrays.items()]
+    hf_params.write_safetensors(tensors, tmp_path, max_shard_bytes=200)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert index["weight_map"] == {
+        "t0": "model-00001-of-00002.safetensors",
+        "t1": "model-00001-of-00002.safetensors",
+        "t2": "model-00002-of-00002.safetensors",
+        "t3": "model-00002-of-00002.safetensors",
+    }
+    assert index["metadata"]["total_size"] == 400
+
+
 def test_export_writes_the_stop_ids_where_transformers_generate_reads_them(checkpoints, tmp_path):
     target = dataclasses.replace(
         jetspec_jax.load_target(checkpoints.get("qwen3")[0]), stop_token_ids=(3, 5)
@@ -627,6 +643,24 @@ def test_check_can_write_refuses_early_what_the_write_would_refuse(tmp_path, mon
         atomic.check_can_write(tmp_path / "new" / "out")
 
 
+def test_overwrite_rechecks_what_replaced_the_checkpoint_meanwhile(tmp_path):
+    """`atomic_directory(overwrite=True)`: a checkpoint checked at the start but replaced, while
+    ours is written, by a tree that is not one is refused just before the rename, and kept."""
+    from jetspec_jax.checkpoint.atomic import atomic_directory
+
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="is not a checkpoint directory"):
+        with atomic_directory(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("ours")
+            shutil.rmtree(out)
+            out.mkdir()
+            (out / "notes.txt").write_text("theirs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (out / "notes.txt").read_text() == "theirs"
+
+
 @pytest.mark.parametrize("theirs", ["empty", "filled", "filled during our rename", "a file"])
 def test_a_directory_that_appears_meanwhile_is_kept(tmp_path, monkeypatch, theirs):
     """`atomic_directory()`: another writer's `out` that appears while ours is written is kept
@@ -727,6 +761,20 @@ def test_a_full_disk_while_a_directory_is_written_names_it_and_leaves_nothing(tm
         with atomic_directory(out) as tmp:
             raise OSError(28, "No space left on device", str(tmp / "draft"))
     assert failed.value.filename == str(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("error", [ValueError("bad config"), KeyboardInterrupt()])
+def test_a_directory_whose_body_fails_otherwise_leaves_nothing_either(tmp_path, error):
+    """Not only an OSError: any exception (a bug, an interrupt) removes the temporary directory,
+    and propagates unchanged."""
+    from jetspec_jax.checkpoint.atomic import atomic_directory
+
+    with pytest.raises(type(error)) as failed:
+        with atomic_directory(tmp_path / "ckpt") as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise error
+    assert failed.value is error
     assert list(tmp_path.iterdir()) == []
 
 

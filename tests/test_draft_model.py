@@ -643,3 +643,14 @@ def test_the_drafts_output_options_survive_export_and_load(target):
         draft.config, input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=30.0
     )
     assert draft_config_from_hf(draft_config_to_hf(config, target.config), target.config) == config
+
+
+@pytest.mark.parametrize("variant, causal", [("dflash", False), ("jetspec", True)])
+def test_the_export_writes_the_causal_switch_under_both_its_names(target, variant, causal):
+    """`is_causal` (what the reference reads) and `dflash_config.causal_head` (the JetSpec layout's
+    name, which other readers of that layout take): a round trip through our own loader, which
+    reads either, would not see one of them dropped."""
+    draft = init_draft(target, variant=variant)
+    hf = draft_config_to_hf(draft.config, target.config)
+    assert hf["is_causal"] is causal
+    assert hf["dflash_config"]["causal_head"] is causal

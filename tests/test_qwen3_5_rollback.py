@@ -158,6 +158,22 @@ def test_rollback_before_the_window_poisons_the_row(target, appended):
     assert np.isfinite(np.asarray(rolled.conv[:, 1:], np.float32)).all()
 
 
+@pytest.mark.parametrize("appended", [None, 8])
+def test_rolling_back_a_hybrid_row_past_its_length_keeps_the_row(target, appended):
+    """`rolled_back` to a length past a row's own keeps the row as it is (its length, recurrent
+    and conv states), as `KVCache` does: what lies past a row's length is not its context."""
+    cache = _prefill(target, [[1, 2, 3], [4, 5, 6, 7]])
+    _, verified = append(
+        target.params, np.ones((2, 8), np.int32), cache, jnp.full((2,), 8), config=target.config
+    )
+    rolled = _rolled_back(verified, jnp.asarray([9, 40]), appended)  # row 1 holds 12
+    np.testing.assert_array_equal(rolled.lengths, [9, 12])
+    np.testing.assert_allclose(rolled.state[:, 1], verified.state[:, 1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(rolled.conv[:, 1], np.float32), np.asarray(verified.conv[:, 1], np.float32)
+    )
+
+
 def test_a_rollback_past_the_window_width_is_refused(target):
     cache = _prefill(target, [[1, 2, 3]])
     for appended in (0, ROLLBACK_WINDOW + 1):

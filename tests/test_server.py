@@ -301,6 +301,8 @@ def test_full_queue_answers_503_and_then_serves_again(server, http):
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "overloaded"
             assert "queue is full" in refused.json()["error"]["message"]
+            # /health reports the waiting requests (not the running rows, none while held).
+            assert http.get("/health").json()["queue_depth"] == CONFIG.queue_size
         assert all(w.result().status_code == 200 for w in waiting)
     assert _complete(http).status_code == 200
 
