@@ -700,6 +700,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model-name",
+        type=_nonempty,  # "" would name the model "" (a model_name of None is the default)
         default=None,
         help="the model id clients send (default: SmolLM2-135M-Instruct for the default model, "
         "else the target directory's name)",

@@ -1577,6 +1577,13 @@ def test_serve_py_refuses_flags_without_a_use_before_loading(monkeypatch, tmp_pa
     assert "argument --api-key: must not be empty" in capsys.readouterr().err
     with pytest.raises(ValueError, match="api_key must be None or a non-empty string"):
         ServerConfig(api_key=" ")
+    # An empty --model-name would serve the model as "" (clients would have to send that).
+    with pytest.raises(SystemExit):
+        serve_py.main(["--model-name", " ", "--port", "0"])
+    assert "argument --model-name: must not be empty" in capsys.readouterr().err
+    for name in ("", " ", 3):
+        with pytest.raises(ValueError, match="model_name must be None .* or a non-empty string"):
+            ServerConfig(model_name=name)
 
     def one_device():
         raise ValueError("a pipeline needs >= 2 devices")

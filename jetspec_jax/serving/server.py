@@ -93,6 +93,13 @@ class ServerConfig:
     keepalive_seconds: float = 15.0
 
     def __post_init__(self):
+        if self.model_name is not None and not (
+            isinstance(self.model_name, str) and self.model_name.strip()
+        ):
+            raise ValueError(
+                f"model_name must be None (the default name) or a non-empty string, got "
+                f"{self.model_name!r}"
+            )
         if self.api_key is not None and not (
             isinstance(self.api_key, str) and self.api_key.strip()
         ):
