@@ -279,6 +279,19 @@ def test_each_adapter_step_draws_new_blocks(target, draft):
     assert float(first["loss"]) != float(second["loss"])
 
 
+def test_an_adapter_step_under_x64_and_strict_promotion_equals_the_default_one(target, draft):
+    """docs/DECODING.md: a process's `jax_enable_x64` and strict dtype promotion keep the losses
+    and the outputs' dtypes; the `blocks` count was summed in x64's int64."""
+    state, batch, config = _adapter_step_inputs(target, draft)
+    want = adapter_train_step(state, target.params, batch, config=config)
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        state = _adapter_step_inputs(target, draft)[0]  # the step donated the first one
+        got = adapter_train_step(state, target.params, batch, config=config)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def workdir(checkpoints, target, data_file, tmp_path_factory):
     """A working directory laid out as configs/tiny_cpu.yaml expects, with a (random) draft at

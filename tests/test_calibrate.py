@@ -114,6 +114,23 @@ def test_collected_outcomes_match_the_decode_loop(setup):
     assert not set(fit.records.tolist()) & set(held.records.tolist())
 
 
+def test_rounds_are_collected_alike_under_x64_and_strict_promotion(setup):
+    """docs/DECODING.md: a process may set `jax_enable_x64` and strict dtype promotion. The
+    rounds' index ranges were x64's int64 against the int32 anchors and acceptance lengths, which
+    strict promotion refused (TypePromotionError)."""
+    target, draft, records = setup
+    want = collect_rounds(target, draft, records, num_rounds=8, anchors_per_sequence=4)
+    COMPILED.clear()  # the proposers' programs are keyed without the JAX config
+    try:
+        with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+            got = collect_rounds(target, draft, records, num_rounds=8, anchors_per_sequence=4)
+    finally:
+        COMPILED.clear()
+    for name in ("logits_hat", "drafts", "k_true", "a_true", "anchors", "records"):
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
 def test_a_proxy_that_predicts_non_finite_logits_is_refused_at_once(setup):
     """A diverged adapter's NaN weights: refused at the first sequence, naming the proxy, not
     by the fit's check of its input once every round was collected."""

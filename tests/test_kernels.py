@@ -127,6 +127,32 @@ def test_kernel_matches_reference_fp32(case, impl):
         assert _max_abs(got, want) <= 1e-5, causal
 
 
+def test_the_kernel_and_the_span_form_run_alike_under_x64_and_strict_promotion():
+    """docs/DECODING.md: a process may set `jax_enable_x64` and strict dtype promotion. Python
+    ints became int64 there: the kernel's tile counts (`pl.cdiv` over the int32 tile lengths) and
+    the span form's slice indices (beside the int32 chunk start) were refused."""
+    from jetspec_jax.kernels.reference import refinement_attention_over_span
+
+    shape, tiling = CASES["gqa4-cand-over-4-programs"]
+    q, ck, cv, lengths, bk, bv = _operands(shape)
+    stacked = (jnp.stack([cv, ck]), jnp.stack([ck, cv]))
+
+    def both_forms():
+        kernel = refinement_attention(
+            q, ck, cv, lengths, bk, bv, causal=True, impl="pallas_interpret", tiling=tiling
+        )
+        span = refinement_attention_over_span(
+            q, *stacked, 1, lengths, bk, bv, causal=True, chunk=16
+        )
+        return np.asarray(kernel), np.asarray(span)
+
+    want = both_forms()
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        got = both_forms()
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
 def test_context_lengths_outside_0_to_s_read_as_the_nearest_bound(impl):
     """A length past S sees the S slots, not the padding the kernel adds up to its tile; a

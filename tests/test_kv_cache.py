@@ -150,6 +150,35 @@ def test_decoding_over_chunked_caches_gives_the_same_tokens(whole_cache_target, 
     assert session._state.decode.cache.k.shape[2] == 16 + 64
 
 
+def test_chunked_attention_decodes_alike_under_x64_and_strict_promotion(whole_cache_target):
+    """docs/DECODING.md: the same tokens under a process's `jax_enable_x64` and strict dtype
+    promotion. A cache longer than `cache_chunk` (1024 by default: any long generation) is read
+    chunk by chunk; x64 made the slices' Python-int indices int64 beside the int32 chunk start,
+    which `dynamic_slice` refuses."""
+    from jetspec_jax.decoding.session import COMPILED
+
+    config = dataclasses.replace(whole_cache_target.config, cache_chunk=8)
+    target = dataclasses.replace(whole_cache_target, config=config)
+    draft = jetspec_jax.init_draft(target, block_size=4, init_std=0.1).with_cache_chunk(8)
+    prompts, common = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7]], dict(max_new_tokens=8)
+    runs = dict(ar={}, spec=dict(draft=draft, method="jetspec++", refine_passes=1))
+
+    def tokens():
+        return {
+            name: [r.tokens for r in jetspec_jax.generate_batch(target, prompts, **kw, **common)]
+            for name, kw in runs.items()
+        }
+
+    want = tokens()
+    COMPILED.clear()  # its programs are keyed without the JAX config: trace them under both
+    try:
+        with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+            got = tokens()
+    finally:
+        COMPILED.clear()  # the other tests' programs: traced without them
+    assert got == want
+
+
 def test_a_cache_of_the_other_kind_is_refused_by_name(checkpoints):
     dense = jetspec_jax.load_target(checkpoints.get("qwen3")[0])
     hybrid = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])

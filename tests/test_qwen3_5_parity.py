@@ -61,6 +61,18 @@ def test_full_forward_and_taps_match_transformers_beyond_a_chunk(hybrid):
         np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=f"tap {layer}")
 
 
+def test_a_bfloat16_hybrid_runs_alike_under_x64_and_strict_promotion(hybrid):
+    """docs/DECODING.md: a process may set `jax_enable_x64` and strict dtype promotion. A
+    bfloat16 target's gated norm multiplied its float32 scale by bfloat16 activations, which
+    strict promotion refused (TypePromotionError in every forward)."""
+    target = jetspec_jax.load_target(hybrid[0], dtype="bfloat16")
+    ids = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int32)
+    want = np.asarray(target.logits(ids))
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        got = np.asarray(target.logits(ids))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_prefill_then_blocks_then_single_steps_match_transformers(hybrid):
     """Right-padded prefill (rows of 70, 3 and 20 tokens: beyond a chunk, shorter than the conv
     window), an 8-token block, then one token at a time; every logit equals HF's full forward over

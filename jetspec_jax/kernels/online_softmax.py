@@ -53,11 +53,15 @@ def fold_cache_span(
     _, batch, capacity, num_kv_heads, head_dim = cache_k.shape
     shape = (1, batch, chunk, num_kv_heads, head_dim)
     seen = jnp.iinfo(jnp.int32).max
+    # The slice's indices all int32: `dynamic_slice` refuses a mix, and a process's
+    # `jax_enable_x64` makes Python ints int64 (an eager loop's counter too).
+    layer, zero = jnp.asarray(layer, jnp.int32), jnp.int32(0)
 
     def step(j, state):
+        j = jnp.asarray(j, jnp.int32)
         start = jnp.minimum(j * chunk, capacity - chunk)  # the last chunk ends at the capacity
-        k = lax.dynamic_slice(cache_k, (layer, 0, start, 0, 0), shape)[0]
-        v = lax.dynamic_slice(cache_v, (layer, 0, start, 0, 0), shape)[0]
+        k = lax.dynamic_slice(cache_k, (layer, zero, start, zero, zero), shape)[0]
+        v = lax.dynamic_slice(cache_v, (layer, zero, start, zero, zero), shape)[0]
         slots = start + jnp.arange(chunk, dtype=jnp.int32)
         slots = jnp.where(slots >= j * chunk, slots, seen)
         scores, visible = chunk_scores(k, slots)

@@ -84,8 +84,10 @@ def _kernel(
         rows = pl.ds(start, kv_tile)
         return update(state, context_k_ref[rows, :], context_v_ref[rows, :], visible)
 
-    steps = pl.cdiv(tile_max_ref[b * num_tiles + t], kv_tile)
-    per_split = pl.cdiv(steps, kv_splits)
+    # Divisors as int32: `pl.cdiv` hands Python ints to `lax.div`, which makes them int64 under a
+    # process's `jax_enable_x64` and then refuses the int32 tile lengths.
+    steps = pl.cdiv(tile_max_ref[b * num_tiles + t], np.int32(kv_tile))
+    per_split = pl.cdiv(steps, np.int32(kv_splits))
     first = split * per_split
     state = (
         jnp.full(lengths.shape, _NEG, f32),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.kernels.delta_rule import chunked_delta_rule
 from jetspec_jax.models import gated_deltanet
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.layers import linear, rms_normalized
+from jetspec_jax.models.layers import linear, rms_normalized, wider_float
 
 Params = dict
 
@@ -175,5 +175,7 @@ def _gated_rms_norm(params: Params, x: jax.Array, gate: jax.Array, eps: float) -
 
     Unlike the model's other norms this one scales by `weight` itself (initialised to ones).
     """
-    y = params["scale"] * rms_normalized(x, eps).astype(x.dtype)
-    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    scale = params["scale"]
+    dtype = wider_float(scale.dtype, x.dtype)  # as `rms_norm`: explicit for strict promotion
+    y = scale.astype(dtype) * rms_normalized(x, eps).astype(x.dtype).astype(dtype)
+    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)

@@ -171,6 +171,6 @@ def adapter_loss(
         "stale_nmse": stale_nmse,
         "gap_closed": gap_closed,
         "gap_closed_mean": jnp.mean(gap_closed),
-        "blocks": jnp.sum(jnp.any(blocks.valid, axis=-1)),
+        "blocks": jnp.sum(jnp.any(blocks.valid, axis=-1), dtype=jnp.int32),  # not x64's int64
     }
     return jnp.sum(nmse), metrics

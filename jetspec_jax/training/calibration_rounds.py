@@ -189,7 +189,7 @@ def sequence_rounds(
         )
     state, proxy_state = _at_anchors((state, proxy_state), anchors)
 
-    rows = jnp.arange(batch)[:, None]
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
     flat_anchors = anchors.reshape(-1)
     sequence = jnp.repeat(tokens, anchors.shape[1], axis=0)  # [B*A, S]
     anchor_tokens = tokens[rows, anchors].reshape(-1)
@@ -200,7 +200,7 @@ def sequence_rounds(
     _, logits_hat, _ = proxy.predict(proxy_params, target_params, proxy_state, block)
 
     # The target's argmax at positions t .. t+K-1 (only there: [B, S, V] logits would be large).
-    positions = anchors[:, :, None] + jnp.arange(k_len)  # [B, A, K]
+    positions = anchors[:, :, None] + jnp.arange(k_len, dtype=jnp.int32)  # [B, A, K]
     hidden = out.hidden[rows[:, :, None], positions]  # [B, A, K, H]
     greedy_next = jnp.argmax(unembed(target_params, config, hidden), axis=-1).astype(jnp.int32)
     greedy_next = greedy_next.reshape(-1, k_len)
@@ -209,7 +209,7 @@ def sequence_rounds(
     accepted = jnp.cumprod(drafts == greedy_next[:, :-1], axis=1)
     k_true = jnp.sum(accepted, axis=1).astype(jnp.int32)
     a_true = jnp.take_along_axis(greedy_next, k_true[:, None], axis=1)[:, 0]
-    before_k = jnp.arange(k_len - 1)[None] < k_true[:, None]
+    before_k = jnp.arange(k_len - 1, dtype=jnp.int32)[None] < k_true[:, None]
     greedy = jnp.all((greedy_next[:, :-1] == seq_next) | ~before_k, axis=1)
     return logits_hat.astype(jnp.float32), drafts, k_true, a_true, greedy
 
