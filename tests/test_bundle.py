@@ -10,6 +10,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
 
 import jetspec_jax
 from jetspec_jax import CheckpointError
@@ -129,16 +130,55 @@ def test_plain_save_without_adapter(target, draft, tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
-def test_the_adapter_config_names_each_layer_size_by_its_hf_key(draft, saved):
-    """A key mapped to another field (query and key/value heads swapped, say) would survive a
-    round trip through our own reader; the file must say what the layers are."""
-    layers = draft.adapter.config.layers
-    assert layers.num_heads != layers.num_kv_heads  # else a swap could not show
-    data = json.loads((saved / "adapter" / "config.json").read_text())["layers"]
-    assert data["num_attention_heads"] == layers.num_heads
-    assert data["num_key_value_heads"] == layers.num_kv_heads
-    assert data["intermediate_size"] == layers.intermediate_size
-    assert data["head_dim"] == layers.head_dim
+def test_the_adapter_files_hold_the_documented_layout(target, draft, saved):
+    """The adapter's `config.json` keys and tensor names, read from the files themselves as the
+    `adapter_files` docstring documents them: a key renamed in both writer and reader would pass
+    every round trip."""
+    t, layers = target.config, draft.adapter.config.layers
+    assert t.num_heads != t.num_kv_heads  # so that swapped head counts show
+    data = json.loads((saved / "adapter" / "config.json").read_text())
+    rope = {
+        "theta": t.rope.theta,
+        "rope_type": t.rope.rope_type,
+        "factor": t.rope.factor,
+        "low_freq_factor": t.rope.low_freq_factor,
+        "high_freq_factor": t.rope.high_freq_factor,
+        "original_max_position_embeddings": t.rope.original_max_position_embeddings,
+    }
+    assert data == {
+        "architecture": "JetSpecPPAdapter",
+        "target_layer_ids": [0, 2],
+        "layers_per_module": [1, 2],
+        "layers": {
+            "hidden_size": t.hidden_size,
+            "intermediate_size": layers.intermediate_size,
+            "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads,
+            "head_dim": t.head_dim,
+            "rms_norm_eps": t.rms_norm_eps,
+            "max_position_embeddings": t.max_position_embeddings,
+            "vocab_size": t.vocab_size,
+            "rope": rope,
+        },
+    }
+    h, q, kv, ffn = t.hidden_size, t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim, 96
+    shapes = {
+        "input_layernorm.weight": [h],
+        "post_attention_layernorm.weight": [h],
+        "self_attn.q_proj.weight": [q, h],
+        "self_attn.k_proj.weight": [kv, h],
+        "self_attn.v_proj.weight": [kv, h],
+        "self_attn.o_proj.weight": [h, q],
+        "self_attn.q_norm.weight": [t.head_dim],
+        "self_attn.k_norm.weight": [t.head_dim],
+        "mlp.gate_proj.weight": [ffn, h],
+        "mlp.up_proj.weight": [ffn, h],
+        "mlp.down_proj.weight": [h, ffn],
+    }
+    assert layers.intermediate_size == ffn
+    with safetensors.safe_open(saved / "adapter" / "model.safetensors", "np") as f:
+        stored = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    assert stored == {f"layers.{i}.{name}": s for i in range(3) for name, s in shapes.items()}
 
 
 def test_adapter_config_dict_round_trip_and_strictness(draft):

@@ -948,9 +948,11 @@ def test_a_hybrid_target_refuses_a_loaded_draft_block_it_cannot_roll_back(checkp
     target = jetspec_jax.load_target(checkpoints.get("qwen3_5")[0])
     draft = jetspec_jax.init_draft(target, num_layers=1, block_size=16)
     hf = draft_config_to_hf(draft.config, target.config)
-    hf["block_size"] = 48
-    with pytest.raises(CheckpointError, match="block_size 48 exceeds the 32 positions"):
+    hf["block_size"] = 33  # one past the window
+    with pytest.raises(CheckpointError, match="block_size 33 exceeds the 32 positions"):
         draft_config_from_hf(hf, target.config)
+    hf["block_size"] = 32  # the whole window rolls back
+    assert draft_config_from_hf(hf, target.config).block_size == 32
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])

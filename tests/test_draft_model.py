@@ -347,7 +347,11 @@ def test_bfloat16_export_round_trips(checkpoints, tmp_path):
     target = load_target(checkpoints.get("qwen3")[0], dtype="bfloat16")
     draft = init_draft(target, variant="dflash")
     assert draft.params["fc"]["kernel"].dtype == jnp.bfloat16
-    again = load_draft(draft.save(tmp_path / "bf16"), target)
+    out = draft.save(tmp_path / "bf16")
+    # The file says so too: `from_pretrained(dtype="auto")` (the reference's loader) reads it.
+    hf = json.loads((out / "config.json").read_text())
+    assert (hf["dtype"], hf["torch_dtype"]) == ("bfloat16", "bfloat16")
+    again = load_draft(out, target)
     assert again.dtype == "bfloat16" and again.config == draft.config
     for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(draft.params), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -447,6 +451,39 @@ def test_mismatched_or_unsupported_draft_config_is_refused(
         return
     with pytest.raises(CheckpointError, match=message):
         load_draft(path, target)
+
+
+def _pop_dflash(*keys):
+    return lambda config: [config["dflash_config"].pop(key) for key in keys] and None
+
+
+@pytest.mark.parametrize(
+    "edit, causal",
+    [
+        (_pop_dflash("causal_head"), True),  # is_causal alone: what the reference reads
+        (lambda c: _pop_dflash("causal_head")(c) or c.pop("is_causal"), False),  # neither
+        (_drop("is_causal"), True),  # causal_head alone (the JetSpec layout's name)
+    ],
+)
+def test_the_causal_switch_is_read_from_either_field(
+    reference_drafts, target, tmp_path, edit, causal
+):
+    """A config with only one of `is_causal` / `dflash_config.causal_head` (another exporter's)
+    loads as causal as that field says; with neither it is bidirectional, as the reference takes
+    it when it has no `causal_head` to agree with."""
+    path = _copy(reference_drafts, tmp_path)
+    _edit_config(path, edit)
+    assert load_draft(path, target).config.causal is causal
+    if "causal_head" not in json.loads((path / "config.json").read_text())["dflash_config"]:
+        reference = dflash_model.DFlashDraftModel.from_pretrained(path)
+        assert bool(reference.layers[0].self_attn.is_causal) is causal
+
+
+def test_a_zero_logit_softcap_is_no_cap(reference_drafts, target, tmp_path):
+    """The reference caps the logits only when `final_logit_softcapping` is > 0: 0 means none."""
+    path = _copy(reference_drafts, tmp_path)
+    _edit_config(path, _set_dflash(final_logit_softcapping=0.0))
+    assert load_draft(path, target).config.final_logit_softcapping is None
 
 
 def test_missing_tensor_is_named(reference_drafts, target, tmp_path):

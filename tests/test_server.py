@@ -146,6 +146,10 @@ def _wait_for(condition, timeout=30.0):
 def test_models_health_and_api_key(server, http, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    # OpenAI's model objects, checked as sent (the SDK would take any "object" field).
+    model = {"id": MODEL, "object": "model", "created": 0, "owned_by": "jetspec_jax"}
+    assert http.get("/v1/models").json() == {"object": "list", "data": [model]}
+    assert http.get(f"/v1/models/{MODEL}").json() == model
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-9")
     assert missing.value.body["code"] == "model_not_found"
@@ -301,8 +305,8 @@ def test_full_queue_answers_503_and_then_serves_again(server, http):
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "overloaded"
             assert "queue is full" in refused.json()["error"]["message"]
-            # /health reports the waiting requests (not the running rows, none while held).
-            assert http.get("/health").json()["queue_depth"] == CONFIG.queue_size
+            health = http.get("/health").json()  # what waits, apart from what decodes
+            assert (health["queue_depth"], health["running"]) == (CONFIG.queue_size, 0)
         assert all(w.result().status_code == 200 for w in waiting)
     assert _complete(http).status_code == 200
 
@@ -1024,14 +1028,24 @@ def test_unknown_routes_and_methods_answer_json_errors(http):
     # Counted under one label, whatever the path: a scanner's paths cannot grow the metrics.
     labels = dict(endpoint="other", status="404")
     unknown = _labelled(http, "jetspec_requests_total", **labels)
-    assert http.get("/v1/nothing").status_code == 404
+    missing = http.get("/v1/nothing")
+    assert missing.status_code == 404
+    # An OpenAI error object whose code is the status, as a string (clients branch on it).
+    assert missing.json() == {
+        "error": {
+            "message": "Not Found",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "404",
+        }
+    }
     assert http.get("/wp-admin").status_code == 404
     assert _labelled(http, "jetspec_requests_total", **labels) - unknown == 2
     assert "/wp-admin" not in http.get("/metrics").text
     labels = dict(endpoint="/v1/completions", status="405")
     wrongly = _labelled(http, "jetspec_requests_total", **labels)
     wrong = http.get("/v1/completions")
-    assert wrong.status_code == 405 and "error" in wrong.json()
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "405"
     assert "POST" in wrong.headers["Allow"]
     assert _labelled(http, "jetspec_requests_total", **labels) - wrongly == 1
 

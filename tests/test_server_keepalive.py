@@ -14,6 +14,7 @@ import json
 import logging
 import socket
 import time
+import types
 
 import httpx
 import pytest
@@ -377,3 +378,12 @@ def test_keepalive_seconds_must_be_a_finite_positive_number(seconds):
     if not isinstance(seconds, bool | str):
         with pytest.raises(ValueError, match="keepalive_seconds"):
             create_app(None, None, keepalive_seconds=seconds)
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf")])
+def test_shutdown_timeout_must_be_a_finite_number_at_least_zero(seconds):
+    with pytest.raises(ValueError, match="shutdown_timeout"):
+        create_app(None, None, shutdown_timeout=seconds)
+    # 0 is allowed: the running rows are cancelled as soon as the shutdown begins.
+    model = types.SimpleNamespace(context_length=16)
+    assert create_app(None, model, shutdown_timeout=0.0) is not None

@@ -316,3 +316,18 @@ def test_rollback_leaves_the_cache_of_a_fresh_prefill(target, prompts):
         ):
             np.testing.assert_allclose(ours[:, :, :length], theirs[:, :, :length], atol=1e-5)
     assert isinstance(proposer, OracleProposer)
+
+
+def test_sampling_is_keyed_by_position_so_a_prefix_resumes_the_stream(target, prompts):
+    """Each token's draw is keyed by its absolute position, the first one's (chosen at the
+    prefill) included: continuing a prompt extended by the first sampled token draws the same
+    second token as the uninterrupted stream did."""
+    sampling = dict(temperature=1.5, seed=11)
+    prompt = prompts[1]
+    first, second = jetspec_jax.generate(
+        target, prompt, max_new_tokens=2, stop_token_ids=[], **sampling
+    ).tokens
+    resumed = jetspec_jax.generate(
+        target, [*prompt, first], max_new_tokens=1, stop_token_ids=[], **sampling
+    )
+    assert resumed.tokens == [second]
