@@ -51,9 +51,8 @@ def refinement_attention_reference(
     # The context part is contracted once for all candidates (never broadcast over C).
     ctx = jnp.einsum("bckhgd,bshd->bchgks", qg, context_k, **f32) * scale
     blk = _own_block_scores(qg, block_k, causal, scale, precision)
-    visible = (
-        jnp.arange(s_len, dtype=jnp.int32)[None, None, :] < context_lengths[:, :, None]
-    )  # [B, C, S]
+    slots = jnp.arange(s_len, dtype=jnp.int32)
+    visible = slots[None, None, :] < context_lengths[:, :, None]  # [B, C, S]
     ctx = jnp.where(visible[:, :, None, None, None, :], ctx, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(jnp.concatenate([ctx, blk], axis=-1), axis=-1)
     p_ctx, p_blk = probs[..., :s_len], probs[..., s_len:]

@@ -176,9 +176,8 @@ class HybridCache:
         kept = lengths - self.start  # [B] window tokens to keep
         unreachable = kept < 0
         kept = jnp.clip(kept, 0, window)
-        live = (jnp.arange(window, dtype=jnp.int32)[None, :] < kept[:, None])[
-            None, :, :, None
-        ]  # [1, B, W, 1]
+        slots = jnp.arange(window, dtype=jnp.int32)
+        live = (slots[None, :] < kept[:, None])[None, :, :, None]  # [1, B, W, 1]
         g = jnp.where(live, self.block_g, 0.0)
         beta = jnp.where(live, self.block_beta, 0.0)
         hv = self.block_v.shape[3]
@@ -195,9 +194,8 @@ class HybridCache:
 
         width = self.conv.shape[2]
         conv_window = jnp.concatenate([self.start_conv, self.block_conv], axis=2)
-        rows = (kept[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :])[
-            None, :, :, None
-        ]  # [1, B, K-1, 1]
+        taps = jnp.arange(width, dtype=jnp.int32)
+        rows = (kept[:, None] + taps[None, :])[None, :, :, None]  # [1, B, K-1, 1]
         conv = jnp.take_along_axis(conv_window, rows, axis=2)
         conv = jnp.where(unreachable[None, :, None, None], jnp.nan, conv)
         return self.replace(lengths=lengths, conv=conv, state=state)

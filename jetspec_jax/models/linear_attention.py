@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jetspec_jax.kernels.delta_rule import chunked_delta_rule
 from jetspec_jax.models import gated_deltanet
 from jetspec_jax.models.config import TransformerConfig
-from jetspec_jax.models.layers import linear, rms_normalized, wider_float
+from jetspec_jax.models.layers import linear, rms_norm
 
 Params = dict
 
@@ -80,9 +80,8 @@ def gated_deltanet_mixer(
     out = _gated_output(params, c, h, out)
 
     # The conv inputs of the K-1 positions before each row's next token.
-    rows = (
-        num_new[:, None] + jnp.arange(width - 1, dtype=jnp.int32)[None, :]
-    )  # [B, K-1] into the window
+    taps = jnp.arange(width - 1, dtype=jnp.int32)
+    rows = num_new[:, None] + taps[None, :]  # [B, K-1] into the window
     new_conv = jnp.take_along_axis(window, rows[:, :, None], axis=1)
     k_normed = k_rep[:, :, :: hv // c.linear_num_key_heads]  # undo the repeat
     inputs = BlockInputs(conv_inputs=mixed, k=k_normed, v=v, g=g, beta=beta)
@@ -175,7 +174,5 @@ def _gated_rms_norm(params: Params, x: jax.Array, gate: jax.Array, eps: float) -
 
     Unlike the model's other norms this one scales by `weight` itself (initialised to ones).
     """
-    scale = params["scale"]
-    dtype = wider_float(scale.dtype, x.dtype)  # as `rms_norm`: explicit for strict promotion
-    y = scale.astype(dtype) * rms_normalized(x, eps).astype(x.dtype).astype(dtype)
-    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    y = rms_norm(params, x, eps).astype(jnp.float32)
+    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
