@@ -262,16 +262,21 @@ def test_rounds_of_one_sequence_name_both_remedies():
         held_out_sequences(_rounds([0, 0], [3, 3]), 0.2)
 
 
-def test_the_held_out_likelihood_is_that_of_the_calibration_scored():
-    logits, drafts, k_true, a_true = drawn_rounds(8, 300)
-    rounds = Rounds(
+def _drawn_sequence_rounds(count: int) -> Rounds:
+    """`count` rounds drawn at `T_TRUE` (`drawn_rounds`), each from a sequence of its own."""
+    logits, drafts, k_true, a_true = drawn_rounds(8, count)
+    return Rounds(
         logits_hat=logits,
         drafts=drafts,
         k_true=k_true,
         a_true=a_true,
-        anchors=np.zeros(300, np.int32),
-        records=np.arange(300, dtype=np.int32),
+        anchors=np.zeros(count, np.int32),
+        records=np.arange(count, dtype=np.int32),
     )
+
+
+def test_the_held_out_likelihood_is_that_of_the_calibration_scored():
+    rounds = _drawn_sequence_rounds(300)
     scores = evaluate_rounds(rounds, T_TRUE, budgets=(1,))["log_likelihood"]
     assert scores["calibrated"] == pytest.approx(
         outcome_log_likelihood(*rounds.fit_arrays, T_TRUE), abs=1e-5
@@ -286,20 +291,14 @@ def test_hit_rates_are_the_fraction_of_all_rounds_each_rule_selects():
     """Counted chunk by chunk, divided by every round: the same as selecting over all at once."""
     from jetspec_jax.decoding.outcomes import SELECTION_RULES, hit, select_for_rule
 
-    logits, drafts, k_true, a_true = drawn_rounds(8, 300)
-    rounds = Rounds(
-        logits_hat=logits,
-        drafts=drafts,
-        k_true=k_true,
-        a_true=a_true,
-        anchors=np.zeros(300, np.int32),
-        records=np.arange(300, dtype=np.int32),
-    )
+    rounds = _drawn_sequence_rounds(300)
+    logits, drafts = jnp.asarray(rounds.logits_hat), jnp.asarray(rounds.drafts)
+    k_true, a_true = jnp.asarray(rounds.k_true), jnp.asarray(rounds.a_true)
     rates = evaluate_rounds(rounds, T_TRUE, budgets=(1, 4), chunk=128)["hit_rate"]
     for rule in SELECTION_RULES:
         for num in (1, 4):
-            k, a, _ = select_for_rule(rule, jnp.asarray(logits), jnp.asarray(drafts), num, T_TRUE)
-            hits = np.asarray(hit(k, a, jnp.asarray(k_true), jnp.asarray(a_true)))
+            k, a, _ = select_for_rule(rule, logits, drafts, num, T_TRUE)
+            hits = np.asarray(hit(k, a, k_true, a_true))
             assert 0 < hits.sum() < 300
             assert rates[rule][num] == hits.sum() / 300, (rule, num)
 
