@@ -21,7 +21,7 @@ from jetspec_jax.decoding.proxy import LearnedProxy
 from jetspec_jax.decoding.session import COMPILED
 from jetspec_jax.models.transformer import forward
 from jetspec_jax.training import calibrate as calibrate_module
-from jetspec_jax.training import replacement_fit
+from jetspec_jax.training import calibration_rounds, replacement_fit
 from jetspec_jax.training.calibration import fit_calibration, outcome_log_likelihood
 from jetspec_jax.training.calibration_rounds import (
     Rounds,
@@ -173,6 +173,14 @@ def test_a_round_that_accepts_nothing_is_kept_whatever_the_response_holds(setup)
     ]
     rounds = collect_rounds(target, draft, records, num_rounds=16, anchors_per_sequence=8)
     assert len(rounds) == 16 and np.mean(rounds.k_true == 0) >= 0.5
+    # The bonus is what verification emits, the target's greedy token after the accepted drafts,
+    # not the response's (random) token there.
+    prefixes = [
+        (records[r]["prompt_ids"] + records[r]["response_ids"])[: t + k + 1]
+        for r, t, k in zip(rounds.records, rounds.anchors, rounds.k_true, strict=True)
+    ]
+    results = jetspec_jax.generate_batch(target, prefixes, max_new_tokens=1, stop_token_ids=[])
+    np.testing.assert_array_equal(rounds.a_true, [r.tokens[0] for r in results])
 
 
 def test_replacement_confidence_fit_scores_the_served_refinement(setup):
@@ -224,6 +232,42 @@ def test_the_confidence_fits_warnings_name_the_setting_of_each_collection(setup,
     assert len(ran_out) == 2
     assert "(J1-R1, replacement confidence 0)" in ran_out[0]
     assert "(J1-R1, replacement confidence 0.5)" in ran_out[1]
+
+
+def test_a_collection_without_refreshes_names_no_replacement_confidence(setup, caplog):
+    """`Jj-R0` never reads the confidence (`calibrate` passes the draft's, kept): naming one in
+    the warnings would say the rounds depend on it."""
+    target, draft, records = setup
+    with caplog.at_level("WARNING", logger="jetspec_jax.training.calibration_rounds"):
+        collect_rounds(
+            target,
+            draft,
+            records,
+            num_rounds=100,
+            anchors_per_sequence=2,
+            refreshes=0,
+            replacement_confidence=0.5,
+        )
+    ran_out = [r.getMessage() for r in caplog.records if "the records ran out" in r.getMessage()]
+    assert len(ran_out) == 1
+    assert "(J1-R0)" in ran_out[0]
+
+
+def test_collection_stops_at_the_sequence_that_completes_the_rounds(setup, monkeypatch):
+    """Once `num_rounds` are in, the remaining records are not run through the target (each is
+    a jitted forward of a whole sequence)."""
+    target, draft, records = setup
+    calls = []
+    run = calibration_rounds.sequence_rounds
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(calibration_rounds, "sequence_rounds", counted)
+    rounds = collect_rounds(target, draft, records, num_rounds=4, anchors_per_sequence=4)
+    assert (len(rounds), rounds.dropped) == (4, 0)  # greedy records: the first fills them
+    assert len(calls) == 1
 
 
 def test_confidence_ties_go_to_no_refresh_else_to_the_smaller():

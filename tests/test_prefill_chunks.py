@@ -149,6 +149,25 @@ def test_prefill_returns_tap_states_from_one_forward_only(checkpoints):
     assert prefill(*args, **sizes, chunk=48)[1].shape[2] == 48  # one chunk: one forward
 
 
+@pytest.mark.parametrize("chunk", [None, CHUNK])
+def test_a_bfloat16_targets_cache_is_bfloat16(checkpoints, chunk):
+    """The prefill's cache is in the target's weights' dtype: a float32 cache for a bfloat16
+    target would hold the largest buffer of decoding at twice the memory."""
+    target = jetspec_jax.load_target(checkpoints.get("qwen3")[0], dtype="bfloat16")
+    prompts, lengths = padded(make_prompts(), 48)
+    state, _ = prefill(
+        target.params,
+        prompts,
+        lengths,
+        greedy_requests(len(LENGTHS)),
+        config=target.config,
+        capacity=64,
+        max_output=4,
+        chunk=chunk,
+    )
+    assert (state.cache.k.dtype, state.cache.v.dtype) == (jnp.bfloat16, jnp.bfloat16)
+
+
 def test_chunks_split_the_width_evenly():
     """As few chunks of at most `chunk` as cover the width, as equal as can be."""
     assert [even_chunk(w, 512) for w in (768, 1024, 1536, 3072, 1100)] == [384, 512, 512, 512, 367]

@@ -22,6 +22,7 @@ import jetspec_jax
 from jetspec_jax import CheckpointError
 from jetspec_jax.adapter import init_adapter
 from jetspec_jax.models.draft import DraftConfig
+from jetspec_jax.training import evaluate as evaluate_module
 from jetspec_jax.training import run_loop, trainer
 from jetspec_jax.training.blocks import build_blocks
 from jetspec_jax.training.config import (
@@ -1443,6 +1444,23 @@ def test_a_draft_without_rounds_has_the_tau_of_ar(target):
     """A budget of one token is decoded by the prefill alone: no verification round, tau 1."""
     draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
     assert prompts_tau(target, draft, [[1, 2, 3], [4]], max_new_tokens=1) == 1.0
+
+
+def test_evaluate_tau_decodes_with_the_refinement_it_is_given(target, tmp_path, monkeypatch):
+    """`evaluate_tau` hands its `Jj-Rr` to the decode: one it dropped would report the tau of
+    another setting than the one asked for."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    seen = {}
+
+    def spy(target, prompts, **kwargs):
+        seen.update(kwargs)
+        return []
+
+    monkeypatch.setattr(evaluate_module, "generate_batch", spy)
+    draft = jetspec_jax.init_draft(target, variant="jetspec++", block_size=4)
+    assert evaluate_tau(target, draft, path, refine_passes=2, refreshes=1) == 1.0
+    assert (seen["refine_passes"], seen["refreshes"]) == (2, 1)
 
 
 def test_the_mesh_takes_the_devices_its_sizes_say(caplog):
