@@ -238,7 +238,7 @@ def _check_draft_serves_flags(args, draft) -> None:
                 f"trained on; got {args.block_size}"
             )
     # Known from the draft's config: refused here, not after the target's (minutes-long) load.
-    # (Other methods refuse any refinement pass, once the options are built with the draft.)
+    # (Other methods refuse any refinement pass: the options built with the draft, `check`.)
     most = (args.block_size or trained) - 1
     if method == "jetspec++" and args.refine_passes > most:
         raise ValueError(
@@ -435,7 +435,9 @@ def _generate(args) -> int:
         if args.system is not None:
             require_unicode(args.system, "--system")
         _check_before_loading(args, server=False)
-        target, draft = _load_models(args)
+        # The options with the draft's own method (a dflash draft refuses --refine-passes) are
+        # checked before the target's weights load, as the server's are.
+        target, draft = _load_models(args, check=lambda _, draft: _decoding_options(args, draft))
         options = _decoding_options(args, draft)
         given = {"--chat": args.chat, "--system": args.system is not None}
         if flags := " and ".join(flag for flag, on in given.items() if on):

@@ -1979,6 +1979,21 @@ def _no_weight_load(*args, **kwargs):
     raise AssertionError("the target's weights were loaded before the flags were checked")
 
 
+@pytest.mark.parametrize("command", ["generate", "server"])
+def test_serve_py_refuses_refinement_for_a_drafts_own_method_before_the_load(
+    target, target_dir, tmp_path, capsys, monkeypatch, command
+):
+    """With no --method, a dflash draft decodes as dflash: a refinement pass, which only
+    jetspec++ takes, is refused from the draft's config, before the target's weights load."""
+    draft = jetspec_jax.init_draft(target, variant="dflash", block_size=4)
+    argv = ["--target", str(target_dir), "--draft", str(draft.save(tmp_path / "d"))]
+    argv += ["--refine-passes", "20"]
+    argv = ["generate", "P", *argv] if command == "generate" else ["--port", "0", *argv]
+    monkeypatch.setattr(jetspec_jax, "load_target", _no_weight_load)
+    assert serve_py.main(argv) == 2
+    assert "refine_passes apply to method 'jetspec++' only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("parts", ["plain", "adapter"])
 @pytest.mark.parametrize("command", ["generate", "server"])
 def test_serve_py_says_to_pass_a_draft_as_draft(target, tmp_path, capsys, command, parts):
