@@ -159,11 +159,10 @@ class RefiningProposer:
         k_len = self.block_size
         # Block positions fixed .. fixed+K-1; past K-1 the inputs do not matter (causal draft).
         padded = jnp.concatenate([anchor[:, None], drafts, jnp.repeat(drafts[:, -1:], k_len, 1)], 1)
-        block = jnp.take_along_axis(
-            padded, fixed[:, None] + jnp.arange(k_len, dtype=jnp.int32)[None], axis=1
-        )
+        index = jnp.arange(k_len, dtype=jnp.int32)[None]
+        block = jnp.take_along_axis(padded, fixed[:, None] + index, axis=1)
         new = self.drafter.block_pass(draft_params, target_params, cache, block)
-        index = jnp.arange(k_len - 1, dtype=jnp.int32)[None]
+        index = index[:, :-1]  # the K-1 drafts'
         from_new = jnp.take_along_axis(new, jnp.clip(index - fixed[:, None], 0, k_len - 2), 1)
         return jnp.where(index < fixed[:, None], drafts, from_new)
 

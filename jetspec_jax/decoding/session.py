@@ -243,15 +243,13 @@ class DecodeSession:
         is added to the session's."""
         if self._pipeline == "mpmd":
             return self._prefill_two_programs(prompts, prompt_lengths, requests)
-        fn, sizes = (
-            prefill,
-            dict(
-                config=self._target.config,
-                capacity=self._capacity,
-                max_output=self._max_output,
-                chunk=self._prefill_chunk,
-            ),
+        sizes = dict(
+            config=self._target.config,
+            capacity=self._capacity,
+            max_output=self._max_output,
+            chunk=self._prefill_chunk,
         )
+        fn = prefill
         if self._proposer is not None:
             fn, sizes["proposer"] = prefill_speculative, self._proposer
         weights, signatures = self._signed_weights(placed=False)
