@@ -172,7 +172,8 @@ def _causal_conv(kernel: jax.Array, window: jax.Array, length: int) -> jax.Array
 def _gated_rms_norm(params: Params, x: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
     """HF `Qwen3_5RMSNormGated`: `weight * rmsnorm(x) * silu(gate)` over each value head.
 
-    Unlike the model's other norms this one scales by `weight` itself (initialised to ones).
+    Unlike the model's other norms (`hybrid.py`'s `1 + weight`) this one scales by `weight` itself
+    (initialised to ones), as the dense models' `rms_norm` does: it is that norm, gated.
     """
     y = rms_norm(params, x, eps).astype(jnp.float32)
     return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
