@@ -82,6 +82,12 @@ def test_method_specs():
         ("jetspec++-J1-R1-C2", "replacement_confidence must be in \\[0, 1\\]"),
         ("jetspec++-J1-C0.5", "set refreshes >= 1"),
         ("ar,ar", "repeated"),
+        # Zero settings are the defaults: these would time one decoding as two rows.
+        (
+            "jetspec++,jetspec++-J0-F0",
+            "'jetspec\\+\\+' and 'jetspec\\+\\+-J0-F0'.* decode the same way",
+        ),
+        ("jetspec++-J1-R1,jetspec++-J1-R1-F0", "decode the same way"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_methods(bad)

@@ -82,10 +82,21 @@ def parse_method(name: str) -> MethodSpec:
 
 def parse_methods(text: str) -> list[MethodSpec]:
     """Comma-separated specs; "ar" is added first when missing (speedups are measured against
-    it)."""
+    it).
+
+    Raises:
+        ValueError: for a bad spec, a repeated one, or two that decode the same way.
+    """
     specs = [parse_method(name) for name in (p.strip() for p in text.split(",")) if name]
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"methods are repeated in {text!r}")
+    # Two labels of one decoding ("jetspec++" and "jetspec++-J0-F0") would time it twice as if
+    # they were different rows.
+    first_label = {}
+    for spec in specs:
+        same = first_label.setdefault(spec.options, spec.name)
+        if same != spec.name:
+            raise ValueError(f"{same!r} and {spec.name!r} in {text!r} decode the same way")
     if not any(s.method == "ar" for s in specs):
         specs.insert(0, parse_method("ar"))
     return specs
