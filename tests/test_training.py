@@ -1862,6 +1862,28 @@ def test_evaluation_prompts_that_are_training_prompts_are_warned_about(target, t
         assert not caplog.text
 
 
+def test_a_draft_run_in_an_adapter_runs_directory_is_refused_before_the_model_load(
+    tmp_path, monkeypatch
+):
+    """A draft run pointed at an adapter run's directory is named as such before the target
+    loads, not by orbax's tree dump after it."""
+    from jetspec_jax.training import trainer
+    from jetspec_jax.training.config import load_train_config
+
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(trainer, "has_checkpoint", lambda run_dir: True)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt_ids": [1], "response_ids": [2]}\n')
+    run_dir = tmp_path / "adapter_run"
+    run_dir.mkdir()
+    setup = {"draft": "runs/x/draft", "adapter": {"kappa": 0.5}, "process_count": 1}
+    (run_dir / "run_setup.json").write_text(json.dumps(setup))
+    (tmp_path / "c.yaml").write_text("")
+    config = load_train_config(tmp_path / "c.yaml", [f"data.files=[{data}]", f"run.dir={run_dir}"])
+    with pytest.raises(ValueError, match=f"run.dir {run_dir} holds an adapter run"):
+        trainer.train(config)
+
+
 def test_missing_input_files_and_a_bad_seed_fail_before_the_model_load(tmp_path, monkeypatch):
     from jetspec_jax.training import adapter_trainer, trainer
     from jetspec_jax.training.config import load_train_config
@@ -1874,11 +1896,23 @@ def test_missing_input_files_and_a_bad_seed_fail_before_the_model_load(tmp_path,
     with pytest.raises(FileNotFoundError, match=f"missing input file\\(s\\): {tmp_path}/gone"):
         trainer.train(load_train_config(path))
     config = load_train_config(path, [f"data.files=[{data}]", "adapter.eval_files=[held.jsonl]"])
-    with pytest.raises(FileNotFoundError, match="missing input file\\(s\\): held.jsonl"):
+    with pytest.raises(
+        FileNotFoundError, match="missing input file\\(s\\): held.jsonl \\(adapter.eval_files\\)"
+    ):
         adapter_trainer.train_adapter(config)
     gone = f"{tmp_path}/gone.jsonl"  # the data and the eval prompts: one file, named once
     config = load_train_config(path, [f"data.files=[{gone}]", f"data.eval_prompts={gone}"])
-    with pytest.raises(FileNotFoundError, match=f"missing input file\\(s\\): {gone}$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"missing input file\\(s\\): {gone} \\(data.files, data.eval_prompts\\)$",
+    ):
+        trainer.train(config)
+    # Each file is named with the setting that gives it: a start draft's file is one the user
+    # never typed (its config.json).
+    config = load_train_config(path, [f"data.files=[{data}]", f"draft.init_from={tmp_path}/no"])
+    with pytest.raises(
+        FileNotFoundError, match=f"file\\(s\\): {tmp_path}/no/config.json \\(draft.init_from\\)$"
+    ):
         trainer.train(config)
     with pytest.raises(ValueError, match="optim.seed"):
         load_train_config(path, ["optim.seed=-1"])

@@ -158,7 +158,11 @@ def test_bad_paths_and_configs_exit_2_without_traceback(tmp_path, capsys):
     assert f"error: run.dir {taken}: cannot write it: {taken} is a file" in capsys.readouterr().err
     run = tmp_path / "run"
     assert train.main(["adapter", "--config", *config, "--set", f"run.dir={run}"]) == 2
-    assert "train the draft first" in capsys.readouterr().err
+    # Named with the flag that gives another draft: the default one is <run.dir>/draft.
+    assert (
+        "train the draft first (train.py draft) or give its directory (train.py adapter "
+        "--draft DIR)" in capsys.readouterr().err
+    )
     assert not run.exists()
 
 
@@ -838,6 +842,12 @@ def test_too_few_records_for_a_batch_are_refused_with_nothing_created(
     run = tmp_path / "run"
     message = "error: 1 examples over 1 process(es) leave some process 1, fewer than one batch of 4"
     _both_stages_refuse(target_dir, data, run, message, capsys)
+    # Named with the setting to change (tiny_cpu.yaml's adapter has an optim section of its own).
+    assert train.main(["draft", *_tiny_config(target_dir, data, run)]) == 2
+    err = capsys.readouterr().err
+    assert "batch of 4 (optim.batch_size): give more records or a smaller batch" in err
+    assert train.main(["adapter", *_tiny_config(target_dir, data, run)]) == 2
+    assert "batch of 4 (adapter.optim.batch_size): give more" in capsys.readouterr().err
     # Enough training records, too few held-out ones for the adapter's evaluation batch.
     enough = tmp_path / "enough.jsonl"
     enough.write_text(data.read_text() * 4)

@@ -269,7 +269,9 @@ def _check_before_load(
     """
     run_dir = adapter_run_dir(config)
     init_from = config.adapter.init_from
-    check_input_files(config, *config.adapter.eval_files, eval_tau=config.adapter.eval_tau)
+    check_input_files(
+        config, {"adapter.eval_files": config.adapter.eval_files}, eval_tau=config.adapter.eval_tau
+    )
     saved = None  # the config of the adapter the run starts from, when it starts from one
     if init_from is not None and resuming:  # its weights are in the checkpoint
         logger.warning("%s resumes from its checkpoint: adapter.init_from is not read", run_dir)
@@ -361,7 +363,7 @@ def _checked_draft(config: TrainConfig, draft, target: Target | None) -> Draft:
     if not directory.is_dir():
         raise CheckpointError(
             f"draft {directory} does not exist: train the draft first (train.py draft) or give "
-            "its directory"
+            "its directory (train.py adapter --draft DIR)"
         )
     return trained_draft(config, directory, target)
 

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -37,12 +37,21 @@ from jetspec_jax.training.step import TrainState, init_state, make_optimizer
 logger = logging.getLogger(__name__)
 
 
-def check_input_files(config: TrainConfig, *more: str, eval_tau: bool = True) -> None:
-    """Refuses missing data or evaluation files (`data` and `more`) before the model load, which
-    can take minutes. `eval_tau`: the run reads `data.eval_prompts` (when it names a file)."""
-    eval_prompts = [config.data.eval_prompts] if eval_tau and config.data.eval_prompts else []
-    inputs = dict.fromkeys((*config.data.files, *eval_prompts, *more))  # each named once
-    missing = [f for f in inputs if not os.path.isfile(f)]
+def check_input_files(
+    config: TrainConfig, more: dict[str, Sequence[str]] | None = None, *, eval_tau: bool = True
+) -> None:
+    """Refuses missing data or evaluation files (`data` and `more`: each setting's files, by its
+    dotted name) before the model load, which can take minutes. `eval_tau`: the run reads
+    `data.eval_prompts` (when it names a file). Each missing file is named with the settings that
+    give it: the one to fix."""
+    settings = {"data.files": config.data.files}
+    if eval_tau and config.data.eval_prompts:
+        settings["data.eval_prompts"] = [config.data.eval_prompts]
+    named: dict[str, list[str]] = {}  # each file once, with every setting that gives it
+    for setting, files in {**settings, **(more or {})}.items():
+        for f in files:
+            named.setdefault(f, []).append(setting)
+    missing = [f"{f} ({', '.join(keys)})" for f, keys in named.items() if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"missing input file(s): {', '.join(missing)}")
 
@@ -216,14 +225,19 @@ def place_step_inputs(
             or some process's share of `records` holds less than one batch.
     """
     local_batch, global_batch = batch_sizes(optim.batch_size, mesh, section)
-    dataset = training_dataset(
-        records,
-        batch_size=local_batch,
-        max_length=max_length,
-        seed=optim.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
+    try:
+        dataset = training_dataset(
+            records,
+            batch_size=local_batch,
+            max_length=max_length,
+            seed=optim.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+    except ValueError as e:  # too few records: named with the setting to change
+        raise ValueError(
+            f"{e} ({section}.batch_size): give more records or a smaller batch"
+        ) from None
     state = init_state(params, make_optimizer(optim))
     return StepInputs(
         state=jax.device_put(state, param_shardings(state, mesh)),

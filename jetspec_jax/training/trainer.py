@@ -224,10 +224,18 @@ def _check_before_load(config: TrainConfig, target: Target | None, *, resuming: 
         logger.warning("%s resumes from its checkpoint: draft.init_from is not read", run_dir)
     elif init_from is not None:  # a draft directory, or a JetSpec++ checkpoint holding one
         start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
-    check_input_files(config, *start_files)
+    check_input_files(config, {"draft.init_from": start_files})
     check_run_dir_writable(config)
     if resuming:  # its data positions are per process
         check_process_count(run_dir)
+        # Its checkpoints would fail to restore only after the target's load, with orbax's tree
+        # dump and a draft path compared with the draft section.
+        if "adapter" in recorded_setup(run_dir):
+            raise ValueError(
+                f"run.dir {run_dir} holds an adapter run (train.py adapter's checkpoints), not a "
+                "draft run: give the draft run's directory (the adapter's run is its "
+                "adapter_run), or a new run.dir"
+            )
     mesh = make_mesh(config.mesh)
     batch_sizes(config.optim.batch_size, mesh)
     target_config = checked_target_config(config, target)
