@@ -22,7 +22,7 @@ import pytest
 
 import jetspec_jax
 from jetspec_jax.data.jsonl import read_jsonl
-from jetspec_jax.data.prompts import MATH_SUFFIX
+from jetspec_jax.data.prompts import MATH_SUFFIX, read_prompts
 from jetspec_jax.data.regenerate import check_output_path, read_records, regenerate, settings_path
 from jetspec_jax.prompting import PromptEncoding, encode_prompt
 from jetspec_jax.sampling import row_seed
@@ -467,7 +467,8 @@ def test_too_long_prompt_is_skipped_and_counted(target, tmp_path, caplog):
     out = tmp_path / "out.jsonl"
     with caplog.at_level(logging.WARNING, logger="jetspec_jax.data.regenerate"):
         summary = regenerate(target, [prompts], out, max_new_tokens=MAX_NEW)
-    assert (summary.written, summary.skipped_too_long, summary.total) == (0, 1, 1)
+    counts = (summary.written, summary.skipped_existing, summary.skipped_too_long, summary.total)
+    assert counts == (0, 0, 1, 1)  # the three counts sum to the total: none counted twice
     assert "skipping 'long'" in caplog.text
     assert out.read_text() == ""
 
@@ -668,6 +669,13 @@ def test_a_limit_keeps_that_many_records_and_zero_keeps_none(tmp_path):
     assert [r.id for r in read_records([path], limit=0)] == []
     assert [r.id for r in read_records([path], limit=2)] == ["a", "b"]
     assert [r.id for r in read_records([path], limit=5)] == ["a", "b", "c"]
+
+
+def test_read_prompts_keeps_the_first_limit_records(tmp_path):
+    """The bench and evaluation read `limit` prompts: that many, from the first (0: none)."""
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": i} for i in "abc"])
+    for limit, ids in ((0, ""), (1, "a"), (2, "ab"), (3, "abc"), (5, "abc"), (None, "abc")):
+        assert [r["id"] for r in read_prompts(path, limit=limit)] == list(ids), limit
 
 
 def test_a_setting_recorded_on_one_side_only_is_a_change(tmp_path):

@@ -829,6 +829,17 @@ def test_command_line_overrides_are_typed_and_validated(tmp_path):
     assert (config.optim.learning_rate, config.adapter.optim.learning_rate) == (1e-3, 3e-4)
 
 
+def test_an_override_splits_at_its_first_equals_sign(tmp_path):
+    """The key ends at the first `=`: a value may hold more (a run directory named by its
+    settings), and is not read as part of the key."""
+    from jetspec_jax.training.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {files: [a.jsonl]}\n")
+    config = load_train_config(path, ["run.dir=runs/lr=3e-4", "data.files=[x=1.jsonl]"])
+    assert config.run.dir == "runs/lr=3e-4" and config.data.files == ("x=1.jsonl",)
+
+
 def test_a_steps_override_replaces_the_configs_epochs(tmp_path):
     """`--set optim.steps=N` on a config that gives epochs trains N steps (epochs used to win
     silently); a config giving both is refused."""
@@ -1725,6 +1736,20 @@ def test_sequences_longer_than_the_targets_context_are_refused(target, data_file
     # The whole context is a valid length.
     at_context = dataclasses.replace(config.data, max_length=context)
     check_fits_context(dataclasses.replace(config, data=at_context), target.config)
+
+
+def test_an_evaluation_prompt_may_fill_the_context_with_its_budget():
+    """Prompt plus `data.eval_max_new_tokens` may equal the context; one token more is refused."""
+    import types
+
+    from jetspec_jax.training.config import DataConfig, TrainConfig
+    from jetspec_jax.training.run_helpers import _check_eval_prompt_fits
+
+    config = TrainConfig(data=DataConfig(files=("a.jsonl",), eval_max_new_tokens=4))
+    target_config = types.SimpleNamespace(max_position_embeddings=32)
+    _check_eval_prompt_fits(config, target_config, "e.jsonl:1", 28)
+    with pytest.raises(ValueError, match="e.jsonl:1: a prompt of 29 tokens"):
+        _check_eval_prompt_fits(config, target_config, "e.jsonl:1", 29)
 
 
 def test_evaluation_prompt_records_are_checked_by_line(target, tmp_path):
