@@ -42,7 +42,7 @@ from jetspec_jax.decoding import warmup
 from jetspec_jax.decoding.results import GenerationResult, Timing, row_result
 from jetspec_jax.decoding.session import DecodeSession
 from jetspec_jax.prompting import encode_prompt
-from jetspec_jax.sampling import SamplingParams
+from jetspec_jax.sampling import MAX_TOP_K, MIN_TEMPERATURE, SamplingParams
 from jetspec_jax.serving import BackgroundServer, ServerConfig, openai_responses, serve
 from jetspec_jax.serving import app as app_module
 from jetspec_jax.serving import server as server_module
@@ -971,7 +971,13 @@ def test_a_requests_sampling_settings_reach_decoding(target, http):
 
 @pytest.mark.parametrize(
     "seed, folded",
-    [(2**32 - 1, 2**32 - 1), (2**31 + 5, 2**31 + 5), (-1, 2**32 - 1), (2**64 - 1, 2**32 - 1)],
+    [
+        (2**32 - 1, 2**32 - 1),
+        (2**31 + 5, 2**31 + 5),
+        (-1, 2**32 - 1),
+        (2**64 - 1, 2**32 - 1),
+        (-(2**63), 0),  # int64's least
+    ],
 )
 def test_a_seed_folds_modulo_2_to_the_32(seed, folded):
     """A seed folds to its 32 low bits, the top one included: a 32-bit seed is used as given and
@@ -1269,6 +1275,11 @@ def test_metrics_parse(server, http):
         - before["jetspec_generated_tokens"].samples[0].value
     )
     assert generated == answer.json()["usage"]["completion_tokens"] > 0
+    prompted = (
+        families["jetspec_prompt_tokens"].samples[0].value
+        - before["jetspec_prompt_tokens"].samples[0].value
+    )
+    assert prompted == answer.json()["usage"]["prompt_tokens"] > 0
 
     def observations(families, name):
         return next(s.value for s in families[name].samples if s.name == name + "_count")
@@ -1766,6 +1777,18 @@ def test_a_refused_field_is_the_errors_param(extra, param):
     with pytest.raises(RequestError) as refused:
         parse_chat(body, ModelInfo(MODEL, None, context_length=64))
     assert (refused.value.status, refused.value.param) == (400, param), refused.value.message
+
+
+def test_the_closed_ends_of_temperature_and_top_k_are_accepted():
+    """The smallest non-zero temperature and the largest top_k are served, one past them not."""
+    body = dict(model=MODEL, prompt=[1, 2], max_tokens=2, seed=0)
+    model = ModelInfo(MODEL, None, 64)
+    coldest = parse_completion({**body, "temperature": MIN_TEMPERATURE}, model)
+    assert coldest.sampling.temperature == MIN_TEMPERATURE
+    assert parse_completion({**body, "top_k": MAX_TOP_K}, model).sampling.top_k == MAX_TOP_K
+    for name, value in [("temperature", MIN_TEMPERATURE / 2), ("top_k", MAX_TOP_K + 1)]:
+        with pytest.raises(RequestError, match=name):
+            parse_completion({**body, name: value}, model)
 
 
 def test_an_unset_completion_budget_fits_the_context():

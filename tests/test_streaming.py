@@ -605,6 +605,17 @@ def test_a_run_of_invalid_bytes_streams_on_and_characters_stay_whole():
     assert "".join(deltas).count("☕") == 2
 
 
+def test_a_four_byte_character_fed_a_byte_at_a_time_is_emitted_whole():
+    """An incomplete character holds up to 3 bytes (the first 3 of an emoji's 4): all 3 byte
+    tokens are held back, so no U+FFFD is emitted for a character the next token completes."""
+    tokenizer = _byte_level_tokenizer()
+    ids = tokenizer.encode("hi 😀 there")
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == "hi 😀 there"
+    assert "😀" in deltas
+
+
 class _WindowRecorder:
     """A tokenizer that records the longest id list it was asked to decode."""
 
