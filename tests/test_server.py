@@ -859,6 +859,35 @@ def test_chat_text_parts_are_joined_by_newlines(http):
     assert refused.status_code == 400 and "only text parts" in refused.json()["error"]["message"]
 
 
+def test_answers_carry_openais_ids_and_a_chat_choice_its_fields(http):
+    """A chat answer's id begins "chatcmpl-", a completion's "cmpl-", streamed or not (every
+    chunk carries its stream's id), and a chat choice has OpenAI's fields, `logprobs` null."""
+
+    def stream_ids(path, body):
+        streamed = http.post(path, json={**body, "stream": True})
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return {json.loads(e)["id"] for e in events[:-1]}
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    answer = http.post("/v1/chat/completions", json={**chat, "temperature": 0}).json()
+    assert answer["id"].startswith("chatcmpl-")
+    choice = answer["choices"][0]
+    assert choice == {
+        "index": 0,
+        "message": {"role": "assistant", "content": choice["message"]["content"]},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    (chat_stream,) = stream_ids("/v1/chat/completions", chat)
+    assert chat_stream.startswith("chatcmpl-") and chat_stream != answer["id"]
+    assert _complete(http).json()["id"].startswith("cmpl-")
+    (completion_stream,) = stream_ids(
+        "/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=2)
+    )
+    assert completion_stream.startswith("cmpl-")
+
+
 class _RecordingTokenizer:
     """A chat tokenizer that records what each template rendering gets: the messages and
     `enable_thinking`."""
