@@ -226,11 +226,12 @@ def _check_before_load(config: TrainConfig, target: Target | None, *, resuming: 
         start_files = [os.path.join(init_from, MANIFEST if is_bundle(init_from) else "config.json")]
     check_input_files(config, {"draft.init_from": start_files})
     check_run_dir_writable(config)
-    if resuming:  # its data positions are per process
-        check_process_count(run_dir)
+    if resuming:
+        recorded = recorded_setup(run_dir)
+        check_process_count(run_dir, recorded)  # its data positions are per process
         # Its checkpoints would fail to restore only after the target's load, with orbax's tree
         # dump and a draft path compared with the draft section.
-        if "adapter" in recorded_setup(run_dir):
+        if "adapter" in recorded:
             raise ValueError(
                 f"run.dir {run_dir} holds an adapter run (train.py adapter's checkpoints), not a "
                 "draft run: give the draft run's directory (the adapter's run is its "
