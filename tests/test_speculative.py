@@ -10,9 +10,10 @@ import pytest
 import jetspec_jax
 from jetspec_jax import SamplingParams
 from jetspec_jax.decoding.prefill import prefill
-from jetspec_jax.decoding.proposers import noise_positions
+from jetspec_jax.decoding.proposers import noise_positions, with_anchor
 from jetspec_jax.decoding.speculative import decode_speculative, prefill_speculative
 from jetspec_jax.decoding.state import Requests
+from jetspec_jax.models.transformer import forward
 from jetspec_jax.sampling import RowSampling
 from tests.oracles import OracleDraft, OracleProposer
 
@@ -254,6 +255,33 @@ def test_first_pass_noise_copies_positions_up_to_the_anchor():
         wide = jax.vmap(lambda a: noise_positions(a, 15))(anchors)
     assert wide.dtype == jnp.int32
     np.testing.assert_array_equal(wide, positions)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "jetspec"])
+def test_mask_input_drafts_feed_the_mask_token_after_the_anchor(target, prompts, variant):
+    """A mask-input draft's first pass reads `[anchor, mask, .., mask]`, the inputs it was
+    trained on (another token there changes only its drafts, so greedy parity cannot tell)."""
+    draft = jetspec_jax.init_draft(target, variant=variant, block_size=4, seed=1)
+    proposer, params = draft.proposer(target, method=variant)
+    assert draft.config.mask_token_id != 0  # the tiny target's last token, not a default zero
+    prompt = jnp.asarray([prompts[0]])
+    taps = forward(target.params, target.config, prompt, tap_layers=proposer.tap_layers).taps
+    cache = proposer.extend(
+        params,
+        target.params,
+        proposer.empty(params, target.params, 1, 64),
+        prompt,
+        taps,
+        jnp.asarray([prompt.shape[1]]),
+    )
+    anchor, sequence = jnp.asarray([5]), jnp.zeros((1, 64), jnp.int32)
+    masks = jnp.full((1, 3), draft.config.mask_token_id, jnp.int32)
+    want = proposer.block_pass(params, target.params, cache, with_anchor(anchor, masks))
+    got = proposer.first_pass(params, target.params, cache, anchor, sequence)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # The check can fail: another input token gives other drafts (so it is not vacuous).
+    zeros = with_anchor(anchor, jnp.zeros_like(masks))
+    assert (proposer.block_pass(params, target.params, cache, zeros) != want).any()
 
 
 def test_method_must_match_the_draft_variant(target):
