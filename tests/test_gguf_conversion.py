@@ -347,13 +347,14 @@ def test_a_second_conversion_waits_for_the_first_and_returns_its_directory(
     assert "another process or thread is converting the default model" in capsys.readouterr().err
 
 
-def test_a_lock_on_a_filesystem_without_flock_names_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP"])
+def test_a_lock_on_a_filesystem_without_flock_names_the_file(tmp_path, monkeypatch, code):
     import errno
 
     from jetspec_jax import file_lock
 
     def unsupported(fd, operation):
-        raise OSError(errno.ENOLCK, "No locks available")
+        raise OSError(getattr(errno, code), "No locks available")
 
     monkeypatch.setattr(file_lock.fcntl, "flock", unsupported)
     lock = tmp_path / "run" / ".lock"
@@ -459,6 +460,7 @@ def test_a_compilation_cache_that_cannot_be_created_is_named_with_what_to_set(
         assert "JAX_COMPILATION_CACHE_DIR" in caplog.text
         monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "writable"))
         assert enable_compile_cache() == tmp_path / "writable" / "xla"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "writable" / "xla")
         assert (tmp_path / "writable" / "xla").is_dir()
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
@@ -506,9 +508,12 @@ def _write_gguf(
     stated instead)."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (fields or {}).items():
-        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
-            f"{arch}.{key}", value
-        )
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif value is not None:  # None: the key omitted
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(
+                f"{arch}.{key}", value
+            )
     if vocab is not None:
         writer.add_tokenizer_model(tokenizer_model)
         writer.add_token_list(vocab)
@@ -547,8 +552,8 @@ def _tiny_llama_gguf(
     pad: int | None = None,
 ) -> Path:
     """A 1-layer llama GGUF (by default hidden 8, 2 heads, 1 KV head; `fields` override its
-    metadata, and the tensors follow) of all-ones weights but `extra_tensors`, with the
-    tokenizer of `vocab` (see `_write_gguf`; None: without a tokenizer)."""
+    metadata, a None omitting a key, and the tensors follow) of all-ones weights but
+    `extra_tensors`, with the tokenizer of `vocab` (see `_write_gguf`; None: without one)."""
     fields = {
         "block_count": 1,
         "embedding_length": 8,
@@ -559,7 +564,8 @@ def _tiny_llama_gguf(
         "attention.layer_norm_rms_epsilon": 1e-5,
     } | (fields or {})
     hidden, ffn = fields["embedding_length"], fields["feed_forward_length"]
-    kv_width = hidden // fields["attention.head_count"] * fields["attention.head_count_kv"]
+    kv_heads = fields["attention.head_count_kv"] or fields["attention.head_count"]
+    kv_width = hidden // fields["attention.head_count"] * kv_heads
     shapes = {
         "token_embd.weight": (vocab_rows, hidden),
         "output_norm.weight": (hidden,),
@@ -680,6 +686,7 @@ def _count_dequantized(monkeypatch) -> list[str]:
         # Converted, either would be another model: a rotation of every channel, no scaling.
         ({}, {"rope.dimension_count": 2}, r"rope.dimension_count 2 != head_dim 4: partial"),
         ({"rope_freqs.weight": np.ones(2, np.float32)}, {}, "per-frequency rope scaling"),
+        ({}, {"rope.scaling.type": "linear"}, "GGUF rope scaling 'linear' is not supported"),
         # Rows not of its head counts: the q/k unpermutation cannot even reshape them.
         (
             {"blk.0.attn_q.weight": np.ones((6, 8), np.float32)},
@@ -703,6 +710,7 @@ def _count_dequantized(monkeypatch) -> list[str]:
         "missing",
         "partial rotary",
         "llama3 rope",
+        "rope scaling",
         "mis-shaped",
         "extra layer",
         "fewer rows than tokens",
@@ -886,3 +894,59 @@ def test_unpermute_inverts_llama_cpp_permute():
         # convert_hf_to_gguf.py's `permute`
         permuted = w.reshape(n_heads, 2, rows // n_heads // 2, 5).swapaxes(1, 2).reshape(w.shape)
         np.testing.assert_array_equal(gguf_to_hf._unpermute_rope(permuted, n_heads), w)
+
+
+def test_absent_optional_metadata_defaults_as_transformers_reads_it(tmp_path):
+    """No rope.freq_base and no attention.head_count_kv: transformers' GGUF loader reads rope
+    theta 10000 and one KV head per query head (multi-head attention); so does the conversion."""
+    from transformers import AutoConfig
+
+    fields = {"attention.head_count_kv": None}
+    path = _tiny_llama_gguf(tmp_path / "mha.gguf", fields=fields, vocab_rows=len(TINY_VOCAB))
+    out = convert_gguf_to_hf(path, tmp_path / "hf", show_progress=False)
+    ours = load_target_config(out)
+    ref = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert ours.num_kv_heads == ref.num_key_value_heads == 2
+    assert ours.rope.theta == ref.rope_parameters["rope_theta"] == 10000.0
+
+
+def test_the_default_models_cache_is_served_by_its_name_however_its_path_is_given(
+    monkeypatch, tmp_path
+):
+    """`--target` naming the cache directory relatively (or through a symlink) is the default
+    model too."""
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / default_model._CACHE_SUBDIR).mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "cache")
+    monkeypatch.chdir(tmp_path / "cache")
+    assert default_model.served_model_name(Path(default_model._CACHE_SUBDIR)) == (
+        default_model.DEFAULT_MODEL_NAME
+    )
+    linked = tmp_path / "link" / default_model._CACHE_SUBDIR
+    assert default_model.served_model_name(linked) == default_model.DEFAULT_MODEL_NAME
+
+
+def test_a_switched_off_or_remote_compilation_cache_is_left_alone(monkeypatch, tmp_path):
+    """`JAX_ENABLE_COMPILATION_CACHE=false`: None, nothing created; a remote
+    `JAX_COMPILATION_CACHE_DIR` (gs://...) is JAX's to reach: kept as given, nothing created."""
+    import jax
+
+    from jetspec_jax.compile_cache import enable_compile_cache
+
+    monkeypatch.setenv("JETSPEC_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    previous = jax.config.jax_compilation_cache_dir  # the session's (conftest)
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        jax.config.update("jax_enable_compilation_cache", False)
+        assert enable_compile_cache() is None
+        assert jax.config.jax_compilation_cache_dir is None
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", "gs://bucket/xla")
+        assert enable_compile_cache() == Path("gs://bucket/xla")
+        assert jax.config.jax_compilation_cache_dir == "gs://bucket/xla"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+        jax.config.update("jax_enable_compilation_cache", enabled)
+    assert list(tmp_path.iterdir()) == []

@@ -264,3 +264,39 @@ def test_attention_gate_is_refused_only_when_explicitly_off(gate):
     assert config_from_hf(hf) == config_from_hf(HYBRID)
     with pytest.raises(CheckpointError, match="attn_output_gate=false is not supported"):
         config_from_hf({**HYBRID, "attn_output_gate": False})
+
+
+def test_absent_hybrid_fields_default_as_transformers_reads_them():
+    """Qwen3_5TextConfig's defaults: the linear-attention sizes, and the layer types derived from
+    full_attention_interval (4: every fourth layer is full attention)."""
+    names = [
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+    ]
+    hf = {k: v for k, v in HYBRID.items() if k not in names}
+    ours = config_from_hf(hf)
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    theirs = transformers.AutoConfig.for_model(hf["model_type"], **fields)
+    assert {k: getattr(ours, k) for k in names} == {k: getattr(theirs, k) for k in names}
+    assert ours.layer_types == tuple(theirs.layer_types)
+    assert ours.layer_types[-1] == "full_attention" != ours.layer_types[1]
+
+
+def test_qwen3_sliding_window_with_max_window_layers_absent_is_full_attention():
+    """transformers' Qwen3 defaults max_window_layers to 28: a model of fewer layers has no
+    sliding layer, whatever use_sliding_window says."""
+    hf = {**LLAMA, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4}
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    theirs = transformers.AutoConfig.for_model("qwen3", **fields)
+    assert set(theirs.layer_types) == {"full_attention"}
+    assert config_from_hf(hf).num_layers == 2
+
+
+@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "model_type": "qwen3"}])
+def test_mrope_is_refused_outside_the_hybrid(base):
+    """Only Qwen3.5's M-RoPE reads as plain RoPE (text positions); no other model type has it."""
+    with pytest.raises(CheckpointError, match="unsupported rope scaling type 'mrope'"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 2, 4]}})
