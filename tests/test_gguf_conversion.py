@@ -347,6 +347,30 @@ def test_a_second_conversion_waits_for_the_first_and_returns_its_directory(
     assert "another process or thread is converting the default model" in capsys.readouterr().err
 
 
+def test_a_held_lock_is_refused_at_once_without_wait(tmp_path):
+    """Without `wait`, a second holder is refused with `busy` (a mistaken wait would hang the
+    refusal tests of regenerate and training instead of failing them)."""
+    import threading
+
+    from jetspec_jax.file_lock import exclusively
+
+    lock, outcome = tmp_path / ".lock", []
+
+    def second():
+        try:
+            with exclusively(lock, busy="busy"):
+                outcome.append("ran")
+        except ValueError as e:
+            outcome.append(str(e))
+
+    with exclusively(lock, busy="held"):
+        other = threading.Thread(target=second, daemon=True)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "it waited for the held lock"
+    assert outcome == ["busy"]
+
+
 @pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP"])
 def test_a_lock_on_a_filesystem_without_flock_names_the_file(tmp_path, monkeypatch, code):
     import errno
