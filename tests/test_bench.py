@@ -1270,3 +1270,46 @@ def test_a_dataset_is_named_by_its_records_source_not_its_file(tmp_path):
             return [1, 2]
 
     assert load_dataset(path, tokenizer=Tokenizer(), chat=False).name == "gsm8k"
+
+
+def test_the_flag_defaults_are_the_ones_the_help_and_the_runner_give():
+    """`--max-new-tokens` 256 and `--methods ar` (as the help says), `--warmup` 1 (the runner's
+    own default): a changed default would silently change every run's figures."""
+    from jetspec_jax.bench.__main__ import _parser
+
+    args = _parser().parse_args(["--prompts", "p.jsonl"])
+    expected = dict(
+        max_new_tokens=256,
+        warmup=1,
+        methods="ar",
+        temperatures="0",
+        dtype="float32",
+        draft=[],
+        random_draft=None,
+        chat=None,
+    )
+    assert {name: getattr(args, name) for name in expected} == expected
+
+
+def test_a_random_draft_on_the_default_target_replaces_the_shipped_draft(monkeypatch):
+    """`--random-draft jetspec++` without `--target` serves jetspec++ alone (the shipped draft is
+    not loaded beside it, which would refuse the run as two drafts of one variant), with the
+    block size of 16 the help gives when `--random-draft-block` is left out."""
+    import argparse
+
+    from jetspec_jax.bench.__main__ import _drafts
+
+    made = []
+    monkeypatch.setattr(jetspec_jax, "load_draft", mock.Mock(side_effect=AssertionError("load")))
+    monkeypatch.setattr(
+        jetspec_jax, "init_draft", lambda target, **kwargs: made.append(kwargs) or "random"
+    )
+    args = argparse.Namespace(
+        target=None,
+        draft=[],
+        random_draft="jetspec++",
+        random_draft_block=None,
+        methods="jetspec++",
+    )
+    assert _drafts(args, "target", {"ar", "jetspec++"}) == {"jetspec++": "random"}
+    assert made == [{"variant": "jetspec++", "block_size": 16}]

@@ -1500,6 +1500,23 @@ def test_fsdp_splits_each_leaf_along_its_largest_divisible_axis():
     assert specs == {"w": (None, "fsdp"), "tall": ("fsdp", None), "b": (None,)}
 
 
+def test_fsdp_splits_the_first_of_equal_largest_axes():
+    """Of equal largest axes the size divides, `param_shardings` splits the first."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2), jax.devices()[:2])
+    tree = {"square": jnp.zeros((4, 4)), "cube": jnp.zeros((3, 6, 6))}
+    specs = {k: tuple(v.spec) for k, v in param_shardings(tree, mesh).items()}
+    assert specs == {"square": ("fsdp", None), "cube": (None, "fsdp", None)}
+
+
+@pytest.mark.parametrize("data, fsdp", [(2, 1), (1, 2)])
+def test_a_batch_is_split_over_both_mesh_axes(data, fsdp):
+    """Every device gets different examples, on the `fsdp` axis too (not replicated over it)."""
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp), jax.devices()[:2])
+    batch = jax.device_put(np.arange(8).reshape(4, 2), batch_sharding(mesh))
+    rows = sorted(np.asarray(s.data)[:, 0].tolist() for s in batch.addressable_shards)
+    assert rows == [[0, 2], [4, 6]]
+
+
 @pytest.mark.parametrize("variant", ["dflash", "jetspec"])
 def test_tau_is_measured_with_the_drafts_own_method(target, variant):
     """A mask-input draft (DFlash, JetSpec) is evaluated as it decodes, not as JetSpec++."""
