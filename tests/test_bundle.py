@@ -196,6 +196,11 @@ def test_adapter_config_dict_round_trip_and_strictness(draft):
     with pytest.raises(CheckpointError, match="hidden_size must be an integer"):
         bad = {**data["layers"], "hidden_size": "64"}
         adapter_files.adapter_config_from_dict({**data, "layers": bad})
+    with pytest.raises(CheckpointError, match="hidden_size must be an integer, got 64.0"):
+        bad = {**data["layers"], "hidden_size": 64.0}  # no whole floats in our own files
+        adapter_files.adapter_config_from_dict({**data, "layers": bad})
+    with pytest.raises(CheckpointError, match="layers must be a JSON object, got list"):
+        adapter_files.adapter_config_from_dict({**data, "layers": [data["layers"]]})
     with pytest.raises(CheckpointError, match="layers_per_module"):
         adapter_files.adapter_config_from_dict({**data, "layers_per_module": [1]})
 
@@ -357,6 +362,18 @@ def test_overwrite_never_replaces_a_checkpoint_of_another_kind(
         save(path, overwrite=True)
     assert _contents(path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
+
+
+def test_a_checkpoint_role_is_read_from_a_config_json_object_only(tmp_path):
+    """A config.json that is no JSON object is no checkpoint of any role (left to
+    `atomic_directory`'s own rule), and a writer names a role it knows."""
+    from jetspec_jax.checkpoint.roles import checkpoint_role, replaces_only
+
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert checkpoint_role(tmp_path) is None
+    assert replaces_only("draft")(tmp_path) is None
+    with pytest.raises(ValueError, match="role must be one of .*got 'drafts'"):
+        replaces_only("drafts")
 
 
 def test_train_export_reads_the_target_config_not_its_weights(

@@ -852,6 +852,10 @@ def test_config_json_that_is_not_an_object(checkpoints, tmp_path):
     (path / "config.json").write_bytes(b'{"model_type": "qwen3\xff"}')
     with pytest.raises(CheckpointError, match="not valid JSON"):
         jetspec_jax.load_target(path)
+    (path / "config.json").unlink()
+    (path / "config.json").mkdir()  # not a file: missing, not an IsADirectoryError
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        jetspec_jax.load_target(path)
 
 
 def test_a_config_field_of_the_wrong_type_is_named_with_the_directory(checkpoints, tmp_path):
@@ -861,6 +865,7 @@ def test_a_config_field_of_the_wrong_type_is_named_with_the_directory(checkpoint
     nested_rope = {"full_attention": {"rope_type": "linear", "factor": 4.0}}
     for field, value, message in (
         ("rms_norm_eps", "tiny", "'rms_norm_eps' must be a number"),
+        ("rms_norm_eps", True, "'rms_norm_eps' must be a number, got True"),
         ("hidden_size", None, "'hidden_size' must be an integer, got None"),
         ("hidden_size", "32", "'hidden_size' must be an integer, got '32'"),
         ("num_hidden_layers", 2.9, "'num_hidden_layers' must be an integer, got 2.9"),

@@ -30,9 +30,11 @@ def test_a_copy_elsewhere_has_the_same_digest(checkpoint, tmp_path):
         lambda p: (p / "model.safetensors").write_bytes(bytes(range(256)) * 7 + bytes(256)),
         lambda p: (p / "sub" / "weights.bin").write_bytes(b"\x01\x03"),
         lambda p: (p / "config.json").rename(p / "other.json"),  # the same bytes, renamed
+        # Renamed, yet read in the same order: only the names tell the two apart.
+        lambda p: (p / "sub" / "weights.bin").rename(p / "sub" / "other.bin"),
         lambda p: (p / "extra.safetensors").write_bytes(b""),
     ],
-    ids=["weights", "nested file", "renamed", "new empty file"],
+    ids=["weights", "nested file", "renamed", "renamed in place", "new empty file"],
 )
 def test_a_changed_model_file_changes_the_digest(checkpoint, change):
     before = directory_digest(checkpoint)
@@ -47,8 +49,10 @@ def test_a_changed_model_file_changes_the_digest(checkpoint, change):
         lambda p: (p / ".gitattributes").write_text("*.safetensors filter=lfs"),
         lambda p: (p / "README.md").write_text("# model card"),
         lambda p: (p / "LICENSE").write_text("Apache-2.0"),
+        lambda p: (p / "NOTES.MD").write_text("# upper-case suffix"),
+        lambda p: (p / "license.txt").write_text("MIT"),
     ],
-    ids=["hidden dir", "hidden file", "model card", "license"],
+    ids=["hidden dir", "hidden file", "model card", "license", "upper-case .MD", "license.txt"],
 )
 def test_files_that_are_not_the_model_leave_the_digest_alone(checkpoint, change):
     before = directory_digest(checkpoint)

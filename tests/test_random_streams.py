@@ -9,7 +9,7 @@ import jetspec_jax
 import jetspec_jax.adapter
 import jetspec_jax.draft
 from jetspec_jax.adapter import init_adapter
-from jetspec_jax.random_streams import EVAL_BATCH, TRAIN_STEP, stream
+from jetspec_jax.random_streams import ADAPTER_INIT, DRAFT_INIT, EVAL_BATCH, TRAIN_STEP, stream
 
 SEED = 0
 
@@ -48,3 +48,11 @@ def test_init_step_and_eval_keys_never_coincide(checkpoints, monkeypatch):
     for i, a in enumerate(groups):
         for b in groups[i + 1 :]:
             assert not a & b
+
+
+def test_streams_of_different_seeds_never_coincide():
+    """Each stream folds its purpose into its seed's key: a stream of one seed is no stream of
+    another (as `key(seed + purpose)` would make seed 0's training draws seed 1's adapter's)."""
+    purposes = (DRAFT_INIT, ADAPTER_INIT, TRAIN_STEP, EVAL_BATCH)
+    keys = _bits(jax.numpy.stack([stream(seed, p) for seed in range(4) for p in purposes]))
+    assert len(keys) == 4 * len(purposes)

@@ -690,3 +690,17 @@ def test_a_setting_recorded_on_one_side_only_is_a_change(tmp_path):
     with pytest.raises(ValueError, match="chat None \\(generated with True\\)"):
         record_settings(path, {}, resuming=True)
     record_settings(path, {"chat": True}, resuming=True)  # the same settings: resumed
+
+
+def test_the_default_prompt_encoding_is_what_no_flag_gives():
+    """`train.py evaluate` reads `PromptEncoding()` as "no flag given" (the template if the
+    tokenizer has one): it must be the flags' own defaults, or `--no-chat` would be the value
+    read as no flag, and ignored."""
+    import train
+
+    args = train._parser().parse_args(["evaluate", "--draft", "D", "--prompts", "P"])
+    assert train._prompt_encoding(args) == PromptEncoding()
+    no_chat = train._parser().parse_args(
+        ["evaluate", "--draft", "D", "--prompts", "P", "--no-chat"]
+    )
+    assert train._prompt_encoding(no_chat) != PromptEncoding()

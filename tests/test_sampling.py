@@ -299,6 +299,7 @@ def test_parameters_given_as_numpy_or_jax_scalars_are_kept_as_python_numbers():
     for kwargs, message in (
         (dict(temperature=jnp.asarray([0.5])), "temperature must be a real number"),
         (dict(temperature=jnp.asarray(True)), "temperature must be a real number"),
+        (dict(temperature=True), "temperature must be a real number"),  # a bool is no number
         (dict(top_k=jnp.float32(3.0)), "top_k must be an integer >= 0"),
         (dict(seed=np.float64(1.0)), "seed must be an integer"),
         (dict(temperature=10**400), "temperature must be a finite number"),  # no OverflowError

@@ -916,6 +916,29 @@ def test_chat_template_kwargs_pass_enable_thinking_to_the_template():
         parse_chat({**body, "chat_template_kwargs": {"enable_thinking": "yes"}}, model)
 
 
+def test_a_rendered_chat_is_encoded_without_a_second_bos():
+    """The rendered template already holds its special tokens (a Llama template its BOS): only
+    a raw prompt has them added."""
+
+    class WithBos(_RecordingTokenizer):
+        def encode(self, text, add_special_tokens):
+            return [0] * add_special_tokens + [1, 2]  # 0: the BOS
+
+    assert encode_prompt(WithBos(), "Hi", chat=True) == [1, 2]
+    assert encode_prompt(WithBos(), "Hi", chat=False) == [0, 1, 2]
+
+
+def test_a_prompt_encoding_passes_each_switch_on():
+    """`PromptEncoding.encode` (evaluation prompts, encoded as the training data was) renders
+    with its own system message and thinking switch."""
+    from jetspec_jax.prompting import PromptEncoding
+
+    tokenizer = _RecordingTokenizer()
+    PromptEncoding(system="Be brief.", thinking=True).encode(tokenizer, "Hi")
+    assert tokenizer.thinking == [True]
+    assert tokenizer.messages[0][0] == {"role": "system", "content": "Be brief."}
+
+
 def test_a_messages_name_reaches_the_template():
     model = ModelInfo(name=MODEL, tokenizer=_RecordingTokenizer(), context_length=64)
     named = [{"role": "user", "content": "Hi", "name": "ada"}, {"role": "user", "content": "Yo"}]
@@ -1207,6 +1230,15 @@ def test_max_tokens_that_fill_the_context_exactly_are_accepted_and_one_more_refu
         parse_completion(dict(model="tiny", prompt=prompt, max_tokens=17), model)
     assert refused.value.status == 400
     assert refused.value.body()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_server_serves_max_model_len_not_the_models_context(http):
+    """CONFIG's `max_model_len` (512, below the tiny model's 2048) is the context a request is
+    checked against."""
+    refused = _complete(http, prompt=[1, 2, 3], max_tokens=510)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"]) == (400, "context_length_exceeded")
+    assert "this model's context is 512 tokens" in error["message"]
 
 
 def _finished_row(tokens):
@@ -1857,9 +1889,41 @@ def test_server_config_refuses_bad_values():
         ServerConfig(reserve_prompt_tokens=-1)
     with pytest.raises(ValueError, match="reserve_new_tokens must be an integer >= 0"):
         ServerConfig(reserve_new_tokens=True)
+    with pytest.raises(ValueError, match="shutdown_timeout must be a finite number >= 0"):
+        ServerConfig(shutdown_timeout=math.inf)
+    with pytest.raises(ValueError, match="keepalive_seconds must be a finite number > 0"):
+        ServerConfig(keepalive_seconds=0)
+    with pytest.raises(ValueError, match="keepalive_seconds must be a finite number > 0"):
+        ServerConfig(keepalive_seconds=True)
+    with pytest.raises(ValueError, match="api_key must be None or a non-empty string"):
+        ServerConfig(api_key="")  # would serve without authentication
+    with pytest.raises(ValueError, match="model_name must be None"):
+        ServerConfig(model_name=" ")
+    # The bounds themselves are accepted: 0 s (cancel at once), a 2-token context.
+    assert ServerConfig(shutdown_timeout=0, max_model_len=2).shutdown_timeout == 0
     for key in ("secret\n", " secret"):  # no header carries it: every request got 401
         with pytest.raises(ValueError, match="api_key begins or ends with whitespace"):
             ServerConfig(api_key=key)
+
+
+def test_server_config_fits_a_context_to_the_token():
+    """`max_model_len` and the reserve may take the whole context, and no token more."""
+    model = types.SimpleNamespace(max_position_embeddings=64)
+    ServerConfig(max_model_len=64, reserve_prompt_tokens=60, reserve_new_tokens=4).check_fits(model)
+    with pytest.raises(ValueError, match="max_model_len=65 exceeds the model's context of 64"):
+        ServerConfig(max_model_len=65).check_fits(model)
+
+
+def test_build_app_refuses_a_target_without_a_tokenizer_or_room():
+    from jetspec_jax.serving.server import build_app
+
+    target = types.SimpleNamespace(tokenizer=None, path="/ckpt")
+    with pytest.raises(ValueError, match="/ckpt has no tokenizer; the server needs one"):
+        build_app(target, None, ServerConfig())
+    model = types.SimpleNamespace(max_position_embeddings=64)
+    target = types.SimpleNamespace(tokenizer=object(), path="/ckpt", config=model)
+    with pytest.raises(ValueError, match="max_model_len=65 exceeds"):  # before any scheduler
+        build_app(target, None, ServerConfig(max_model_len=65))
 
 
 def test_every_server_setting_has_a_flag_that_reaches_it(monkeypatch):

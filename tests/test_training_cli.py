@@ -940,12 +940,14 @@ def test_output_an_ascii_stdout_cannot_encode_is_escaped(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_a_ctrl_c_during_a_garbage_collection_is_not_lost():
+@pytest.mark.parametrize("when", ["start", "stop"])
+def test_a_ctrl_c_during_a_garbage_collection_is_not_lost(when):
     """Python drops an exception raised in a gc callback (JAX registers one): the interrupt is
-    raised once the callback has returned."""
+    raised once the callback has returned. In the "stop" phase the collection is over, and the
+    callback is found on the stack (below `_interrupt_here`'s frame, where the signal lands)."""
 
     def interrupted_collection(phase, info):
-        if phase == "start":
+        if phase == when:
             _interrupt_here()
 
     gc.callbacks.append(interrupted_collection)
@@ -967,6 +969,53 @@ def test_a_ctrl_c_in_a_collections_weakref_callback_is_not_lost():
     ref = weakref.ref(node, lambda _: _interrupt_here())  # noqa: F841 (kept: its callback runs)
     del node
     _assert_a_collection_raises_the_interrupt()
+
+
+def test_a_ctrl_c_in_a_callback_object_during_a_collection_is_not_lost():
+    """A callback with no code object of its own (a callable instance) is not found on the
+    stack: the collection's "start" must be recorded before it runs, so the tracker goes first
+    among the callbacks, whenever it was registered."""
+    from jetspec_jax import interrupts
+
+    class Interrupting:
+        def __call__(self, phase, info):
+            if phase == "start":
+                _interrupt_here()
+
+    if interrupts._track_collections in gc.callbacks:  # registered by an earlier test
+        gc.callbacks.remove(interrupts._track_collections)
+    callback = Interrupting()
+    gc.callbacks.append(callback)
+    try:
+        _assert_a_collection_raises_the_interrupt()
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def test_the_collection_tracker_is_registered_once():
+    from jetspec_jax import interrupts
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for _ in range(2):  # twice in one process (two `main` calls, Python's handler back)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            interrupts.raise_interrupts_outside_gc_callbacks()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert gc.callbacks.count(interrupts._track_collections) == 1
+
+
+def test_an_ignored_ctrl_c_stays_ignored():
+    """A SIGINT handler other than Python's default (`nohup`'s ignored SIGINT) is left as it is:
+    Ctrl-C must not start raising where the caller chose to ignore it."""
+    from jetspec_jax.interrupts import raise_interrupts_outside_gc_callbacks
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        raise_interrupts_outside_gc_callbacks()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_here():
