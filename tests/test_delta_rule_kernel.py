@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -214,6 +215,27 @@ def test_chunk_sizes_agree_and_must_be_powers_of_two():
     for size in (0, 24):
         with pytest.raises(ValueError, match=f"chunk_size must be a power of two, got {size}"):
             gated_deltanet.chunked(*args, chunk_size=size)
+
+
+def test_a_short_sequence_is_one_chunk_of_the_next_power_of_two():
+    """A 16-token verification block solves a 16 x 16 system, not one of DEFAULT_CHUNK padded with
+    inert positions: the result would be the same (which no other test can tell), at up to 16x the
+    work in every verify forward."""
+
+    def dims(jaxpr) -> set[int]:
+        found = set()
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                found.update(getattr(var.aval, "shape", ()))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found |= dims(sub)
+        return found
+
+    for length, size in ((16, 16), (5, 8)):
+        args = _operands(1, length, 1, 2, 16, 16)
+        traced = jax.make_jaxpr(gated_deltanet.chunked)(*args)
+        assert max(dims(traced.jaxpr)) == 16 and size in dims(traced.jaxpr), (length, size)
+        assert gated_deltanet.DEFAULT_CHUNK not in dims(traced.jaxpr), length
 
 
 def test_auto_never_takes_the_delta_rule_kernel_until_measured_faster(monkeypatch):
